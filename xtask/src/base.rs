@@ -1,0 +1,255 @@
+//! The pristine base: obtained, checked and cached, never modified.
+//!
+//! Three kinds: `crates` (`.crate` files obtained through cargo itself, so mirrors and offline
+//! caches work, checked against their pinned sha256 and unpacked read-only into the user cache),
+//! `dir` (a local directory) and `git` (a commit of a repository, read straight from its objects).
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context as _};
+
+use crate::registry::{Base, CratePin};
+use crate::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
+
+/// Where Tine caches bases (and, later, models): `$TINE_CACHE_DIR`, else `$XDG_CACHE_HOME/tine`, else `~/.cache/tine`.
+pub fn cache_root() -> PathBuf {
+    if let Some(d) = std::env::var_os("TINE_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("tine");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("tine")
+}
+
+fn cargo_home() -> PathBuf {
+    if let Some(d) = std::env::var_os("CARGO_HOME") {
+        return PathBuf::from(d);
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cargo")
+}
+
+pub fn cargo_bin() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
+}
+
+/// Loads the pristine tree described by `base`; `project_root` anchors relative paths.
+pub fn load(base: &Base, project_root: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Tree> {
+    match base {
+        Base::Crates { crates } => load_crates(crates, progress),
+        Base::Dir { path } => {
+            let dir = project_root.join(path);
+            tree::read_tree(&dir).with_context(|| format!("reading the base directory {}", dir.display()))
+        }
+        Base::Git { url, commit, include } => load_git(url, commit, include, project_root),
+    }
+}
+
+fn load_crates(crates: &[CratePin], progress: &indicatif::ProgressBar) -> anyhow::Result<Tree> {
+    let mut tree = Tree::new();
+    let mut fetched = false;
+    for pin in crates {
+        let dir = cache_root().join("base").join("crates").join(format!("{}-{}-{}", pin.name, pin.version, &pin.sha256[..16]));
+        if !dir.join(".complete").exists() {
+            let crate_file = match find_crate_file(pin)? {
+                Some(f) => f,
+                None if !fetched => {
+                    fetched = true;
+                    progress.set_message("fetching the base crates through cargo");
+                    fetch_with_cargo(crates)?;
+                    find_crate_file(pin)?.with_context(|| format!("cargo fetch succeeded but no {}-{}.crate with sha256 {} is in {}", pin.name, pin.version, pin.sha256, cargo_home().join("registry/cache").display()))?
+                }
+                None => bail!("no {}-{}.crate with sha256 {} after cargo fetch", pin.name, pin.version, pin.sha256),
+            };
+            progress.set_message(format!("unpacking {}-{}", pin.name, pin.version));
+            unpack_crate(&crate_file, pin, &dir)?;
+        }
+        let sub = tree::read_tree(&dir).with_context(|| format!("reading the cached base {}", dir.display()))?;
+        for (path, entry) in sub {
+            if path == ".complete" {
+                continue;
+            }
+            tree.insert(format!("{}/{}", pin.name, path), entry);
+        }
+    }
+    Ok(tree)
+}
+
+/// The `.crate` in cargo's download cache whose sha256 equals the pin.
+fn find_crate_file(pin: &CratePin) -> anyhow::Result<Option<PathBuf>> {
+    let cache = cargo_home().join("registry").join("cache");
+    let Ok(indexes) = fs::read_dir(&cache) else { return Ok(None) };
+    for index in indexes {
+        let candidate = index?.path().join(format!("{}-{}.crate", pin.name, pin.version));
+        if let Ok(bytes) = fs::read(&candidate) {
+            if tree::sha256_hex(&bytes) == pin.sha256 {
+                return Ok(Some(candidate));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// Lets cargo download the pinned crates (honouring source replacement, mirrors and offline
+/// settings) through a throw-away manifest, then checks Cargo.lock's checksums against the pins.
+fn fetch_with_cargo(crates: &[CratePin]) -> anyhow::Result<()> {
+    let dir = cache_root().join("fetch");
+    fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}", dir.display()))?;
+    let mut manifest = String::from("[package]\nname = \"tine-base-fetch\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[workspace]\n\n[dependencies]\n");
+    for c in crates {
+        manifest.push_str(&format!("{} = \"={}\"\n", c.name, c.version));
+    }
+    fs::write(dir.join("Cargo.toml"), manifest)?;
+    fs::write(dir.join("src/lib.rs"), "")?;
+    let status = Command::new(cargo_bin()).arg("fetch").current_dir(&dir).status().context("running `cargo fetch`")?;
+    if !status.success() {
+        bail!("`cargo fetch` for the base crates failed ({status}); see its output above");
+    }
+    let lock = fs::read_to_string(dir.join("Cargo.lock")).context("reading the fetch Cargo.lock")?;
+    let lock: toml::Value = toml::from_str(&lock).context("parsing the fetch Cargo.lock")?;
+    for c in crates {
+        let found = lock.get("package").and_then(|p| p.as_array()).into_iter().flatten().find(|p| {
+            p.get("name").and_then(|n| n.as_str()) == Some(c.name.as_str()) && p.get("version").and_then(|v| v.as_str()) == Some(c.version.as_str())
+        });
+        let checksum = found.and_then(|p| p.get("checksum")).and_then(|s| s.as_str());
+        if checksum != Some(c.sha256.as_str()) {
+            bail!("{}-{}: the registry's checksum is {:?}, the pin says {}; the pin or the registry is wrong", c.name, c.version, checksum, c.sha256);
+        }
+    }
+    Ok(())
+}
+
+fn unpack_crate(crate_file: &Path, pin: &CratePin, dest: &Path) -> anyhow::Result<()> {
+    let bytes = fs::read(crate_file).with_context(|| format!("reading {}", crate_file.display()))?;
+    let sha = tree::sha256_hex(&bytes);
+    if sha != pin.sha256 {
+        bail!("{}: sha256 is {sha}, the pin says {}", crate_file.display(), pin.sha256);
+    }
+    let prefix = format!("{}-{}/", pin.name, pin.version);
+    let mut files = Tree::new();
+    let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(&bytes[..]));
+    for entry in archive.entries().context("reading the .crate archive")? {
+        let mut entry = entry.context("reading a .crate entry")?;
+        if !entry.header().entry_type().is_file() {
+            continue;
+        }
+        let path = entry.path()?.to_string_lossy().into_owned();
+        let rel = path.strip_prefix(&prefix).with_context(|| format!("{}: entry {path:?} lies outside {prefix}", crate_file.display()))?.to_owned();
+        if rel.split('/').any(|c| c == ".." || c.is_empty()) {
+            bail!("{}: unsafe path {path:?}", crate_file.display());
+        }
+        let mode = if entry.header().mode()? & 0o111 != 0 { MODE_EXEC } else { MODE_FILE };
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut entry, &mut data)?;
+        files.insert(rel, Entry { mode, data });
+    }
+    // Unpack beside the destination, then rename: a half-unpacked cache never looks complete.
+    let parent = dest.parent().expect("cache directories have parents");
+    fs::create_dir_all(parent)?;
+    let tmp = parent.join(format!(".unpack-{}-{}", pin.name, std::process::id()));
+    let _ = fs::remove_dir_all(&tmp);
+    for (rel, e) in &files {
+        let p = tmp.join(rel);
+        fs::create_dir_all(p.parent().expect("joined"))?;
+        fs::write(&p, &e.data)?;
+        // Read-only: the cache is never modified.
+        fs::set_permissions(&p, fs::Permissions::from_mode(if e.mode == MODE_EXEC { 0o555 } else { 0o444 }))?;
+    }
+    fs::write(tmp.join(".complete"), format!("{} {}\n", pin.name, pin.sha256))?;
+    if dest.exists() {
+        make_writable(dest)?;
+        fs::remove_dir_all(dest)?;
+    }
+    fs::rename(&tmp, dest).with_context(|| format!("moving the unpacked crate to {}", dest.display()))?;
+    Ok(())
+}
+
+fn make_writable(dir: &Path) -> std::io::Result<()> {
+    for e in fs::read_dir(dir)? {
+        let p = e?.path();
+        if p.is_dir() {
+            make_writable(&p)?;
+        } else {
+            fs::set_permissions(&p, fs::Permissions::from_mode(0o644))?;
+        }
+    }
+    Ok(())
+}
+
+fn load_git(url: &str, commit: &str, include: &[String], project_root: &Path) -> anyhow::Result<Tree> {
+    let local = {
+        let p = project_root.join(url);
+        p.exists().then_some(p)
+    };
+    let key = &tree::sha256_hex(url.as_bytes())[..16];
+    let cache = cache_root().join("base").join("git").join(format!("{key}.git"));
+    let repo = match git2::Repository::open_bare(&cache) {
+        Ok(r) => r,
+        Err(_) => {
+            fs::create_dir_all(&cache)?;
+            git2::Repository::init_bare(&cache).with_context(|| format!("creating {}", cache.display()))?
+        }
+    };
+    let oid = git2::Oid::from_str(commit).with_context(|| format!("bad commit id {commit:?}"))?;
+    if repo.find_commit(oid).is_err() {
+        let refspecs = ["+refs/heads/*:refs/remotes/base/*", "+refs/tags/*:refs/tags/*"];
+        match &local {
+            Some(path) => {
+                let mut remote = repo.remote_anonymous(path.to_str().context("repository path is not UTF-8")?)?;
+                remote.fetch(&refspecs, None, None).with_context(|| format!("fetching {}", path.display()))?;
+            }
+            None => {
+                // Remote URLs go through the git command line, which knows the user's credentials and proxies.
+                let status = Command::new("git").arg("--git-dir").arg(&cache).args(["fetch", "--quiet", url]).args(refspecs).status().context("running `git fetch`")?;
+                if !status.success() {
+                    bail!("`git fetch {url}` failed ({status})");
+                }
+            }
+        }
+    }
+    let commit_obj = repo.find_commit(oid).with_context(|| format!("commit {commit} is not in {url}"))?;
+    let mut out = Tree::new();
+    let mut err = None;
+    commit_obj.tree()?.walk(git2::TreeWalkMode::PreOrder, |dir, entry| {
+        let path = format!("{dir}{}", entry.name().unwrap_or(""));
+        if !include.is_empty() && !include.iter().any(|i| path == *i || path.starts_with(&format!("{i}/")) || i.starts_with(&format!("{path}/"))) {
+            return git2::TreeWalkResult::Skip;
+        }
+        match entry.kind() {
+            Some(git2::ObjectType::Tree) => git2::TreeWalkResult::Ok,
+            Some(git2::ObjectType::Blob) => {
+                let mode = match entry.filemode() {
+                    0o100644 => MODE_FILE,
+                    0o100755 => MODE_EXEC,
+                    m => {
+                        err = Some(anyhow::anyhow!("{path}: git mode {m:o} (symlink or submodule) is not supported in a base"));
+                        return git2::TreeWalkResult::Abort;
+                    }
+                };
+                match repo.find_blob(entry.id()) {
+                    Ok(b) => {
+                        out.insert(path, Entry { mode, data: b.content().to_vec() });
+                        git2::TreeWalkResult::Ok
+                    }
+                    Err(e) => {
+                        err = Some(e.into());
+                        git2::TreeWalkResult::Abort
+                    }
+                }
+            }
+            _ => {
+                err = Some(anyhow::anyhow!("{path}: submodules are not supported in a base"));
+                git2::TreeWalkResult::Abort
+            }
+        }
+    })?;
+    if let Some(e) = err {
+        return Err(e);
+    }
+    Ok(out)
+}

@@ -1,0 +1,286 @@
+//! The chain: base + patches in series order, and the live `engine/upstream/` tree.
+//!
+//! Invariant: `engine/upstream/` is only ever written whole and atomically, together with a state
+//! file that records which patches it holds and the manifest it was written with. Anything in the
+//! live tree that differs from that manifest is a maintainer's edit, and no command discards it.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context as _};
+use serde::{Deserialize, Serialize};
+
+use crate::apply;
+use crate::patch::{self, PatchSet};
+use crate::registry::{self, PatchEntry, Registry};
+use crate::tree::{self, Tree};
+
+/// The paths of one project (Tine itself, or a synthetic one in the tests).
+#[derive(Clone, Debug)]
+pub struct Project {
+    pub root: PathBuf,
+}
+
+impl Project {
+    pub fn new(root: impl Into<PathBuf>) -> Project {
+        Project { root: root.into() }
+    }
+    /// The project this xtask belongs to (`TINE_PROJECT_ROOT` overrides, for tests).
+    pub fn discover() -> Project {
+        if let Some(r) = std::env::var_os("TINE_PROJECT_ROOT") {
+            return Project::new(r);
+        }
+        let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        Project::new(manifest_dir.parent().expect("xtask/ lies inside the project root"))
+    }
+    pub fn registry_path(&self) -> PathBuf {
+        self.root.join("upstream-sync/UPSTREAM_SYNC.toml")
+    }
+    pub fn pristine_manifest_path(&self) -> PathBuf {
+        self.root.join("upstream-sync/manifest.pristine")
+    }
+    pub fn patched_manifest_path(&self) -> PathBuf {
+        self.root.join("upstream-sync/manifest.patched")
+    }
+    pub fn patches_dir(&self) -> PathBuf {
+        self.root.join("patches")
+    }
+    pub fn upstream_dir(&self) -> PathBuf {
+        self.root.join("engine/upstream")
+    }
+    pub fn backups_dir(&self) -> PathBuf {
+        self.root.join("engine/.backups")
+    }
+    pub fn sync_doc_path(&self) -> PathBuf {
+        self.root.join("docs/UPSTREAM_SYNC.md")
+    }
+    pub fn rel<'a>(&self, p: &'a Path) -> std::borrow::Cow<'a, str> {
+        p.strip_prefix(&self.root).unwrap_or(p).to_string_lossy()
+    }
+}
+
+/// One patch of the series, read and parsed.
+#[derive(Clone, Debug)]
+pub struct LoadedPatch {
+    pub entry: PatchEntry,
+    pub bytes: Vec<u8>,
+    pub parsed: PatchSet,
+}
+
+impl LoadedPatch {
+    pub fn name(&self) -> &str {
+        &self.entry.file
+    }
+}
+
+pub fn load_registry(p: &Project) -> anyhow::Result<Registry> {
+    Ok(registry::load(&p.registry_path())?)
+}
+
+/// Reads and parses every applied patch of the series.
+pub fn load_patches(p: &Project, reg: &Registry) -> anyhow::Result<Vec<LoadedPatch>> {
+    reg.patches
+        .iter()
+        .filter(|e| e.is_applied())
+        .map(|entry| {
+            let path = p.patches_dir().join(&entry.file);
+            let bytes = fs::read(&path).with_context(|| format!("patch {}: cannot read {} (the registry lists it; is the file missing?)", entry.id, p.rel(&path)))?;
+            let parsed = patch::parse(&bytes).with_context(|| format!("patch {}: {} is malformed", entry.id, p.rel(&path)))?;
+            Ok(LoadedPatch { entry: entry.clone(), bytes, parsed })
+        })
+        .collect()
+}
+
+/// Index into `patches` after which to stop: `--to NNNN` (`0000` = none).
+pub fn resolve_to(patches: &[LoadedPatch], to: Option<&str>) -> anyhow::Result<usize> {
+    match to {
+        None => Ok(patches.len()),
+        Some("0000") | Some("0") => Ok(0),
+        Some(id) => {
+            let id = id.trim_end_matches(".patch");
+            match patches.iter().position(|p| p.entry.id == id || p.entry.file.trim_end_matches(".patch") == id) {
+                Some(i) => Ok(i + 1),
+                None => bail!("no patch {id:?} in the series (known: 0000, {})", patches.iter().map(|p| p.entry.id.as_str()).collect::<Vec<_>>().join(", ")),
+            }
+        }
+    }
+}
+
+/// Applies `patches` strictly, in order, to `base`.
+pub fn build(base: &Tree, patches: &[LoadedPatch]) -> Result<Tree, apply::ApplyError> {
+    let mut t = base.clone();
+    for p in patches {
+        apply::apply(&mut t, &p.parsed, p.name())?;
+    }
+    Ok(t)
+}
+
+/// What `apply-chain` wrote into `engine/upstream/`, kept inside it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct State {
+    /// Ids of the applied patches, in order.
+    pub applied: Vec<String>,
+    /// sha256 of each applied patch file when it was applied.
+    pub patch_sha256: Vec<String>,
+    /// `path -> [sha256, mode]` of the tree as written.
+    pub manifest: BTreeMap<String, (String, u32)>,
+}
+
+impl State {
+    pub fn new(patches: &[LoadedPatch], tree: &Tree) -> State {
+        State {
+            applied: patches.iter().map(|p| p.entry.id.clone()).collect(),
+            patch_sha256: patches.iter().map(|p| tree::sha256_hex(&p.bytes)).collect(),
+            manifest: tree::manifest_of(tree),
+        }
+    }
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).expect("state serialises");
+        v.push(b'\n');
+        v
+    }
+    pub fn top(&self) -> &str {
+        self.applied.last().map(|s| s.as_str()).unwrap_or("0000")
+    }
+}
+
+/// The live tree and what we know about it.
+pub struct Live {
+    pub tree: Tree,
+    pub state: Option<State>,
+}
+
+impl Live {
+    pub fn read(p: &Project) -> anyhow::Result<Option<Live>> {
+        let dir = p.upstream_dir();
+        if !dir.exists() {
+            return Ok(None);
+        }
+        let tree = tree::read_tree(&dir)?;
+        let state_path = dir.join(tree::STATE_FILE);
+        let state = match fs::read(&state_path) {
+            Ok(b) => Some(serde_json::from_slice(&b).with_context(|| format!("{} is corrupt; `cargo xtask backup` then delete it to adopt the tree", p.rel(&state_path)))?),
+            Err(_) => None,
+        };
+        Ok(Some(Live { tree, state }))
+    }
+
+    /// Edits in the live tree that the tool did not write.
+    pub fn drift(&self) -> Option<tree::ManifestDiff> {
+        let state = self.state.as_ref()?;
+        let d = tree::diff_manifests(&state.manifest, &tree::manifest_of(&self.tree));
+        Some(d)
+    }
+}
+
+/// The live tree, checked for maintainer edits. Returns the state (applied prefix) it holds.
+/// A live tree without a state file is adopted when it equals some prefix of the chain.
+pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch], verb: &str) -> anyhow::Result<Option<(Live, usize)>> {
+    let Some(live) = Live::read(p)? else { return Ok(None) };
+    match &live.state {
+        Some(state) => {
+            let drift = live.drift().expect("state is present");
+            if !drift.is_empty() {
+                bail!(
+                    "engine/upstream/ holds edits that no patch carries, so `{verb}` would lose them:\n{}\n\
+                     keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/; then `cargo xtask restore` brings it back)",
+                    drift.describe(20),
+                    top = state.top()
+                );
+            }
+            // The applied prefix must still be a prefix of the series (by id).
+            let n = state.applied.len();
+            let ids: Vec<&str> = patches.iter().map(|p| p.entry.id.as_str()).collect();
+            if n > ids.len() || state.applied.iter().zip(&ids).any(|(a, b)| a != b) {
+                bail!("engine/upstream/ holds patches {:?}, which is not a prefix of the series {:?}; `cargo xtask backup`, then remove engine/upstream/ and apply again", state.applied, ids);
+            }
+            Ok(Some((live, n)))
+        }
+        None => {
+            let mut t = base.clone();
+            let live_manifest = tree::manifest_of(&live.tree);
+            if tree::manifest_of(&t) == live_manifest {
+                return Ok(Some((live, 0)));
+            }
+            for (i, lp) in patches.iter().enumerate() {
+                if apply::apply(&mut t, &lp.parsed, lp.name()).is_err() {
+                    break;
+                }
+                if tree::manifest_of(&t) == live_manifest {
+                    return Ok(Some((live, i + 1)));
+                }
+            }
+            bail!(
+                "engine/upstream/ has no chain state and matches no prefix of the chain, so `{verb}` would lose whatever it holds;\n\
+                 keep it with `cargo xtask backup`, then remove engine/upstream/ and run `cargo xtask apply-chain`"
+            )
+        }
+    }
+}
+
+/// Writes `tree` as the live tree holding `patches`, atomically.
+pub fn write_live(p: &Project, tree: &Tree, patches: &[LoadedPatch], progress: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let state = State::new(patches, tree);
+    let bytes = state.to_bytes();
+    tree::write_tree_atomically(&p.upstream_dir(), tree, &[(tree::STATE_FILE, &bytes)], progress)?;
+    Ok(())
+}
+
+/// Loads base and series, and checks the base against its recorded manifest.
+pub struct Loaded {
+    pub registry: Registry,
+    pub base: Tree,
+    pub patches: Vec<LoadedPatch>,
+}
+
+pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> anyhow::Result<Loaded> {
+    let registry = load_registry(p)?;
+    let base = crate::base::load(&registry.base, &p.root, progress)?;
+    check_pristine(p, &base)?;
+    let patches = load_patches(p, &registry)?;
+    Ok(Loaded { registry, base, patches })
+}
+
+/// Step 1 of verify: the base equals `manifest.pristine`.
+pub fn check_pristine(p: &Project, base: &Tree) -> anyhow::Result<()> {
+    let path = p.pristine_manifest_path();
+    let text = fs::read_to_string(&path).with_context(|| format!("cannot read {} (record it once with `cargo xtask bless --base`)", p.rel(&path)))?;
+    let recorded = tree::parse_manifest(&text, &path)?;
+    let d = tree::diff_manifests(&recorded, &tree::manifest_of(base));
+    if !d.is_empty() {
+        bail!("the pristine base does not match {} (a corrupted cache or a changed base):\n{}", p.rel(&path), d.describe(20));
+    }
+    Ok(())
+}
+
+/// The hooks a patch introduces: markers in its added lines that the tree before it lacks.
+pub fn hooks_added(before: &Tree, after: &Tree) -> Vec<String> {
+    let b = tree::hooks_of_tree(before);
+    tree::hooks_of_tree(after).into_keys().filter(|h| !b.contains_key(h)).collect()
+}
+
+/// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies) and
+/// `docs/UPSTREAM_SYNC.md` from the files on disk.
+pub fn bless(p: &Project, reg: &mut Registry, base: &Tree, with_base: bool) -> anyhow::Result<Result<(), apply::ApplyError>> {
+    for e in &mut reg.patches {
+        if e.is_applied() {
+            let path = p.patches_dir().join(&e.file);
+            let bytes = fs::read(&path).with_context(|| format!("reading {}", p.rel(&path)))?;
+            e.sha256 = tree::sha256_hex(&bytes);
+        }
+    }
+    tree::write_file_atomically(&p.registry_path(), registry::render(reg).as_bytes())?;
+    tree::write_file_atomically(&p.sync_doc_path(), registry::render_markdown(reg).as_bytes())?;
+    if with_base {
+        tree::write_file_atomically(&p.pristine_manifest_path(), tree::render_manifest(&tree::manifest_of(base)).as_bytes())?;
+    }
+    let patches = load_patches(p, reg)?;
+    match build(base, &patches) {
+        Ok(full) => {
+            tree::write_file_atomically(&p.patched_manifest_path(), tree::render_manifest(&tree::manifest_of(&full)).as_bytes())?;
+            Ok(Ok(()))
+        }
+        Err(e) => Ok(Err(e)),
+    }
+}

@@ -1,0 +1,392 @@
+//! The chain commands: apply-chain, unapply, refresh, capture, backup, restore, status, bless.
+
+use std::fs;
+use std::io::Read as _;
+
+use anyhow::{bail, Context as _};
+
+use crate::apply;
+use crate::chain::{self, build, live_state_without_edits, load_all, resolve_to, Live, LoadedPatch, Project, State};
+use crate::export;
+use crate::patch;
+use crate::registry::{self, PatchEntry};
+use crate::tree::{self, Tree};
+
+/// A refusal that protects a maintainer's work (exit code 3).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+fn say(msg: impl AsRef<str>) {
+    eprintln!("{}", msg.as_ref());
+}
+
+pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let l = load_all(p, pb)?;
+    let n = resolve_to(&l.patches, to)?;
+    let live = live_state_without_edits(p, &l.base, &l.patches, "apply-chain").map_err(|e| Refused(format!("{e:#}")))?;
+    let mut t = l.base.clone();
+    for lp in &l.patches[..n] {
+        apply::apply(&mut t, &lp.parsed, lp.name())?;
+    }
+    let target = State::new(&l.patches[..n], &t);
+    if let Some((live, _)) = &live {
+        if live.state.as_ref() == Some(&target) {
+            say(format!("engine/upstream/ already holds the base + {n} patch(es) (up to {}); nothing to do", target.top()));
+            return Ok(());
+        }
+    }
+    pb.set_message("writing engine/upstream/");
+    chain::write_live(p, &t, &l.patches[..n], pb)?;
+    pb.finish_and_clear();
+    for lp in &l.patches[..n] {
+        say(format!("applied {}", lp.name()));
+    }
+    say(format!("engine/upstream/ = base + {n} of {} patch(es), up to {} ({} files)", l.patches.len(), target.top(), t.len()));
+    Ok(())
+}
+
+pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let l = load_all(p, pb)?;
+    let n = resolve_to(&l.patches, Some(to.unwrap_or("0000")))?;
+    let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(format!("{e:#}")))? else {
+        bail!("engine/upstream/ does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)");
+    };
+    if n > k {
+        bail!("engine/upstream/ holds the chain up to {}; unapply only goes down (use `cargo xtask apply-chain --to {}`)", live.state.as_ref().map(|s| s.top().to_owned()).unwrap_or_else(|| "0000".into()), l.patches[n - 1].entry.id);
+    }
+    let changed_since: Vec<&str> = match &live.state {
+        Some(s) => l.patches[..k].iter().zip(&s.patch_sha256).filter(|(lp, sha)| tree::sha256_hex(&lp.bytes) != **sha).map(|(lp, _)| lp.name()).collect(),
+        None => Vec::new(),
+    };
+    let mut t = live.tree.clone();
+    if changed_since.is_empty() {
+        for lp in l.patches[n..k].iter().rev() {
+            apply::unapply(&mut t, &lp.parsed, lp.name())?;
+            say(format!("unapplied {}", lp.name()));
+        }
+        // Reversibility is proved, not assumed: the result must equal the forward build.
+        let forward = build(&l.base, &l.patches[..n])?;
+        if tree::manifest_of(&forward) != tree::manifest_of(&t) {
+            bail!("reverse-applying down to {} did not give the tree that applying forward gives; the chain is not reversible (run `cargo xtask verify`)", to.unwrap_or("0000"));
+        }
+    } else {
+        // The live tree has no edits, so rebuilding forward loses nothing.
+        say(format!("patch file(s) changed since they were applied ({}); rebuilding the prefix from the base instead of reversing", changed_since.join(", ")));
+        t = build(&l.base, &l.patches[..n])?;
+    }
+    chain::write_live(p, &t, &l.patches[..n], pb)?;
+    pb.finish_and_clear();
+    say(format!("engine/upstream/ = base + {n} patch(es)"));
+    Ok(())
+}
+
+/// The live tree with its state, edits allowed (refresh and capture record them).
+fn live_with_state(p: &Project, patches: &[LoadedPatch]) -> anyhow::Result<(Live, State, usize)> {
+    let live = Live::read(p)?.context("engine/upstream/ does not exist: `cargo xtask apply-chain --to NNNN`, edit, then refresh or capture")?;
+    let state = live.state.clone().context("engine/upstream/ has no chain state; run `cargo xtask apply-chain` first (back it up with `cargo xtask backup` if it holds work)")?;
+    let k = state.applied.len();
+    let ids: Vec<&str> = patches.iter().map(|lp| lp.entry.id.as_str()).collect();
+    if k > ids.len() || state.applied.iter().zip(&ids).any(|(a, b)| a != b) {
+        bail!("engine/upstream/ holds patches {:?}, not a prefix of the series {:?}", state.applied, ids);
+    }
+    Ok((live, state, k))
+}
+
+/// Exports `old -> new` under `header`, and proves the export applies back to exactly `new`.
+fn export_checked(header: &[u8], old: &Tree, new: &Tree, name: &str) -> anyhow::Result<Vec<u8>> {
+    let mut bytes = header.to_vec();
+    bytes.extend_from_slice(&export::diff_trees(old, new));
+    let parsed = patch::parse(&bytes).with_context(|| format!("internal error: the exported {name} does not parse"))?;
+    let mut check = old.clone();
+    apply::apply(&mut check, &parsed, name).with_context(|| format!("internal error: the exported {name} does not apply to its own base"))?;
+    if tree::manifest_of(&check) != tree::manifest_of(new) {
+        bail!("internal error: the exported {name} does not reproduce the edited tree");
+    }
+    Ok(bytes)
+}
+
+/// Re-applies `later` on `t`; names the ones that no longer apply.
+fn reapply_later(t: &mut Tree, later: &[LoadedPatch]) -> Vec<String> {
+    let mut broken = Vec::new();
+    for lp in later {
+        if let Err(e) = apply::apply(t, &lp.parsed, lp.name()) {
+            broken.push(format!("{e}"));
+        }
+    }
+    broken
+}
+
+/// Records the new patch (sha256s, docs, manifest.patched when the chain applies) and the live
+/// tree's new state; then names every later patch that no longer applies.
+fn finish_bless(p: &Project, reg: &mut registry::Registry, base: &Tree, live: &Tree, new_state: &State) -> anyhow::Result<()> {
+    // A chain that no longer applies is reported below, patch by patch.
+    let _ = chain::bless(p, reg, base, false)?;
+    tree::write_file_atomically(&p.upstream_dir().join(tree::STATE_FILE), &new_state.to_bytes())?;
+    let patches = chain::load_patches(p, reg)?;
+    let mut t = live.clone();
+    let broken = reapply_later(&mut t, &patches[new_state.applied.len()..]);
+    if !broken.is_empty() {
+        bail!(
+            "later patches no longer apply on top of it (manifest.patched was left unchanged):\n  {}\nfix each with `cargo xtask apply-chain --to <id>` (after the one before it applies), edit, `cargo xtask refresh <id>`",
+            broken.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+pub fn refresh(p: &Project, id: &str, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let mut l = load_all(p, pb)?;
+    let idx = resolve_to(&l.patches, Some(id))?;
+    if idx == 0 {
+        bail!("refresh needs a patch id, not 0000");
+    }
+    let (live, state, k) = live_with_state(p, &l.patches)?;
+    if k != idx {
+        bail!(
+            "engine/upstream/ holds the chain up to {}; `refresh {id}` needs it applied up to {id} exactly, with your edits on top\n\
+             (if you have edits now, keep them with `cargo xtask backup` first; then `cargo xtask apply-chain --to {id}`)",
+            state.top()
+        );
+    }
+    let lp = &l.patches[idx - 1];
+    let old = build(&l.base, &l.patches[..idx - 1])?;
+    if tree::manifest_of(&old) == tree::manifest_of(&live.tree) {
+        bail!("patch {} would become empty; to drop a patch, mark it `status = \"retired\"` in the registry and delete its file", lp.name());
+    }
+    let bytes = export_checked(&lp.parsed.header, &old, &live.tree, lp.name())?;
+    let unchanged = bytes == lp.bytes;
+    tree::write_file_atomically(&p.patches_dir().join(lp.name()), &bytes)?;
+    let declared: std::collections::BTreeSet<_> = lp.entry.hooks.iter().cloned().collect();
+    for h in chain::hooks_added(&old, &live.tree) {
+        if !declared.contains(&h) {
+            say(format!("note: the patch now marks hook {h:?}, which its registry entry does not declare (add it to `hooks`)"));
+        }
+    }
+    let reloaded = chain::load_patches(p, &l.registry)?;
+    let new_state = State::new(&reloaded[..idx], &live.tree);
+    say(if unchanged { format!("{} is unchanged", lp.name()) } else { format!("refreshed {}", lp.name()) });
+    finish_bless(p, &mut l.registry, &l.base, &live.tree, &new_state)
+}
+
+pub struct CaptureOptions<'a> {
+    pub name: &'a str,
+    pub after: Option<&'a str>,
+    pub title: Option<&'a str>,
+    pub area: &'a str,
+    pub upstream_status: &'a str,
+}
+
+pub fn capture(p: &Project, o: &CaptureOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let mut l = load_all(p, pb)?;
+    let name = o.name.trim_end_matches(".patch");
+    let (id, slug) = name.split_once('-').filter(|(id, s)| id.len() == 4 && id.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty()).with_context(|| format!("capture takes NNNN-slug (for example 0002-kv-rollback), not {name:?}"))?;
+    if l.registry.patches.iter().any(|e| e.id == id) {
+        bail!("patch id {id} is already in the registry");
+    }
+    let (live, state, k) = live_with_state(p, &l.patches)?;
+    if let Some(after) = o.after {
+        let want = resolve_to(&l.patches, Some(after))?;
+        if want != k {
+            bail!("engine/upstream/ holds the chain up to {}; `capture --after {after}` needs it applied up to {after} with your edits on top", state.top());
+        }
+    }
+    let prev = state.top();
+    let next = l.patches.get(k).map(|lp| lp.entry.id.as_str());
+    if id <= prev || next.is_some_and(|n| id >= n) {
+        bail!("patch {id} would sit after {prev}{}; pick an id in between", next.map(|n| format!(" and before {n}")).unwrap_or_default());
+    }
+    let old = build(&l.base, &l.patches[..k])?;
+    if tree::manifest_of(&old) == tree::manifest_of(&live.tree) {
+        bail!("engine/upstream/ holds no edits on top of {prev}; nothing to capture");
+    }
+    let hooks = chain::hooks_added(&old, &live.tree);
+    let title = o.title.map(str::to_owned).unwrap_or_else(|| slug.replace('-', " "));
+    let mut header = format!("Subject: [PATCH] {title}\n\n");
+    for h in &hooks {
+        header.push_str(&format!("Tine-Hook: {h}\n"));
+    }
+    header.push_str(&format!("Upstream-Status: {}\n---\n", o.upstream_status));
+    let file = format!("{name}.patch");
+    let bytes = export_checked(header.as_bytes(), &old, &live.tree, &file)?;
+    tree::write_file_atomically(&p.patches_dir().join(&file), &bytes)?;
+    let entry = PatchEntry {
+        id: id.to_owned(),
+        file: file.clone(),
+        sha256: tree::sha256_hex(&bytes),
+        title,
+        area: o.area.to_owned(),
+        hooks: hooks.clone(),
+        status: "carried".into(),
+        upstream: String::new(),
+        bump: "reapply".into(),
+        gates: vec!["apply".into()],
+    };
+    // Insert after the registry entry of the top applied patch (retired entries keep their places).
+    let pos = match l.registry.patches.iter().position(|e| e.id == prev) {
+        Some(i) => i + 1,
+        None => 0,
+    };
+    l.registry.patches.insert(pos, entry);
+    let patches = chain::load_patches(p, &l.registry)?;
+    let new_state = State::new(&patches[..k + 1], &live.tree);
+    say(format!("captured {file} ({} hook(s): {})", hooks.len(), hooks.join(", ")));
+    finish_bless(p, &mut l.registry, &l.base, &live.tree, &new_state)
+}
+
+fn timestamp() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock after 1970").as_secs();
+    let (days, rem) = (secs / 86400, secs % 86400);
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days as i64 + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+pub fn backup(p: &Project, name: Option<&str>) -> anyhow::Result<String> {
+    let live = Live::read(p)?.context("engine/upstream/ does not exist; nothing to back up")?;
+    let name = name.map(str::to_owned).unwrap_or_else(timestamp);
+    if name.is_empty() || name.contains('/') || name.starts_with('.') {
+        bail!("backup name {name:?} must be a plain file name");
+    }
+    let dir = p.backups_dir();
+    let archive_path = dir.join(format!("{name}.tar"));
+    if archive_path.exists() {
+        bail!("backup {name} already exists ({}); pick another name", p.rel(&archive_path));
+    }
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut add = |path: &str, data: &[u8], mode: u32| -> std::io::Result<()> {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(mode & 0o777);
+        h.set_mtime(0);
+        h.set_cksum();
+        builder.append_data(&mut h, path, data)
+    };
+    for (path, e) in &live.tree {
+        add(path, &e.data, e.mode)?;
+    }
+    if let Some(s) = &live.state {
+        add(tree::STATE_FILE, &s.to_bytes(), 0o644)?;
+    }
+    let bytes = builder.into_inner()?;
+    let manifest = tree::render_manifest(&tree::manifest_of(&live.tree));
+    tree::write_file_atomically(&dir.join(format!("{name}.manifest")), manifest.as_bytes())?;
+    tree::write_file_atomically(&archive_path, &bytes)?;
+    say(format!("backed up engine/upstream/ ({} files) to {}", live.tree.len(), p.rel(&archive_path)));
+    Ok(name)
+}
+
+pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let dir = p.backups_dir();
+    let name = match name {
+        Some(n) => n.trim_end_matches(".tar").to_owned(),
+        None => {
+            let mut names: Vec<String> = fs::read_dir(&dir)
+                .with_context(|| format!("no backups in {}", p.rel(&dir)))?
+                .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".tar").map(str::to_owned))
+                .collect();
+            names.sort();
+            names.pop().with_context(|| format!("no backups in {}", p.rel(&dir)))?
+        }
+    };
+    let archive_path = dir.join(format!("{name}.tar"));
+    let bytes = fs::read(&archive_path).with_context(|| format!("no backup {name} ({})", p.rel(&archive_path)))?;
+    let mut t = Tree::new();
+    let mut state_bytes = None;
+    let mut archive = tar::Archive::new(&bytes[..]);
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.to_string_lossy().into_owned();
+        let mode = if entry.header().mode()? & 0o111 != 0 { tree::MODE_EXEC } else { tree::MODE_FILE };
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data)?;
+        if path == tree::STATE_FILE {
+            state_bytes = Some(data);
+        } else {
+            t.insert(path, tree::Entry { mode, data });
+        }
+    }
+    let manifest_path = dir.join(format!("{name}.manifest"));
+    let recorded = tree::parse_manifest(&fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", p.rel(&manifest_path)))?, &manifest_path)?;
+    if recorded != tree::manifest_of(&t) {
+        bail!("backup {name} does not match its manifest; the archive is damaged");
+    }
+    if let Some(live) = Live::read(p)? {
+        let unsaved = match live.drift() {
+            Some(d) => !d.is_empty(),
+            None => true,
+        };
+        if unsaved && tree::manifest_of(&live.tree) != recorded {
+            return Err(Refused(format!(
+                "engine/upstream/ holds edits that no patch or backup carries; restoring {name} would lose them.\nback them up first (`cargo xtask backup`), then restore"
+            ))
+            .into());
+        }
+    }
+    let extra: Vec<(&str, &[u8])> = state_bytes.as_deref().map(|s| vec![(tree::STATE_FILE, s)]).unwrap_or_default();
+    tree::write_tree_atomically(&p.upstream_dir(), &t, &extra, pb)?;
+    pb.finish_and_clear();
+    say(format!("restored engine/upstream/ from backup {name} ({} files)", t.len()));
+    Ok(())
+}
+
+pub fn status(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let l = load_all(p, pb)?;
+    pb.finish_and_clear();
+    match &l.registry.base {
+        registry::Base::Crates { crates } => println!("base: {}", crates.iter().map(|c| format!("{} {}", c.name, c.version)).collect::<Vec<_>>().join(", ")),
+        registry::Base::Dir { path } => println!("base: directory {path}"),
+        registry::Base::Git { url, commit, .. } => println!("base: git {url} @ {commit}"),
+    }
+    println!("base files: {} (matches manifest.pristine)", l.base.len());
+    println!("series: {} patch(es)", l.patches.len());
+    let live = Live::read(p)?;
+    let applied = live.as_ref().and_then(|l| l.state.as_ref()).map(|s| s.applied.clone()).unwrap_or_default();
+    for lp in &l.patches {
+        let mark = if applied.contains(&lp.entry.id) { "applied" } else { "-" };
+        println!("  {:8} {} [{}] {}", mark, lp.name(), lp.entry.status, lp.entry.title);
+    }
+    match live {
+        None => println!("engine/upstream/: absent (run `cargo xtask apply-chain`)"),
+        Some(live) => match (&live.state, live.drift()) {
+            (Some(s), Some(d)) => {
+                println!("engine/upstream/: base + {} patch(es), up to {}", s.applied.len(), s.top());
+                for ((id, sha), lp) in s.applied.iter().zip(&s.patch_sha256).zip(&l.patches) {
+                    if *sha != tree::sha256_hex(&lp.bytes) {
+                        println!("  patch {id} changed since it was applied: `cargo xtask apply-chain`");
+                    }
+                }
+                if d.is_empty() {
+                    println!("drift: none");
+                } else {
+                    println!("drift (edits no patch carries):\n{}", d.describe(50));
+                }
+            }
+            _ => println!("engine/upstream/: present, without chain state"),
+        },
+    }
+    Ok(())
+}
+
+pub fn bless(p: &Project, with_base: bool, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    let mut reg = chain::load_registry(p)?;
+    let base = crate::base::load(&reg.base, &p.root, pb)?;
+    if !with_base {
+        chain::check_pristine(p, &base)?;
+    }
+    let outcome = chain::bless(p, &mut reg, &base, with_base)?;
+    pb.finish_and_clear();
+    if let Err(e) = outcome {
+        bail!("recorded sha256s and docs, but the chain does not apply, so manifest.patched was not written:\n  {e}");
+    }
+    say("recorded patch sha256s, manifest.patched and docs/UPSTREAM_SYNC.md");
+    Ok(())
+}

@@ -1,0 +1,193 @@
+//! `cargo xtask`: Tine's chain toolchain. A thin CLI; the work lives in the `xtask` library.
+//!
+//! Exit codes: 0 success, 1 a check failed or a patch does not apply, 2 bad usage,
+//! 3 refused to protect edits in engine/upstream/ that no patch carries.
+
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use xtask::chain::Project;
+use xtask::commands::{self, CaptureOptions, Refused};
+use xtask::{chain, sync_check, verify};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Tine's chain toolchain: a pinned upstream base plus a strict, reversible, byte-verified patch series", long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// The main job: fetch the base if needed, apply the whole chain to engine/upstream/, verify.
+    Up,
+    /// Materialise engine/upstream/ = base + patches in series order (up to --to), atomically.
+    ///
+    /// Every hunk must match exactly at its stated line: zero fuzz, zero offset, whitespace and
+    /// line endings significant. A patch that is already applied is refused by name. Refuses to
+    /// run over edits in engine/upstream/ that no patch carries (keep them with refresh, capture or backup).
+    ApplyChain {
+        /// Stop after this patch id (0000 = the pristine base).
+        #[arg(long, value_name = "NNNN")]
+        to: Option<String>,
+    },
+    /// Reverse-apply the live chain down to --to (default 0000 = pristine).
+    Unapply {
+        #[arg(long, value_name = "NNNN")]
+        to: Option<String>,
+    },
+    /// Prove the chain: pristine manifest, strict apply, patched manifest, reverse round-trip,
+    /// live tree, hook markers, cargo resolution. Names the patch, file and hunk of any failure.
+    Verify,
+    /// Regenerate patch NNNN from engine/upstream/ (apply-chain --to NNNN, edit, refresh),
+    /// then re-apply the later patches and name any that no longer apply.
+    Refresh {
+        #[arg(value_name = "NNNN")]
+        id: String,
+    },
+    /// Record the edits in engine/upstream/ as a new patch NNNN-slug after the top applied patch, with its registry entry.
+    Capture {
+        #[arg(value_name = "NNNN-slug")]
+        name: String,
+        /// The patch it follows; engine/upstream/ must hold the chain up to exactly this patch.
+        #[arg(long, value_name = "MMMM")]
+        after: Option<String>,
+        /// Subject line (default: the slug).
+        #[arg(long)]
+        title: Option<String>,
+        /// Registry area (kernels, kv, mtp, tokenizer, model, attention, quant, sampling, build, api, other).
+        #[arg(long, default_value = "other")]
+        area: String,
+        /// Upstream-Status trailer.
+        #[arg(long, default_value = "Pending")]
+        upstream_status: String,
+    },
+    /// Snapshot engine/upstream/ (tar archive plus manifest) under engine/.backups/.
+    Backup {
+        /// Backup name (default: a UTC timestamp).
+        name: Option<String>,
+    },
+    /// Restore engine/upstream/ from a backup (default: the latest). Refuses over unsaved edits.
+    Restore { name: Option<String> },
+    /// Show the base, the series, what engine/upstream/ holds, and drift.
+    Status,
+    /// Check that the registry, patches/ and docs/UPSTREAM_SYNC.md agree.
+    SyncCheck,
+    /// Re-record patch sha256s, manifest.patched and docs/UPSTREAM_SYNC.md (and manifest.pristine with --base).
+    Bless {
+        /// Also record the base's manifest (only when pinning a new base).
+        #[arg(long)]
+        base: bool,
+    },
+    /// Run every test: xtask's unit and integration tests, the main job, sync-check, the engine workspace's tests.
+    Ci,
+}
+
+fn progress() -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new_spinner();
+    pb.set_style(indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}] {wide_bar} {pos}/{len}").expect("valid template").progress_chars("=> "));
+    pb.enable_steady_tick(Duration::from_millis(120));
+    pb
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let p = Project::discover();
+    let pb = progress();
+    match cli.command {
+        Cmd::Up => {
+            commands::apply_chain(&p, None, &pb)?;
+            return run_verify(&p, &progress());
+        }
+        Cmd::ApplyChain { to } => commands::apply_chain(&p, to.as_deref(), &pb)?,
+        Cmd::Unapply { to } => commands::unapply(&p, to.as_deref(), &pb)?,
+        Cmd::Verify => return run_verify(&p, &pb),
+        Cmd::Refresh { id } => commands::refresh(&p, &id, &pb)?,
+        Cmd::Capture { name, after, title, area, upstream_status } => {
+            commands::capture(&p, &CaptureOptions { name: &name, after: after.as_deref(), title: title.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
+        }
+        Cmd::Backup { name } => {
+            pb.finish_and_clear();
+            commands::backup(&p, name.as_deref())?;
+        }
+        Cmd::Restore { name } => commands::restore(&p, name.as_deref(), &pb)?,
+        Cmd::Status => commands::status(&p, &pb)?,
+        Cmd::SyncCheck => {
+            pb.finish_and_clear();
+            let reg = chain::load_registry(&p)?;
+            let problems = sync_check::sync_check(&p, &reg);
+            if !problems.is_empty() {
+                eprintln!("sync-check: {} problem(s):", problems.len());
+                for pr in problems {
+                    eprintln!("  {pr}");
+                }
+                return Ok(ExitCode::from(1));
+            }
+            println!("sync-check: registry, patches/ and docs/UPSTREAM_SYNC.md agree ({} patch(es))", reg.patches.len());
+        }
+        Cmd::Bless { base } => commands::bless(&p, base, &pb)?,
+        Cmd::Ci => {
+            pb.finish_and_clear();
+            return ci(&p);
+        }
+    }
+    pb.finish_and_clear();
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
+    let start = std::time::Instant::now();
+    let report = verify::verify(p, pb)?;
+    pb.finish_and_clear();
+    print!("{}", report.render());
+    if report.passed() {
+        println!("verify: ok ({:.0} ms)", start.elapsed().as_secs_f64() * 1e3);
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("verify: FAILED at step(s) {}", report.failures().iter().map(|s| s.number.to_string()).collect::<Vec<_>>().join(", "));
+        Ok(ExitCode::from(1))
+    }
+}
+
+fn step(name: &str, cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("==> {name}");
+    let status = cmd.status().map_err(|e| anyhow::anyhow!("{name}: cannot start: {e}"))?;
+    if !status.success() {
+        anyhow::bail!("{name} failed ({status})");
+    }
+    Ok(())
+}
+
+fn ci(p: &Project) -> anyhow::Result<ExitCode> {
+    let cargo = xtask::base::cargo_bin();
+    // The main job first, so the tests that need the live tree (verify on the real base) have it.
+    eprintln!("==> main job (apply-chain + verify)");
+    commands::apply_chain(p, None, &progress())?;
+    if run_verify(p, &progress())? != ExitCode::SUCCESS {
+        anyhow::bail!("verify failed");
+    }
+    step("xtask tests", Command::new(&cargo).args(["test", "--manifest-path"]).arg(p.root.join("xtask/Cargo.toml")))?;
+    eprintln!("==> sync-check");
+    let problems = sync_check::sync_check(p, &chain::load_registry(p)?);
+    if !problems.is_empty() {
+        anyhow::bail!("sync-check: {}", problems.join("\n  "));
+    }
+    step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
+    eprintln!("ci: all green");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            if e.downcast_ref::<Refused>().is_some() {
+                ExitCode::from(3)
+            } else {
+                ExitCode::from(1)
+            }
+        }
+    }
+}

@@ -1,0 +1,364 @@
+//! `upstream-sync/UPSTREAM_SYNC.toml`: the base pin and one entry per patch, in series order.
+//!
+//! The registry is the source of truth; `docs/UPSTREAM_SYNC.md` is generated from it and checked
+//! byte for byte. The file is written back in one canonical layout (see [`render`]), so tools that
+//! edit it (refresh, capture) produce reviewable, deterministic diffs.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Deserialize;
+
+pub const STATUSES: &[&str] = &["carried", "submitted", "upstreamed", "retired"];
+pub const BUMP_POLICIES: &[&str] = &["reapply", "drop-if-upstream", "reconcile"];
+pub const AREAS: &[&str] = &["kernels", "kv", "mtp", "tokenizer", "model", "attention", "quant", "sampling", "build", "api", "other"];
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct Registry {
+    pub base: Base,
+    #[serde(default, rename = "patch")]
+    pub patches: Vec<PatchEntry>,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Base {
+    /// Crates from the package registry, each pinned by the sha256 of its `.crate` file.
+    Crates {
+        #[serde(rename = "crate")]
+        crates: Vec<CratePin>,
+    },
+    /// A local directory (relative to the project root, or absolute).
+    Dir { path: String },
+    /// A git repository at a pinned commit; `include` limits the tree to these top-level paths.
+    Git {
+        url: String,
+        commit: String,
+        #[serde(default)]
+        include: Vec<String>,
+    },
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct CratePin {
+    pub name: String,
+    pub version: String,
+    pub sha256: String,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct PatchEntry {
+    pub id: String,
+    pub file: String,
+    pub sha256: String,
+    pub title: String,
+    pub area: String,
+    #[serde(default)]
+    pub hooks: Vec<String>,
+    pub status: String,
+    /// Upstream reference: an issue or PR (`huggingface/candle#3747`) or a version that has it.
+    #[serde(default)]
+    pub upstream: String,
+    pub bump: String,
+    #[serde(default)]
+    pub gates: Vec<String>,
+}
+
+impl PatchEntry {
+    /// Retired patches stay in the registry as history but are not part of the chain.
+    pub fn is_applied(&self) -> bool {
+        self.status != "retired"
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {path}")]
+    Io {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a valid registry")]
+    Toml {
+        path: std::path::PathBuf,
+        #[source]
+        source: toml::de::Error,
+    },
+}
+
+pub fn load(path: &Path) -> Result<Registry, LoadError> {
+    let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io { path: path.to_owned(), source })?;
+    toml::from_str(&text).map_err(|source| LoadError::Toml { path: path.to_owned(), source })
+}
+
+fn q(s: &str) -> String {
+    // TOML basic strings share JSON's escapes for everything we write.
+    serde_json::to_string(s).expect("strings serialise")
+}
+
+fn list(items: &[String]) -> String {
+    format!("[{}]", items.iter().map(|s| q(s)).collect::<Vec<_>>().join(", "))
+}
+
+/// The canonical text of a registry.
+pub fn render(reg: &Registry) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    writeln!(w, "# Tine's upstream registry: the pinned base and the patch series, in order.").expect("String write");
+    writeln!(w, "# Source of truth for `cargo xtask`; docs/UPSTREAM_SYNC.md is generated from it (`cargo xtask bless`).").expect("String write");
+    writeln!(w, "# Tools rewrite this file in this layout; keep hand edits to values.\n").expect("String write");
+    writeln!(w, "[base]").expect("String write");
+    match &reg.base {
+        Base::Crates { crates } => {
+            writeln!(w, "kind = \"crates\"").expect("String write");
+            for c in crates {
+                writeln!(w, "\n[[base.crate]]\nname = {}\nversion = {}\nsha256 = {}", q(&c.name), q(&c.version), q(&c.sha256)).expect("String write");
+            }
+        }
+        Base::Dir { path } => writeln!(w, "kind = \"dir\"\npath = {}", q(path)).expect("String write"),
+        Base::Git { url, commit, include } => {
+            writeln!(w, "kind = \"git\"\nurl = {}\ncommit = {}", q(url), q(commit)).expect("String write");
+            if !include.is_empty() {
+                writeln!(w, "include = {}", list(include)).expect("String write");
+            }
+        }
+    }
+    for p in &reg.patches {
+        writeln!(w, "\n[[patch]]").expect("String write");
+        writeln!(w, "id = {}\nfile = {}\nsha256 = {}\ntitle = {}\narea = {}", q(&p.id), q(&p.file), q(&p.sha256), q(&p.title), q(&p.area)).expect("String write");
+        writeln!(w, "hooks = {}\nstatus = {}\nupstream = {}\nbump = {}\ngates = {}", list(&p.hooks), q(&p.status), q(&p.upstream), q(&p.bump), list(&p.gates)).expect("String write");
+    }
+    out
+}
+
+/// The generated, human-readable table of the registry.
+pub fn render_markdown(reg: &Registry) -> String {
+    let mut out = String::new();
+    let w = &mut out;
+    writeln!(w, "# Upstream sync\n").expect("String write");
+    writeln!(w, "Generated from `upstream-sync/UPSTREAM_SYNC.toml` by `cargo xtask bless`; `cargo xtask sync-check` fails when it is stale.").expect("String write");
+    writeln!(w, "Do not edit by hand.\n").expect("String write");
+    writeln!(w, "## Base\n").expect("String write");
+    match &reg.base {
+        Base::Crates { crates } => {
+            writeln!(w, "Crates from the package registry, pinned by the sha256 of each `.crate` file.\n").expect("String write");
+            writeln!(w, "| crate | version | sha256 |\n|---|---|---|").expect("String write");
+            for c in crates {
+                writeln!(w, "| {} | {} | `{}` |", c.name, c.version, c.sha256).expect("String write");
+            }
+        }
+        Base::Dir { path } => writeln!(w, "A local directory: `{path}`.").expect("String write"),
+        Base::Git { url, commit, include } => {
+            writeln!(w, "A git repository: `{url}` at `{commit}`.").expect("String write");
+            if !include.is_empty() {
+                writeln!(w, "\nOnly these paths: {}.", include.iter().map(|i| format!("`{i}`")).collect::<Vec<_>>().join(", ")).expect("String write");
+            }
+        }
+    }
+    writeln!(w, "\n## Patches\n").expect("String write");
+    if reg.patches.is_empty() {
+        writeln!(w, "The series is empty.").expect("String write");
+        return out;
+    }
+    writeln!(w, "| id | title | area | hooks | status | upstream | bump | gates |\n|---|---|---|---|---|---|---|---|").expect("String write");
+    for p in &reg.patches {
+        let code = |v: &[String]| v.iter().map(|s| format!("`{}`", s.replace('|', "\\|"))).collect::<Vec<_>>().join(", ");
+        writeln!(
+            w,
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            p.id,
+            p.title.replace('|', "\\|"),
+            p.area,
+            code(&p.hooks),
+            p.status,
+            if p.upstream.is_empty() { "—".to_owned() } else { p.upstream.clone() },
+            p.bump,
+            code(&p.gates)
+        )
+        .expect("String write");
+    }
+    out
+}
+
+/// Checks a gate name against the catalogue; the gate runner uses the same grammar.
+pub fn check_gate(gate: &str) -> Result<(), String> {
+    let (kind, arg) = gate.split_once(':').unwrap_or((gate, ""));
+    let spec_types = ["draft-mtp", "draft-assistant", "draft", "ngram"];
+    let spec = |s: &str| {
+        if spec_types.contains(&s) {
+            Ok(())
+        } else {
+            Err(format!("unknown spec type {s:?} in gate {gate:?} (known: {})", spec_types.join(", ")))
+        }
+    };
+    let number = |s: &str| s.parse::<f64>().map(|_| ()).map_err(|_| format!("{s:?} is not a number in gate {gate:?}"));
+    match kind {
+        "apply" if arg.is_empty() => Ok(()),
+        "test" if !arg.trim().is_empty() => Ok(()),
+        "greedy-identical" | "logit-equiv" => spec(arg),
+        "accept" => {
+            let (s, min) = arg.rsplit_once(':').ok_or_else(|| format!("gate {gate:?}: expected accept:<spec-type>:<min>"))?;
+            spec(s)?;
+            number(min)
+        }
+        "tps-ratio" => {
+            let (pair, min) = arg.rsplit_once(':').ok_or_else(|| format!("gate {gate:?}: expected tps-ratio:<A>/<B>:<min>"))?;
+            let (a, b) = pair.split_once('/').ok_or_else(|| format!("gate {gate:?}: expected tps-ratio:<A>/<B>:<min>"))?;
+            if a.is_empty() || b.is_empty() {
+                return Err(format!("gate {gate:?}: empty configuration name"));
+            }
+            number(min)
+        }
+        "tokenizer" if !arg.is_empty() => Ok(()),
+        _ => Err(format!("unknown gate {gate:?} (known: apply, test:<cargo test args>, greedy-identical:<spec>, logit-equiv:<spec>, accept:<spec>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)")),
+    }
+}
+
+fn is_hex(s: &str, len: usize) -> bool {
+    s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+/// Every problem with the registry's own content (files are checked by `sync_check`).
+pub fn lint(reg: &Registry) -> Vec<String> {
+    let mut problems = Vec::new();
+    match &reg.base {
+        Base::Crates { crates } => {
+            if crates.is_empty() {
+                problems.push("[base] kind = \"crates\" lists no crates".to_owned());
+            }
+            for c in crates {
+                if !is_hex(&c.sha256, 64) {
+                    problems.push(format!("base crate {}: sha256 must be 64 lowercase hex digits", c.name));
+                }
+            }
+        }
+        Base::Git { commit, .. } if !is_hex(commit, 40) => problems.push("[base] git commit must be a full 40-hex id".to_owned()),
+        _ => {}
+    }
+    let mut last_id: Option<&str> = None;
+    let mut hooks_seen = std::collections::BTreeMap::new();
+    for p in &reg.patches {
+        let who = format!("patch {}", p.id);
+        if p.id.len() != 4 || !p.id.bytes().all(|b| b.is_ascii_digit()) || p.id == "0000" {
+            problems.push(format!("{who}: id must be four digits, 0001-9999"));
+        }
+        if let Some(prev) = last_id {
+            if p.id.as_str() <= prev {
+                problems.push(format!("{who}: ids must increase in series order (follows {prev})"));
+            }
+        }
+        last_id = Some(&p.id);
+        let slug = p.file.strip_prefix(&format!("{}-", p.id)).and_then(|s| s.strip_suffix(".patch"));
+        match slug {
+            Some(s) if !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') => {}
+            _ => problems.push(format!("{who}: file {:?} must be named {}-<slug>.patch with a lowercase slug", p.file, p.id)),
+        }
+        if !is_hex(&p.sha256, 64) {
+            problems.push(format!("{who}: sha256 must be 64 lowercase hex digits"));
+        }
+        if p.title.trim().is_empty() {
+            problems.push(format!("{who}: title is empty"));
+        }
+        if !AREAS.contains(&p.area.as_str()) {
+            problems.push(format!("{who}: area {:?} is not one of {}", p.area, AREAS.join(", ")));
+        }
+        if !STATUSES.contains(&p.status.as_str()) {
+            problems.push(format!("{who}: status {:?} is not one of {}", p.status, STATUSES.join(", ")));
+        }
+        if !BUMP_POLICIES.contains(&p.bump.as_str()) {
+            problems.push(format!("{who}: bump {:?} is not one of {}", p.bump, BUMP_POLICIES.join(", ")));
+        }
+        if (p.status == "submitted" || p.status == "upstreamed" || p.bump == "drop-if-upstream") && p.upstream.trim().is_empty() {
+            problems.push(format!("{who}: status {:?} / bump {:?} needs an upstream reference", p.status, p.bump));
+        }
+        for h in &p.hooks {
+            if h.is_empty() || !h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.') {
+                problems.push(format!("{who}: hook name {h:?} must be [A-Za-z0-9._-]+"));
+            }
+            if let Some(other) = hooks_seen.insert(h.clone(), p.id.clone()) {
+                problems.push(format!("{who}: hook {h:?} is also declared by patch {other}; hook names are unique"));
+            }
+        }
+        for g in &p.gates {
+            if let Err(e) = check_gate(g) {
+                problems.push(format!("{who}: {e}"));
+            }
+        }
+    }
+    problems
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn render_round_trips() {
+        let text = r#"
+[base]
+kind = "crates"
+[[base.crate]]
+name = "candle-core"
+version = "0.11.0"
+sha256 = "5ecb245093b0f791b89d3420c3df9c6d49c60ab63ba54db896bf8a3baf486706"
+[[patch]]
+id = "0001"
+file = "0001-kv.patch"
+sha256 = "5ecb245093b0f791b89d3420c3df9c6d49c60ab63ba54db896bf8a3baf486706"
+title = "kv: truncate"
+area = "kv"
+hooks = ["kv-truncate"]
+status = "carried"
+bump = "reapply"
+gates = ["apply", "test:-p tine-runtime"]
+"#;
+        let reg: Registry = toml::from_str(text).expect("valid registry");
+        let again: Registry = toml::from_str(&render(&reg)).expect("rendered registry parses");
+        assert_eq!(reg, again);
+        assert!(lint(&reg).is_empty(), "{:?}", lint(&reg));
+    }
+
+    #[test]
+    fn lint_names_every_problem() {
+        let text = r#"
+[base]
+kind = "dir"
+path = "base"
+[[patch]]
+id = "0002"
+file = "0002-a.patch"
+sha256 = "00"
+title = "a"
+area = "kv"
+hooks = ["h"]
+status = "carried"
+bump = "drop-if-upstream"
+gates = ["tps-ratio:spec/plain", "bogus"]
+[[patch]]
+id = "0001"
+file = "0001-B.patch"
+sha256 = "5ecb245093b0f791b89d3420c3df9c6d49c60ab63ba54db896bf8a3baf486706"
+title = "b"
+area = "nowhere"
+hooks = ["h"]
+status = "maybe"
+bump = "reapply"
+"#;
+        let reg: Registry = toml::from_str(text).expect("valid toml");
+        let got = lint(&reg).join("\n");
+        let expect = r#"patch 0002: sha256 must be 64 lowercase hex digits
+patch 0002: status "carried" / bump "drop-if-upstream" needs an upstream reference
+patch 0002: gate "tps-ratio:spec/plain": expected tps-ratio:<A>/<B>:<min>
+patch 0002: unknown gate "bogus" (known: apply, test:<cargo test args>, greedy-identical:<spec>, logit-equiv:<spec>, accept:<spec>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)
+patch 0001: ids must increase in series order (follows 0002)
+patch 0001: file "0001-B.patch" must be named 0001-<slug>.patch with a lowercase slug
+patch 0001: area "nowhere" is not one of kernels, kv, mtp, tokenizer, model, attention, quant, sampling, build, api, other
+patch 0001: status "maybe" is not one of carried, submitted, upstreamed, retired
+patch 0001: hook "h" is also declared by patch 0002; hook names are unique"#;
+        assert_eq!(got, expect);
+    }
+}
