@@ -1,6 +1,12 @@
 //! Tine's model runtime, built on the patched candle in `engine/upstream/`.
 //!
-//! Today it holds the per-sequence KV state ([`kv::SequenceKv`]) that speculative decoding rolls
-//! back after a partially accepted draft, on top of patch 0001 (`KvCache::truncate`, O(1)).
+//! [`Model`] loads a Gemma 3 GGUF (weights and tokenizer); a [`Sequence`] is one conversation's
+//! state (its tokens and KV cache) with the step API the generation loop and the speculative
+//! driver use: [`Sequence::prefill`], [`Sequence::decode`], [`Sequence::forward_all`],
+//! [`Sequence::rollback`]. The runtime knows nothing about sampling, chat templates or HTTP.
 
 pub mod kv;
+mod model;
+
+pub use model::{Logits, LoadError, Model, ModelInfo, Sequence, StepError};
+pub use candle_core::quantized::spm_tokenizer::{SpmTokenizer, TokenType};

@@ -1,0 +1,256 @@
+//! One request's generation, step by step.
+
+use std::time::Instant;
+
+use tine_runtime::{Model, Sequence, StepError};
+use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
+
+use crate::stop::StopMatcher;
+
+/// A validated generation request over token ids.
+#[derive(Debug, Clone)]
+pub struct GenerateRequest {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate; `-1` means until end of generation or the context is full.
+    pub n_predict: i32,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Never sample an end-of-generation token.
+    pub ignore_eos: bool,
+    /// Report this many top log-probabilities per generated token.
+    pub n_probs: usize,
+    /// Reuse the prefix the sequence already holds.
+    pub cache_prompt: bool,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Vec<u32>) -> GenerateRequest {
+        GenerateRequest { prompt, n_predict: -1, sampling: SamplingParams::default(), stop: Vec::new(), ignore_eos: false, n_probs: 0, cache_prompt: true }
+    }
+}
+
+/// Why generation ended (llama-server's `stop_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StopType {
+    /// An end-of-generation token.
+    Eos,
+    /// `n_predict` or the context size.
+    Limit,
+    /// A stop string.
+    Word,
+}
+
+impl StopType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopType::Eos => "eos",
+            StopType::Limit => "limit",
+            StopType::Word => "word",
+        }
+    }
+}
+
+/// The sampled token's log-probability and the top alternatives, under plain softmax.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenProb {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// llama-server's timing figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Timings {
+    /// Prompt tokens evaluated (not reused from the cache).
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
+    /// Prompt tokens reused from the cache.
+    pub cached_n: usize,
+}
+
+impl Timings {
+    pub fn prompt_per_second(&self) -> f64 {
+        per_second(self.prompt_n, self.prompt_ms)
+    }
+    pub fn predicted_per_second(&self) -> f64 {
+        per_second(self.predicted_n, self.predicted_ms)
+    }
+}
+
+fn per_second(n: usize, ms: f64) -> f64 {
+    if ms > 0.0 {
+        n as f64 * 1000.0 / ms
+    } else {
+        0.0
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the request exceeds the available context size: the prompt has {prompt} tokens, the context holds {context}")]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("n_predict must be -1 (no limit) or a count >= 0, got {0}")]
+    BadNPredict(i32),
+    #[error(transparent)]
+    Sampling(#[from] ParamsError),
+    #[error("model step failed")]
+    Step(#[from] StepError),
+}
+
+/// What one step produced.
+#[derive(Debug, Clone, Default)]
+pub struct StepEvent {
+    /// The sampled token (none once generation has ended).
+    pub token: Option<u32>,
+    /// New text that is safe to hand out (may be empty while a stop string might be forming).
+    pub text: String,
+    pub prob: Option<TokenProb>,
+    /// Set on the last step.
+    pub stop: Option<StopType>,
+}
+
+/// A request being generated on one sequence.
+pub struct Generation {
+    req: GenerateRequest,
+    sampler: Sampler,
+    stops: StopMatcher,
+    logits: Vec<f32>,
+    generated: Vec<u32>,
+    bytes: Vec<u8>,
+    text: String,
+    sent: usize,
+    finished: Option<StopType>,
+    stopping_word: String,
+    timings: Timings,
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl Generation {
+    /// Validates the request and evaluates the prompt (reusing what `seq` already holds).
+    pub fn start(model: &Model, seq: &mut Sequence, req: GenerateRequest) -> Result<Generation, GenerateError> {
+        if req.prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        if req.prompt.len() >= seq.context() {
+            return Err(GenerateError::PromptTooLong { prompt: req.prompt.len(), context: seq.context() });
+        }
+        if req.n_predict < -1 {
+            return Err(GenerateError::BadNPredict(req.n_predict));
+        }
+        req.sampling.validate()?;
+        let common = if req.cache_prompt { common_prefix(seq.tokens(), &req.prompt) } else { 0 };
+        // The last prompt token is always evaluated: its logits start the generation.
+        let keep = common.min(req.prompt.len() - 1);
+        seq.rollback(keep)?;
+        let t0 = Instant::now();
+        let logits = seq.prefill(model, &req.prompt[keep..])?;
+        let timings = Timings { prompt_n: req.prompt.len() - keep, prompt_ms: t0.elapsed().as_secs_f64() * 1e3, cached_n: keep, ..Timings::default() };
+        let sampler = Sampler::new(req.sampling.clone());
+        let stops = StopMatcher::new(req.stop.clone());
+        Ok(Generation { req, sampler, stops, logits, generated: Vec::new(), bytes: Vec::new(), text: String::new(), sent: 0, finished: None, stopping_word: String::new(), timings })
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.finished.is_some()
+    }
+    pub fn stop_type(&self) -> Option<StopType> {
+        self.finished
+    }
+    pub fn stopping_word(&self) -> &str {
+        &self.stopping_word
+    }
+    pub fn tokens(&self) -> &[u32] {
+        &self.generated
+    }
+    pub fn timings(&self) -> Timings {
+        self.timings
+    }
+    pub fn seed(&self) -> u64 {
+        self.sampler.seed
+    }
+    pub fn request(&self) -> &GenerateRequest {
+        &self.req
+    }
+    /// All text generated so far, minus a matched stop string.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Samples one token and advances the sequence.
+    pub fn step(&mut self, model: &Model, seq: &mut Sequence) -> Result<StepEvent, GenerateError> {
+        if let Some(stop) = self.finished {
+            return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
+        }
+        let t0 = Instant::now();
+        if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
+            return Ok(self.finish(StopType::Limit, None, None));
+        }
+        if self.req.ignore_eos {
+            for &t in model.end_of_generation_tokens() {
+                if let Some(l) = self.logits.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+        }
+        let token = self.sampler.sample(&self.logits, seq.tokens());
+        let prob = (self.req.n_probs > 0).then(|| {
+            let top = top_logprobs(&self.logits, self.req.n_probs);
+            let logprob = top.iter().find(|t| t.0 == token).map(|t| t.1).unwrap_or_else(|| top_logprobs_of(&self.logits, token));
+            TokenProb { id: token, logprob, top }
+        });
+        self.generated.push(token);
+        self.timings.predicted_n += 1;
+        let event = if model.is_end_of_generation(token) {
+            self.finish(StopType::Eos, Some(token), prob)
+        } else {
+            self.bytes.extend(model.tokenizer.token_bytes(token, false));
+            let valid = match std::str::from_utf8(&self.bytes) {
+                Ok(s) => s.len(),
+                Err(e) => e.valid_up_to(),
+            };
+            let before = self.text.len();
+            self.text = String::from_utf8_lossy(&self.bytes[..valid]).into_owned();
+            if let Some((pos, word)) = self.stops.find(&self.text, before) {
+                self.stopping_word = word.to_owned();
+                self.text.truncate(pos);
+                self.finish(StopType::Word, Some(token), prob)
+            } else if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
+                self.finish(StopType::Limit, Some(token), prob)
+            } else if seq.len() + 1 >= seq.context() {
+                self.finish(StopType::Limit, Some(token), prob)
+            } else {
+                self.logits = seq.decode(model, token)?;
+                let safe = self.stops.safe_len(&self.text);
+                let text = if safe > self.sent { self.text[self.sent..safe].to_owned() } else { String::new() };
+                self.sent = self.sent.max(safe);
+                StepEvent { token: Some(token), text, prob, stop: None }
+            }
+        };
+        self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
+        Ok(event)
+    }
+
+    fn finish(&mut self, stop: StopType, token: Option<u32>, prob: Option<TokenProb>) -> StepEvent {
+        self.finished = Some(stop);
+        // Flush: incomplete UTF-8 at the very end is shown lossily; a stop string is cut off.
+        if stop != StopType::Word {
+            self.text = String::from_utf8_lossy(&self.bytes).into_owned();
+        }
+        let text = if self.text.len() > self.sent { self.text[self.sent..].to_owned() } else { String::new() };
+        self.sent = self.text.len();
+        StepEvent { token, text, prob, stop: Some(stop) }
+    }
+}
+
+fn top_logprobs_of(logits: &[f32], token: u32) -> f32 {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = (logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>()).ln() as f32 + max;
+    logits.get(token as usize).map(|l| l - log_sum).unwrap_or(f32::NEG_INFINITY)
+}

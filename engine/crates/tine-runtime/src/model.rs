@@ -1,0 +1,239 @@
+//! Loading a Gemma 3 GGUF and stepping sequences through it.
+
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::spm_tokenizer::SpmTokenizer;
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+use candle_core::{Device, Tensor};
+use candle_transformers::models::quantized_gemma3::{Cache, ModelWeights};
+
+/// Errors of [`Model::load`].
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot open {path}")]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a readable GGUF file (truncated or corrupt?)")]
+    Gguf {
+        path: PathBuf,
+        #[source]
+        source: candle_core::Error,
+    },
+    #[error("{path}: architecture `{found}` is not supported (Tine runs gemma3)")]
+    Architecture { path: PathBuf, found: String },
+    #[error("{path}: cannot load the weights (missing or malformed tensor)")]
+    Weights {
+        path: PathBuf,
+        #[source]
+        source: candle_core::Error,
+    },
+    #[error("{path}: cannot build the tokenizer from the GGUF metadata")]
+    Tokenizer {
+        path: PathBuf,
+        #[source]
+        source: candle_core::Error,
+    },
+}
+
+/// Errors of a forward step.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("the sequence would hold {needed} positions, the context holds {context}")]
+    ContextFull { needed: usize, context: usize },
+    #[error("no tokens to forward")]
+    Empty,
+    #[error("token id {id} is outside the vocabulary ({vocab})")]
+    BadToken { id: u32, vocab: usize },
+    #[error("cannot roll back to {to}: the sequence holds {len} positions")]
+    RollbackPastEnd { to: usize, len: usize },
+    #[error("tensor operation failed")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// What the GGUF says about the model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub path: PathBuf,
+    pub name: String,
+    pub architecture: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub embedding_length: usize,
+    pub block_count: usize,
+    pub file_size: u64,
+}
+
+/// A loaded model: weights and tokenizer. Shared read-only by all sequences.
+pub struct Model {
+    weights: ModelWeights,
+    pub tokenizer: SpmTokenizer,
+    pub info: ModelInfo,
+    /// End-of-generation tokens: EOS and `<end_of_turn>`-like control tokens.
+    eog: Vec<u32>,
+    device: Device,
+}
+
+fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
+    ct.metadata.get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize)
+}
+
+impl Model {
+    pub fn load(path: &Path) -> Result<Model, LoadError> {
+        let p = || path.to_owned();
+        let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
+        let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let mut reader = BufReader::new(file);
+        let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
+        let arch = ct.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+        if arch != "gemma3" {
+            return Err(LoadError::Architecture { path: p(), found: arch });
+        }
+        let tokenizer = SpmTokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
+        let info = ModelInfo {
+            path: p(),
+            name: ct.metadata.get("general.name").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()),
+            architecture: arch.clone(),
+            context_length: md_u32(&ct, "gemma3.context_length").unwrap_or(8192),
+            vocab_size: tokenizer.vocab_size(),
+            embedding_length: md_u32(&ct, "gemma3.embedding_length").unwrap_or(0),
+            block_count: md_u32(&ct, "gemma3.block_count").unwrap_or(0),
+            file_size,
+        };
+        let device = Device::Cpu;
+        let weights = ModelWeights::from_gguf(ct, &mut reader, &device).map_err(|source| LoadError::Weights { path: p(), source })?;
+        let mut eog: Vec<u32> = tokenizer.eos_token().into_iter().collect();
+        for text in ["<end_of_turn>", "<eos>", "<|eot_id|>", "<|im_end|>"] {
+            if let Some(id) = tokenizer.token_id(text).filter(|&id| tokenizer.is_control(id)) {
+                if !eog.contains(&id) {
+                    eog.push(id);
+                }
+            }
+        }
+        Ok(Model { weights, tokenizer, info, eog, device })
+    }
+
+    pub fn is_end_of_generation(&self, id: u32) -> bool {
+        self.eog.contains(&id)
+    }
+
+    pub fn end_of_generation_tokens(&self) -> &[u32] {
+        &self.eog
+    }
+
+    /// A new, empty sequence able to hold `context` positions (capped at the model's context).
+    pub fn new_sequence(&self, context: usize) -> Sequence {
+        let context = context.min(self.info.context_length).max(1);
+        // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
+        Sequence { cache: self.weights.new_cache(context.min(4096)), tokens: Vec::new(), context }
+    }
+}
+
+/// Logits of one or more positions, row-major `(positions, vocab)`.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    pub data: Vec<f32>,
+    pub vocab: usize,
+}
+
+impl Logits {
+    pub fn positions(&self) -> usize {
+        self.data.len() / self.vocab
+    }
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+    pub fn last(&self) -> &[f32] {
+        self.row(self.positions() - 1)
+    }
+}
+
+/// One sequence's state: the tokens it has seen and their KV cache.
+///
+/// Invariant: `tokens.len()` equals the positions the cache holds.
+pub struct Sequence {
+    cache: Cache,
+    tokens: Vec<u32>,
+    context: usize,
+}
+
+/// Prompt tokens per forward during prefill: bounds the attention scratch memory.
+pub const PREFILL_CHUNK: usize = 512;
+
+impl Sequence {
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+    pub fn context(&self) -> usize {
+        self.context
+    }
+
+    fn check(&self, model: &Model, tokens: &[u32]) -> Result<(), StepError> {
+        if tokens.is_empty() {
+            return Err(StepError::Empty);
+        }
+        if let Some(&id) = tokens.iter().find(|&&t| t as usize >= model.info.vocab_size) {
+            return Err(StepError::BadToken { id, vocab: model.info.vocab_size });
+        }
+        let needed = self.tokens.len() + tokens.len();
+        if needed > self.context {
+            return Err(StepError::ContextFull { needed, context: self.context });
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens` (in chunks of [`PREFILL_CHUNK`]) and returns the last position's logits.
+    pub fn prefill(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
+        self.check(model, tokens)?;
+        let mut last = Vec::new();
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
+            let logits = model.weights.forward_with_cache(&x, &mut self.cache)?;
+            self.tokens.extend_from_slice(chunk);
+            last = logits.squeeze(0)?.to_vec1::<f32>()?;
+        }
+        Ok(last)
+    }
+
+    /// Appends one token and returns its logits.
+    pub fn decode(&mut self, model: &Model, token: u32) -> Result<Vec<f32>, StepError> {
+        self.prefill(model, &[token])
+    }
+
+    /// Appends `tokens` in one forward and returns the logits of every one of them (a verify batch).
+    pub fn forward_all(&mut self, model: &Model, tokens: &[u32]) -> Result<Logits, StepError> {
+        self.check(model, tokens)?;
+        let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
+        let out = model.weights.forward_all(&x, &mut self.cache, false)?;
+        self.tokens.extend_from_slice(tokens);
+        let logits = out.logits.squeeze(0)?;
+        let vocab = logits.dim(1)?;
+        Ok(Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab })
+    }
+
+    /// Keeps the first `len` positions (O(1): the cache is truncated, nothing is copied).
+    pub fn rollback(&mut self, len: usize) -> Result<(), StepError> {
+        if len > self.tokens.len() {
+            return Err(StepError::RollbackPastEnd { to: len, len: self.tokens.len() });
+        }
+        self.cache.truncate(len)?;
+        self.tokens.truncate(len);
+        Ok(())
+    }
+
+    pub fn reset(&mut self) {
+        self.cache.reset();
+        self.tokens.clear();
+    }
+}

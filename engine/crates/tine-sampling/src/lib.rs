@@ -1,0 +1,216 @@
+//! Token sampling over a logit vector, with llama.cpp's server semantics and defaults.
+//!
+//! The chain runs in llama.cpp's default order: penalties, top-k, top-p, min-p, temperature,
+//! then a draw. Temperature `<= 0` is greedy (argmax, ties to the lowest id). A fixed seed
+//! gives a reproducible stream. This crate knows nothing about models or tokenizers.
+
+use rand::{Rng, SeedableRng};
+
+/// Sampling settings; `Default` is llama.cpp's server default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    pub temperature: f32,
+    /// `<= 0` keeps every token.
+    pub top_k: i32,
+    /// `>= 1` keeps every token.
+    pub top_p: f32,
+    /// `<= 0` keeps every token.
+    pub min_p: f32,
+    /// `1` disables.
+    pub repeat_penalty: f32,
+    /// How many recent tokens the penalties look at; `-1` means all, `0` disables.
+    pub repeat_last_n: i32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// `None` draws a fresh seed.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, presence_penalty: 0.0, frequency_penalty: 0.0, seed: None }
+    }
+}
+
+/// Problems with [`SamplingParams`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("{name} must be a finite number, got {value}")]
+    NotFinite { name: &'static str, value: f32 },
+    #[error("top_p must lie in [0, 1], got {0}")]
+    TopP(f32),
+    #[error("min_p must lie in [0, 1], got {0}")]
+    MinP(f32),
+    #[error("repeat_penalty must be > 0, got {0}")]
+    RepeatPenalty(f32),
+    #[error("repeat_last_n must be >= -1, got {0}")]
+    RepeatLastN(i32),
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Default::default() }
+    }
+
+    pub fn is_greedy(&self) -> bool {
+        self.temperature <= 0.0
+    }
+
+    pub fn validate(&self) -> Result<(), ParamsError> {
+        for (name, value) in [("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty), ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !value.is_finite() {
+                return Err(ParamsError::NotFinite { name, value });
+            }
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(ParamsError::TopP(self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(ParamsError::MinP(self.min_p));
+        }
+        if self.repeat_penalty <= 0.0 {
+            return Err(ParamsError::RepeatPenalty(self.repeat_penalty));
+        }
+        if self.repeat_last_n < -1 {
+            return Err(ParamsError::RepeatLastN(self.repeat_last_n));
+        }
+        Ok(())
+    }
+}
+
+/// Index of the largest logit; ties go to the lowest index.
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Softmax in f64 for stable probabilities.
+pub fn softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f64> = logits.iter().map(|&l| ((l - max) as f64).exp()).collect();
+    let sum: f64 = exps.iter().sum();
+    exps.iter().map(|e| (e / sum) as f32).collect()
+}
+
+/// The `n` most likely tokens with their log-probabilities under plain softmax, best first.
+pub fn top_logprobs(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = (logits.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>()).ln() as f32 + max;
+    let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(idx.len());
+    if n == 0 {
+        return Vec::new();
+    }
+    idx.select_nth_unstable_by(n - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    idx.truncate(n);
+    idx.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+    idx.into_iter().map(|i| (i, logits[i as usize] - log_sum)).collect()
+}
+
+/// A sampler with its own random stream.
+pub struct Sampler {
+    params: SamplingParams,
+    rng: rand::rngs::StdRng,
+    /// The seed in use (drawn when the params had none), so a run can be repeated.
+    pub seed: u64,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Sampler {
+        let seed = params.seed.unwrap_or_else(|| rand::rngs::StdRng::from_os_rng().random());
+        Sampler { rng: rand::rngs::StdRng::seed_from_u64(seed), params, seed }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The candidates after penalties and filters, as `(token, probability)` summing to 1.
+    /// Greedy sampling gives the argmax with probability 1.
+    pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f32)> {
+        let p = &self.params;
+        let mut logits = logits.to_vec();
+        apply_penalties(&mut logits, history, p);
+        if p.is_greedy() {
+            return vec![(argmax(&logits), 1.0)];
+        }
+        // Candidates sorted by logit, best first (ties: lower id).
+        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let k = if p.top_k <= 0 { cand.len() } else { (p.top_k as usize).min(cand.len()) };
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            cand.truncate(k);
+        }
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        // top-p over the softmax of the remaining candidates.
+        if p.top_p < 1.0 {
+            let probs = softmax(&cand.iter().map(|c| c.1).collect::<Vec<_>>());
+            let mut cum = 0.0f32;
+            let mut keep = cand.len();
+            for (i, pr) in probs.iter().enumerate() {
+                cum += pr;
+                if cum >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            cand.truncate(keep.max(1));
+        }
+        // min-p relative to the best candidate.
+        if p.min_p > 0.0 && !cand.is_empty() {
+            let threshold = cand[0].1 + p.min_p.ln();
+            let keep = cand.iter().take_while(|c| c.1 >= threshold).count().max(1);
+            cand.truncate(keep);
+        }
+        let scaled: Vec<f32> = cand.iter().map(|c| c.1 / p.temperature).collect();
+        let probs = softmax(&scaled);
+        cand.iter().zip(probs).map(|(c, pr)| (c.0, pr)).collect()
+    }
+
+    /// Draws the next token.
+    pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        let dist = self.distribution(logits, history);
+        self.draw(&dist)
+    }
+
+    /// Draws from an explicit distribution (used by speculative verification too).
+    pub fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
+        if dist.len() == 1 {
+            return dist[0].0;
+        }
+        let total: f32 = dist.iter().map(|d| d.1).sum();
+        let mut r = self.rng.random::<f32>() * total;
+        for &(tok, pr) in dist {
+            if r < pr {
+                return tok;
+            }
+            r -= pr;
+        }
+        dist.last().expect("a distribution is never empty").0
+    }
+}
+
+fn apply_penalties(logits: &mut [f32], history: &[u32], p: &SamplingParams) {
+    if p.repeat_last_n == 0 || (p.repeat_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0) {
+        return;
+    }
+    let window = if p.repeat_last_n < 0 { history.len() } else { (p.repeat_last_n as usize).min(history.len()) };
+    let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
+    for &t in &history[history.len() - window..] {
+        *counts.entry(t).or_default() += 1;
+    }
+    for (&t, &c) in &counts {
+        let Some(l) = logits.get_mut(t as usize) else { continue };
+        if *l <= 0.0 {
+            *l *= p.repeat_penalty;
+        } else {
+            *l /= p.repeat_penalty;
+        }
+        *l -= c as f32 * p.frequency_penalty + p.presence_penalty;
+    }
+}
