@@ -59,3 +59,168 @@ fn layers_out_of_step_are_reported() {
     assert!(matches!(s.len(), Err(KvError::LayersOutOfStep { layer: 1, found: 0, expected: 1 })));
     assert!(matches!(s.append(5, &kv(&[1.]), &kv(&[1.])), Err(KvError::NoSuchLayer { layer: 5, layers: 2 })));
 }
+
+// ---- The Gemma 3 forward against a float64 reference, on a synthetic GGUF ----
+
+use tine_runtime::{LoadError, Model};
+use tine_test_support::{Reference, TinyGemma3, Weights};
+
+/// f32 forward vs f64 reference: the largest absolute logit difference allowed.
+/// Logits of the fixture are O(1)-O(10); f32 accumulation error over six layers stays near 1e-5.
+const REF_TOLERANCE: f64 = 2e-3;
+/// Two f32 paths over the same positions (one-shot, token by token, chunks) may differ only by
+/// reduction order.
+const PATH_TOLERANCE: f32 = 1e-4;
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    model: Model,
+    weights: Weights,
+}
+
+fn fixture(cfg: TinyGemma3) -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    let weights = cfg.write(&path);
+    let model = Model::load(&path).expect("the fixture loads");
+    Fixture { _dir: dir, model, weights }
+}
+
+fn max_diff(a: &[f32], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (*x as f64 - y).abs()).fold(0.0, f64::max)
+}
+
+fn tokens(n: usize) -> Vec<u32> {
+    // Spread over the vocabulary, starting with <bos>.
+    std::iter::once(2).chain((1..n as u32).map(|i| 6 + (i * 37) % 280)).collect()
+}
+
+#[test]
+fn patch_0002_0006_0007_one_shot_prefill_matches_the_f64_reference_past_the_window() {
+    let fx = fixture(TinyGemma3::default());
+    let toks = tokens(14); // window 4: local layers must forget all but the last 4 positions
+    let mut seq = fx.model.new_sequence(64);
+    let logits = seq.forward_all(&fx.model, &toks).expect("forward");
+    let mut reference = Reference::new(&fx.weights);
+    for (i, &t) in toks.iter().enumerate() {
+        let want = reference.step(t);
+        let d = max_diff(logits.row(i), &want);
+        assert!(d < REF_TOLERANCE, "position {i}: max |logit diff| {d} >= {REF_TOLERANCE}");
+    }
+}
+
+#[test]
+fn patch_0005_multi_token_forward_on_a_warm_cache_matches_the_reference() {
+    let fx = fixture(TinyGemma3::default());
+    let toks = tokens(12);
+    let mut seq = fx.model.new_sequence(64);
+    let mut reference = Reference::new(&fx.weights);
+    for &t in &toks[..5] {
+        seq.decode(&fx.model, t).expect("decode");
+        reference.step(t);
+    }
+    let logits = seq.forward_all(&fx.model, &toks[5..]).expect("verify-style batch");
+    for (i, &t) in toks[5..].iter().enumerate() {
+        let d = max_diff(logits.row(i), &reference.step(t));
+        assert!(d < REF_TOLERANCE, "position {}: max |logit diff| {d}", 5 + i);
+    }
+}
+
+#[test]
+fn patch_0004_rollback_then_decode_matches_a_sequence_that_never_saw_the_rejected_tokens() {
+    let fx = fixture(TinyGemma3::default());
+    let toks = tokens(9);
+    let mut seq = fx.model.new_sequence(64);
+    seq.prefill(&fx.model, &toks).expect("prefill");
+    seq.rollback(5).expect("rollback");
+    let mut reference = Reference::new(&fx.weights);
+    for &t in &toks[..5] {
+        reference.step(t);
+    }
+    for t in [40u32, 41, 42] {
+        let got = seq.decode(&fx.model, t).expect("decode");
+        let d = max_diff(&got, &reference.step(t));
+        assert!(d < REF_TOLERANCE, "after rollback: max |logit diff| {d}");
+    }
+}
+
+#[test]
+fn patch_0008_quantized_embedding_lookup_matches_the_reference() {
+    let fx = fixture(TinyGemma3 { q8_embedding: true, seed: 11, ..TinyGemma3::default() });
+    let toks = tokens(7);
+    let mut seq = fx.model.new_sequence(64);
+    let logits = seq.forward_all(&fx.model, &toks).expect("forward");
+    let mut reference = Reference::new(&fx.weights);
+    for (i, &t) in toks.iter().enumerate() {
+        let d = max_diff(logits.row(i), &reference.step(t));
+        // The Q8_0 output projection quantizes its input too: a wider, stated tolerance.
+        assert!(d < 0.15, "position {i}: max |logit diff| {d}");
+    }
+}
+
+#[test]
+fn one_shot_token_by_token_and_chunked_prefill_give_the_same_logits() {
+    let fx = fixture(TinyGemma3::default());
+    let toks = tokens(17);
+    let one_shot = fx.model.new_sequence(64).forward_all(&fx.model, &toks).expect("one shot");
+    let mut by_token = fx.model.new_sequence(64);
+    let mut chunked = fx.model.new_sequence(64);
+    let mut row = 0;
+    for chunk in toks.chunks(5) {
+        let c = chunked.forward_all(&fx.model, chunk).expect("chunk");
+        for (j, &t) in chunk.iter().enumerate() {
+            let single = by_token.decode(&fx.model, t).expect("decode");
+            let a = one_shot.row(row);
+            let worst = |b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(worst(&single) < PATH_TOLERANCE, "token-by-token differs at {row}: {}", worst(&single));
+            assert!(worst(c.row(j)) < PATH_TOLERANCE, "chunked differs at {row}: {}", worst(c.row(j)));
+            row += 1;
+        }
+    }
+}
+
+#[test]
+fn the_context_limit_and_bad_tokens_are_errors_not_panics() {
+    let fx = fixture(TinyGemma3::default());
+    let mut seq = fx.model.new_sequence(4);
+    assert!(matches!(seq.prefill(&fx.model, &tokens(5)), Err(tine_runtime::StepError::ContextFull { needed: 5, context: 4 })));
+    assert!(matches!(seq.decode(&fx.model, 1_000_000), Err(tine_runtime::StepError::BadToken { .. })));
+    assert!(seq.is_empty(), "a failed step changes nothing");
+}
+
+#[test]
+fn a_corrupt_or_foreign_gguf_is_a_clear_error() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let good = dir.path().join("tiny.gguf");
+    TinyGemma3::default().write(&good);
+    let bytes = std::fs::read(&good).expect("read");
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 3]).expect("write");
+    let err = Model::load(&cut).err().expect("truncated file must fail");
+    assert!(matches!(err, LoadError::Gguf { .. } | LoadError::Weights { .. }), "{err}");
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"not a gguf at all").expect("write");
+    assert!(matches!(Model::load(&junk), Err(LoadError::Gguf { .. })));
+    assert!(matches!(Model::load(&dir.path().join("missing.gguf")), Err(LoadError::Open { .. })));
+}
+
+// ---- Patch 0003: the SentencePiece tokenizer, on the fixture's vocabulary ----
+
+#[test]
+fn patch_0003_spm_merges_by_score_and_falls_back_to_bytes() {
+    let fx = fixture(TinyGemma3::default());
+    let tk = &fx.model.tokenizer;
+    let id = |s: &str| tk.token_id(s).expect("in the fixture vocabulary");
+    assert_eq!(tk.encode("hello world", true, true), vec![2, id("hello"), id("\u{2581}world")]);
+    // Control tokens are parsed only when asked; otherwise their text is tokenized (bytes here).
+    assert_eq!(tk.encode("<start_of_turn>hello", false, true), vec![id("<start_of_turn>"), id("hello")]);
+    assert_eq!(tk.encode("<eos>", false, false)[0], id("<0x3C>"));
+    // Not in the vocabulary: UTF-8 bytes.
+    assert_eq!(tk.encode("日", false, true), vec![id("<0xE6>"), id("<0x97>"), id("<0xA5>")]);
+    // Whitespace runs and decode round trip.
+    let text = "hello  the\nworld é";
+    let ids = tk.encode(text, false, true);
+    assert_eq!(tk.decode(&ids, false), text);
+    assert_eq!(tk.decode(&[2, id("hello")], false), "hello");
+    assert_eq!(tk.decode(&[2, id("hello")], true), "<bos>hello");
+}
