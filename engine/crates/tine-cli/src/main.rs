@@ -25,8 +25,23 @@ struct Cli {
 enum Cmd {
     /// Generate text for one prompt; prints the text, then a timing line on stderr.
     Generate(GenerateArgs),
+    /// Serve a llama-server-compatible HTTP API (/completion, /v1/completions, /v1/chat/completions, ...).
+    Serve(ServeArgs),
     /// Print the token ids of a text (special tokens parsed), one JSON array.
     Tokenize(TokenizeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Slots: requests served concurrently, each with its own KV cache (and reused prompt prefix).
+    #[arg(short = 'n', long = "parallel", alias = "np", default_value_t = 1)]
+    parallel: usize,
 }
 
 #[derive(Args)]
@@ -163,8 +178,20 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let model = std::sync::Arc::new(load(&a.model)?);
+    let ctx = a.model.ctx_size.min(model.info.context_length);
+    let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
+    let config = tine_server::ServerConfig { parallel: a.parallel.max(1), ctx_size: ctx };
+    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each)", config.parallel);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(tine_server::serve(model, config, addr)).with_context(|| format!("serving on {addr}"))?;
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
+        Cmd::Serve(a) => serve(a).context("tine serve"),
         Cmd::Generate(a) => generate(a).context("tine generate"),
         Cmd::Tokenize(a) => tokenize(a).context("tine tokenize"),
     }

@@ -1,0 +1,556 @@
+//! Tine's HTTP server: llama-server's API where it overlaps, and OpenAI's shapes.
+//!
+//! This crate is the only one that knows JSON and HTTP. Requests are parsed and validated at the
+//! edge into `tine_engine::GenerateRequest`; the [`scheduler`] thread does the work. Every error
+//! is a status code with an OpenAI-style JSON body, and the server keeps serving.
+
+pub mod scheduler;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tine_engine::chat::{render_gemma, Message};
+use tine_engine::{GenerateRequest, StopType, Timings, TokenProb};
+use tine_runtime::Model;
+use tine_sampling::SamplingParams;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use scheduler::{Event, Job, Scheduler, Summary};
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub parallel: usize,
+    pub ctx_size: usize,
+}
+
+struct AppState {
+    model: Arc<Model>,
+    scheduler: Scheduler,
+    config: ServerConfig,
+    model_id: String,
+}
+
+type Shared = Arc<AppState>;
+
+/// Builds the router; the engine thread starts here.
+pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
+    let scheduler = Scheduler::start(model.clone(), config.parallel.max(1), config.ctx_size);
+    let model_id = model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone());
+    let state = Arc::new(AppState { model, scheduler, config, model_id });
+    Router::new()
+        .route("/health", get(health))
+        .route("/props", get(props))
+        .route("/v1/models", get(models))
+        .route("/models", get(models))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/completion", post(completion))
+        .route("/completions", post(completion))
+        .route("/v1/completions", post(oai_completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/chat/completions", post(chat_completions))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+/// Serves until the process ends.
+pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    axum::serve(listener, router(model, config)).await
+}
+
+// ---- errors ----
+
+/// An error answered as `{"error": {"code", "message", "type"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::BAD_REQUEST, message: message.into() }
+    }
+    fn internal(message: impl Into<String>) -> ApiError {
+        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into() }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let kind = match self.status {
+            StatusCode::BAD_REQUEST => "invalid_request_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            _ => "server_error",
+        };
+        (self.status, Json(json!({"error": {"code": self.status.as_u16(), "message": self.message, "type": kind}}))).into_response()
+    }
+}
+
+async fn not_found() -> ApiError {
+    ApiError { status: StatusCode::NOT_FOUND, message: "no such endpoint".into() }
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(ApiError::bad("the request body is empty; send a JSON object"));
+    }
+    serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))
+}
+
+// ---- simple endpoints ----
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+fn default_settings(st: &AppState) -> Value {
+    let d = SamplingParams::default();
+    json!({
+        "n_ctx": st.config.ctx_size,
+        "params": {
+            "n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+            "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n, "presence_penalty": d.presence_penalty,
+            "frequency_penalty": d.frequency_penalty, "seed": -1, "n_probs": 0, "ignore_eos": false, "stop": [], "cache_prompt": true
+        }
+    })
+}
+
+async fn props(State(st): State<Shared>) -> Json<Value> {
+    Json(json!({
+        "default_generation_settings": default_settings(&st),
+        "total_slots": st.scheduler.slots,
+        "model_path": st.model.info.path.display().to_string(),
+        "modalities": {"vision": false, "audio": false},
+        "chat_template": "gemma",
+        "bos_token": st.model.tokenizer.bos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
+        "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
+        "build_info": format!("tine {}", env!("CARGO_PKG_VERSION")),
+    }))
+}
+
+async fn models(State(st): State<Shared>) -> Json<Value> {
+    let i = &st.model.info;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.model_id, "object": "model", "created": 0, "owned_by": "tine",
+            "meta": {"n_vocab": i.vocab_size, "n_ctx_train": i.context_length, "n_embd": i.embedding_length, "size": i.file_size, "architecture": i.architecture}
+        }]
+    }))
+}
+
+#[derive(Deserialize)]
+struct TokenizeBody {
+    content: String,
+    #[serde(default)]
+    add_special: bool,
+    #[serde(default = "yes")]
+    parse_special: bool,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+async fn tokenize(State(st): State<Shared>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let b: TokenizeBody = parse_body(&body)?;
+    let ids = st.model.tokenizer.encode(&b.content, b.add_special, b.parse_special);
+    if b.with_pieces {
+        let pieces: Vec<Value> = ids.iter().map(|&id| json!({"id": id, "piece": String::from_utf8_lossy(&st.model.tokenizer.token_bytes(id, true))})).collect();
+        return Ok(Json(json!({"tokens": pieces})));
+    }
+    Ok(Json(json!({"tokens": ids})))
+}
+
+#[derive(Deserialize)]
+struct DetokenizeBody {
+    tokens: Vec<i64>,
+}
+
+async fn detokenize(State(st): State<Shared>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let b: DetokenizeBody = parse_body(&body)?;
+    let ids = checked_ids(&st, &b.tokens)?;
+    Ok(Json(json!({"content": st.model.tokenizer.decode(&ids, true)})))
+}
+
+fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {
+    let vocab = st.model.info.vocab_size as i64;
+    ids.iter()
+        .map(|&t| if (0..vocab).contains(&t) { Ok(t as u32) } else { Err(ApiError::bad(format!("token id {t} is outside the vocabulary (0..{vocab})"))) })
+        .collect()
+}
+
+// ---- generation requests ----
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptInput {
+    Text(String),
+    Tokens(Vec<i64>),
+    /// OpenAI allows a list of prompts; we take exactly one.
+    Texts(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The sampling and limit fields shared by every generation endpoint.
+#[derive(Deserialize, Default)]
+struct GenFields {
+    n_predict: Option<i64>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    temperature: Option<f32>,
+    top_k: Option<i32>,
+    top_p: Option<f32>,
+    min_p: Option<f32>,
+    repeat_penalty: Option<f32>,
+    repeat_last_n: Option<i32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<StopInput>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    n_probs: usize,
+    cache_prompt: Option<bool>,
+    #[serde(default)]
+    return_tokens: bool,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Option<PromptInput>,
+    #[serde(flatten)]
+    gen: GenFields,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum ContentInput {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize)]
+struct ContentPart {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: String,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    role: String,
+    content: Option<ContentInput>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    gen: GenFields,
+}
+
+/// Request fields after validation.
+struct Validated {
+    request: GenerateRequest,
+    stream: bool,
+    return_tokens: bool,
+    n_probs: usize,
+}
+
+fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, ApiError> {
+    let n_predict = g.n_predict.or(g.max_completion_tokens).or(g.max_tokens).unwrap_or(-1);
+    if n_predict < -1 {
+        return Err(ApiError::bad(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
+    }
+    if prompt.is_empty() {
+        return Err(ApiError::bad("the prompt is empty"));
+    }
+    if prompt.len() >= st.config.ctx_size {
+        return Err(ApiError::bad(format!("the request exceeds the available context size: the prompt has {} tokens, the context holds {}", prompt.len(), st.config.ctx_size)));
+    }
+    let d = SamplingParams::default();
+    let sampling = SamplingParams {
+        temperature: g.temperature.unwrap_or(d.temperature),
+        top_k: g.top_k.unwrap_or(d.top_k),
+        top_p: g.top_p.unwrap_or(d.top_p),
+        min_p: g.min_p.unwrap_or(d.min_p),
+        repeat_penalty: g.repeat_penalty.unwrap_or(d.repeat_penalty),
+        repeat_last_n: g.repeat_last_n.unwrap_or(d.repeat_last_n),
+        presence_penalty: g.presence_penalty.unwrap_or(d.presence_penalty),
+        frequency_penalty: g.frequency_penalty.unwrap_or(d.frequency_penalty),
+        seed: g.seed.filter(|&s| s >= 0).map(|s| s as u64),
+    };
+    sampling.validate().map_err(|e| ApiError::bad(e.to_string()))?;
+    if g.n_probs > 100 {
+        return Err(ApiError::bad(format!("n_probs must be at most 100, got {}", g.n_probs)));
+    }
+    let stop = match g.stop {
+        None => Vec::new(),
+        Some(StopInput::One(s)) => vec![s],
+        Some(StopInput::Many(v)) => v,
+    };
+    let request = GenerateRequest {
+        prompt,
+        n_predict: n_predict.min(i32::MAX as i64) as i32,
+        sampling,
+        stop,
+        ignore_eos: g.ignore_eos,
+        n_probs: g.n_probs,
+        cache_prompt: g.cache_prompt.unwrap_or(true),
+    };
+    Ok(Validated { request, stream: g.stream, return_tokens: g.return_tokens, n_probs: g.n_probs })
+}
+
+fn prompt_tokens(st: &AppState, p: Option<PromptInput>) -> Result<Vec<u32>, ApiError> {
+    match p {
+        None => Err(ApiError::bad("`prompt` is required")),
+        Some(PromptInput::Text(t)) => Ok(st.model.tokenizer.encode(&t, true, true)),
+        Some(PromptInput::Tokens(ids)) => checked_ids(st, &ids),
+        Some(PromptInput::Texts(v)) if v.len() == 1 => Ok(st.model.tokenizer.encode(&v[0], true, true)),
+        Some(PromptInput::Texts(v)) => Err(ApiError::bad(format!("one prompt per request is supported, got {}", v.len()))),
+    }
+}
+
+fn timings_json(t: &Timings) -> Value {
+    json!({
+        "cache_n": t.cached_n,
+        "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms, "prompt_per_token_ms": if t.prompt_n > 0 { t.prompt_ms / t.prompt_n as f64 } else { 0.0 }, "prompt_per_second": t.prompt_per_second(),
+        "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms, "predicted_per_token_ms": if t.predicted_n > 0 { t.predicted_ms / t.predicted_n as f64 } else { 0.0 }, "predicted_per_second": t.predicted_per_second(),
+    })
+}
+
+fn prob_json(st: &AppState, p: &TokenProb) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let bytes = st.model.tokenizer.token_bytes(id, true);
+        json!({"id": id, "token": String::from_utf8_lossy(&bytes), "bytes": bytes, "logprob": lp})
+    };
+    let mut v = entry(p.id, p.logprob);
+    v["top_logprobs"] = Value::Array(p.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+    v
+}
+
+/// Submits and returns the event stream.
+fn submit(st: &AppState, request: GenerateRequest) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    st.scheduler.submit(Job { request, events: tx }).map_err(|_| ApiError::internal("the engine thread has stopped"))?;
+    Ok(rx)
+}
+
+/// Waits for the whole generation.
+async fn collect(st: &AppState, mut rx: tokio::sync::mpsc::UnboundedReceiver<Event>) -> Result<(Summary, Vec<TokenProb>), ApiError> {
+    let mut probs = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token { prob, .. } => probs.extend(prob),
+            Event::Done(s) => {
+                log_request(st, &s);
+                return Ok((*s, probs));
+            }
+            Event::Error(e) => return Err(map_engine_error(e)),
+        }
+    }
+    Err(ApiError::internal("the engine dropped the request"))
+}
+
+fn map_engine_error(e: String) -> ApiError {
+    if e.contains("exceeds the available context") || e.contains("must be") || e.contains("empty") {
+        ApiError::bad(e)
+    } else {
+        ApiError::internal(e)
+    }
+}
+
+fn log_request(st: &AppState, s: &Summary) {
+    let t = &s.timings;
+    eprintln!(
+        "slot {} | {}: prompt {} tok ({} cached) {:.1} ms, {:.1} tok/s | gen {} tok {:.1} ms, {:.1} tok/s | stop {}",
+        s.slot,
+        st.model_id,
+        t.prompt_n,
+        t.cached_n,
+        t.prompt_ms,
+        t.prompt_per_second(),
+        t.predicted_n,
+        t.predicted_ms,
+        t.predicted_per_second(),
+        s.stop_type.as_str()
+    );
+}
+
+fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn sse_json(v: Value) -> Result<SseEvent, std::convert::Infallible> {
+    Ok(SseEvent::default().data(v.to_string()))
+}
+
+// ---- /completion (llama-server) ----
+
+async fn completion(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+    let b: CompletionBody = parse_body(&body)?;
+    let prompt = prompt_tokens(&st, b.prompt)?;
+    let v = validate(&st, prompt, b.gen)?;
+    let prompt_text = st.model.tokenizer.decode(&v.request.prompt, true);
+    let rx = submit(&st, v.request)?;
+    if v.stream {
+        let st2 = st.clone();
+        let stream = UnboundedReceiverStream::new(rx).map(move |ev| match ev {
+            Event::Token { id, text, prob } => {
+                let mut j = json!({"content": text, "stop": false, "tokens": [id]});
+                if let Some(p) = prob {
+                    j["completion_probabilities"] = json!([prob_json(&st2, &p)]);
+                }
+                sse_json(j)
+            }
+            Event::Done(s) => {
+                log_request(&st2, &s);
+                sse_json(final_completion_json(&st2, &s, "", &[], false, &prompt_text))
+            }
+            Event::Error(e) => sse_json(json!({"error": {"code": 500, "message": e, "type": "server_error"}})),
+        });
+        return Ok(Sse::new(stream).into_response());
+    }
+    let (s, probs) = collect(&st, rx).await?;
+    let mut j = final_completion_json(&st, &s, &s.text, &probs, v.return_tokens, &prompt_text);
+    if v.n_probs == 0 {
+        j.as_object_mut().expect("object").remove("completion_probabilities");
+    }
+    Ok(Json(j).into_response())
+}
+
+fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[TokenProb], return_tokens: bool, prompt: &str) -> Value {
+    json!({
+        "content": content,
+        "tokens": if return_tokens { json!(s.tokens) } else { json!([]) },
+        "id_slot": s.slot,
+        "stop": true,
+        "model": st.model_id,
+        "tokens_predicted": s.timings.predicted_n,
+        "tokens_evaluated": s.prompt_tokens,
+        "generation_settings": {"n_ctx": st.config.ctx_size, "seed": s.seed},
+        "prompt": prompt,
+        "has_new_line": content.contains('\n'),
+        "truncated": false,
+        "stop_type": s.stop_type.as_str(),
+        "stopping_word": s.stopping_word,
+        "tokens_cached": s.timings.cached_n + s.timings.prompt_n + s.timings.predicted_n,
+        "timings": timings_json(&s.timings),
+        "completion_probabilities": probs.iter().map(|p| prob_json(st, p)).collect::<Vec<_>>(),
+    })
+}
+
+fn finish_reason(s: StopType) -> &'static str {
+    match s {
+        StopType::Limit => "length",
+        StopType::Eos | StopType::Word => "stop",
+    }
+}
+
+fn usage(s: &Summary) -> Value {
+    json!({"prompt_tokens": s.prompt_tokens, "completion_tokens": s.timings.predicted_n, "total_tokens": s.prompt_tokens + s.timings.predicted_n})
+}
+
+// ---- /v1/completions (OpenAI) ----
+
+async fn oai_completions(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+    let b: CompletionBody = parse_body(&body)?;
+    let prompt = prompt_tokens(&st, b.prompt)?;
+    let v = validate(&st, prompt, b.gen)?;
+    let rx = submit(&st, v.request)?;
+    let id = format!("cmpl-{}", now());
+    let created = now();
+    if v.stream {
+        let (st2, id2) = (st.clone(), id.clone());
+        let stream = UnboundedReceiverStream::new(rx)
+            .map(move |ev| match ev {
+                Event::Token { text, .. } => sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": null}]})),
+                Event::Done(s) => {
+                    log_request(&st2, &s);
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
+                }
+                Event::Error(e) => sse_json(json!({"error": {"code": 500, "message": e, "type": "server_error"}})),
+            })
+            .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+        return Ok(Sse::new(stream).into_response());
+    }
+    let (s, _) = collect(&st, rx).await?;
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": st.model_id,
+        "choices": [{"text": s.text, "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}],
+        "usage": usage(&s), "timings": timings_json(&s.timings),
+    }))
+    .into_response())
+}
+
+// ---- /v1/chat/completions (OpenAI) ----
+
+async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
+    let b: ChatBody = parse_body(&body)?;
+    let messages: Vec<Message> = b
+        .messages
+        .into_iter()
+        .map(|m| {
+            let content = match m.content {
+                None => String::new(),
+                Some(ContentInput::Text(t)) => t,
+                Some(ContentInput::Parts(parts)) => parts.into_iter().filter(|p| p.kind == "text").map(|p| p.text).collect::<Vec<_>>().join(""),
+            };
+            Message { role: m.role, content }
+        })
+        .collect();
+    let text = render_gemma(&messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
+    let prompt = st.model.tokenizer.encode(&text, false, true);
+    let v = validate(&st, prompt, b.gen)?;
+    let rx = submit(&st, v.request)?;
+    let id = format!("chatcmpl-{}", now());
+    let created = now();
+    if v.stream {
+        let (st2, id2) = (st.clone(), id.clone());
+        let first = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
+        let stream = tokio_stream::once(sse_json(first))
+            .chain(UnboundedReceiverStream::new(rx).map(move |ev| match ev {
+                Event::Token { text, .. } => sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})),
+                Event::Done(s) => {
+                    log_request(&st2, &s);
+                    sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
+                }
+                Event::Error(e) => sse_json(json!({"error": {"code": 500, "message": e, "type": "server_error"}})),
+            }))
+            .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+        return Ok(Sse::new(stream).into_response());
+    }
+    let (s, _) = collect(&st, rx).await?;
+    Ok(Json(json!({
+        "id": id, "object": "chat.completion", "created": created, "model": st.model_id,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text}, "finish_reason": finish_reason(s.stop_type)}],
+        "usage": usage(&s), "timings": timings_json(&s.timings),
+    }))
+    .into_response())
+}

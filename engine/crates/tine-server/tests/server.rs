@@ -1,0 +1,212 @@
+//! Integration tests of tine-server (one test binary for the crate): a real server on a local
+//! port, over a synthetic Gemma 3 GGUF, spoken to with plain HTTP/1.1.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use tine_runtime::Model;
+use tine_server::ServerConfig;
+use tine_test_support::TinyGemma3;
+
+struct Server {
+    addr: SocketAddr,
+    _dir: tempfile::TempDir,
+    _rt: tokio::runtime::Runtime,
+}
+
+fn start(parallel: usize, ctx_size: usize) -> Server {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3::default().write(&path);
+    let model = Arc::new(Model::load(&path).expect("fixture loads"));
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let app = tine_server::router(model, ServerConfig { parallel, ctx_size });
+    rt.spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    Server { addr, _dir: dir, _rt: rt }
+}
+
+/// One request on a fresh connection; returns (status, body).
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, rest) = text.split_once("\r\n\r\n").expect("HTTP response");
+    let status: u16 = head.split(' ').nth(1).and_then(|c| c.parse().ok()).expect("status");
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") { dechunk(rest) } else { rest.to_owned() };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let n = usize::from_str_radix(len.trim(), 16).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = &rest[n + 2..];
+    }
+    out
+}
+
+fn post(addr: SocketAddr, path: &str, body: Value) -> (u16, Value) {
+    let (status, text) = http(addr, "POST", path, &body.to_string());
+    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path} answered non-JSON ({e}): {text}")))
+}
+
+fn greedy(prompt: &str, n: i64) -> Value {
+    json!({"prompt": prompt, "n_predict": n, "temperature": 0, "return_tokens": true})
+}
+
+#[test]
+fn info_endpoints_answer_with_llama_server_shapes() {
+    let srv = start(2, 128);
+    let (s, b) = http(srv.addr, "GET", "/health", "");
+    assert_eq!((s, b.as_str()), (200, r#"{"status":"ok"}"#));
+    let (s, b) = http(srv.addr, "GET", "/props", "");
+    let props: Value = serde_json::from_str(&b).expect("json");
+    assert_eq!(s, 200);
+    assert_eq!(props["total_slots"], 2);
+    assert_eq!(props["default_generation_settings"]["n_ctx"], 128);
+    let (_, b) = http(srv.addr, "GET", "/v1/models", "");
+    let models: Value = serde_json::from_str(&b).expect("json");
+    assert_eq!(models["object"], "list");
+    assert_eq!(models["data"][0]["object"], "model");
+}
+
+#[test]
+fn completion_is_deterministic_and_reports_timings() {
+    let srv = start(1, 128);
+    let (s, a) = post(srv.addr, "/completion", greedy("hello world", 8));
+    assert_eq!(s, 200, "{a}");
+    let (_, b) = post(srv.addr, "/completion", greedy("hello world", 8));
+    assert_eq!(a["content"], b["content"]);
+    assert_eq!(a["tokens"], b["tokens"]);
+    assert_eq!(a["tokens"].as_array().expect("tokens").len(), 8);
+    assert_eq!(a["stop_type"], "limit");
+    assert_eq!(a["stop"], true);
+    for k in ["prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms", "predicted_per_second"] {
+        assert!(a["timings"][k].is_number(), "timings.{k} missing: {a}");
+    }
+    assert_eq!(a["timings"]["predicted_n"], 8);
+    // The second request reused the cached prompt prefix of the slot.
+    assert!(b["timings"]["cache_n"].as_u64().expect("cache_n") >= 2, "{b}");
+}
+
+#[test]
+fn concurrent_clients_get_the_same_output_as_alone() {
+    let srv = start(2, 128);
+    let prompts = ["hello world", "the world", "an hello", "in the hell", "world world"];
+    let alone: Vec<Value> = prompts.iter().map(|p| post(srv.addr, "/completion", greedy(p, 10)).1).collect();
+    let addr = srv.addr;
+    let handles: Vec<_> = (0..3).flat_map(|_| prompts.iter()).map(|p| {
+        let p = p.to_string();
+        std::thread::spawn(move || (p.clone(), post(addr, "/completion", greedy(&p, 10)).1))
+    }).collect();
+    for h in handles {
+        let (p, got) = h.join().expect("client thread");
+        let want = &alone[prompts.iter().position(|x| *x == p).expect("known prompt")];
+        assert_eq!(got["tokens"], want["tokens"], "{p:?} under concurrency");
+        assert_eq!(got["content"], want["content"]);
+    }
+}
+
+#[test]
+fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
+    let srv = start(1, 32);
+    let cases: &[(&str, &str, &str)] = &[
+        ("/completion", "{bad json", "invalid JSON body"),
+        ("/completion", "", "the request body is empty"),
+        ("/completion", r#"{"prompt": "hello", "n_predict": -2}"#, "n_predict must be -1"),
+        ("/completion", r#"{"prompt": "hello", "temperature": "hot"}"#, "invalid type"),
+        ("/completion", r#"{"prompt": "hello", "top_p": 3}"#, "top_p must lie in [0, 1]"),
+        ("/completion", r#"{"n_predict": 3}"#, "`prompt` is required"),
+        ("/completion", r#"{"prompt": [1, 99999999]}"#, "outside the vocabulary"),
+        ("/completion", &json!({"prompt": "hello ".repeat(40)}).to_string(), "exceeds the available context size"),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "tool", "content": "x"}]}"#, "unknown role"),
+        ("/v1/chat/completions", r#"{"messages": "nope"}"#, "invalid"),
+        ("/detokenize", r#"{"tokens": [-1]}"#, "outside the vocabulary"),
+        ("/tokenize", r#"{"content": 5}"#, "invalid type"),
+    ];
+    for (path, body, needle) in cases {
+        let (status, text) = http(srv.addr, "POST", path, body);
+        assert_eq!(status, 400, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).expect("error body is JSON");
+        assert_eq!(v["error"]["code"], 400);
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{path} {body}: {text}");
+    }
+    let (status, _) = http(srv.addr, "GET", "/nope", "");
+    assert_eq!(status, 404);
+    assert_eq!(http(srv.addr, "GET", "/health", "").0, 200);
+    assert_eq!(post(srv.addr, "/completion", greedy("hello", 2)).0, 200);
+}
+
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_owned).collect()
+}
+
+#[test]
+fn streaming_gives_the_same_text_as_one_response() {
+    let srv = start(1, 128);
+    let (_, whole) = post(srv.addr, "/completion", greedy("hello world", 9));
+    let mut req = greedy("hello world", 9);
+    req["stream"] = json!(true);
+    let (status, body) = http(srv.addr, "POST", "/completion", &req.to_string());
+    assert_eq!(status, 200);
+    let events: Vec<Value> = sse_data(&body).iter().map(|d| serde_json::from_str(d).expect("event JSON")).collect();
+    let text: String = events.iter().map(|e| e["content"].as_str().unwrap_or("")).collect();
+    assert_eq!(text, whole["content"].as_str().expect("content"));
+    let last = events.last().expect("events");
+    assert_eq!(last["stop"], true);
+    assert!(last["timings"]["predicted_n"].is_number());
+
+    let (_, body) = http(srv.addr, "POST", "/v1/chat/completions", &json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": true, "temperature": 0}).to_string());
+    let data = sse_data(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let first: Value = serde_json::from_str(&data[0]).expect("chunk");
+    assert_eq!(first["object"], "chat.completion.chunk");
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_are_reported() {
+    let srv = start(1, 128);
+    let (_, free) = post(srv.addr, "/completion", greedy("hello world", 12));
+    let content = free["content"].as_str().expect("content").to_owned();
+    // Stop at a piece of the text the model produces anyway.
+    let chars: Vec<char> = content.chars().collect();
+    assert!(chars.len() >= 4, "the fixture produced too little text: {content:?}");
+    let stop: String = chars[2..4].iter().collect();
+    let mut req = greedy("hello world", 12);
+    req["stop"] = json!([stop.clone()]);
+    let (_, cut) = post(srv.addr, "/completion", req);
+    assert_eq!(cut["stop_type"], "word", "{cut}");
+    assert_eq!(cut["stopping_word"], stop);
+    let expected = &content[..content.find(&stop).expect("stop occurs")];
+    assert_eq!(cut["content"], expected);
+}
+
+#[test]
+fn openai_shapes_and_tokenize_round_trip() {
+    let srv = start(1, 128);
+    let (s, v) = post(srv.addr, "/v1/completions", json!({"prompt": "hello", "max_tokens": 3, "temperature": 0}));
+    assert_eq!(s, 200);
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    let (_, c) = post(srv.addr, "/v1/chat/completions", json!({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hello"}]}], "max_tokens": 3, "temperature": 0}));
+    assert_eq!(c["object"], "chat.completion");
+    assert_eq!(c["choices"][0]["message"]["role"], "assistant");
+    let (_, t) = post(srv.addr, "/tokenize", json!({"content": "hello world", "add_special": true}));
+    let ids = t["tokens"].clone();
+    assert_eq!(ids[0], 2);
+    let (_, d) = post(srv.addr, "/detokenize", json!({"tokens": ids}));
+    assert_eq!(d["content"], "<bos>hello world");
+}
