@@ -74,8 +74,11 @@ struct GenerateArgs {
     #[command(flatten)]
     model: ModelArgs,
     /// The prompt.
-    #[arg(short = 'p', long)]
+    #[arg(short = 'p', long, required_unless_present = "prompt_ids", default_value = "")]
     prompt: String,
+    /// Read the prompt as token ids from a JSON array file instead (benchmarks use this).
+    #[arg(long, value_name = "FILE", conflicts_with = "chat")]
+    prompt_ids: Option<PathBuf>,
     /// Wrap the prompt in a Gemma chat turn (`<start_of_turn>user …`).
     #[arg(long)]
     chat: bool,
@@ -129,9 +132,17 @@ fn load(args: &ModelArgs) -> anyhow::Result<Model> {
     Ok(model)
 }
 
+fn parse_ids(text: &str) -> anyhow::Result<Vec<u32>> {
+    let inner = text.trim().strip_prefix('[').and_then(|t| t.strip_suffix(']')).context("expected [id, id, ...]")?;
+    inner.split(',').filter(|s| !s.trim().is_empty()).map(|s| Ok(s.trim().parse::<u32>()?)).collect()
+}
+
 fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let model = load(&a.model)?;
-    let prompt_ids = if a.chat {
+    let prompt_ids = if let Some(file) = &a.prompt_ids {
+        let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        parse_ids(&text).with_context(|| format!("{} is not a JSON array of token ids", file.display()))?
+    } else if a.chat {
         let text = render_gemma(&[Message { role: "user".into(), content: a.prompt.clone() }], true)?;
         model.tokenizer.encode(&text, false, true)
     } else {
@@ -142,7 +153,7 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let req = GenerateRequest { n_predict: a.n_predict, sampling, ignore_eos: a.ignore_eos, ..GenerateRequest::new(prompt_ids) };
     let mut g = Generation::start(&model, &mut seq, req)?;
     let mut out = std::io::stdout().lock();
-    if !a.chat {
+    if !a.chat && a.prompt_ids.is_none() {
         write!(out, "{}", a.prompt)?;
     }
     while !g.is_finished() {

@@ -111,6 +111,23 @@ fn patch_0002_0006_0007_one_shot_prefill_matches_the_f64_reference_past_the_wind
 }
 
 #[test]
+fn patch_0009_grouped_query_attention_with_two_kv_heads_matches_the_reference() {
+    let fx = fixture(TinyGemma3 { n_kv_head: 2, seed: 3, ..TinyGemma3::default() });
+    let toks = tokens(10);
+    let mut seq = fx.model.new_sequence(64);
+    seq.prefill(&fx.model, &toks[..4]).expect("prefill");
+    let logits = seq.forward_all(&fx.model, &toks[4..]).expect("forward on a warm cache");
+    let mut reference = Reference::new(&fx.weights);
+    for &t in &toks[..4] {
+        reference.step(t);
+    }
+    for (i, &t) in toks[4..].iter().enumerate() {
+        let d = max_diff(logits.row(i), &reference.step(t));
+        assert!(d < REF_TOLERANCE, "position {}: max |logit diff| {d}", 4 + i);
+    }
+}
+
+#[test]
 fn patch_0005_multi_token_forward_on_a_warm_cache_matches_the_reference() {
     let fx = fixture(TinyGemma3::default());
     let toks = tokens(12);
