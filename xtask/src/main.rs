@@ -12,7 +12,7 @@ use xtask::commands::{self, CaptureOptions, Refused};
 use xtask::{chain, sync_check, verify};
 
 #[derive(Parser)]
-#[command(name = "cargo xtask", about = "Tine's chain toolchain: a pinned upstream base plus a strict, reversible, byte-verified patch series", long_about = None)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "Tine's chain toolchain: a pinned upstream base plus a strict, reversible, byte-verified patch series", long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,

@@ -11,9 +11,6 @@ use tine_engine::{GenerateRequest, Generation};
 use tine_runtime::Model;
 use tine_sampling::SamplingParams;
 
-/// The default model's file name in Tine's model cache (fetched by `cargo xtask fetch-model`).
-const DEFAULT_MODEL: &str = "gemma-3-270m-q4_k_m.gguf";
-
 #[derive(Parser)]
 #[command(name = "tine", version, about = "Tine: Gemma 3 GGUF inference on a patched candle")]
 struct Cli {
@@ -104,22 +101,11 @@ struct GenerateArgs {
     ignore_eos: bool,
 }
 
-/// Tine's cache directory (`$TINE_CACHE_DIR`, else `$XDG_CACHE_HOME/tine`, else `~/.cache/tine`).
-fn cache_root() -> PathBuf {
-    if let Some(d) = std::env::var_os("TINE_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("tine");
-    }
-    PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| ".".into())).join(".cache").join("tine")
-}
-
 fn load(args: &ModelArgs) -> anyhow::Result<Model> {
     let path = match &args.model {
         Some(p) => p.clone(),
         None => {
-            let p = cache_root().join("models").join(DEFAULT_MODEL);
+            let p = tine_runtime::default_model_path();
             if !p.exists() {
                 anyhow::bail!("no --model given and the default model is not cached at {}; run `cargo xtask fetch-model`", p.display());
             }

@@ -9,4 +9,25 @@ pub mod kv;
 mod model;
 
 pub use model::{Logits, LoadError, Model, ModelInfo, Sequence, StepError};
+
+/// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).
+pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Tine's cache directory: `$TINE_CACHE_DIR`, else `$XDG_CACHE_HOME/tine`, else `~/.cache/tine`
+/// (the same rule as xtask's, which cannot depend on this crate).
+pub fn cache_root() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    if let Some(d) = std::env::var_os("TINE_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("tine");
+    }
+    PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| ".".into())).join(".cache").join("tine")
+}
+
+/// Where the default model is cached.
+pub fn default_model_path() -> std::path::PathBuf {
+    cache_root().join("models").join(DEFAULT_MODEL_FILE)
+}
 pub use candle_core::quantized::spm_tokenizer::{SpmTokenizer, TokenType};

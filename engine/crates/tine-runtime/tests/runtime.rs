@@ -254,12 +254,7 @@ use std::sync::OnceLock;
 fn real_model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
-        let root = match (std::env::var_os("TINE_CACHE_DIR"), std::env::var_os("XDG_CACHE_HOME")) {
-            (Some(d), _) => std::path::PathBuf::from(d),
-            (None, Some(d)) => std::path::PathBuf::from(d).join("tine"),
-            _ => std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/tine"),
-        };
-        let path = root.join("models/gemma-3-270m-q4_k_m.gguf");
+        let path = tine_runtime::default_model_path();
         assert!(path.exists(), "the default model is not cached at {}: run `cargo xtask fetch-model`", path.display());
         Model::load(&path).expect("the default model loads")
     })
