@@ -5,7 +5,6 @@
 //! driver use: [`Sequence::prefill`], [`Sequence::decode`], [`Sequence::forward_all`],
 //! [`Sequence::rollback`]. The runtime knows nothing about sampling, chat templates or HTTP.
 
-pub mod kv;
 mod model;
 
 pub use model::{Logits, LoadError, Model, ModelInfo, Sequence, StepError};
