@@ -2,8 +2,11 @@
 
 use std::time::Instant;
 
+use std::collections::VecDeque;
+
 use tine_runtime::{Model, Sequence, StepError};
 use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
+use tine_spec::{SpecError, SpecStats, Speculator};
 
 use crate::stop::StopMatcher;
 
@@ -68,6 +71,8 @@ pub struct Timings {
     pub predicted_ms: f64,
     /// Prompt tokens reused from the cache.
     pub cached_n: usize,
+    /// Speculative decoding figures (zero when it is off).
+    pub draft: SpecStats,
 }
 
 impl Timings {
@@ -99,6 +104,8 @@ pub enum GenerateError {
     Sampling(#[from] ParamsError),
     #[error("model step failed")]
     Step(#[from] StepError),
+    #[error("speculative decoding failed")]
+    Spec(#[from] SpecError),
 }
 
 /// What one step produced.
@@ -126,6 +133,12 @@ pub struct Generation {
     finished: Option<StopType>,
     stopping_word: String,
     timings: Timings,
+    /// Tokens a speculative round already decided (and fed, except the last), with the logit
+    /// row each was decided from.
+    decided: VecDeque<(u32, Vec<f32>)>,
+    /// Keep the logit row of every emitted token (logit-equivalence checks).
+    record_logits: bool,
+    recorded: Vec<Vec<f32>>,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -135,6 +148,12 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 impl Generation {
     /// Validates the request and evaluates the prompt (reusing what `seq` already holds).
     pub fn start(model: &Model, seq: &mut Sequence, req: GenerateRequest) -> Result<Generation, GenerateError> {
+        Self::start_with(model, seq, req, None)
+    }
+
+    /// [`Generation::start`] with an optional speculator for this sequence (then pass it to
+    /// [`Generation::step_with`] on every step).
+    pub fn start_with(model: &Model, seq: &mut Sequence, req: GenerateRequest, spec: Option<&mut Speculator>) -> Result<Generation, GenerateError> {
         if req.prompt.is_empty() {
             return Err(GenerateError::EmptyPrompt);
         }
@@ -147,14 +166,29 @@ impl Generation {
         req.sampling.validate()?;
         let common = if req.cache_prompt { common_prefix(seq.tokens(), &req.prompt) } else { 0 };
         // The last prompt token is always evaluated: its logits start the generation.
-        let keep = common.min(req.prompt.len() - 1);
+        let mut keep = common.min(req.prompt.len() - 1);
+        if let Some(spec) = spec.as_deref() {
+            // A drafter with per-position state only covers part of what the target holds.
+            keep = keep.min(spec.reusable(&req.prompt));
+        }
         seq.rollback(keep)?;
         let t0 = Instant::now();
-        let logits = seq.prefill(model, &req.prompt[keep..])?;
+        let logits = match spec {
+            Some(spec) if spec.needs_hidden() => {
+                let (logits, hidden) = seq.prefill_hidden(model, &req.prompt[keep..])?;
+                spec.prefilled(keep, Some(hidden));
+                logits
+            }
+            Some(spec) => {
+                spec.prefilled(keep, None);
+                seq.prefill(model, &req.prompt[keep..])?
+            }
+            None => seq.prefill(model, &req.prompt[keep..])?,
+        };
         let timings = Timings { prompt_n: req.prompt.len() - keep, prompt_ms: t0.elapsed().as_secs_f64() * 1e3, cached_n: keep, ..Timings::default() };
         let sampler = Sampler::new(req.sampling.clone());
         let stops = StopMatcher::new(req.stop.clone());
-        Ok(Generation { req, sampler, stops, logits, generated: Vec::new(), bytes: Vec::new(), text: String::new(), sent: 0, finished: None, stopping_word: String::new(), timings })
+        Ok(Generation { req, sampler, stops, logits, generated: Vec::new(), bytes: Vec::new(), text: String::new(), sent: 0, finished: None, stopping_word: String::new(), timings, decided: VecDeque::new(), record_logits: false, recorded: Vec::new() })
     }
 
     pub fn is_finished(&self) -> bool {
@@ -183,8 +217,25 @@ impl Generation {
         &self.text
     }
 
+    /// Keep the logit row each emitted token was chosen from ([`Generation::recorded_logits`]).
+    pub fn record_logits(&mut self, on: bool) {
+        self.record_logits = on;
+    }
+
+    /// The logit rows of the emitted tokens, when recording.
+    pub fn recorded_logits(&self) -> &[Vec<f32>] {
+        &self.recorded
+    }
+
     /// Samples one token and advances the sequence.
     pub fn step(&mut self, model: &Model, seq: &mut Sequence) -> Result<StepEvent, GenerateError> {
+        self.step_with(model, seq, None)
+    }
+
+    /// [`Generation::step`] with the speculator given to [`Generation::start_with`]: where plain
+    /// decoding feeds one token, a round drafts, verifies and decides several; they are then
+    /// handed out one per step.
+    pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
         if let Some(stop) = self.finished {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
@@ -192,19 +243,32 @@ impl Generation {
         if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
             return Ok(self.finish(StopType::Limit, None, None));
         }
-        if self.req.ignore_eos {
-            for &t in model.end_of_generation_tokens() {
-                if let Some(l) = self.logits.get_mut(t as usize) {
-                    *l = f32::NEG_INFINITY;
+        let ignore_eos = self.req.ignore_eos;
+        let prepare = |row: &mut [f32]| {
+            if ignore_eos {
+                for &t in model.end_of_generation_tokens() {
+                    if let Some(l) = row.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
                 }
             }
-        }
-        let token = self.sampler.sample(&self.logits, seq.tokens());
+        };
+        let (token, row) = match self.decided.pop_front() {
+            Some(decided) => decided,
+            None => {
+                prepare(&mut self.logits);
+                let token = self.sampler.sample(&self.logits, seq.tokens());
+                (token, std::mem::take(&mut self.logits))
+            }
+        };
         let prob = (self.req.n_probs > 0).then(|| {
-            let top = top_logprobs(&self.logits, self.req.n_probs);
-            let logprob = top.iter().find(|t| t.0 == token).map(|t| t.1).unwrap_or_else(|| top_logprobs_of(&self.logits, token));
+            let top = top_logprobs(&row, self.req.n_probs);
+            let logprob = top.iter().find(|t| t.0 == token).map(|t| t.1).unwrap_or_else(|| top_logprobs_of(&row, token));
             TokenProb { id: token, logprob, top }
         });
+        if self.record_logits {
+            self.recorded.push(row);
+        }
         self.generated.push(token);
         self.timings.predicted_n += 1;
         let event = if model.is_end_of_generation(token) {
@@ -223,10 +287,25 @@ impl Generation {
                 self.finish(StopType::Word, Some(token), prob)
             } else if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
                 self.finish(StopType::Limit, Some(token), prob)
-            } else if seq.len() + 1 >= seq.context() {
+            } else if self.decided.is_empty() && seq.len() + 1 >= seq.context() {
                 self.finish(StopType::Limit, Some(token), prob)
             } else {
-                self.logits = seq.decode(model, token)?;
+                if !self.decided.is_empty() {
+                    // Decided by the last round and already in the sequence.
+                } else if let Some(spec) = spec {
+                    let max_new = match self.req.n_predict {
+                        -1 => usize::MAX,
+                        n => (n as usize).saturating_sub(self.generated.len()),
+                    };
+                    let before = spec.stats;
+                    let round = spec.round(model, seq, token, &mut self.sampler, max_new, &prepare)?;
+                    self.timings.draft.draft_n += spec.stats.draft_n - before.draft_n;
+                    self.timings.draft.draft_n_accepted += spec.stats.draft_n_accepted - before.draft_n_accepted;
+                    self.timings.draft.draft_verify_steps += spec.stats.draft_verify_steps - before.draft_verify_steps;
+                    self.decided.extend(round.tokens.into_iter().zip(round.rows));
+                } else {
+                    self.logits = seq.decode(model, token)?;
+                }
                 let safe = self.stops.safe_len(&self.text);
                 let text = if safe > self.sent { self.text[self.sent..safe].to_owned() } else { String::new() };
                 self.sent = self.sent.max(safe);

@@ -7,7 +7,7 @@
 
 mod model;
 
-pub use model::{Logits, LoadError, Model, ModelInfo, Sequence, StepError};
+pub use model::{Assistant, Hidden, Logits, LoadError, Model, ModelInfo, NextNState, Sequence, StepError};
 
 /// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).
 pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";

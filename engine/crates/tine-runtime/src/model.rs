@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::quantized::spm_tokenizer::SpmTokenizer;
 use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_gemma3::{Cache, ModelWeights};
+use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
 
 /// Errors of [`Model::load`].
 #[derive(Debug, thiserror::Error)]
@@ -116,6 +116,17 @@ impl Model {
             }
         }
         Ok(Model { weights, tokenizer, info, eog, device })
+    }
+
+    /// Whether the GGUF carries a NextN head (`--spec-type draft-mtp`).
+    pub fn has_nextn(&self) -> bool {
+        self.weights.has_nextn()
+    }
+
+    /// A fresh NextN drafting state for `context` positions, if the model has a NextN head.
+    pub fn new_nextn_state(&self, context: usize) -> Option<NextNState> {
+        let context = context.min(self.info.context_length).max(1);
+        self.weights.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache, tokens: Vec::new() })
     }
 
     pub fn is_end_of_generation(&self, id: u32) -> bool {
@@ -235,5 +246,136 @@ impl Sequence {
     pub fn reset(&mut self) {
         self.cache.reset();
         self.tokens.clear();
+    }
+}
+
+/// Hidden states of consecutive positions, `(positions, embedding_length)`, before the output
+/// norm: what multi-token-prediction heads read.
+#[derive(Debug, Clone)]
+pub struct Hidden(Tensor);
+
+impl Hidden {
+    pub fn positions(&self) -> usize {
+        self.0.dim(0).expect("hidden states are 2-D")
+    }
+
+    /// Rows `start..start + len`.
+    pub fn rows(&self, start: usize, len: usize) -> Result<Hidden, StepError> {
+        Ok(Hidden(self.0.narrow(0, start, len)?))
+    }
+
+    /// `self` followed by `other`.
+    pub fn concat(&self, other: &Hidden) -> Result<Hidden, StepError> {
+        Ok(Hidden(Tensor::cat(&[&self.0, &other.0], 0)?))
+    }
+
+    pub fn to_vec(&self) -> Result<Vec<Vec<f32>>, StepError> {
+        Ok(self.0.to_vec2::<f32>()?)
+    }
+}
+
+impl Sequence {
+    /// [`Sequence::prefill`] that also returns the hidden states of every position it adds.
+    pub fn prefill_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
+        self.check(model, tokens)?;
+        let mut hidden = Vec::new();
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
+            hidden.push(model.weights.forward_hidden(&x, &mut self.cache)?.squeeze(0)?);
+            self.tokens.extend_from_slice(chunk);
+        }
+        let hidden = Tensor::cat(&hidden, 0)?;
+        let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
+        let logits = model.weights.project(&last)?.squeeze(0)?.to_vec1::<f32>()?;
+        Ok((logits, Hidden(hidden)))
+    }
+
+    /// [`Sequence::forward_all`] that also returns the hidden states of every position.
+    pub fn forward_all_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Logits, Hidden), StepError> {
+        self.check(model, tokens)?;
+        let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
+        let out = model.weights.forward_all(&x, &mut self.cache, true)?;
+        self.tokens.extend_from_slice(tokens);
+        let logits = out.logits.squeeze(0)?;
+        let vocab = logits.dim(1)?;
+        let hidden = out.hidden.expect("asked for hidden states").squeeze(0)?;
+        Ok((Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab }, Hidden(hidden)))
+    }
+
+    /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
+    pub fn assistant_step(&self, model: &Model, head: &Assistant, hidden: &Hidden, token: u32, position: usize) -> Result<(Vec<f32>, Hidden), StepError> {
+        let x = Tensor::new(&[[token]], &model.device)?;
+        let h = hidden.0.unsqueeze(0)?;
+        let (logits, next) = head.head.forward(&model.weights, &self.cache, &h, &x, position)?;
+        Ok((logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(next.squeeze(0)?)))
+    }
+}
+
+/// A NextN head's per-sequence state: its KV cache and the tokens it was computed against.
+///
+/// Entry `j` reads the target's hidden state at `j` and the token at `j + 1`, so it stays valid
+/// as long as the target's tokens `0..=j + 1` do.
+pub struct NextNState {
+    cache: NextNCache,
+    /// `tokens[j + 1]` is the token entry `j` read (`tokens[0]` the first target token).
+    tokens: Vec<u32>,
+}
+
+impl NextNState {
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.cache.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.cache.is_empty()
+    }
+
+    /// Entries still valid for a sequence starting with `tokens`.
+    pub fn reusable(&self, tokens: &[u32]) -> usize {
+        let common = self.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        common.saturating_sub(1).min(self.len())
+    }
+
+    /// Keeps the first `len` entries (O(1)).
+    pub fn truncate(&mut self, len: usize) -> Result<(), StepError> {
+        let len = len.min(self.len());
+        self.cache.truncate(len)?;
+        self.tokens.truncate(len + 1);
+        Ok(())
+    }
+
+    /// Appends entries for positions `len()..`: `hidden` row `i` and the token after it,
+    /// `next_tokens[i]`; `first_token` is the sequence's token 0 when the state is empty.
+    /// Returns the last entry's logits and every entry's output hidden state.
+    pub fn forward(&mut self, model: &Model, first_token: u32, hidden: &Hidden, next_tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
+        if next_tokens.is_empty() || hidden.positions() != next_tokens.len() {
+            return Err(StepError::Empty);
+        }
+        if self.tokens.is_empty() {
+            self.tokens.push(first_token);
+        }
+        let x = Tensor::new(next_tokens, &model.device)?.unsqueeze(0)?;
+        let out = model.weights.nextn_forward(&hidden.0.unsqueeze(0)?, &x, &mut self.cache)?;
+        self.tokens.truncate(self.cache.len() - next_tokens.len() + 1);
+        self.tokens.extend_from_slice(next_tokens);
+        Ok((out.logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(out.hidden.squeeze(0)?)))
+    }
+}
+
+/// An external assistant head (`--spec-type draft-assistant --mtp-head FILE`), checked against
+/// the target it was loaded for.
+pub struct Assistant {
+    head: AssistantHead,
+    pub path: PathBuf,
+}
+
+impl Assistant {
+    pub fn load(path: &Path, target: &Model) -> Result<Assistant, LoadError> {
+        let p = || path.to_owned();
+        let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
+        let mut reader = BufReader::new(file);
+        let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
+        let head = AssistantHead::from_gguf(&ct, &mut reader, &target.device, &target.weights).map_err(|source| LoadError::Weights { path: p(), source })?;
+        Ok(Assistant { head, path: p() })
     }
 }

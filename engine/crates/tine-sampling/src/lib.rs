@@ -178,6 +178,11 @@ impl Sampler {
         self.draw(&dist)
     }
 
+    /// A uniform draw from `[0, 1)` on this sampler's stream (speculative acceptance tests).
+    pub fn uniform(&mut self) -> f32 {
+        self.rng.random::<f32>()
+    }
+
     /// Draws from an explicit distribution (used by speculative verification too).
     pub fn draw(&mut self, dist: &[(u32, f32)]) -> u32 {
         if dist.len() == 1 {

@@ -25,11 +25,14 @@ pub struct TinyGemma3 {
     pub seed: u64,
     /// Store the embedding table as Q8_0 (as real GGUFs do); otherwise F32.
     pub q8_embedding: bool,
+    /// Append a NextN head (`nextn_predict_layers = 1`, one more block with `blk.L.nextn.*`).
+    /// Its weights are drawn after the trunk's, so the trunk is the same with or without it.
+    pub nextn: bool,
 }
 
 impl Default for TinyGemma3 {
     fn default() -> Self {
-        TinyGemma3 { n_embd: 32, n_head: 4, n_kv_head: 1, head_dim: 16, n_ff: 64, n_layer: 6, window: 4, context: 256, seed: 7, q8_embedding: false }
+        TinyGemma3 { n_embd: 32, n_head: 4, n_kv_head: 1, head_dim: 16, n_ff: 64, n_layer: 6, window: 4, context: 256, seed: 7, q8_embedding: false, nextn: false }
     }
 }
 
@@ -108,7 +111,7 @@ impl TinyGemma3 {
         let embd = put("token_embd.weight".into(), rng.vec(n_vocab * d, 1.0), vec![n_vocab, d], embd_type);
         let output_norm = put("output_norm.weight".into(), norm(&mut rng, d), vec![d], GgmlDType::F32);
         let mut layers = Vec::new();
-        for l in 0..self.n_layer {
+        for l in 0..self.n_layer + usize::from(self.nextn) {
             let p = format!("blk.{l}");
             let f = GgmlDType::F32;
             let s = 1.0 / (d as f64).sqrt();
@@ -127,6 +130,16 @@ impl TinyGemma3 {
                 down: put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff], f),
                 post_ffn_norm: put(format!("{p}.post_ffw_norm.weight"), norm(&mut rng, d), vec![d], f),
             });
+        }
+        if self.nextn {
+            // The head's block is not part of the trunk the reference runs.
+            layers.pop();
+            let p = format!("blk.{}.nextn", self.n_layer);
+            let f = GgmlDType::F32;
+            put(format!("{p}.eh_proj.weight"), rng.vec(d * 2 * d, 1.0 / (2.0 * d as f64).sqrt()), vec![d, 2 * d], f);
+            put(format!("{p}.enorm.weight"), norm(&mut rng, d), vec![d], f);
+            put(format!("{p}.hnorm.weight"), norm(&mut rng, d), vec![d], f);
+            put(format!("{p}.shared_head_norm.weight"), norm(&mut rng, d), vec![d], f);
         }
         use gguf_file::Value as V;
         let u = |x: usize| V::U32(x as u32);
@@ -147,7 +160,8 @@ impl TinyGemma3 {
             ("general.name", V::String("tiny-gemma3-test".into())),
             ("gemma3.context_length", u(self.context)),
             ("gemma3.embedding_length", u(d)),
-            ("gemma3.block_count", u(self.n_layer)),
+            ("gemma3.block_count", u(self.n_layer + usize::from(self.nextn))),
+            ("gemma3.nextn_predict_layers", u(usize::from(self.nextn))),
             ("gemma3.feed_forward_length", u(self.n_ff)),
             ("gemma3.attention.head_count", u(self.n_head)),
             ("gemma3.attention.head_count_kv", u(self.n_kv_head)),
@@ -172,6 +186,84 @@ impl TinyGemma3 {
         let mut f = std::fs::File::create(path).expect("create fixture GGUF");
         gguf_file::write(&mut f, &md_refs, &t_refs).expect("write fixture GGUF");
         Weights { cfg: self.clone(), vocab: n_vocab, embd, output_norm, layers }
+    }
+}
+
+/// A synthetic assistant head (llama.cpp's `gemma4-assistant` layout) for a [`TinyGemma3`] target.
+#[derive(Debug, Clone)]
+pub struct TinyAssistant {
+    pub n_embd: usize,
+    pub n_head: usize,
+    pub n_ff: usize,
+    /// Blocks; their attention type alternates local, global, local, ...
+    pub n_layer: usize,
+    pub seed: u64,
+    /// Write the AtomicChat variant: `gemma4_assistant`, `n_embd_backbone`, `mtp.*` projections.
+    pub variant_names: bool,
+}
+
+impl Default for TinyAssistant {
+    fn default() -> Self {
+        TinyAssistant { n_embd: 24, n_head: 2, n_ff: 48, n_layer: 2, seed: 17, variant_names: false }
+    }
+}
+
+impl TinyAssistant {
+    /// Writes a head whose dimensions fit `target` to `path`.
+    pub fn write(&self, target: &TinyGemma3, path: &Path) {
+        let dev = Device::Cpu;
+        let mut rng = Rng(self.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+        let n_vocab = vocab().len();
+        let (d, d_out, hd) = (self.n_embd, target.n_embd, target.head_dim);
+        let f = GgmlDType::F32;
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut put = |name: String, data: Vec<f32>, shape: Vec<usize>| {
+            let t = Tensor::from_vec(data, shape, &dev).expect("fixture tensor");
+            tensors.push((name, QTensor::quantize(&t, f).expect("fixture quantize")));
+        };
+        let norm = |rng: &mut Rng, n: usize| rng.vec(n, 0.3).into_iter().map(|x| 1.0 + x).collect::<Vec<f32>>();
+        let s = 1.0 / (d as f64).sqrt();
+        let proj = if self.variant_names { "mtp" } else { "nextn" };
+        put("token_embd.weight".into(), rng.vec(n_vocab * d, 1.0), vec![n_vocab, d]);
+        put("output_norm.weight".into(), norm(&mut rng, d), vec![d]);
+        put(format!("{proj}.pre_projection.weight"), rng.vec(d * 2 * d_out, 1.0 / (2.0 * d_out as f64).sqrt()), vec![d, 2 * d_out]);
+        put(format!("{proj}.post_projection.weight"), rng.vec(d_out * d, s), vec![d_out, d]);
+        for l in 0..self.n_layer {
+            let p = format!("blk.{l}");
+            put(format!("{p}.attn_norm.weight"), norm(&mut rng, d), vec![d]);
+            put(format!("{p}.attn_q.weight"), rng.vec(self.n_head * hd * d, s), vec![self.n_head * hd, d]);
+            put(format!("{p}.attn_q_norm.weight"), norm(&mut rng, hd), vec![hd]);
+            put(format!("{p}.attn_output.weight"), rng.vec(d * self.n_head * hd, 1.0 / ((self.n_head * hd) as f64).sqrt()), vec![d, self.n_head * hd]);
+            put(format!("{p}.post_attention_norm.weight"), norm(&mut rng, d), vec![d]);
+            put(format!("{p}.ffn_norm.weight"), norm(&mut rng, d), vec![d]);
+            put(format!("{p}.ffn_gate.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d]);
+            put(format!("{p}.ffn_up.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d]);
+            put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff]);
+            put(format!("{p}.post_ffw_norm.weight"), norm(&mut rng, d), vec![d]);
+            put(format!("{p}.layer_output_scale.weight"), vec![0.5 + 0.25 * l as f32], vec![1]);
+        }
+        use gguf_file::Value as V;
+        let u = |x: usize| V::U32(x as u32);
+        let arch = if self.variant_names { "gemma4_assistant" } else { "gemma4-assistant" };
+        let out_key = if self.variant_names { "n_embd_backbone" } else { "embedding_length_out" };
+        let md: Vec<(String, V)> = vec![
+            ("general.architecture".into(), V::String(arch.into())),
+            ("general.name".into(), V::String("tiny-assistant-test".into())),
+            (format!("{arch}.embedding_length"), u(d)),
+            (format!("{arch}.{out_key}"), u(d_out)),
+            (format!("{arch}.block_count"), u(self.n_layer)),
+            (format!("{arch}.nextn_predict_layers"), u(self.n_layer)),
+            (format!("{arch}.feed_forward_length"), u(self.n_ff)),
+            (format!("{arch}.attention.head_count"), u(self.n_head)),
+            (format!("{arch}.attention.key_length"), u(hd)),
+            (format!("{arch}.attention.layer_norm_rms_epsilon"), V::F32(1e-6)),
+            (format!("{arch}.attention.sliding_window"), u(target.window)),
+            (format!("{arch}.attention.sliding_window_pattern"), V::Array((0..self.n_layer).map(|l| V::Bool(l % 2 == 0)).collect())),
+        ];
+        let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut file = std::fs::File::create(path).expect("create fixture GGUF");
+        gguf_file::write(&mut file, &md_refs, &t_refs).expect("write fixture GGUF");
     }
 }
 
@@ -290,6 +382,7 @@ impl Weights {
             context: md("context_length"),
             seed: 0,
             q8_embedding: true,
+            nextn: false,
         };
         let embd = get("token_embd.weight");
         let vocab = embd.len() / cfg.n_embd;

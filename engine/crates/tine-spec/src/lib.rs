@@ -1,0 +1,322 @@
+//! Speculative decoding: drafters propose tokens, the target verifies them in one forward, and
+//! the driver keeps exactly what plain decoding would have produced.
+//!
+//! - [`Drafter`] is one proposal strategy; [`drafters`] has one per [`SpecType`]: NextN
+//!   self-speculation, an external assistant head, a separate draft model, n-gram lookup.
+//! - [`Speculator`] runs a round: draft, verify (`Sequence::forward_all`, batch-invariant on the
+//!   CPU, so each row equals a one-token decode bit for bit), accept, roll the KV cache back
+//!   (O(1) truncate), and counts statistics.
+//! - Greedy: a draft is kept when the target's own choice equals it, so the output is the plain
+//!   greedy output token for token. Sampling: a draft `x` is kept with probability `p(x)` (the
+//!   drafters are argmax drafters, `q` is one-hot, so `min(1, p/q) = p(x)`), and a rejection
+//!   draws from `normalize(max(0, p − q))`; the output distribution is plain sampling's.
+//!
+//! This crate knows nothing about HTTP, chat templates or stop strings.
+
+pub mod drafters;
+
+use std::str::FromStr;
+
+use tine_runtime::{Hidden, Model, Sequence, StepError};
+use tine_sampling::Sampler;
+
+pub use drafters::{AssistantDrafter, DraftModelDrafter, MtpDrafter, NgramDrafter};
+
+/// The speculative decoding flavours (`--spec-type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SpecType {
+    /// NextN self-speculation: the head is baked into the target GGUF.
+    DraftMtp,
+    /// An external assistant head (`--mtp-head FILE`) reading the target's KV cache.
+    DraftAssistant,
+    /// A separate draft model with the same vocabulary (`-md FILE`).
+    Draft,
+    /// Prompt lookup: continue the longest recent n-gram match.
+    Ngram,
+}
+
+impl SpecType {
+    pub const ALL: [SpecType; 4] = [SpecType::DraftMtp, SpecType::DraftAssistant, SpecType::Draft, SpecType::Ngram];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpecType::DraftMtp => "draft-mtp",
+            SpecType::DraftAssistant => "draft-assistant",
+            SpecType::Draft => "draft",
+            SpecType::Ngram => "ngram",
+        }
+    }
+}
+
+impl std::fmt::Display for SpecType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown spec type `{0}` (expected draft-mtp, draft-assistant, draft or ngram)")]
+pub struct UnknownSpecType(pub String);
+
+impl FromStr for SpecType {
+    type Err = UnknownSpecType;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // llama.cpp's names for the same strategies are accepted too.
+        match s {
+            "draft-mtp" | "mtp" => Ok(SpecType::DraftMtp),
+            "draft-assistant" => Ok(SpecType::DraftAssistant),
+            "draft" | "draft-simple" => Ok(SpecType::Draft),
+            "ngram" | "ngram-simple" => Ok(SpecType::Ngram),
+            other => Err(UnknownSpecType(other.to_owned())),
+        }
+    }
+}
+
+/// How much to draft (`--spec-draft-n-max`, `--spec-draft-n-min`, `--spec-draft-p-min`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DraftParams {
+    /// Most tokens drafted per verify step; 0 turns speculation off.
+    pub n_max: usize,
+    /// Fewer drafted tokens than this are not verified (the step decodes plainly).
+    pub n_min: usize,
+    /// A model drafter stops when its top probability falls below this.
+    pub p_min: f32,
+}
+
+impl Default for DraftParams {
+    fn default() -> Self {
+        DraftParams { n_max: 3, n_min: 0, p_min: 0.0 }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("drafting failed")]
+    Draft(#[source] StepError),
+    #[error("the verify step failed")]
+    Verify(#[source] StepError),
+    #[error("the {0} drafter lost track of the target's hidden states (positions {1}.. missing)")]
+    OutOfSync(SpecType, usize),
+    #[error("the draft model's vocabulary ({draft} tokens) differs from the target's ({target})")]
+    VocabMismatch { draft: usize, target: usize },
+    #[error("{0} needs a target with a NextN head (`nextn_predict_layers` in its GGUF); this one has none")]
+    NoNextN(SpecType),
+}
+
+/// What a drafter sees: the target after its last verify step.
+pub struct DraftInput<'a> {
+    pub model: &'a Model,
+    /// The target sequence, holding the committed tokens `0..n`.
+    pub target: &'a Sequence,
+    /// The token at position `n`: decided, not yet fed to the target.
+    pub pending: u32,
+    /// The target's hidden states of positions `hidden_start..n` that this drafter has not seen
+    /// (only for drafters that ask for them).
+    pub hidden: Option<&'a Hidden>,
+    pub hidden_start: usize,
+    /// Draft at most this many tokens.
+    pub n_max: usize,
+    pub p_min: f32,
+}
+
+/// One drafting strategy, with its per-sequence state.
+pub trait Drafter: Send {
+    fn spec_type(&self) -> SpecType;
+
+    /// Whether [`DraftInput::hidden`] must be filled (MTP heads read the target's hidden states).
+    fn needs_hidden(&self) -> bool {
+        false
+    }
+
+    /// How many leading positions of a target holding `tokens` this drafter's state still
+    /// covers; the target keeps no more than this when a new request reuses a prefix.
+    fn reusable(&self, _tokens: &[u32]) -> usize {
+        usize::MAX
+    }
+
+    /// Proposes up to `input.n_max` tokens for positions `n + 1..`.
+    fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError>;
+}
+
+/// Draft statistics (llama-server's `draft_n`, `draft_n_accepted`, plus verify steps).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpecStats {
+    /// Tokens drafted.
+    pub draft_n: usize,
+    /// Drafted tokens the target kept.
+    pub draft_n_accepted: usize,
+    /// Verify forwards that carried at least one draft.
+    pub draft_verify_steps: usize,
+}
+
+impl SpecStats {
+    pub fn accept_rate(&self) -> f64 {
+        if self.draft_n == 0 { 0.0 } else { self.draft_n_accepted as f64 / self.draft_n as f64 }
+    }
+    /// Mean tokens decided per verify step: `1 + accepted / steps`.
+    pub fn tau(&self) -> f64 {
+        if self.draft_verify_steps == 0 { 1.0 } else { 1.0 + self.draft_n_accepted as f64 / self.draft_verify_steps as f64 }
+    }
+    pub fn add(&mut self, o: &SpecStats) {
+        self.draft_n += o.draft_n;
+        self.draft_n_accepted += o.draft_n_accepted;
+        self.draft_verify_steps += o.draft_verify_steps;
+    }
+}
+
+/// The tokens one round decided: accepted drafts, then the target's own next token.
+#[derive(Debug, Clone)]
+pub struct Round {
+    pub tokens: Vec<u32>,
+    /// The target logits each token was decided from (after `prepare`), one row per token.
+    pub rows: Vec<Vec<f32>>,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+/// A drafter plus the driver state of one sequence.
+pub struct Speculator {
+    drafter: Box<dyn Drafter>,
+    pub params: DraftParams,
+    pub stats: SpecStats,
+    /// Target hidden states the drafter has not consumed yet, for positions `hidden_start..`.
+    hidden: Option<Hidden>,
+    hidden_start: usize,
+}
+
+impl Speculator {
+    pub fn new(drafter: Box<dyn Drafter>, params: DraftParams) -> Speculator {
+        Speculator { drafter, params, stats: SpecStats::default(), hidden: None, hidden_start: 0 }
+    }
+
+    pub fn spec_type(&self) -> SpecType {
+        self.drafter.spec_type()
+    }
+
+    pub fn needs_hidden(&self) -> bool {
+        self.drafter.needs_hidden()
+    }
+
+    /// See [`Drafter::reusable`].
+    pub fn reusable(&self, tokens: &[u32]) -> usize {
+        self.drafter.reusable(tokens)
+    }
+
+    /// Records the hidden states a prefill produced for positions `start..` (a new request).
+    pub fn prefilled(&mut self, start: usize, hidden: Option<Hidden>) {
+        self.hidden = hidden;
+        self.hidden_start = start;
+    }
+
+    /// One round at the point where plain decoding would feed `pending`: draft up to
+    /// `min(n_max, max_new - 1)` tokens, verify them with `pending` in one forward, keep the
+    /// accepted prefix and decide the next token. The target ends holding `pending` and the
+    /// accepted drafts; the returned tokens (accepted drafts, then the decided next token) are
+    /// not all fed yet: the last one is the next round's `pending`.
+    ///
+    /// `prepare` edits each logit row before a decision (for example to ban end-of-generation
+    /// tokens), exactly as plain decoding edits its logits.
+    pub fn round(
+        &mut self,
+        model: &Model,
+        seq: &mut Sequence,
+        pending: u32,
+        sampler: &mut Sampler,
+        max_new: usize,
+        prepare: &dyn Fn(&mut [f32]),
+    ) -> Result<Round, SpecError> {
+        let n = seq.len();
+        let room = seq.context().saturating_sub(n + 1);
+        let k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room);
+        let consulted = k_max > 0;
+        let mut drafts = if consulted {
+            let input = DraftInput {
+                model,
+                target: seq,
+                pending,
+                hidden: self.hidden.as_ref(),
+                hidden_start: self.hidden_start,
+                n_max: k_max,
+                p_min: self.params.p_min,
+            };
+            let mut d = self.drafter.draft(&input)?;
+            d.truncate(k_max);
+            d
+        } else {
+            Vec::new()
+        };
+        if drafts.len() < self.params.n_min.max(1) {
+            drafts.clear();
+        }
+        let mut batch = Vec::with_capacity(drafts.len() + 1);
+        batch.push(pending);
+        batch.extend_from_slice(&drafts);
+        let (logits, hidden) = if self.drafter.needs_hidden() {
+            let (l, h) = seq.forward_all_hidden(model, &batch).map_err(SpecError::Verify)?;
+            (l, Some(h))
+        } else {
+            (seq.forward_all(model, &batch).map_err(SpecError::Verify)?, None)
+        };
+
+        let mut tokens = Vec::with_capacity(drafts.len() + 1);
+        let mut rows = Vec::with_capacity(drafts.len() + 1);
+        let mut accepted = 0;
+        for i in 0..=drafts.len() {
+            let mut row = logits.row(i).to_vec();
+            prepare(&mut row);
+            // The history a plain decode would have at this position.
+            let history = &seq.tokens()[..n + 1 + i];
+            let draft = drafts.get(i).copied();
+            let decided = match draft {
+                Some(d) if sampler.params().is_greedy() => {
+                    let t = sampler.sample(&row, history);
+                    if t == d {
+                        None
+                    } else {
+                        Some(t)
+                    }
+                }
+                Some(d) => {
+                    let dist = sampler.distribution(&row, history);
+                    let p = dist.iter().find(|c| c.0 == d).map(|c| c.1).unwrap_or(0.0);
+                    if sampler.uniform() < p {
+                        None
+                    } else {
+                        // normalize(max(0, p - q)) with q one-hot at the draft.
+                        let residual: Vec<(u32, f32)> = dist.into_iter().filter(|c| c.0 != d).collect();
+                        Some(if residual.is_empty() { d } else { sampler.draw(&residual) })
+                    }
+                }
+                None => Some(sampler.sample(&row, history)),
+            };
+            rows.push(row);
+            match decided {
+                None => {
+                    tokens.push(drafts[i]);
+                    accepted += 1;
+                }
+                Some(t) => {
+                    tokens.push(t);
+                    break;
+                }
+            }
+        }
+        seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
+        // The drafter next sees the hidden states of the positions just committed.
+        // (A drafter that was not consulted this round still needs the rows it missed.)
+        self.hidden = match (hidden, self.hidden.take()) {
+            (Some(h), Some(old)) if !consulted => Some(old.concat(&h.rows(0, accepted + 1).map_err(SpecError::Verify)?).map_err(SpecError::Verify)?),
+            (Some(h), _) => {
+                self.hidden_start = n;
+                Some(h.rows(0, accepted + 1).map_err(SpecError::Verify)?)
+            }
+            (None, _) => None,
+        };
+        if !drafts.is_empty() {
+            self.stats.draft_n += drafts.len();
+            self.stats.draft_n_accepted += accepted;
+            self.stats.draft_verify_steps += 1;
+        }
+        Ok(Round { tokens, rows, drafted: drafts.len(), accepted })
+    }
+}

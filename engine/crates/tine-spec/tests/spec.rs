@@ -1,0 +1,341 @@
+//! Integration tests of tine-spec (one test binary for the crate): losslessness of every spec
+//! type at every depth on synthetic GGUFs in the real layouts, rollback at every accept length,
+//! the sampling rule's distribution, and the MTP heads' patches (0011, 0012).
+
+use std::sync::Arc;
+
+use tine_runtime::{Assistant, Model, Sequence};
+use tine_sampling::{Sampler, SamplingParams};
+use tine_spec::{AssistantDrafter, DraftInput, DraftModelDrafter, DraftParams, Drafter, MtpDrafter, NgramDrafter, SpecError, SpecStats, SpecType, Speculator};
+use tine_test_support::{TinyAssistant, TinyGemma3};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    target: Arc<Model>,
+    cfg: TinyGemma3,
+    assistant: Arc<Assistant>,
+    draft: Arc<Model>,
+}
+
+fn fixture() -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = TinyGemma3 { nextn: true, seed: 21, ..TinyGemma3::default() };
+    let target_path = dir.path().join("target.gguf");
+    cfg.write(&target_path);
+    let head_path = dir.path().join("assistant.gguf");
+    TinyAssistant::default().write(&cfg, &head_path);
+    let draft_path = dir.path().join("draft.gguf");
+    TinyGemma3 { seed: 99, n_layer: 2, ..TinyGemma3::default() }.write(&draft_path);
+    let target = Arc::new(Model::load(&target_path).expect("target loads"));
+    let assistant = Arc::new(Assistant::load(&head_path, &target).expect("assistant head loads"));
+    let draft = Arc::new(Model::load(&draft_path).expect("draft model loads"));
+    Fixture { _dir: dir, target, cfg, assistant, draft }
+}
+
+fn prompt() -> Vec<u32> {
+    std::iter::once(2).chain((1..12u32).map(|i| 6 + (i * 53) % 280)).collect()
+}
+
+fn drafter(fx: &Fixture, kind: SpecType, self_draft: bool) -> Box<dyn Drafter> {
+    match kind {
+        SpecType::DraftMtp => Box::new(MtpDrafter::new(&fx.target, 256).expect("target has a NextN head")),
+        SpecType::DraftAssistant => Box::new(AssistantDrafter::new(fx.assistant.clone())),
+        SpecType::Draft => {
+            let m = if self_draft { fx.target.clone() } else { fx.draft.clone() };
+            Box::new(DraftModelDrafter::new(m, &fx.target, 256).expect("same vocabulary"))
+        }
+        SpecType::Ngram => Box::new(NgramDrafter { n_min: 1, n_max: 3 }),
+    }
+}
+
+/// Plain decoding: `n` tokens and the logit row each was chosen from.
+fn plain(model: &Model, prompt: &[u32], n: usize, params: SamplingParams) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut seq = model.new_sequence(256);
+    let mut sampler = Sampler::new(params);
+    let mut logits = seq.prefill(model, prompt).expect("prefill");
+    let (mut out, mut rows) = (Vec::new(), Vec::new());
+    while out.len() < n {
+        let t = sampler.sample(&logits, seq.tokens());
+        out.push(t);
+        rows.push(logits.clone());
+        if out.len() < n {
+            logits = seq.decode(model, t).expect("decode");
+        }
+    }
+    (out, rows)
+}
+
+/// Speculative decoding of `n` tokens on `seq` (which may hold a prefix), with the rows.
+fn speculate_on(model: &Model, seq: &mut Sequence, spec: &mut Speculator, prompt: &[u32], n: usize, params: SamplingParams) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut sampler = Sampler::new(params);
+    let keep = seq.tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1).min(spec.reusable(prompt));
+    seq.rollback(keep).expect("rollback");
+    let logits = if spec.needs_hidden() {
+        let (l, h) = seq.prefill_hidden(model, &prompt[keep..]).expect("prefill");
+        spec.prefilled(keep, Some(h));
+        l
+    } else {
+        spec.prefilled(keep, None);
+        seq.prefill(model, &prompt[keep..]).expect("prefill")
+    };
+    let first = sampler.sample(&logits, seq.tokens());
+    let (mut out, mut rows) = (vec![first], vec![logits]);
+    while out.len() < n {
+        let pending = *out.last().expect("at least one token");
+        let round = spec.round(model, seq, pending, &mut sampler, n - out.len(), &|_| {}).expect("round");
+        assert!(round.tokens.len() <= n - out.len(), "a round decided more tokens than asked for");
+        out.extend(round.tokens);
+        rows.extend(round.rows);
+    }
+    (out, rows)
+}
+
+fn speculate(model: &Model, spec: &mut Speculator, prompt: &[u32], n: usize, params: SamplingParams) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut seq = model.new_sequence(256);
+    speculate_on(model, &mut seq, spec, prompt, n, params)
+}
+
+fn assert_bit_identical(kind: &str, want: &(Vec<u32>, Vec<Vec<f32>>), got: &(Vec<u32>, Vec<Vec<f32>>)) {
+    assert_eq!(got.0, want.0, "{kind}: tokens differ from plain greedy decoding");
+    for (i, (a, b)) in want.1.iter().zip(&got.1).enumerate() {
+        let differing = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(differing, 0, "{kind}: position {i}: {differing} logits differ from plain decoding");
+    }
+}
+
+#[test]
+fn greedy_output_and_logits_are_bit_identical_to_plain_for_every_spec_type_and_depth() {
+    let fx = fixture();
+    let n = 40;
+    let want = plain(&fx.target, &prompt(), n, SamplingParams::greedy());
+    for kind in SpecType::ALL {
+        for depth in [1, 2, 3, 5] {
+            let mut spec = Speculator::new(drafter(&fx, kind, false), DraftParams { n_max: depth, ..DraftParams::default() });
+            let got = speculate(&fx.target, &mut spec, &prompt(), n, SamplingParams::greedy());
+            assert_bit_identical(&format!("{kind} depth {depth}"), &want, &got);
+            assert!(spec.stats.draft_verify_steps > 0, "{kind} depth {depth}: the drafter never drafted");
+        }
+    }
+}
+
+#[test]
+fn drafting_with_the_target_itself_accepts_every_token() {
+    let fx = fixture();
+    for depth in 1..=3 {
+        let mut spec = Speculator::new(drafter(&fx, SpecType::Draft, true), DraftParams { n_max: depth, ..DraftParams::default() });
+        let got = speculate(&fx.target, &mut spec, &prompt(), 30, SamplingParams::greedy());
+        assert_eq!(got.0, plain(&fx.target, &prompt(), 30, SamplingParams::greedy()).0);
+        let s = spec.stats;
+        assert_eq!(s.draft_n_accepted, s.draft_n, "depth {depth}: {s:?}");
+        assert!((s.tau() - (depth + 1) as f64).abs() < 0.5, "depth {depth}: tau {} with every draft accepted", s.tau());
+    }
+}
+
+/// Replays a script: the first `correct` drafts of every round are the plain continuation,
+/// the rest are wrong on purpose.
+struct Scripted {
+    truth: Vec<u32>,
+    prompt_len: usize,
+    correct: usize,
+    vocab: u32,
+}
+
+impl Drafter for Scripted {
+    fn spec_type(&self) -> SpecType {
+        SpecType::Ngram
+    }
+    fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
+        // The pending token is generated token `g`; drafts are tokens g+1...
+        let g = input.target.len() - self.prompt_len;
+        Ok((0..input.n_max)
+            .map(|i| {
+                let t = self.truth.get(g + 1 + i).copied().unwrap_or(0);
+                if i < self.correct { t } else { (t + 1) % self.vocab }
+            })
+            .collect())
+    }
+}
+
+#[test]
+fn rollback_at_every_partial_accept_length_leaves_the_cache_as_plain_decoding_would() {
+    let fx = fixture();
+    let n = 24;
+    let want = plain(&fx.target, &prompt(), n + 8, SamplingParams::greedy());
+    let k = 4;
+    for correct in 0..=k {
+        let script = Scripted { truth: want.0.clone(), prompt_len: prompt().len(), correct, vocab: fx.target.info.vocab_size as u32 };
+        let mut spec = Speculator::new(Box::new(script), DraftParams { n_max: k, ..DraftParams::default() });
+        let mut seq = fx.target.new_sequence(256);
+        let got = speculate_on(&fx.target, &mut seq, &mut spec, &prompt(), n, SamplingParams::greedy());
+        assert_bit_identical(&format!("{correct} of {k} drafts right"), &(want.0[..n].to_vec(), want.1[..n].to_vec()), &got);
+        let s = spec.stats;
+        // Every round accepts exactly the right drafts (the last round may draft fewer).
+        assert!(s.draft_n_accepted <= s.draft_verify_steps * correct && s.draft_n_accepted + correct >= s.draft_verify_steps * correct, "{correct} right per round: {s:?}");
+        // The sequence holds exactly the committed tokens; decoding on from it is plain decoding.
+        let mut tokens = prompt();
+        tokens.extend_from_slice(&got.0[..seq.len() - prompt().len()]);
+        assert_eq!(seq.tokens(), tokens.as_slice());
+        let next = seq.decode(&fx.target, got.0[seq.len() - prompt().len()]).expect("decode after rounds");
+        let at = seq.len() - prompt().len() - 1;
+        let differing = next.iter().zip(&want.1[at + 1]).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
+        assert_eq!(differing, 0, "{correct} right: the cache after rollback is not plain decoding's");
+    }
+}
+
+#[test]
+fn concurrent_sequences_with_different_spec_types_stay_independent() {
+    let fx = fixture();
+    let n = 30;
+    let prompts = [prompt(), vec![2, 40, 41, 42, 43, 40, 41, 42], vec![2, 7, 7, 9]];
+    let want: Vec<_> = prompts.iter().map(|p| plain(&fx.target, p, n, SamplingParams::greedy())).collect();
+    // One speculator and one sequence per slot, stepped round-robin, as the server does.
+    let mut slots: Vec<(Speculator, Sequence, Sampler, Vec<u32>)> = Vec::new();
+    for (i, kind) in [SpecType::DraftMtp, SpecType::DraftAssistant, SpecType::Ngram].into_iter().enumerate() {
+        let mut spec = Speculator::new(drafter(&fx, kind, false), DraftParams::default());
+        let mut seq = fx.target.new_sequence(256);
+        let mut sampler = Sampler::new(SamplingParams::greedy());
+        let logits = if spec.needs_hidden() {
+            let (l, h) = seq.prefill_hidden(&fx.target, &prompts[i]).expect("prefill");
+            spec.prefilled(0, Some(h));
+            l
+        } else {
+            spec.prefilled(0, None);
+            seq.prefill(&fx.target, &prompts[i]).expect("prefill")
+        };
+        let first = sampler.sample(&logits, seq.tokens());
+        slots.push((spec, seq, sampler, vec![first]));
+    }
+    while slots.iter().any(|s| s.3.len() < n) {
+        for (spec, seq, sampler, out) in slots.iter_mut().filter(|s| s.3.len() < n) {
+            let pending = *out.last().expect("token");
+            let round = spec.round(&fx.target, seq, pending, sampler, n - out.len(), &|_| {}).expect("round");
+            out.extend(round.tokens);
+        }
+    }
+    for (i, slot) in slots.iter().enumerate() {
+        assert_eq!(slot.3, want[i].0, "slot {i} ({})", slot.0.spec_type());
+    }
+}
+
+#[test]
+fn a_new_request_reusing_a_prefix_keeps_the_mtp_state_in_step() {
+    let fx = fixture();
+    let mut spec = Speculator::new(drafter(&fx, SpecType::DraftMtp, false), DraftParams::default());
+    let mut seq = fx.target.new_sequence(256);
+    let first = speculate_on(&fx.target, &mut seq, &mut spec, &prompt(), 20, SamplingParams::greedy());
+    // The next request continues the conversation, then one that shares only part of the prompt.
+    let mut longer = prompt();
+    longer.extend_from_slice(&first.0[..10]);
+    longer.extend_from_slice(&[50, 51]);
+    for p in [longer, prompt()[..6].iter().copied().chain([9, 9, 9]).collect()] {
+        let got = speculate_on(&fx.target, &mut seq, &mut spec, &p, 20, SamplingParams::greedy());
+        assert_eq!(got.0, plain(&fx.target, &p, 20, SamplingParams::greedy()).0);
+    }
+}
+
+/// Pearson's chi-square of observed counts against expected probabilities.
+fn chi_square(counts: &[usize], probs: &[f64], n: usize) -> f64 {
+    counts.iter().zip(probs).map(|(&c, &p)| (c as f64 - n as f64 * p).powi(2) / (n as f64 * p)).sum()
+}
+
+#[test]
+fn sampling_with_speculation_keeps_the_exact_next_token_distribution() {
+    // Temperature 1 over the top 4 tokens: the joint law of the first two sampled tokens is
+    // computed exactly from the target, then compared with what speculative sampling produced
+    // over 3000 seeds. df = 15; the 0.1% critical value is 37.7. The drafts come from the target
+    // itself (its argmax: accepted with probability p) and from n-gram lookup.
+    let fx = fixture();
+    let params = |seed| SamplingParams { temperature: 1.0, top_k: 4, top_p: 1.0, min_p: 0.0, seed: Some(seed), ..SamplingParams::default() };
+    let p = prompt();
+    let sampler = Sampler::new(params(0));
+    let mut seq = fx.target.new_sequence(64);
+    let logits = seq.prefill(&fx.target, &p).expect("prefill");
+    let first = sampler.distribution(&logits, seq.tokens());
+    let mut cells: Vec<((u32, u32), f64)> = Vec::new();
+    for &(t1, p1) in &first {
+        seq.rollback(p.len()).expect("rollback");
+        let l2 = seq.decode(&fx.target, t1).expect("decode");
+        for (t2, p2) in sampler.distribution(&l2, seq.tokens()) {
+            cells.push(((t1, t2), p1 as f64 * p2 as f64));
+        }
+    }
+    assert_eq!(cells.len(), 16);
+    let n = 3000;
+    for (kind, self_draft) in [(SpecType::Draft, true), (SpecType::Draft, false), (SpecType::Ngram, false)] {
+        let mut counts = vec![0usize; cells.len()];
+        let mut stats = SpecStats::default();
+        for seed in 0..n {
+            let mut spec = Speculator::new(drafter(&fx, kind, self_draft), DraftParams { n_max: 2, ..DraftParams::default() });
+            // Three tokens: the second is decided on a draft in the first round.
+            let (out, _) = speculate(&fx.target, &mut spec, &p, 3, params(seed as u64));
+            let cell = cells.iter().position(|c| c.0 == (out[0], out[1])).expect("a sampled pair outside the support");
+            counts[cell] += 1;
+            stats.add(&spec.stats);
+        }
+        let probs: Vec<f64> = cells.iter().map(|c| c.1).collect();
+        let x2 = chi_square(&counts, &probs, n);
+        assert!(x2 < 37.7, "{kind} (self draft {self_draft}): chi-square {x2:.1} over 15 df: the distribution changed");
+        if self_draft {
+            assert!(stats.draft_n_accepted > 0 && stats.draft_n_accepted < stats.draft_n, "both branches exercised: {stats:?}");
+        }
+    }
+}
+
+#[test]
+fn patch_0011_the_nextn_head_leaves_the_trunk_unchanged_and_chains_like_a_batch() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (with, without) = (dir.path().join("with.gguf"), dir.path().join("without.gguf"));
+    let cfg = TinyGemma3 { seed: 5, ..TinyGemma3::default() };
+    TinyGemma3 { nextn: true, ..cfg.clone() }.write(&with);
+    cfg.write(&without);
+    let (a, b) = (Model::load(&with).expect("nextn model"), Model::load(&without).expect("plain model"));
+    assert!(a.has_nextn() && !b.has_nextn());
+    let p = prompt();
+    let (mut sa, mut sb) = (a.new_sequence(64), b.new_sequence(64));
+    let (la, hidden) = sa.prefill_hidden(&a, &p).expect("prefill with hidden");
+    assert_eq!(la, sb.prefill(&b, &p).expect("prefill"), "the head must not change the trunk's logits");
+    // Entries 0..n-1 in one batch equal the same entries fed one at a time.
+    let next: Vec<u32> = p[1..].iter().copied().chain([9]).collect();
+    let mut batch = a.new_nextn_state(64).expect("state");
+    let (lb, hb) = batch.forward(&a, p[0], &hidden, &next).expect("batch");
+    let mut single = a.new_nextn_state(64).expect("state");
+    let mut last = (Vec::new(), None);
+    for i in 0..next.len() {
+        let (l, h) = single.forward(&a, p[0], &hidden.rows(i, 1).expect("row"), &next[i..=i]).expect("step");
+        last = (l, Some(h));
+    }
+    let max = lb.iter().zip(&last.0).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(max < 1e-4, "batched vs stepped NextN logits differ by {max}");
+    assert_eq!(hb.positions(), next.len());
+    assert!(single.reusable(&p) == p.len() - 1 && single.reusable(&[2, 1]) == 0);
+}
+
+#[test]
+fn patch_0012_assistant_heads_load_in_both_namings_and_mismatches_are_clear_errors() {
+    let fx = fixture();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let variant = dir.path().join("variant.gguf");
+    TinyAssistant { variant_names: true, ..TinyAssistant::default() }.write(&fx.cfg, &variant);
+    let head = Arc::new(Assistant::load(&variant, &fx.target).expect("gemma4_assistant / mtp.* naming loads"));
+    let mut spec = Speculator::new(Box::new(AssistantDrafter::new(head)), DraftParams::default());
+    let got = speculate(&fx.target, &mut spec, &prompt(), 20, SamplingParams::greedy());
+    assert_eq!(got.0, plain(&fx.target, &prompt(), 20, SamplingParams::greedy()).0);
+    // A head for a wider target is refused with the dimensions named.
+    let wide = dir.path().join("wide.gguf");
+    TinyAssistant::default().write(&TinyGemma3 { n_embd: 48, ..fx.cfg.clone() }, &wide);
+    let err = Assistant::load(&wide, &fx.target).err().expect("a mismatched head must not load");
+    let chain = format!("{err}: {}", std::error::Error::source(&err).map(|s| s.to_string()).unwrap_or_default());
+    assert!(chain.contains("48") && chain.contains("32"), "{chain}");
+    // draft-mtp on a target without a head is a clear error.
+    assert!(matches!(MtpDrafter::new(&fx.draft, 64), Err(SpecError::NoNextN(_))));
+}
+
+#[test]
+fn ngram_lookup_proposes_the_continuation_of_the_longest_recent_match() {
+    let d = NgramDrafter { n_min: 1, n_max: 3 };
+    // "a b c d x a b c" -> the 3-gram "a b c" occurred before, followed by "d x a".
+    assert_eq!(d.lookup(&[1, 2, 3, 4, 9, 1, 2, 3], 3), vec![4, 9, 1]);
+    // The most recent occurrence wins; no match, no draft.
+    assert_eq!(d.lookup(&[5, 6, 1, 5, 7, 5], 2), vec![7, 5]);
+    assert_eq!(d.lookup(&[1, 2, 3], 3), Vec::<u32>::new());
+}
