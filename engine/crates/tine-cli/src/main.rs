@@ -4,12 +4,15 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
+mod spec_bench;
+
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
 use tine_engine::chat::{render_gemma, Message};
 use tine_engine::{GenerateRequest, Generation};
 use tine_runtime::Model;
 use tine_sampling::SamplingParams;
+use tine_spec::{DraftParams, SpecConfig, SpecFactory, SpecType};
 
 #[derive(Parser)]
 #[command(name = "tine", version, about = "Tine: Gemma 3 GGUF inference on a patched candle")]
@@ -26,6 +29,13 @@ enum Cmd {
     Serve(ServeArgs),
     /// Print the token ids of a text (special tokens parsed), one JSON array.
     Tokenize(TokenizeArgs),
+    /// Check that speculative decoding is lossless: greedy output identical to plain decoding,
+    /// and the logit-equivalence figures (real_frac, frac_full_agree, mean_top1_mae, max |Δlogit|)
+    /// over a prompt set, for every depth. Exits 1 unless every figure is exact.
+    LogitEquiv(LogitEquivArgs),
+    /// Benchmark decode speed with speculative decoding against plain decoding (greedy), on the
+    /// seeds' 9-prompt set and copy-heavy prompts, every configuration interleaved in one run.
+    SpecBench(spec_bench::SpecBenchArgs),
 }
 
 #[derive(Args)]
@@ -39,6 +49,67 @@ struct ServeArgs {
     /// Slots: requests served concurrently, each with its own KV cache (and reused prompt prefix).
     #[arg(short = 'n', long = "parallel", alias = "np", default_value_t = 1)]
     parallel: usize,
+    #[command(flatten)]
+    spec: SpecArgs,
+}
+
+/// Speculative decoding (llama.cpp's flags where they overlap).
+#[derive(Args, Clone)]
+struct SpecArgs {
+    /// draft-mtp (the model's own NextN head), draft-assistant (needs --mtp-head), draft (needs
+    /// -md), ngram (prompt lookup). Off by default; --mtp-head or -md alone imply their type.
+    #[arg(long = "spec-type", value_name = "TYPE")]
+    spec_type: Option<SpecType>,
+    /// Most tokens drafted per verify step.
+    #[arg(long = "spec-draft-n-max", alias = "draft-max", default_value_t = 3)]
+    draft_n_max: usize,
+    /// Verify only when at least this many tokens were drafted.
+    #[arg(long = "spec-draft-n-min", alias = "draft-min", default_value_t = 0)]
+    draft_n_min: usize,
+    /// A model drafter stops when its top probability falls below this.
+    #[arg(long = "spec-draft-p-min", alias = "draft-p-min", default_value_t = 0.0)]
+    draft_p_min: f32,
+    /// An assistant head GGUF (gemma4-assistant layout) for --spec-type draft-assistant.
+    #[arg(long = "mtp-head", value_name = "FILE")]
+    mtp_head: Option<PathBuf>,
+    /// A draft model GGUF with the target's vocabulary for --spec-type draft (also `-md`).
+    #[arg(long = "model-draft", value_name = "FILE")]
+    model_draft: Option<PathBuf>,
+    /// Accepted for llama.cpp compatibility (also `-ngld`); Tine runs the draft on the CPU.
+    #[arg(long = "n-gpu-layers-draft", alias = "gpu-layers-draft", value_name = "N", allow_negative_numbers = true)]
+    _n_gpu_layers_draft: Option<String>,
+    /// Shortest n-gram the ngram drafter matches.
+    #[arg(long = "spec-ngram-min", default_value_t = 2)]
+    ngram_min: usize,
+    /// Longest n-gram the ngram drafter matches (tried first).
+    #[arg(long = "spec-ngram-max", default_value_t = 4)]
+    ngram_max: usize,
+}
+
+impl SpecArgs {
+    fn config(&self) -> Option<SpecConfig> {
+        let spec_type = self.spec_type.or(if self.mtp_head.is_some() {
+            Some(SpecType::DraftAssistant)
+        } else if self.model_draft.is_some() {
+            Some(SpecType::Draft)
+        } else {
+            None
+        })?;
+        Some(SpecConfig {
+            spec_type,
+            params: DraftParams { n_max: self.draft_n_max, n_min: self.draft_n_min, p_min: self.draft_p_min },
+            mtp_head: self.mtp_head.clone(),
+            draft_model: self.model_draft.clone(),
+            ngram_min: self.ngram_min,
+            ngram_max: self.ngram_max,
+        })
+    }
+
+    fn load(&self, model: &Model) -> anyhow::Result<Option<SpecFactory>> {
+        let Some(config) = self.config() else { return Ok(None) };
+        let what = format!("speculative decoding ({})", config.spec_type);
+        Ok(Some(SpecFactory::load(config, model).context(what)?))
+    }
 }
 
 #[derive(Args)]
@@ -57,7 +128,7 @@ struct TokenizeArgs {
 }
 
 #[derive(Args)]
-struct ModelArgs {
+pub(crate) struct ModelArgs {
     /// A Gemma 3 GGUF (default: the cached Gemma 3 270M Q4_K_M; `cargo xtask fetch-model` fetches it).
     #[arg(short = 'm', long)]
     model: Option<PathBuf>,
@@ -99,9 +170,38 @@ struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
+    #[command(flatten)]
+    spec: SpecArgs,
 }
 
-fn load(args: &ModelArgs) -> anyhow::Result<Model> {
+#[derive(Args)]
+struct LogitEquivArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    spec: SpecArgs,
+    /// Check every spec type this model supports (draft-mtp if it has a NextN head,
+    /// draft-assistant with --mtp-head, draft with -md, and ngram), instead of --spec-type.
+    #[arg(long)]
+    all: bool,
+    /// Draft depths (--spec-draft-n-max values) to check, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    depths: Vec<usize>,
+    /// A file with one prompt per line (default: a built-in set of eight).
+    #[arg(long, value_name = "FILE")]
+    prompts: Option<PathBuf>,
+    /// Tokens generated per prompt.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
+    n_predict: i32,
+    /// Argmax flips where plain decoding's top-2 margin is below this (nats) are benign ties.
+    #[arg(long, default_value_t = 0.7)]
+    tie_margin: f32,
+    /// Also write the results as JSON here.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
     let path = match &args.model {
         Some(p) => p.clone(),
         None => {
@@ -135,15 +235,20 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         model.tokenizer.encode(&a.prompt, true, true)
     };
     let mut seq = model.new_sequence(a.model.ctx_size);
+    let factory = a.spec.load(&model)?;
+    let mut spec = match &factory {
+        Some(f) => Some(f.speculator(&model, seq.context())?),
+        None => None,
+    };
     let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, repeat_penalty: a.repeat_penalty, seed: a.seed, ..SamplingParams::default() };
     let req = GenerateRequest { n_predict: a.n_predict, sampling, ignore_eos: a.ignore_eos, ..GenerateRequest::new(prompt_ids) };
-    let mut g = Generation::start(&model, &mut seq, req)?;
+    let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut())?;
     let mut out = std::io::stdout().lock();
     if !a.chat && a.prompt_ids.is_none() {
         write!(out, "{}", a.prompt)?;
     }
     while !g.is_finished() {
-        let ev = g.step(&model, &mut seq)?;
+        let ev = g.step_with(&model, &mut seq, spec.as_mut())?;
         write!(out, "{}", ev.text)?;
         out.flush()?;
     }
@@ -159,7 +264,121 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         t.predicted_per_second(),
         g.stop_type().map(|s| s.as_str()).unwrap_or("none")
     );
+    if let Some(spec) = &spec {
+        let d = t.draft;
+        eprintln!(
+            "draft ({}, n_max {}): drafted {} accepted {} ({:.1}%) in {} verify steps, {:.2} tokens per step",
+            spec.spec_type(),
+            spec.params.n_max,
+            d.draft_n,
+            d.draft_n_accepted,
+            d.accept_rate() * 100.0,
+            d.draft_verify_steps,
+            d.tau()
+        );
+    }
     Ok(())
+}
+
+/// The built-in prompt set of `tine logit-equiv`: code, prose, lists, repetition, Q&A.
+const EQUIV_PROMPTS: [&str; 8] = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "The history of the printing press begins",
+    "Shopping list:\n1. eggs\n2. milk\n3.",
+    "Q: What is the capital of France?\nA:",
+    "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat",
+    "Translate to French: Good morning, how are you?\nFrench:",
+    "#include <stdio.h>\nint main(void) {\n",
+    "Once upon a time, in a small village by the sea,",
+];
+
+fn greedy_run(model: &Model, prompt: &[u32], n_predict: i32, spec: Option<&mut tine_spec::Speculator>) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>, tine_spec::SpecStats)> {
+    let mut seq = model.new_sequence(prompt.len() + n_predict.max(0) as usize + 8);
+    let req = GenerateRequest { n_predict, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.to_vec()) };
+    let mut spec = spec;
+    let mut g = Generation::start_with(model, &mut seq, req, spec.as_deref_mut())?;
+    g.record_logits(true);
+    while !g.is_finished() {
+        g.step_with(model, &mut seq, spec.as_deref_mut())?;
+    }
+    Ok((g.tokens().to_vec(), g.recorded_logits().to_vec(), g.timings().draft))
+}
+
+fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
+    let model = load(&a.model)?;
+    let prompts: Vec<String> = match &a.prompts {
+        Some(f) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?.lines().filter(|l| !l.trim().is_empty()).map(|l| l.replace("\\n", "\n")).collect(),
+        None => EQUIV_PROMPTS.iter().map(|s| s.to_string()).collect(),
+    };
+    let base = a.spec.config();
+    let configs: Vec<SpecConfig> = if a.all {
+        let mut v = Vec::new();
+        if model.has_nextn() {
+            v.push(SpecConfig { spec_type: SpecType::DraftMtp, ..base.clone().unwrap_or_else(|| SpecConfig::new(SpecType::DraftMtp)) });
+        }
+        if a.spec.mtp_head.is_some() {
+            v.push(SpecConfig { spec_type: SpecType::DraftAssistant, mtp_head: a.spec.mtp_head.clone(), ..SpecConfig::new(SpecType::DraftAssistant) });
+        }
+        if a.spec.model_draft.is_some() {
+            v.push(SpecConfig { spec_type: SpecType::Draft, draft_model: a.spec.model_draft.clone(), ..SpecConfig::new(SpecType::Draft) });
+        }
+        v.push(SpecConfig { ngram_min: a.spec.ngram_min, ngram_max: a.spec.ngram_max, ..SpecConfig::new(SpecType::Ngram) });
+        v
+    } else {
+        vec![base.context("give --spec-type (or --all)")?]
+    };
+    let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| model.tokenizer.encode(p, true, true)).collect();
+    eprintln!("plain greedy decoding of {} prompts x {} tokens ...", encoded.len(), a.n_predict);
+    let plain: Vec<_> = encoded.iter().map(|p| greedy_run(&model, p, a.n_predict, None)).collect::<anyhow::Result<_>>()?;
+    println!("{:<16} {:>5} {:>9} {:>10} {:>9} {:>15} {:>13} {:>15} {:>6} {:>6}", "spec type", "depth", "positions", "real_frac", "frac_full", "mean_top1_mae", "max |Δlogit|", "greedy ident.", "accept", "tau");
+    let mut all_exact = true;
+    let mut results = Vec::new();
+    for cfg in configs {
+        let factory = SpecFactory::load(cfg.clone(), &model).with_context(|| format!("setting up {}", cfg.spec_type))?;
+        for &depth in &a.depths {
+            let mut total = tine_spec::equivalence::Equivalence { frac_full_agree: 0.0, tokens_identical: true, ..Default::default() };
+            let (mut full, mut mae, mut identical, mut stats) = (0.0, 0.0, 0, tine_spec::SpecStats::default());
+            for (p, want) in encoded.iter().zip(&plain) {
+                let mut spec = factory.speculator(&model, model.info.context_length)?;
+                spec.params.n_max = depth;
+                let got = greedy_run(&model, p, a.n_predict, Some(&mut spec))?;
+                stats.add(&got.2);
+                let e = tine_spec::equivalence::compare((&want.0, &want.1), (&got.0, &got.1), a.tie_margin);
+                total.positions += e.positions;
+                total.real_disagreements += e.real_disagreements;
+                full += e.frac_full_agree * e.positions as f64;
+                mae += e.mean_top1_mae * e.positions as f64;
+                total.max_abs_logit_diff = total.max_abs_logit_diff.max(e.max_abs_logit_diff);
+                identical += usize::from(e.tokens_identical);
+            }
+            let n = total.positions.max(1) as f64;
+            total.real_frac = total.real_disagreements as f64 / n;
+            total.frac_full_agree = full / n;
+            total.mean_top1_mae = mae / n;
+            total.tokens_identical = identical == encoded.len();
+            all_exact &= total.is_exact();
+            println!(
+                "{:<16} {:>5} {:>9} {:>10.4} {:>9.4} {:>15.6} {:>13.3e} {:>9}/{:<5} {:>6.3} {:>6.2}",
+                cfg.spec_type.as_str(), depth, total.positions, total.real_frac, total.frac_full_agree, total.mean_top1_mae, total.max_abs_logit_diff, identical, encoded.len(), stats.accept_rate(), stats.tau()
+            );
+            results.push(serde_json::json!({
+                "spec_type": cfg.spec_type.as_str(), "depth": depth, "positions": total.positions,
+                "real_disagreements": total.real_disagreements, "real_frac": total.real_frac,
+                "frac_full_agree": total.frac_full_agree, "mean_top1_mae": total.mean_top1_mae,
+                "max_abs_logit_diff": total.max_abs_logit_diff, "greedy_identical_prompts": identical,
+                "prompts": encoded.len(), "draft_n": stats.draft_n, "draft_n_accepted": stats.draft_n_accepted,
+                "draft_verify_steps": stats.draft_verify_steps, "exact": total.is_exact(),
+            }));
+        }
+    }
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({"model": model.info.path, "n_predict": a.n_predict, "tie_margin": a.tie_margin, "results": results, "exact": all_exact});
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+    }
+    println!("{}", if all_exact { "logit-equiv: exact (every figure zero, greedy output identical)" } else { "logit-equiv: NOT exact" });
+    Ok(all_exact)
 }
 
 fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
@@ -179,17 +398,40 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let model = std::sync::Arc::new(load(&a.model)?);
     let ctx = a.model.ctx_size.min(model.info.context_length);
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
-    let config = tine_server::ServerConfig { parallel: a.parallel.max(1), ctx_size: ctx };
-    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each)", config.parallel);
+    let spec = a.spec.load(&model)?.map(std::sync::Arc::new);
+    let config = tine_server::ServerConfig { parallel: a.parallel.max(1), ctx_size: ctx, spec };
+    let spec_note = match &config.spec {
+        Some(f) => format!(", speculative {} n_max {}", f.config.spec_type, f.config.params.n_max),
+        None => String::new(),
+    };
+    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each{spec_note})", config.parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(tine_server::serve(model, config, addr)).with_context(|| format!("serving on {addr}"))?;
     Ok(())
 }
 
+/// llama.cpp spells some long options with one dash (`-md`, `-ngld`); clap takes them as long.
+fn llama_style_args() -> Vec<std::ffi::OsString> {
+    std::env::args_os()
+        .map(|a| match a.to_str() {
+            Some("-md") => "--model-draft".into(),
+            Some("-ngld") => "--n-gpu-layers-draft".into(),
+            _ => a,
+        })
+        .collect()
+}
+
 fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
+    match Cli::parse_from(llama_style_args()).command {
         Cmd::Serve(a) => serve(a).context("tine serve"),
         Cmd::Generate(a) => generate(a).context("tine generate"),
         Cmd::Tokenize(a) => tokenize(a).context("tine tokenize"),
+        Cmd::SpecBench(a) => spec_bench::run(a).context("tine spec-bench"),
+        Cmd::LogitEquiv(a) => {
+            if !logit_equiv(a).context("tine logit-equiv")? {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
     }
 }

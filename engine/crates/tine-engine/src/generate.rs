@@ -24,11 +24,13 @@ pub struct GenerateRequest {
     pub n_probs: usize,
     /// Reuse the prefix the sequence already holds.
     pub cache_prompt: bool,
+    /// Per-request draft settings (the speculator's own when `None`).
+    pub speculative: Option<tine_spec::DraftParams>,
 }
 
 impl GenerateRequest {
     pub fn new(prompt: Vec<u32>) -> GenerateRequest {
-        GenerateRequest { prompt, n_predict: -1, sampling: SamplingParams::default(), stop: Vec::new(), ignore_eos: false, n_probs: 0, cache_prompt: true }
+        GenerateRequest { prompt, n_predict: -1, sampling: SamplingParams::default(), stop: Vec::new(), ignore_eos: false, n_probs: 0, cache_prompt: true, speculative: None }
     }
 }
 
@@ -167,6 +169,10 @@ impl Generation {
         let common = if req.cache_prompt { common_prefix(seq.tokens(), &req.prompt) } else { 0 };
         // The last prompt token is always evaluated: its logits start the generation.
         let mut keep = common.min(req.prompt.len() - 1);
+        let mut spec = spec;
+        if let (Some(spec), Some(params)) = (spec.as_deref_mut(), req.speculative) {
+            spec.params = params;
+        }
         if let Some(spec) = spec.as_deref() {
             // A drafter with per-position state only covers part of what the target holds.
             keep = keep.min(spec.reusable(&req.prompt));

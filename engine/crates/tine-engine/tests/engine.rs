@@ -1,1 +1,49 @@
 //! Integration tests of tine-engine.
+
+use tine_engine::{GenerateRequest, Generation, StopType};
+use tine_runtime::Model;
+use tine_sampling::SamplingParams;
+use tine_spec::{SpecConfig, SpecFactory, SpecType};
+use tine_test_support::TinyGemma3;
+
+fn run(model: &Model, req: GenerateRequest, factory: Option<&SpecFactory>) -> (Vec<u32>, String, Option<StopType>, Vec<Vec<f32>>, tine_engine::Timings) {
+    let mut seq = model.new_sequence(256);
+    let mut spec = factory.map(|f| f.speculator(model, 256).expect("speculator"));
+    let mut g = Generation::start_with(model, &mut seq, req, spec.as_mut()).expect("start");
+    g.record_logits(true);
+    let mut streamed = String::new();
+    while !g.is_finished() {
+        let ev = g.step_with(model, &mut seq, spec.as_mut()).expect("step");
+        streamed.push_str(&ev.text);
+    }
+    assert_eq!(streamed, g.text(), "streamed text equals the final text");
+    (g.tokens().to_vec(), g.text().to_owned(), g.stop_type(), g.recorded_logits().to_vec(), g.timings())
+}
+
+#[test]
+fn speculative_generation_hands_out_exactly_what_plain_generation_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3 { nextn: true, seed: 4, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello world hello world hello", true, true);
+    let requests = [
+        GenerateRequest { n_predict: 33, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) },
+        GenerateRequest { n_predict: 5, sampling: SamplingParams::greedy(), ignore_eos: true, n_probs: 3, ..GenerateRequest::new(prompt.clone()) },
+        GenerateRequest { n_predict: 40, sampling: SamplingParams::greedy(), stop: vec!["l".into(), "wor".into()], ..GenerateRequest::new(prompt.clone()) },
+    ];
+    for kind in [SpecType::DraftMtp, SpecType::Ngram] {
+        let factory = SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(kind) }, &model).expect("setup");
+        for (i, req) in requests.iter().enumerate() {
+            let want = run(&model, req.clone(), None);
+            let got = run(&model, req.clone(), Some(&factory));
+            assert_eq!((&got.0, &got.1, got.2), (&want.0, &want.1, want.2), "{kind}, request {i}");
+            assert!(got.3.iter().zip(&want.3).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "{kind}, request {i}: logits differ");
+            assert_eq!(got.4.predicted_n, want.4.predicted_n);
+            assert_eq!(want.4.draft, Default::default(), "plain decoding drafts nothing");
+            if i == 0 {
+                assert!(got.4.draft.draft_verify_steps > 0, "{kind}: the drafter ran: {:?}", got.4.draft);
+            }
+        }
+    }
+}

@@ -32,6 +32,8 @@ use scheduler::{Event, Job, Scheduler, Summary};
 pub struct ServerConfig {
     pub parallel: usize,
     pub ctx_size: usize,
+    /// Speculative decoding for every slot (each slot keeps its own drafter state).
+    pub spec: Option<Arc<tine_spec::SpecFactory>>,
 }
 
 struct AppState {
@@ -45,7 +47,7 @@ type Shared = Arc<AppState>;
 
 /// Builds the router; the engine thread starts here.
 pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
-    let scheduler = Scheduler::start(model.clone(), config.parallel.max(1), config.ctx_size);
+    let scheduler = Scheduler::start(model.clone(), config.parallel.max(1), config.ctx_size, config.spec.clone());
     let model_id = model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone());
     let state = Arc::new(AppState { model, scheduler, config, model_id });
     Router::new()
@@ -138,6 +140,9 @@ async fn props(State(st): State<Shared>) -> Json<Value> {
         "bos_token": st.model.tokenizer.bos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "build_info": format!("tine {}", env!("CARGO_PKG_VERSION")),
+        "speculative": st.config.spec.as_ref().map(|f| json!({
+            "type": f.config.spec_type.as_str(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
+        })),
     }))
 }
 
@@ -238,6 +243,12 @@ struct GenFields {
     cache_prompt: Option<bool>,
     #[serde(default)]
     return_tokens: bool,
+    #[serde(rename = "speculative.n_max")]
+    spec_n_max: Option<usize>,
+    #[serde(rename = "speculative.n_min")]
+    spec_n_min: Option<usize>,
+    #[serde(rename = "speculative.p_min")]
+    spec_p_min: Option<f32>,
 }
 
 #[derive(Deserialize)]
@@ -315,7 +326,17 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         Some(StopInput::One(s)) => vec![s],
         Some(StopInput::Many(v)) => v,
     };
+    let speculative = match &st.config.spec {
+        Some(f) if g.spec_n_max.is_some() || g.spec_n_min.is_some() || g.spec_p_min.is_some() => {
+            let d = f.config.params;
+            let p = tine_spec::DraftParams { n_max: g.spec_n_max.unwrap_or(d.n_max), n_min: g.spec_n_min.unwrap_or(d.n_min), p_min: g.spec_p_min.unwrap_or(d.p_min) };
+            p.check().map_err(|e| ApiError::bad(format!("speculative: {e}")))?;
+            Some(p)
+        }
+        _ => None,
+    };
     let request = GenerateRequest {
+        speculative,
         prompt,
         n_predict: n_predict.min(i32::MAX as i64) as i32,
         sampling,
@@ -342,6 +363,7 @@ fn timings_json(t: &Timings) -> Value {
         "cache_n": t.cached_n,
         "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms, "prompt_per_token_ms": if t.prompt_n > 0 { t.prompt_ms / t.prompt_n as f64 } else { 0.0 }, "prompt_per_second": t.prompt_per_second(),
         "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms, "predicted_per_token_ms": if t.predicted_n > 0 { t.predicted_ms / t.predicted_n as f64 } else { 0.0 }, "predicted_per_second": t.predicted_per_second(),
+        "draft_n": t.draft.draft_n, "draft_n_accepted": t.draft.draft_n_accepted, "draft_verify_steps": t.draft.draft_verify_steps,
     })
 }
 
@@ -401,6 +423,19 @@ fn log_request(st: &AppState, s: &Summary) {
         t.predicted_per_second(),
         s.stop_type.as_str()
     );
+    if let Some(f) = &st.config.spec {
+        let d = t.draft;
+        eprintln!(
+            "slot {} | draft {}: {} drafted, {} accepted ({:.1}%), {} verify steps, {:.2} tokens per step",
+            s.slot,
+            f.config.spec_type,
+            d.draft_n,
+            d.draft_n_accepted,
+            d.accept_rate() * 100.0,
+            d.draft_verify_steps,
+            d.tau()
+        );
+    }
 }
 
 fn now() -> u64 {

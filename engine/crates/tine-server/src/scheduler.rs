@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use tine_engine::{GenerateRequest, Generation, StopType, Timings, TokenProb};
 use tine_runtime::{Model, Sequence};
+use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What the engine sends back for a request.
@@ -41,6 +42,8 @@ pub struct Job {
 
 struct Slot {
     seq: Sequence,
+    /// This slot's drafter state (speculative decoding on).
+    spec: Option<Speculator>,
     active: Option<(Generation, UnboundedSender<Event>)>,
     last_used: u64,
 }
@@ -53,11 +56,11 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn start(model: Arc<Model>, slots: usize, ctx_size: usize) -> Scheduler {
+    pub fn start(model: Arc<Model>, slots: usize, ctx_size: usize, spec: Option<Arc<SpecFactory>>) -> Scheduler {
         let (tx, rx) = mpsc::channel::<Job>();
         std::thread::Builder::new()
             .name("tine-engine".into())
-            .spawn(move || run(model, slots, ctx_size, rx))
+            .spawn(move || run(model, slots, ctx_size, spec, rx))
             .expect("spawning the engine thread");
         Scheduler { jobs: tx, slots }
     }
@@ -72,8 +75,18 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, rx: mpsc::Receiver<Job>) {
-    let mut slots: Vec<Slot> = (0..n_slots).map(|_| Slot { seq: model.new_sequence(ctx_size), active: None, last_used: 0 }).collect();
+fn new_speculator(model: &Model, factory: Option<&Arc<SpecFactory>>, seq: &Sequence) -> Option<Speculator> {
+    // The factory was checked against this model when the server started.
+    factory.map(|f| f.speculator(model, seq.context()).expect("the speculative setup was validated at startup"))
+}
+
+fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, factory: Option<Arc<SpecFactory>>, rx: mpsc::Receiver<Job>) {
+    let mut slots: Vec<Slot> = (0..n_slots)
+        .map(|_| {
+            let seq = model.new_sequence(ctx_size);
+            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, active: None, last_used: 0 }
+        })
+        .collect();
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut clock = 0u64;
     loop {
@@ -106,7 +119,11 @@ fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, rx: mpsc::Receiver<Jo
             clock += 1;
             let slot = &mut slots[i];
             slot.last_used = clock;
-            match Generation::start(&model, &mut slot.seq, job.request) {
+            if let (Some(spec), Some(f)) = (slot.spec.as_mut(), factory.as_ref()) {
+                // The server's draft settings unless the request brings its own.
+                spec.params = f.config.params;
+            }
+            match Generation::start_with(&model, &mut slot.seq, job.request, slot.spec.as_mut()) {
                 Ok(g) => slot.active = Some((g, job.events)),
                 Err(e) => {
                     let _ = job.events.send(Event::Error(e.to_string()));
@@ -120,7 +137,7 @@ fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, rx: mpsc::Receiver<Jo
                 slot.active = None; // the client went away
                 continue;
             }
-            match g.step(&model, &mut slot.seq) {
+            match g.step_with(&model, &mut slot.seq, slot.spec.as_mut()) {
                 Ok(ev) => {
                     if let Some(id) = ev.token {
                         if !(ev.stop == Some(StopType::Eos)) || !ev.text.is_empty() {
@@ -146,6 +163,7 @@ fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, rx: mpsc::Receiver<Jo
                     let _ = events.send(Event::Error(e.to_string()));
                     // The sequence may be mid-step: forget it rather than trust it.
                     slot.seq.reset();
+                    slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
                     slot.active = None;
                 }
             }

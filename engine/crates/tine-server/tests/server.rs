@@ -17,14 +17,22 @@ struct Server {
 }
 
 fn start(parallel: usize, ctx_size: usize) -> Server {
+    start_with(parallel, ctx_size, None)
+}
+
+fn start_with(parallel: usize, ctx_size: usize, spec: Option<tine_spec::SpecType>) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    TinyGemma3::default().write(&path);
+    TinyGemma3 { nextn: spec.is_some(), ..TinyGemma3::default() }.write(&path);
     let model = Arc::new(Model::load(&path).expect("fixture loads"));
+    let spec = spec.map(|kind| {
+        let config = tine_spec::SpecConfig { ngram_min: 1, ..tine_spec::SpecConfig::new(kind) };
+        Arc::new(tine_spec::SpecFactory::load(config, &model).expect("speculative setup"))
+    });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let app = tine_server::router(model, ServerConfig { parallel, ctx_size });
+    let app = tine_server::router(model, ServerConfig { parallel, ctx_size, spec });
     rt.spawn(async move { axum::serve(listener, app).await.expect("serve") });
     Server { addr, _dir: dir, _rt: rt }
 }
@@ -209,4 +217,50 @@ fn openai_shapes_and_tokenize_round_trip() {
     assert_eq!(ids[0], 2);
     let (_, d) = post(srv.addr, "/detokenize", json!({"tokens": ids}));
     assert_eq!(d["content"], "<bos>hello world");
+}
+
+#[test]
+fn speculative_slots_answer_like_plain_ones_and_report_draft_timings() {
+    let plain = start(1, 256);
+    let body = json!({"prompt": "hello world hello world", "n_predict": 24, "temperature": 0, "ignore_eos": true});
+    let (_, want) = post(plain.addr, "/completion", body.clone());
+    for kind in [tine_spec::SpecType::DraftMtp, tine_spec::SpecType::Ngram] {
+        let server = start_with(2, 256, Some(kind));
+        // Two concurrent requests, one per slot, each slot with its own drafter state.
+        let (a, b) = std::thread::scope(|s| {
+            let h = s.spawn(|| post(server.addr, "/completion", body.clone()));
+            let b = post(server.addr, "/completion", body.clone());
+            (h.join().expect("client thread"), b)
+        });
+        for (status, got) in [a, b] {
+            assert_eq!(status, 200, "{got}");
+            assert_eq!(got["content"], want["content"], "{kind}: greedy output differs from plain");
+            let t = &got["timings"];
+            let (n, acc, steps) = (t["draft_n"].as_u64().expect("draft_n"), t["draft_n_accepted"].as_u64().expect("draft_n_accepted"), t["draft_verify_steps"].as_u64().expect("draft_verify_steps"));
+            assert!(steps > 0 && acc <= n, "{kind}: {t}");
+        }
+        // Per-request override: no drafting at all.
+        let mut off = body.clone();
+        off["speculative.n_max"] = json!(0);
+        let (status, got) = post(server.addr, "/completion", off);
+        assert_eq!(status, 200);
+        assert_eq!(got["content"], want["content"]);
+        assert_eq!(got["timings"]["draft_n"], json!(0));
+        let (_, props) = http(server.addr, "GET", "/props", "");
+        let props: Value = serde_json::from_str(&props).expect("json");
+        assert_eq!(props["speculative"]["type"], json!(kind.as_str()));
+    }
+}
+
+#[test]
+fn a_bad_speculative_override_is_a_400_with_a_json_error() {
+    let server = start_with(1, 256, Some(tine_spec::SpecType::Ngram));
+    for bad in [json!({"prompt": "hi", "speculative.p_min": 2.0}), json!({"prompt": "hi", "speculative.n_max": 99})] {
+        let (status, body) = post(server.addr, "/completion", bad);
+        assert_eq!(status, 400, "{body}");
+        assert!(body["error"]["message"].as_str().expect("message").contains("speculative"), "{body}");
+    }
+    // The server keeps serving.
+    let (status, _) = post(server.addr, "/completion", json!({"prompt": "hi", "n_predict": 2}));
+    assert_eq!(status, 200);
 }

@@ -14,6 +14,7 @@
 //! This crate knows nothing about HTTP, chat templates or stop strings.
 
 pub mod drafters;
+pub mod equivalence;
 
 use std::str::FromStr;
 
@@ -318,5 +319,124 @@ impl Speculator {
             self.stats.draft_verify_steps += 1;
         }
         Ok(Round { tokens, rows, drafted: drafts.len(), accepted })
+    }
+}
+
+/// Everything that selects and sizes speculative decoding (the CLI's and server's flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecConfig {
+    pub spec_type: SpecType,
+    pub params: DraftParams,
+    /// `--mtp-head FILE` for [`SpecType::DraftAssistant`].
+    pub mtp_head: Option<std::path::PathBuf>,
+    /// `-md FILE` for [`SpecType::Draft`].
+    pub draft_model: Option<std::path::PathBuf>,
+    /// N-gram sizes tried, longest first (`--spec-ngram-min`, `--spec-ngram-max`).
+    pub ngram_min: usize,
+    pub ngram_max: usize,
+}
+
+impl SpecConfig {
+    pub fn new(spec_type: SpecType) -> SpecConfig {
+        SpecConfig { spec_type, params: DraftParams::default(), mtp_head: None, draft_model: None, ngram_min: 2, ngram_max: 4 }
+    }
+}
+
+/// Why speculative decoding cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("--spec-type draft-assistant needs --mtp-head FILE")]
+    MissingHead,
+    #[error("--spec-type draft needs a draft model (-md FILE)")]
+    MissingDraftModel,
+    #[error("n-gram sizes must satisfy 1 <= min <= max, got {0}..={1}")]
+    NgramSizes(usize, usize),
+    #[error("cannot load {what}")]
+    Load {
+        what: &'static str,
+        #[source]
+        source: tine_runtime::LoadError,
+    },
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Params(#[from] ParamsError),
+}
+
+/// Out-of-range [`DraftParams`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ParamsError {
+    #[error("the draft depth n_max must be at most {MAX_DRAFT}, got {0}")]
+    NMax(usize),
+    #[error("p_min must lie in [0, 1], got {0}")]
+    PMin(f32),
+}
+
+impl DraftParams {
+    pub fn check(&self) -> Result<(), ParamsError> {
+        if self.n_max > MAX_DRAFT {
+            return Err(ParamsError::NMax(self.n_max));
+        }
+        if !(0.0..=1.0).contains(&self.p_min) {
+            return Err(ParamsError::PMin(self.p_min));
+        }
+        Ok(())
+    }
+}
+
+/// Most tokens one verify step may draft (a verify batch stays small enough to be batch-invariant).
+pub const MAX_DRAFT: usize = 16;
+
+/// Loaded drafting resources, shared by all slots; makes one [`Speculator`] per sequence.
+pub struct SpecFactory {
+    pub config: SpecConfig,
+    assistant: Option<std::sync::Arc<tine_runtime::Assistant>>,
+    draft: Option<std::sync::Arc<Model>>,
+}
+
+impl std::fmt::Debug for SpecFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpecFactory").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl SpecFactory {
+    /// Loads what `config` needs and checks it fits `target`.
+    pub fn load(config: SpecConfig, target: &Model) -> Result<SpecFactory, SetupError> {
+        config.params.check()?;
+        let (mut assistant, mut draft) = (None, None);
+        match config.spec_type {
+            SpecType::DraftMtp if !target.has_nextn() => return Err(SpecError::NoNextN(SpecType::DraftMtp).into()),
+            SpecType::DraftMtp => {}
+            SpecType::DraftAssistant => {
+                let path = config.mtp_head.as_ref().ok_or(SetupError::MissingHead)?;
+                let head = tine_runtime::Assistant::load(path, target).map_err(|source| SetupError::Load { what: "the assistant head", source })?;
+                assistant = Some(std::sync::Arc::new(head));
+            }
+            SpecType::Draft => {
+                let path = config.draft_model.as_ref().ok_or(SetupError::MissingDraftModel)?;
+                let model = Model::load(path).map_err(|source| SetupError::Load { what: "the draft model", source })?;
+                if model.info.vocab_size != target.info.vocab_size {
+                    return Err(SpecError::VocabMismatch { draft: model.info.vocab_size, target: target.info.vocab_size }.into());
+                }
+                draft = Some(std::sync::Arc::new(model));
+            }
+            SpecType::Ngram if config.ngram_min == 0 || config.ngram_min > config.ngram_max => {
+                return Err(SetupError::NgramSizes(config.ngram_min, config.ngram_max));
+            }
+            SpecType::Ngram => {}
+        }
+        Ok(SpecFactory { config, assistant, draft })
+    }
+
+    /// A fresh speculator (drafter state included) for one sequence of `context` positions.
+    pub fn speculator(&self, target: &Model, context: usize) -> Result<Speculator, SpecError> {
+        let drafter: Box<dyn Drafter> = match self.config.spec_type {
+            SpecType::DraftMtp => Box::new(MtpDrafter::new(target, context)?),
+            SpecType::DraftAssistant => Box::new(AssistantDrafter::new(self.assistant.clone().expect("loaded for draft-assistant"))),
+            SpecType::Draft => Box::new(DraftModelDrafter::new(self.draft.clone().expect("loaded for draft"), target, context)?),
+            SpecType::Ngram => Box::new(NgramDrafter { n_min: self.config.ngram_min, n_max: self.config.ngram_max }),
+        };
+        Ok(Speculator::new(drafter, self.config.params))
     }
 }

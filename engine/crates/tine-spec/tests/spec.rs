@@ -339,3 +339,58 @@ fn ngram_lookup_proposes_the_continuation_of_the_longest_recent_match() {
     assert_eq!(d.lookup(&[5, 6, 1, 5, 7, 5], 2), vec![7, 5]);
     assert_eq!(d.lookup(&[1, 2, 3], 3), Vec::<u32>::new());
 }
+
+#[test]
+fn equivalence_figures_are_zero_for_identical_rows_and_count_only_real_flips() {
+    use tine_spec::equivalence::compare;
+    let rows = vec![vec![3.0, 1.0, 0.0], vec![0.0, 2.0, 1.9]];
+    let e = compare((&[0, 1], &rows), (&[0, 1], &rows), 0.7);
+    assert!(e.is_exact() && e.positions == 2, "{e:?}");
+    // Position 1 is a near-tie (margin 0.1): flipping it is benign; flipping position 0 is real.
+    let flipped_tie = vec![rows[0].clone(), vec![0.0, 1.9, 2.0]];
+    let e = compare((&[0, 1], &rows), (&[0, 2], &flipped_tie), 0.7);
+    assert_eq!((e.real_disagreements, e.tokens_identical), (0, false), "{e:?}");
+    let flipped_real = vec![vec![1.0, 3.0, 0.0], rows[1].clone()];
+    let e = compare((&[0, 1], &rows), (&[1, 1], &flipped_real), 0.7);
+    assert_eq!((e.positions, e.real_disagreements, e.real_frac), (1, 1, 1.0), "{e:?}");
+    assert!((e.max_abs_logit_diff - 2.0).abs() < 1e-9);
+}
+
+// ---- The default model (fetched by `cargo xtask fetch-model`, which `cargo xtask ci` runs) ----
+
+fn real_model() -> &'static Arc<Model> {
+    static MODEL: std::sync::OnceLock<Arc<Model>> = std::sync::OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = tine_runtime::default_model_path();
+        assert!(path.exists(), "the default model is not cached at {}: run `cargo xtask fetch-model`", path.display());
+        Arc::new(Model::load(&path).expect("the default model loads"))
+    })
+}
+
+#[test]
+fn real_model_drafting_with_itself_accepts_every_token_and_ngram_accepts_most_of_a_copy() {
+    let model = real_model();
+    let prompt = model.tokenizer.encode("Copy this line exactly, three times:\nThe quick brown fox jumps over the lazy dog.\nThe quick brown fox jumps over the lazy dog.\nThe quick brown fox", true, true);
+    let n = 32;
+    let mut seq = model.new_sequence(256);
+    let want = {
+        let mut sampler = Sampler::new(SamplingParams::greedy());
+        let mut logits = seq.prefill(model, &prompt).expect("prefill");
+        let mut out = Vec::new();
+        while out.len() < n {
+            let t = sampler.sample(&logits, seq.tokens());
+            out.push(t);
+            logits = seq.decode(model, t).expect("decode");
+        }
+        out
+    };
+    let self_draft = DraftModelDrafter::new(model.clone(), model, 256).expect("same vocabulary");
+    let mut spec = Speculator::new(Box::new(self_draft), DraftParams::default());
+    let got = speculate(model, &mut spec, &prompt, n, SamplingParams::greedy());
+    assert_eq!(got.0, want);
+    assert_eq!(spec.stats.draft_n_accepted, spec.stats.draft_n, "{:?}", spec.stats);
+    let mut spec = Speculator::new(Box::new(NgramDrafter::default()), DraftParams::default());
+    let got = speculate(model, &mut spec, &prompt, n, SamplingParams::greedy());
+    assert_eq!(got.0, want);
+    assert!(spec.stats.accept_rate() > 0.6, "ngram on a copy: {:?}", spec.stats);
+}

@@ -1,0 +1,218 @@
+//! `tine spec-bench`: decode speed with speculative decoding on against plain decoding, on the
+//! seeds' 9-prompt set and on copy-heavy prompts, all configurations interleaved in one run.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::Args;
+use tine_engine::chat::{render_gemma, Message};
+use tine_engine::{GenerateRequest, Generation};
+use tine_sampling::SamplingParams;
+use tine_spec::{DraftInput, DraftParams, Drafter, SpecConfig, SpecError, SpecFactory, SpecStats, SpecType, Speculator};
+
+#[derive(Args)]
+pub struct SpecBenchArgs {
+    #[command(flatten)]
+    pub model: crate::ModelArgs,
+    /// Spec types to measure: ngram, draft (needs -md; drafting the target with itself if
+    /// -md names the same file), draft-mtp, draft-assistant (needs --mtp-head), and `reject`
+    /// (a drafter whose drafts are always rejected: the cost of a verify step that gains nothing).
+    #[arg(long, value_delimiter = ',', default_value = "ngram,reject")]
+    pub types: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    pub depths: Vec<usize>,
+    /// Tokens generated per prompt (greedy, EOS ignored).
+    #[arg(short = 'n', long = "n-predict", default_value_t = 192)]
+    pub n_predict: i32,
+    /// Interleaved rounds; the table reports medians.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Prompt sets: mtp9 (the seeds' nine prompts), copy (copy-heavy edits and quotes).
+    #[arg(long, value_delimiter = ',', default_value = "copy,mtp9")]
+    pub sets: Vec<String>,
+    #[arg(long = "model-draft", value_name = "FILE")]
+    pub model_draft: Option<PathBuf>,
+    #[arg(long = "mtp-head", value_name = "FILE")]
+    pub mtp_head: Option<PathBuf>,
+    /// Write the Markdown report here (and JSON beside it).
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+const PYTHON_SNIPPET: &str = "def load_records(path, limit=None):\n    records = []\n    with open(path, encoding=\"utf-8\") as handle:\n        for number, line in enumerate(handle):\n            if limit is not None and number >= limit:\n                break\n            line = line.strip()\n            if not line or line.startswith(\"#\"):\n                continue\n            name, value = line.split(\"=\", 1)\n            records.append((name.strip(), float(value)))\n    return records\n\n\ndef total(records):\n    result = 0.0\n    for name, value in records:\n        result += value\n    return result\n";
+
+const PASSAGE: &str = "The lighthouse at Bell Rock was built between 1807 and 1810. \"The rock is covered by the sea for twenty hours of every day,\" wrote its engineer, Robert Stevenson. Workers could only labour at low tide, and in the first season they managed just eighty hours on the rock itself. \"We were often obliged to leave the work with the water rising round our knees,\" one mason recalled. The tower still stands, and its light has shone every night for more than two hundred years.";
+
+/// (set, name, user message) in the seeds' order.
+fn prompts() -> Vec<(&'static str, &'static str, String)> {
+    vec![
+        ("copy", "code_edit", format!("Rewrite this Python code with the variable `records` renamed to `rows`. Change nothing else and print the whole code.\n\n```python\n{PYTHON_SNIPPET}```")),
+        ("copy", "summarize_quotes", format!("{PASSAGE}\n\nSummarize the passage above in three sentences, quoting its two quotations word for word.")),
+        ("mtp9", "code_python", "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.".into()),
+        ("mtp9", "code_cpp", "Write a C++ function that reverses a singly linked list, and a short main() that tests it.".into()),
+        ("mtp9", "explain_concept", "Explain what a hash table is and why lookups are fast on average.".into()),
+        ("mtp9", "summarize", format!("Summarize this in two sentences:\n\n{PASSAGE}")),
+        ("mtp9", "qa_factual", "What is the capital of Australia, and why was it chosen over Sydney and Melbourne?".into()),
+        ("mtp9", "translation", "Translate into French: 'The weather is lovely today, so we are going to walk along the river and have lunch in the park.'".into()),
+        ("mtp9", "creative_short", "Write a short poem about a lighthouse keeper on a stormy night.".into()),
+        ("mtp9", "stepwise_math", "A train travels 120 km in 1.5 hours, then 80 km in 1 hour. What is its average speed? Think step by step.".into()),
+        ("mtp9", "long_code_review", format!("Review this code and list concrete improvements:\n\n```python\n{PYTHON_SNIPPET}```")),
+    ]
+}
+
+/// Drafts token 0 (`<pad>`), which the target never chooses: every draft is rejected.
+struct RejectDrafter;
+
+impl Drafter for RejectDrafter {
+    fn spec_type(&self) -> SpecType {
+        SpecType::Ngram
+    }
+    fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
+        Ok(vec![0; input.n_max])
+    }
+}
+
+#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Debug)]
+struct Config {
+    kind: String,
+    depth: usize,
+}
+
+impl Config {
+    fn label(&self) -> String {
+        if self.kind == "plain" { "plain".into() } else { format!("{} d{}", self.kind, self.depth) }
+    }
+}
+
+#[derive(Default, Clone)]
+struct Sample {
+    tokens: usize,
+    ms: f64,
+    stats: SpecStats,
+    identical: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() { 0.0 } else if v.len() % 2 == 1 { v[v.len() / 2] } else { (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0 }
+}
+
+pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
+    let model = crate::load(&a.model)?;
+    let prompts: Vec<_> = prompts().into_iter().filter(|p| a.sets.iter().any(|s| s == p.0)).collect();
+    let encoded: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| Ok(model.tokenizer.encode(&render_gemma(&[Message { role: "user".into(), content: p.2.clone() }], true)?, false, true)))
+        .collect::<anyhow::Result<_>>()?;
+    let mut factories: BTreeMap<String, SpecFactory> = BTreeMap::new();
+    for t in &a.types {
+        if t == "reject" {
+            continue;
+        }
+        let kind: SpecType = t.parse()?;
+        let config = SpecConfig { mtp_head: a.mtp_head.clone(), draft_model: a.model_draft.clone(), ..SpecConfig::new(kind) };
+        factories.insert(t.clone(), SpecFactory::load(config, &model).with_context(|| format!("setting up {t}"))?);
+    }
+    let mut configs = vec![Config { kind: "plain".into(), depth: 0 }];
+    for t in &a.types {
+        for &d in &a.depths {
+            configs.push(Config { kind: t.clone(), depth: d });
+        }
+    }
+    // samples[(config, prompt)] = one per round
+    let mut samples: BTreeMap<(Config, usize), Vec<Sample>> = BTreeMap::new();
+    let mut reference: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let total = a.rounds * prompts.len() * configs.len();
+    let mut done = 0;
+    for round in 0..a.rounds {
+        for (pi, prompt) in encoded.iter().enumerate() {
+            for c in &configs {
+                let mut spec = match c.kind.as_str() {
+                    "plain" => None,
+                    "reject" => Some(Speculator::new(Box::new(RejectDrafter), DraftParams { n_max: c.depth, ..DraftParams::default() })),
+                    k => {
+                        let mut s = factories[k].speculator(&model, prompt.len() + a.n_predict as usize + 8)?;
+                        s.params.n_max = c.depth;
+                        Some(s)
+                    }
+                };
+                let mut seq = model.new_sequence(prompt.len() + a.n_predict as usize + 8);
+                let req = GenerateRequest { n_predict: a.n_predict, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) };
+                let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut())?;
+                while !g.is_finished() {
+                    g.step_with(&model, &mut seq, spec.as_mut())?;
+                }
+                let t = g.timings();
+                if c.kind == "plain" && round == 0 {
+                    reference[pi] = g.tokens().to_vec();
+                }
+                let identical = g.tokens() == reference[pi].as_slice();
+                samples.entry((c.clone(), pi)).or_default().push(Sample { tokens: t.predicted_n, ms: t.predicted_ms, stats: t.draft, identical });
+                done += 1;
+                eprint!("\r[{done}/{total}] round {} {:<18} {:<20} {:>6.1} tok/s   ", round + 1, prompts[pi].1, c.label(), t.predicted_per_second());
+            }
+        }
+    }
+    eprintln!();
+
+    let mut md = String::new();
+    let mut json_rows = Vec::new();
+    writeln!(md, "Model: `{}`; greedy, {} tokens per prompt, EOS ignored; {} interleaved rounds, medians.\n", model.info.path.display(), a.n_predict, a.rounds)?;
+    let sets: Vec<&str> = ["copy", "mtp9"].into_iter().filter(|s| a.sets.iter().any(|x| x == s)).collect();
+    for set in sets {
+        let idx: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].0 == set).collect();
+        // Per round: total tokens / total time over the set's prompts; then the median over rounds.
+        let tps = |c: &Config| -> f64 {
+            median((0..a.rounds).map(|r| {
+                let (tok, ms) = idx.iter().fold((0usize, 0f64), |acc, &i| { let s = &samples[&(c.clone(), i)][r]; (acc.0 + s.tokens, acc.1 + s.ms) });
+                tok as f64 * 1000.0 / ms
+            }).collect())
+        };
+        let plain_tps = tps(&configs[0]);
+        writeln!(md, "### Prompt set `{set}` ({} prompts)\n", idx.len())?;
+        writeln!(md, "| config | accept | τ (tokens/verify) | decode tok/s | speedup vs plain | greedy identical |")?;
+        writeln!(md, "|---|---|---|---|---|---|")?;
+        for c in &configs {
+            let mut st = SpecStats::default();
+            let mut ident = 0;
+            for &i in &idx {
+                let s = &samples[&(c.clone(), i)];
+                st.add(&s[0].stats);
+                ident += s.iter().filter(|x| x.identical).count();
+            }
+            let v = tps(c);
+            let (acc, tau) = if c.kind == "plain" { ("-".to_string(), "1".to_string()) } else { (format!("{:.3}", st.accept_rate()), format!("{:.2}", st.tau())) };
+            writeln!(md, "| {} | {acc} | {tau} | {v:.1} | {:.2}x | {ident}/{} |", c.label(), v / plain_tps, idx.len() * a.rounds)?;
+            json_rows.push(serde_json::json!({"set": set, "config": c.label(), "accept": st.accept_rate(), "tau": st.tau(), "tps": v, "speedup": v / plain_tps, "draft_n": st.draft_n, "draft_n_accepted": st.draft_n_accepted, "draft_verify_steps": st.draft_verify_steps, "greedy_identical": ident, "runs": idx.len() * a.rounds}));
+        }
+        writeln!(md)?;
+        // Per prompt: the best depth of each type.
+        writeln!(md, "Per prompt (decode tok/s, median of rounds; accept rate in parentheses):\n")?;
+        write!(md, "| prompt | plain |")?;
+        for c in configs.iter().skip(1) {
+            write!(md, " {} |", c.label())?;
+        }
+        writeln!(md, "\n|---|---|{}", "---|".repeat(configs.len() - 1))?;
+        for &i in &idx {
+            write!(md, "| {} |", prompts[i].1)?;
+            for c in &configs {
+                let s = &samples[&(c.clone(), i)];
+                let v = median(s.iter().map(|x| x.tokens as f64 * 1000.0 / x.ms).collect());
+                if c.kind == "plain" { write!(md, " {v:.1} |")?; } else { write!(md, " {v:.1} ({:.2}) |", s[0].stats.accept_rate())?; }
+            }
+            writeln!(md)?;
+        }
+        writeln!(md)?;
+    }
+    print!("{md}");
+    if let Some(out) = &a.out {
+        let tmp = out.with_extension("md.tmp");
+        std::fs::write(&tmp, &md).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, out)?;
+        let j = out.with_extension("json");
+        std::fs::write(&j, serde_json::to_string_pretty(&serde_json::json!({"n_predict": a.n_predict, "rounds": a.rounds, "rows": json_rows}))?)?;
+    }
+    Ok(())
+}
