@@ -6,6 +6,8 @@
 extern crate candle_core as candle;
 #[path = "../../../upstream/candle-nn/tests/kv_cache_truncate.rs"]
 mod patch_0001_kv_cache_truncate;
+#[path = "../../../upstream/candle-core/tests/quantized_row_tiles.rs"]
+mod patch_0015_quantized_row_tiles;
 
 // ---- The Gemma 3 forward against a float64 reference, on a synthetic GGUF ----
 
