@@ -6,6 +6,10 @@
 extern crate candle_core as candle;
 #[path = "../../../upstream/candle-nn/tests/kv_cache_truncate.rs"]
 mod patch_0001_kv_cache_truncate;
+#[path = "../../../upstream/candle-nn/tests/batch_invariant_attention.rs"]
+mod patch_0010_batch_invariant_attention;
+#[path = "../../../upstream/candle-core/tests/quantized_matmul_batch_invariance.rs"]
+mod patch_0014_quantized_matmul_batch_invariance;
 #[path = "../../../upstream/candle-core/tests/quantized_row_tiles.rs"]
 mod patch_0015_quantized_row_tiles;
 
