@@ -100,6 +100,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(a.n_predict > 0, "--n-predict must be a positive token count, got {}", a.n_predict);
+    anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
     let model = crate::load(&a.model)?;
     let prompts: Vec<_> = prompts().into_iter().filter(|p| a.sets.iter().any(|s| s == p.0)).collect();
     let encoded: Vec<Vec<u32>> = prompts

@@ -7,8 +7,12 @@ use tine_spec::{SpecConfig, SpecFactory, SpecType};
 use tine_test_support::TinyGemma3;
 
 fn run(model: &Model, req: GenerateRequest, factory: Option<&SpecFactory>) -> (Vec<u32>, String, Option<StopType>, Vec<Vec<f32>>, tine_engine::Timings) {
-    let mut seq = model.new_sequence(256);
-    let mut spec = factory.map(|f| f.speculator(model, 256).expect("speculator"));
+    run_in(model, 256, req, factory)
+}
+
+fn run_in(model: &Model, context: usize, req: GenerateRequest, factory: Option<&SpecFactory>) -> (Vec<u32>, String, Option<StopType>, Vec<Vec<f32>>, tine_engine::Timings) {
+    let mut seq = model.new_sequence(context);
+    let mut spec = factory.map(|f| f.speculator(model, context).expect("speculator"));
     let mut g = Generation::start_with(model, &mut seq, req, spec.as_mut()).expect("start");
     g.record_logits(true);
     let mut streamed = String::new();
@@ -44,6 +48,25 @@ fn speculative_generation_hands_out_exactly_what_plain_generation_does() {
             if i == 0 {
                 assert!(got.4.draft.draft_verify_steps > 0, "{kind}: the drafter ran: {:?}", got.4.draft);
             }
+        }
+    }
+}
+
+#[test]
+fn speculation_stops_at_the_context_limit_exactly_where_plain_decoding_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3 { nextn: true, seed: 6, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello hello hello", true, true);
+    for context in [prompt.len() + 1, prompt.len() + 2, prompt.len() + 3, prompt.len() + 7] {
+        let req = GenerateRequest { n_predict: -1, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) };
+        let want = run_in(&model, context, req.clone(), None);
+        assert_eq!(want.2, Some(StopType::Limit));
+        for kind in [SpecType::DraftMtp, SpecType::Ngram] {
+            let factory = SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(kind) }, &model).expect("setup");
+            let got = run_in(&model, context, req.clone(), Some(&factory));
+            assert_eq!((&got.0, got.2), (&want.0, want.2), "{kind}, context {context}");
         }
     }
 }

@@ -370,6 +370,12 @@ pub struct Assistant {
 }
 
 impl Assistant {
+    /// Chained draft steps one round can take: a step at `n + j` reads target keys up to
+    /// `n - 1`, which a local block with window `w` sees only while `j <= w - 2`.
+    pub fn max_draft_steps(&self, target: &Model) -> usize {
+        self.head.max_draft_steps(&target.weights)
+    }
+
     pub fn load(path: &Path, target: &Model) -> Result<Assistant, LoadError> {
         let p = || path.to_owned();
         let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;

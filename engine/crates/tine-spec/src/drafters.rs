@@ -122,12 +122,14 @@ impl Drafter for DraftModelDrafter {
 /// NextN self-speculation: the target's own MTP head, with its KV cache per sequence.
 pub struct MtpDrafter {
     state: NextNState,
+    /// Entries built from the target's own hidden states; those past it were built on drafts.
+    trusted: usize,
 }
 
 impl MtpDrafter {
     pub fn new(target: &Model, context: usize) -> Result<Self, SpecError> {
         let state = target.new_nextn_state(context).ok_or(SpecError::NoNextN(SpecType::DraftMtp))?;
-        Ok(MtpDrafter { state })
+        Ok(MtpDrafter { state, trusted: 0 })
     }
 }
 
@@ -139,7 +141,7 @@ impl Drafter for MtpDrafter {
         true
     }
     fn reusable(&self, tokens: &[u32]) -> usize {
-        self.state.reusable(tokens)
+        self.state.reusable(tokens).min(self.trusted)
     }
 
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
@@ -153,9 +155,11 @@ impl Drafter for MtpDrafter {
         // Entries from `start` on were built on draft tokens or stale states: rebuild them from
         // the target's hidden states, ending with the pending token (the first draft step).
         self.state.truncate(start).map_err(draft_err)?;
+        self.trusted = self.trusted.min(start);
         let mut next: Vec<u32> = tokens[start + 1..].to_vec();
         next.push(input.pending);
         let (mut logits, mut out) = self.state.forward(input.model, tokens[0], hidden, &next).map_err(draft_err)?;
+        self.trusted = self.state.len();
         let mut drafts = Vec::with_capacity(input.n_max);
         while let Some(d) = pick(&logits, input.p_min) {
             drafts.push(d);
@@ -195,14 +199,11 @@ impl Drafter for AssistantDrafter {
             _ => return Err(SpecError::OutOfSync(SpecType::DraftAssistant, n.saturating_sub(1))),
         };
         let mut token = input.pending;
-        let mut drafts = Vec::with_capacity(input.n_max);
-        for position in n..n + input.n_max {
-            let (logits, next) = match input.target.assistant_step(input.model, &self.head, &hidden, token, position) {
-                Ok(step) => step,
-                // A chained query can outrun a short sliding window (it sees no target key).
-                Err(_) if !drafts.is_empty() => break,
-                Err(e) => return Err(draft_err(e)),
-            };
+        // A chained query must still see a target key through its local layers' windows.
+        let steps = input.n_max.min(self.head.max_draft_steps(input.model));
+        let mut drafts = Vec::with_capacity(steps);
+        for position in n..n + steps {
+            let (logits, next) = input.target.assistant_step(input.model, &self.head, &hidden, token, position).map_err(draft_err)?;
             let Some(d) = pick(&logits, input.p_min) else { break };
             drafts.push(d);
             hidden = next;

@@ -227,7 +227,9 @@ impl Speculator {
         prepare: &dyn Fn(&mut [f32]),
     ) -> Result<Round, SpecError> {
         let n = seq.len();
-        let room = seq.context().saturating_sub(n + 1);
+        // Plain decoding stops once the sequence is one short of the context, so the last row
+        // it ever computes is at position `context - 2`: a round must not decide past it.
+        let room = seq.context().saturating_sub(n + 2);
         let k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room);
         let consulted = k_max > 0;
         let mut drafts = if consulted {
@@ -252,7 +254,12 @@ impl Speculator {
         let mut batch = Vec::with_capacity(drafts.len() + 1);
         batch.push(pending);
         batch.extend_from_slice(&drafts);
-        let (logits, hidden) = if self.drafter.needs_hidden() {
+        // Speculation off for this request: no hidden states to keep (a drafter with per-position
+        // state falls behind and is caught up from the next request's prefill).
+        if self.params.n_max == 0 {
+            self.hidden = None;
+        }
+        let (logits, hidden) = if self.drafter.needs_hidden() && self.params.n_max > 0 {
             let (l, h) = seq.forward_all_hidden(model, &batch).map_err(SpecError::Verify)?;
             (l, Some(h))
         } else {
