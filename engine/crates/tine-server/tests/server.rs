@@ -23,10 +23,15 @@ fn start(parallel: usize, ctx_size: usize) -> Server {
 fn start_with(parallel: usize, ctx_size: usize, spec: Option<tine_spec::SpecType>) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    TinyGemma3 { nextn: spec.is_some(), ..TinyGemma3::default() }.write(&path);
+    let cfg = TinyGemma3 { nextn: spec.is_some(), ..TinyGemma3::default() };
+    cfg.write(&path);
+    // An assistant head and a draft model beside it, for the spec types that need them.
+    let (head, draft) = (dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
+    tine_test_support::TinyAssistant::default().write(&cfg, &head);
+    TinyGemma3 { seed: 99, n_layer: 2, ..TinyGemma3::default() }.write(&draft);
     let model = Arc::new(Model::load(&path).expect("fixture loads"));
     let spec = spec.map(|kind| {
-        let config = tine_spec::SpecConfig { ngram_min: 1, ..tine_spec::SpecConfig::new(kind) };
+        let config = tine_spec::SpecConfig { ngram_min: 1, mtp_head: Some(head), draft_model: Some(draft), ..tine_spec::SpecConfig::new(kind) };
         Arc::new(tine_spec::SpecFactory::load(config, &model).expect("speculative setup"))
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
@@ -224,7 +229,7 @@ fn speculative_slots_answer_like_plain_ones_and_report_draft_timings() {
     let plain = start(1, 256);
     let body = json!({"prompt": "hello world hello world", "n_predict": 24, "temperature": 0, "ignore_eos": true});
     let (_, want) = post(plain.addr, "/completion", body.clone());
-    for kind in [tine_spec::SpecType::DraftMtp, tine_spec::SpecType::Ngram] {
+    for kind in tine_spec::SpecType::ALL {
         let server = start_with(2, 256, Some(kind));
         // Two concurrent requests, one per slot, each slot with its own drafter state.
         let (a, b) = std::thread::scope(|s| {
