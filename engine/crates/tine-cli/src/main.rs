@@ -57,16 +57,17 @@ struct ServeArgs {
 #[derive(Args, Clone)]
 struct SpecArgs {
     /// draft-mtp (the model's own NextN head), draft-assistant (needs --mtp-head), draft (needs
-    /// -md), ngram (prompt lookup). Off by default; --mtp-head or -md alone imply their type.
+    /// -md), ngram (prompt lookup); llama.cpp's draft-simple and ngram-simple are accepted too.
+    /// Off by default; --mtp-head or -md alone imply their type.
     #[arg(long = "spec-type", value_name = "TYPE")]
     spec_type: Option<SpecType>,
-    /// Most tokens drafted per verify step.
+    /// Most tokens drafted per verify step (at most 16).
     #[arg(long = "spec-draft-n-max", alias = "draft-max", default_value_t = 3)]
     draft_n_max: usize,
     /// Verify only when at least this many tokens were drafted.
     #[arg(long = "spec-draft-n-min", alias = "draft-min", default_value_t = 0)]
     draft_n_min: usize,
-    /// A model drafter stops when its top probability falls below this.
+    /// A model drafter stops when its top probability falls below this (0 to 1).
     #[arg(long = "spec-draft-p-min", alias = "draft-p-min", default_value_t = 0.0)]
     draft_p_min: f32,
     /// An assistant head GGUF (gemma4-assistant layout) for --spec-type draft-assistant.
