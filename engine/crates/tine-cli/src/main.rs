@@ -293,16 +293,17 @@ const EQUIV_PROMPTS: [&str; 8] = [
     "Once upon a time, in a small village by the sea,",
 ];
 
-fn greedy_run(model: &Model, prompt: &[u32], n_predict: i32, spec: Option<&mut tine_spec::Speculator>) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>, tine_spec::SpecStats)> {
+/// A greedy run of `n_predict` tokens (EOS ignored) on a fresh sequence sized for it: the tokens,
+/// their logit rows when `record`, and the timings.
+pub(crate) fn greedy_run(model: &Model, prompt: &[u32], n_predict: i32, mut spec: Option<&mut tine_spec::Speculator>, record: bool) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>, tine_engine::Timings)> {
     let mut seq = model.new_sequence(prompt.len() + n_predict.max(0) as usize + 8);
     let req = GenerateRequest { n_predict, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.to_vec()) };
-    let mut spec = spec;
     let mut g = Generation::start_with(model, &mut seq, req, spec.as_deref_mut())?;
-    g.record_logits(true);
+    g.record_logits(record);
     while !g.is_finished() {
         g.step_with(model, &mut seq, spec.as_deref_mut())?;
     }
-    Ok((g.tokens().to_vec(), g.recorded_logits().to_vec(), g.timings().draft))
+    Ok((g.tokens().to_vec(), g.recorded_logits().to_vec(), g.timings()))
 }
 
 fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
@@ -330,7 +331,7 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
     };
     let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| model.tokenizer.encode(p, true, true)).collect();
     eprintln!("plain greedy decoding of {} prompts x {} tokens ...", encoded.len(), a.n_predict);
-    let plain: Vec<_> = encoded.iter().map(|p| greedy_run(&model, p, a.n_predict, None)).collect::<anyhow::Result<_>>()?;
+    let plain: Vec<_> = encoded.iter().map(|p| greedy_run(&model, p, a.n_predict, None, true)).collect::<anyhow::Result<_>>()?;
     println!("{:<16} {:>5} {:>9} {:>10} {:>9} {:>15} {:>13} {:>15} {:>6} {:>6}", "spec type", "depth", "positions", "real_frac", "frac_full", "mean_top1_mae", "max |Δlogit|", "greedy ident.", "accept", "tau");
     let mut all_exact = true;
     let mut results = Vec::new();
@@ -342,8 +343,8 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
             for (p, want) in encoded.iter().zip(&plain) {
                 let mut spec = factory.speculator(&model, model.info.context_length)?;
                 spec.params.n_max = depth;
-                let got = greedy_run(&model, p, a.n_predict, Some(&mut spec))?;
-                stats.add(&got.2);
+                let got = greedy_run(&model, p, a.n_predict, Some(&mut spec), true)?;
+                stats.add(&got.2.draft);
                 let e = tine_spec::equivalence::compare((&want.0, &want.1), (&got.0, &got.1), a.tie_margin);
                 total.positions += e.positions;
                 total.real_disagreements += e.real_disagreements;

@@ -8,8 +8,6 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::Args;
 use tine_engine::chat::{render_gemma, Message};
-use tine_engine::{GenerateRequest, Generation};
-use tine_sampling::SamplingParams;
 use tine_spec::{DraftInput, DraftParams, Drafter, SpecConfig, SpecError, SpecFactory, SpecStats, SpecType, Speculator};
 
 #[derive(Args)]
@@ -140,17 +138,11 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
                         Some(s)
                     }
                 };
-                let mut seq = model.new_sequence(prompt.len() + a.n_predict as usize + 8);
-                let req = GenerateRequest { n_predict: a.n_predict, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) };
-                let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut())?;
-                while !g.is_finished() {
-                    g.step_with(&model, &mut seq, spec.as_mut())?;
-                }
-                let t = g.timings();
+                let (tokens, _, t) = crate::greedy_run(&model, prompt, a.n_predict, spec.as_mut(), false)?;
                 if c.kind == "plain" && round == 0 {
-                    reference[pi] = g.tokens().to_vec();
+                    reference[pi] = tokens.clone();
                 }
-                let identical = g.tokens() == reference[pi].as_slice();
+                let identical = tokens == reference[pi];
                 samples.entry((c.clone(), pi)).or_default().push(Sample { tokens: t.predicted_n, ms: t.predicted_ms, stats: t.draft, identical });
                 done += 1;
                 eprint!("\r[{done}/{total}] round {} {:<18} {:<20} {:>6.1} tok/s   ", round + 1, prompts[pi].1, c.label(), t.predicted_per_second());

@@ -180,15 +180,7 @@ impl Generation {
         seq.rollback(keep)?;
         let t0 = Instant::now();
         let logits = match spec {
-            Some(spec) if spec.needs_hidden() => {
-                let (logits, hidden) = seq.prefill_hidden(model, &req.prompt[keep..])?;
-                spec.prefilled(keep, Some(hidden));
-                logits
-            }
-            Some(spec) => {
-                spec.prefilled(keep, None);
-                seq.prefill(model, &req.prompt[keep..])?
-            }
+            Some(spec) => spec.prefill(model, seq, &req.prompt[keep..])?,
             None => seq.prefill(model, &req.prompt[keep..])?,
         };
         let timings = Timings { prompt_n: req.prompt.len() - keep, prompt_ms: t0.elapsed().as_secs_f64() * 1e3, cached_n: keep, ..Timings::default() };
@@ -303,11 +295,8 @@ impl Generation {
                         -1 => usize::MAX,
                         n => (n as usize).saturating_sub(self.generated.len()),
                     };
-                    let before = spec.stats;
                     let round = spec.round(model, seq, token, &mut self.sampler, max_new, &prepare)?;
-                    self.timings.draft.draft_n += spec.stats.draft_n - before.draft_n;
-                    self.timings.draft.draft_n_accepted += spec.stats.draft_n_accepted - before.draft_n_accepted;
-                    self.timings.draft.draft_verify_steps += spec.stats.draft_verify_steps - before.draft_verify_steps;
+                    self.timings.draft.add(&round.stats());
                     self.decided.extend(round.tokens.into_iter().zip(round.rows));
                 } else {
                     self.logits = seq.decode(model, token)?;

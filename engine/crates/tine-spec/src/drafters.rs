@@ -68,10 +68,7 @@ impl Drafter for NgramDrafter {
     }
 
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
-        let mut ctx = Vec::with_capacity(input.target.len() + 1);
-        ctx.extend_from_slice(input.target.tokens());
-        ctx.push(input.pending);
-        Ok(self.lookup(&ctx, input.n_max))
+        Ok(self.lookup(&input.context(), input.n_max))
     }
 }
 
@@ -97,9 +94,7 @@ impl Drafter for DraftModelDrafter {
     }
 
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
-        let mut ctx = Vec::with_capacity(input.target.len() + 1);
-        ctx.extend_from_slice(input.target.tokens());
-        ctx.push(input.pending);
+        let ctx = input.context();
         if ctx.len() + input.n_max > self.seq.context() {
             return Ok(Vec::new());
         }

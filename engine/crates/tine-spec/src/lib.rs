@@ -120,6 +120,16 @@ pub struct DraftInput<'a> {
     pub p_min: f32,
 }
 
+impl DraftInput<'_> {
+    /// The committed tokens followed by the pending one.
+    pub fn context(&self) -> Vec<u32> {
+        let mut ctx = Vec::with_capacity(self.target.len() + 1);
+        ctx.extend_from_slice(self.target.tokens());
+        ctx.push(self.pending);
+        ctx
+    }
+}
+
 /// One drafting strategy, with its per-sequence state.
 pub trait Drafter: Send {
     fn spec_type(&self) -> SpecType;
@@ -175,6 +185,13 @@ pub struct Round {
     pub accepted: usize,
 }
 
+impl Round {
+    /// This round's share of the draft statistics.
+    pub fn stats(&self) -> SpecStats {
+        SpecStats { draft_n: self.drafted, draft_n_accepted: self.accepted, draft_verify_steps: usize::from(self.drafted > 0) }
+    }
+}
+
 /// A drafter plus the driver state of one sequence.
 pub struct Speculator {
     drafter: Box<dyn Drafter>,
@@ -203,10 +220,18 @@ impl Speculator {
         self.drafter.reusable(tokens)
     }
 
-    /// Records the hidden states a prefill produced for positions `start..` (a new request).
-    pub fn prefilled(&mut self, start: usize, hidden: Option<Hidden>) {
-        self.hidden = hidden;
-        self.hidden_start = start;
+    /// Prefills `tokens` after what `seq` holds (a new request) and returns the last logits,
+    /// keeping the target's hidden states of those positions when the drafter reads them.
+    pub fn prefill(&mut self, model: &Model, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
+        self.hidden_start = seq.len();
+        if self.drafter.needs_hidden() {
+            let (logits, hidden) = seq.prefill_hidden(model, tokens)?;
+            self.hidden = Some(hidden);
+            Ok(logits)
+        } else {
+            self.hidden = None;
+            seq.prefill(model, tokens)
+        }
     }
 
     /// One round at the point where plain decoding would feed `pending`: draft up to
@@ -320,12 +345,9 @@ impl Speculator {
             }
             (None, _) => None,
         };
-        if !drafts.is_empty() {
-            self.stats.draft_n += drafts.len();
-            self.stats.draft_n_accepted += accepted;
-            self.stats.draft_verify_steps += 1;
-        }
-        Ok(Round { tokens, rows, drafted: drafts.len(), accepted })
+        let round = Round { tokens, rows, drafted: drafts.len(), accepted };
+        self.stats.add(&round.stats());
+        Ok(round)
     }
 }
 

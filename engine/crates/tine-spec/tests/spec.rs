@@ -70,14 +70,7 @@ fn speculate_on(model: &Model, seq: &mut Sequence, spec: &mut Speculator, prompt
     let mut sampler = Sampler::new(params);
     let keep = seq.tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1).min(spec.reusable(prompt));
     seq.rollback(keep).expect("rollback");
-    let logits = if spec.needs_hidden() {
-        let (l, h) = seq.prefill_hidden(model, &prompt[keep..]).expect("prefill");
-        spec.prefilled(keep, Some(h));
-        l
-    } else {
-        spec.prefilled(keep, None);
-        seq.prefill(model, &prompt[keep..]).expect("prefill")
-    };
+    let logits = spec.prefill(model, seq, &prompt[keep..]).expect("prefill");
     let first = sampler.sample(&logits, seq.tokens());
     let (mut out, mut rows) = (vec![first], vec![logits]);
     while out.len() < n {
@@ -194,14 +187,7 @@ fn concurrent_sequences_with_different_spec_types_stay_independent() {
         let mut spec = Speculator::new(drafter(&fx, kind, false), DraftParams::default());
         let mut seq = fx.target.new_sequence(256);
         let mut sampler = Sampler::new(SamplingParams::greedy());
-        let logits = if spec.needs_hidden() {
-            let (l, h) = seq.prefill_hidden(&fx.target, &prompts[i]).expect("prefill");
-            spec.prefilled(0, Some(h));
-            l
-        } else {
-            spec.prefilled(0, None);
-            seq.prefill(&fx.target, &prompts[i]).expect("prefill")
-        };
+        let logits = spec.prefill(&fx.target, &mut seq, &prompts[i]).expect("prefill");
         let first = sampler.sample(&logits, seq.tokens());
         slots.push((spec, seq, sampler, vec![first]));
     }
