@@ -1,111 +1,118 @@
 #!/usr/bin/env python3
-"""Three-way throughput benchmark: Tine vs stock candle vs llama.cpp, on the same machine, in one run.
+"""Three-way throughput: Tine vs stock candle vs llama.cpp, each behind the same HTTP API.
 
-For each round, each engine runs once (interleaved, so machine noise hits all of them alike):
-  - prefill of a ~1800-token prompt, then 512 greedy decode tokens with EOS ignored;
-  - peak RSS of the process (wait4's ru_maxrss).
-Reports medians over the rounds and ratios taken within this run, and writes a Markdown table.
-
-Engines:
-  tine   target/release/tine generate (built by `cargo build --release -p tine-cli`)
+Every engine serves llama-server's `POST /completion` and reports llama-server's `timings`:
+  tine   target/release/tine serve (spec off)
   stock  target/stock-candle/release/stock-candle-bench: pristine candle 0.11.0's quantized_gemma3
-         loop (bench/stock-candle, built with the same rustflags)
-  llama  llama.cpp's llama-bench (tools/build_llama_cpp.sh), -t 2, pp N / tg 512
-
-Usage: bench/three_way.py [--rounds 3] [--out docs/evaluations/engine-speed-run.md]
+         loop behind a minimal /completion (bench/stock-candle)
+  llama  $LLAMA_SERVER (llama.cpp's llama-server, built by the user), -t <cores>; left out with a
+         note when LLAMA_SERVER is unset
+All three start once and stay up; each round asks every engine for both prompts in turn
+(interleaved), so machine noise hits all of them alike. A prompt is a ~1760-token reference
+prefix plus a question, sent as token ids (Tine's tokenizer equals llama.cpp's; stock candle has
+none); `n_predict` 512 with `ignore_eos`, temperature 0, no prompt cache. Reports medians of
+prompt_per_second (prefill) and predicted_per_second (decode) and ratios within this run.
+Writes a Markdown report and an SVG chart.
 """
-import argparse, json, os, re, statistics, subprocess, sys, time
+import argparse, json, os, statistics, subprocess, sys, time, urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODEL = os.path.join(os.environ.get("TINE_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tine"), "models", "gemma-3-270m-q4_k_m.gguf")
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from svg import bar_chart  # noqa: E402
+from spec_http import post, wait_healthy  # noqa: E402
+
 PARAGRAPH = ("The history of the lighthouse is a story of engineering, commerce and solitude. "
              "Early beacons were open fires on hilltops; later, towers of stone carried oil lamps, "
              "then mirrors and Fresnel lenses that threw a beam for miles across the water. ")
-
-
-def run(cmd):
-    """Runs cmd; returns (stdout+stderr text, peak RSS in MiB, wall seconds)."""
-    t0 = time.time()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = p.stdout.read().decode(errors="replace")
-    _, status, ru = os.wait4(p.pid, 0)
-    if status != 0:
-        sys.exit(f"{cmd[0]} failed ({status}):\n{out[-2000:]}")
-    return out, ru.ru_maxrss / 1024.0, time.time() - t0
+QUESTIONS = ["\n\nQuestion: how did lighthouse technology change over time? Answer in detail.\nAnswer:",
+             "\n\nWrite a short story about a keeper who tends one of these lights through a winter storm.\n"]
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tine", default=os.path.join(ROOT, "target/release/tine"))
+    ap.add_argument("--stock", default=os.path.join(ROOT, "target/stock-candle/release/stock-candle-bench"))
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompt-tokens", type=int, default=1800)
-    ap.add_argument("--decode", type=int, default=512)
-    ap.add_argument("--out", default=os.path.join(ROOT, "docs/evaluations/engine-speed-run.md"))
-    ap.add_argument("--skip", default="", help="comma-separated engines to leave out")
+    ap.add_argument("--prefix-tokens", type=int, default=1760)
+    ap.add_argument("--n-predict", type=int, default=512)
+    ap.add_argument("--out", default=os.path.join(ROOT, "docs/evaluations/three-way-tps.md"))
+    ap.add_argument("--command", default="bench/three_way.py")
     a = ap.parse_args()
-    tine = os.path.join(ROOT, "target/release/tine")
-    stock = os.path.join(ROOT, "target/stock-candle/release/stock-candle-bench")
-    llama_bin = subprocess.run([os.path.join(ROOT, "tools/build_llama_cpp.sh")], capture_output=True, text=True, check=True).stdout.strip()
-    llama_bench = os.path.join(llama_bin, "llama-bench")
-    for path in (tine, stock, llama_bench, MODEL):
-        if not os.path.exists(path):
-            sys.exit(f"missing {path}")
-
-    # A prompt of exactly --prompt-tokens tokens (Tine's tokenizer equals llama.cpp's on it).
-    text = PARAGRAPH * 60
-    ids = json.loads(subprocess.run([tine, "tokenize", "-m", MODEL, "-p", text], capture_output=True, text=True, check=True).stdout)
-    ids = ids[: a.prompt_tokens]
-    ids_path = os.path.join(ROOT, "target/bench-prompt-ids.json")
-    with open(ids_path, "w") as f:
-        json.dump(ids, f)
-    skip = set(filter(None, a.skip.split(",")))
-    results = {k: {"pp": [], "tg": [], "rss": []} for k in ("tine", "stock", "llama") if k not in skip}
-    n = len(ids)
-    for r in range(a.rounds):
-        for engine in list(results):
-            if engine == "tine":
-                out, rss, _ = run([tine, "generate", "-m", MODEL, "--prompt-ids", ids_path, "-n", str(a.decode), "--temp", "0", "--ignore-eos", "-c", "4096"])
-                m = re.search(r"prompt: (\d+) tokens in ([\d.]+) ms .*generated: (\d+) tokens in ([\d.]+) ms", out)
-                pp, tg = int(m.group(1)) / float(m.group(2)) * 1e3, int(m.group(3)) / float(m.group(4)) * 1e3
-            elif engine == "stock":
-                out, rss, _ = run([stock, MODEL, ids_path, str(a.decode)])
-                j = json.loads(out.strip().splitlines()[-1])
-                pp, tg = j["prompt_n"] / j["prompt_ms"] * 1e3, j["predicted_n"] / j["predicted_ms"] * 1e3
-            else:
-                out, rss, _ = run([llama_bench, "-m", MODEL, "-t", "2", "-p", str(n), "-n", str(a.decode), "-r", "1", "-o", "json"])
-                rows = json.loads(out[out.index("["):])
-                pp = next(x["avg_ts"] for x in rows if x["n_prompt"] > 0)
-                tg = next(x["avg_ts"] for x in rows if x["n_gen"] > 0)
-            results[engine]["pp"].append(pp)
-            results[engine]["tg"].append(tg)
-            results[engine]["rss"].append(rss)
-            print(f"round {r + 1}: {engine:5} prefill {pp:8.1f} tok/s  decode {tg:7.1f} tok/s  peak RSS {rss:7.0f} MiB", flush=True)
-
-    med = {k: {m: statistics.median(v[m]) for m in v} for k, v in results.items()}
+    threads = str(os.cpu_count())
+    ids = lambda text, bos: json.loads(subprocess.run([a.tine, "tokenize", "-m", a.model, "-p", text] + ([] if bos else ["--no-bos"]), capture_output=True, text=True, check=True).stdout)
+    prefix = ids(PARAGRAPH * 60, True)[: a.prefix_tokens]
+    prompts = [prefix + ids(q, False) for q in QUESTIONS]
+    engines = {
+        "tine": [a.tine, "serve", "-m", a.model, "--host", "127.0.0.1", "--port", "{port}", "-c", "4096", "--parallel", "1"],
+        "stock": [a.stock, a.model, "--port", "{port}"],
+    }
+    notes = []
+    if a.llama_server:
+        engines["llama"] = [a.llama_server, "-m", a.model, "--host", "127.0.0.1", "--port", "{port}", "-c", "4096", "-t", threads, "-tb", threads, "-np", "1", "--no-webui"]
+    else:
+        notes.append("llama.cpp was left out: LLAMA_SERVER is not set (build llama.cpp's llama-server and set LLAMA_SERVER=/path/to/llama-server).")
+    names = {"tine": "Tine (full chain)", "stock": "stock candle 0.11.0", "llama": "llama.cpp llama-server"}
+    log_dir = os.path.join(ROOT, "target/bench-three-way")
+    os.makedirs(log_dir, exist_ok=True)
+    procs, urls = {}, {}
+    try:
+        for i, (k, cmd) in enumerate(engines.items()):
+            port = 18300 + i
+            cmd = [c.replace("{port}", str(port)) for c in cmd]
+            if not os.path.exists(cmd[0]):
+                sys.exit(f"missing {cmd[0]}")
+            procs[k] = subprocess.Popen(cmd, stdout=open(os.path.join(log_dir, f"{k}.log"), "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            urls[k] = f"http://127.0.0.1:{port}"
+        for k in engines:
+            wait_healthy(urls[k], procs[k])
+        res = {k: {"pp": [], "tg": []} for k in engines}
+        for r in range(a.rounds):
+            for k in engines:
+                for p_i, p in enumerate(prompts):
+                    j = post(urls[k] + "/completion", {"prompt": p, "n_predict": a.n_predict, "ignore_eos": True, "temperature": 0, "cache_prompt": False, "seed": 42})
+                    t = j["timings"]
+                    if t["predicted_n"] != a.n_predict:
+                        sys.exit(f"{k} generated {t['predicted_n']} tokens, not {a.n_predict}")
+                    res[k]["pp"].append(t["prompt_per_second"])
+                    res[k]["tg"].append(t["predicted_per_second"])
+                    print(f"round {r + 1}/{a.rounds} {k:5} prompt {p_i + 1} ({t['prompt_n']} tokens): prefill {t['prompt_per_second']:.1f} tok/s, decode {t['predicted_per_second']:.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        for p in procs.values():
+            try:
+                os.killpg(p.pid, 15)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    med = {k: {m: statistics.median(v) for m, v in res[k].items()} for k in res}
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "unknown CPU")
-    lines = [
-        f"Run of {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {os.cpu_count()} cores ({cpu}).",
-        f"Model: Gemma 3 270M Q4_K_M; prompt {n} tokens, {a.decode} greedy decode tokens (EOS ignored); {a.rounds} interleaved rounds, medians.",
-        "",
-        "| engine | prefill tok/s | decode tok/s | peak RSS MiB |",
-        "|---|---|---|---|",
-    ]
-    names = {"tine": "Tine", "stock": "stock candle 0.11.0", "llama": "llama.cpp (llama-bench, -t 2)"}
-    for k, v in med.items():
-        lines.append(f"| {names[k]} | {v['pp']:.1f} | {v['tg']:.1f} | {v['rss']:.0f} |")
+    lines = ["# Three-way throughput: Tine, stock candle, llama.cpp\n",
+             f"Generated by `{a.command}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {os.cpu_count()} cores ({cpu}).\n",
+             f"Model: Gemma 3 270M Q4_K_M. Each engine behind `POST /completion`; prompts of {len(prompts[0])} and {len(prompts[1])} tokens "
+             f"(a {len(prefix)}-token reference prefix plus a question), `n_predict` {a.n_predict} with `ignore_eos`, temperature 0, no prompt cache; "
+             f"{a.rounds} interleaved rounds x 2 prompts, medians of the servers' own `timings.prompt_per_second` and `timings.predicted_per_second`.\n",
+             "| engine | prefill tok/s | decode tok/s |", "|---|---|---|"]
+    for k in med:
+        lines.append(f"| {names[k]} | {med[k]['pp']:.1f} | {med[k]['tg']:.1f} |")
     lines.append("")
     for other in ("stock", "llama"):
-        if "tine" in med and other in med:
-            lines.append(f"Tine / {names[other]}: prefill {med['tine']['pp'] / med[other]['pp']:.2f}x, decode {med['tine']['tg'] / med[other]['tg']:.2f}x, peak RSS {med['tine']['rss'] / med[other]['rss']:.2f}x.")
-    lines.append("")
-    lines.append("Per-round figures:")
-    lines.append("")
-    for k, v in results.items():
-        lines.append(f"- {names[k]}: prefill {', '.join(f'{x:.1f}' for x in v['pp'])}; decode {', '.join(f'{x:.1f}' for x in v['tg'])}; RSS {', '.join(f'{x:.0f}' for x in v['rss'])}")
-    text = "\n".join(lines) + "\n"
+        if other in med:
+            lines.append(f"- Tine / {names[other]}: prefill {med['tine']['pp'] / med[other]['pp']:.2f}x, decode {med['tine']['tg'] / med[other]['tg']:.2f}x.")
+    lines += [f"- {n}" for n in notes]
+    lines += ["", "Every measurement (prefill; decode), in order:", ""]
+    for k in res:
+        lines.append(f"- {names[k]}: {', '.join(f'{p:.1f}; {t:.1f}' for p, t in zip(res[k]['pp'], res[k]['tg']))}")
+    svg = os.path.splitext(a.out)[0] + ".svg"
+    lines += ["", f"![prefill and decode tok/s]({os.path.basename(svg)})", ""]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
-        f.write(text)
-    print(text)
+        f.write("\n".join(lines))
+    keys = list(med)
+    with open(svg, "w") as f:
+        f.write(bar_chart("Gemma 3 270M Q4_K_M: throughput (medians, one run)", ["prefill", "decode"], [names[k] for k in keys],
+                          [[med[k]["pp"], med[k]["tg"]] for k in keys], unit="tokens/s"))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

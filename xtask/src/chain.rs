@@ -276,6 +276,10 @@ pub fn bless(p: &Project, reg: &mut Registry, base: &Tree, with_base: bool) -> a
         tree::write_file_atomically(&p.pristine_manifest_path(), tree::render_manifest(&tree::manifest_of(base)).as_bytes())?;
     }
     let patches = load_patches(p, reg)?;
+    if p.root.join("engine/crates").is_dir() {
+        let tests = crate::gate::patch_test_files_of_series(&patches.iter().map(|l| &l.parsed).collect::<Vec<_>>());
+        tree::write_file_atomically(&crate::gate::harness_manifest_path(p), crate::gate::harness_manifest(&tests).as_bytes())?;
+    }
     match build(base, &patches) {
         Ok(full) => {
             tree::write_file_atomically(&p.patched_manifest_path(), tree::render_manifest(&tree::manifest_of(&full)).as_bytes())?;

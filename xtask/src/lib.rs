@@ -11,6 +11,7 @@ pub mod base85;
 pub mod chain;
 pub mod commands;
 pub mod export;
+pub mod gate;
 pub mod model;
 pub mod patch;
 pub mod registry;

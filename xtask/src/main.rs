@@ -91,8 +91,62 @@ enum Cmd {
         #[arg(long)]
         base: bool,
     },
+    /// Run a patch's gate suite (its registry entry's `gates`) against the chain up to it, in a
+    /// scratch workspace under target/gates/ (engine/upstream/ is never touched). Prints a table,
+    /// writes JSON to target/gates/NNNN/, exits 1 if any gate fails.
+    Gate {
+        /// The patch to gate.
+        #[arg(long, value_name = "NNNN", conflicts_with_all = ["all", "list"], required_unless_present_any = ["all", "list"])]
+        patch: Option<String>,
+        /// Gate every patch of the series, in order.
+        #[arg(long)]
+        all: bool,
+        /// Print the gate catalogue and every patch's suite.
+        #[arg(long)]
+        list: bool,
+        /// Reverse-apply the patch's changes outside tests/ first (keeping its tests): the suite
+        /// must then fail, which proves it guards the patch.
+        #[arg(long)]
+        revert: bool,
+    },
+    /// Benchmarks; each writes its table, chart and exact command to docs/evaluations/.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
     /// Run every test: xtask's unit and integration tests, the main job, sync-check, the engine workspace's tests.
     Ci,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Prefill and decode tok/s of Tine (full chain), stock candle (the pristine base's own
+    /// quantized_gemma3 loop) and llama.cpp (LLAMA_SERVER=/path/to/llama-server; left out with a
+    /// note when unset), each behind the same `/completion` API. Writes docs/evaluations/three-way-tps.{md,svg}.
+    ThreeWay {
+        /// Interleaved rounds (each: every engine, both prompts); the table reports medians.
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
+    /// The seeds' 9-prompt speculative-decoding bench over HTTP (accept, tau, decode tok/s and
+    /// speedup over the same server with spec off, depths 1-3), for Tine's spec types and, with
+    /// LLAMA_SERVER set, llama.cpp's n-gram types. Writes docs/evaluations/mtp.{md,svg,json}.
+    Spec {
+        /// Tine spec types to run: ngram, draft-mtp (the default model grafted with the shipped
+        /// NextN head), draft-assistant (the shipped assistant head), draft (the model drafting for itself).
+        #[arg(long, value_delimiter = ',', default_value = "ngram,draft-mtp,draft-assistant")]
+        types: Vec<String>,
+        /// llama.cpp spec types to run when LLAMA_SERVER is set.
+        #[arg(long, value_delimiter = ',', default_value = "ngram-simple,ngram-map-k,ngram-mod")]
+        llama_types: Vec<String>,
+        #[arg(long, default_value = "1,2,3")]
+        depths: String,
+        #[arg(long, default_value_t = 2)]
+        rounds: usize,
+        /// More servers: `label=URL` of one already running, or `label=command` with `{port}`.
+        #[arg(long)]
+        server: Vec<String>,
+    },
 }
 
 fn progress() -> indicatif::ProgressBar {
@@ -145,9 +199,62 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             pb.finish_and_clear();
             return ci(&p);
         }
+        Cmd::Bench { which } => {
+            pb.finish_and_clear();
+            return bench(&p, which);
+        }
+        Cmd::Gate { patch, all, list, revert } => return gate(&p, patch.as_deref(), all, list, revert, &pb),
     }
     pb.finish_and_clear();
     Ok(ExitCode::SUCCESS)
+}
+
+fn gate(p: &Project, patch: Option<&str>, all: bool, list: bool, revert: bool, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
+    use xtask::gate;
+    if list {
+        pb.finish_and_clear();
+        print!("{}", gate::render_list(&chain::load_registry(p)?));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let problems = xtask::registry::lint(&chain::load_registry(p)?);
+    if !problems.is_empty() {
+        pb.finish_and_clear();
+        anyhow::bail!("the registry has problems; fix them first:\n  {}", problems.join("\n  "));
+    }
+    let l = chain::load_all(p, pb)?;
+    let indices: Vec<usize> = if all {
+        (0..l.patches.len()).collect()
+    } else {
+        let n = chain::resolve_to(&l.patches, patch)?;
+        if n == 0 {
+            anyhow::bail!("0000 is the pristine base; it has no gates");
+        }
+        vec![n - 1]
+    };
+    let mut failed = Vec::new();
+    let mut summary = Vec::new();
+    for i in indices {
+        let id = l.patches[i].entry.id.clone();
+        let outcomes = gate::run_patch(p, &l, i, &gate::Options { revert }, pb)?;
+        pb.suspend(|| print!("{}\n", gate::render_table(&id, &outcomes)));
+        let ok = outcomes.iter().all(|o| o.passed);
+        summary.push(format!("{id} {}", if ok { "pass" } else { "FAIL" }));
+        if !ok {
+            failed.push(id);
+        }
+    }
+    pb.finish_and_clear();
+    if all {
+        println!("gates: {}", summary.join(", "));
+    }
+    let what = if revert { " (sources reverted)" } else { "" };
+    if failed.is_empty() {
+        println!("gate{what}: every gate passed; JSON under target/gates/");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("gate{what}: FAILED for {}; JSON and logs under target/gates/", failed.join(", "));
+        Ok(ExitCode::from(1))
+    }
 }
 
 fn run_verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
@@ -180,6 +287,77 @@ fn up(p: &Project, prompt: &str) -> anyhow::Result<ExitCode> {
     let tine = p.root.join("target/release/tine");
     step("tine generate", Command::new(&tine).args(["generate", "--temp", "0", "-n", "64", "-m"]).arg(&model).args(["-p", prompt]))?;
     eprintln!("\nserve it:  {} serve --model {} --host 127.0.0.1 --port 8080 --parallel 2", p.rel(&tine), model.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
+    let model = setup(p)?;
+    let cargo = xtask::base::cargo_bin();
+    step("build tine (release)", Command::new(&cargo).args(["build", "--release", "-p", "tine-cli", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
+    let tine = p.root.join("target/release/tine");
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let command = format!("cargo xtask {}", args.join(" "));
+    let mut py = Command::new("python3");
+    match which {
+        BenchCmd::ThreeWay { rounds } => {
+            step(
+                "build the stock-candle harness (release, pristine candle 0.11.0)",
+                Command::new(&cargo).args(["build", "--release", "--manifest-path"]).arg(p.root.join("bench/stock-candle/Cargo.toml")).arg("--target-dir").arg(p.root.join("target/stock-candle")),
+            )?;
+            if std::env::var_os("LLAMA_SERVER").is_none() {
+                eprintln!("note: LLAMA_SERVER is not set; llama.cpp is left out (build llama.cpp's llama-server and set LLAMA_SERVER=/path/to/llama-server)");
+            }
+            py.arg(p.root.join("bench/three_way.py")).arg("--model").arg(&model).args(["--rounds", &rounds.to_string(), "--command", &command]);
+        }
+        BenchCmd::Spec { types, llama_types, depths, rounds, server } => {
+            py.arg(p.root.join("bench/spec_http.py")).args(["--depths", &depths, "--rounds", &rounds.to_string(), "--command", &command]);
+            let serve = |m: &std::path::Path, extra: &str| format!("{} serve -m {} --host 127.0.0.1 --port {{port}} -c 4096 --parallel 1 {extra}", tine.display(), m.display());
+            for t in &types {
+                let line = match t.as_str() {
+                    "ngram" => serve(&model, "--spec-type ngram"),
+                    "draft" => serve(&model, &format!("--spec-type draft -md {}", model.display())),
+                    "draft-assistant" => {
+                        let head = p.root.join("drafters/gemma3-270m-assistant.gguf");
+                        if !head.exists() {
+                            eprintln!("note: draft-assistant left out: no {}", p.rel(&head));
+                            continue;
+                        }
+                        serve(&model, &format!("--spec-type draft-assistant --mtp-head {}", head.display()))
+                    }
+                    "draft-mtp" => {
+                        let head = p.root.join("drafters/gemma3-270m-nextn.gguf");
+                        if !head.exists() {
+                            eprintln!("note: draft-mtp left out: no {}", p.rel(&head));
+                            continue;
+                        }
+                        let grafted = p.root.join("target/drafters/gemma-3-270m-q4_k_m-nextn.gguf");
+                        step("graft the NextN head", Command::new(&tine).args(["graft-nextn", "--target"]).arg(&model).arg("--head").arg(&head).arg("-o").arg(&grafted))?;
+                        serve(&grafted, "--spec-type draft-mtp")
+                    }
+                    other => anyhow::bail!("unknown spec type {other:?} (ngram, draft, draft-mtp, draft-assistant)"),
+                };
+                py.arg("--server").arg(format!("tine {t}={line}"));
+            }
+            match std::env::var("LLAMA_SERVER") {
+                Ok(ls) => {
+                    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+                    for t in &llama_types {
+                        py.arg("--server").arg(format!("llama.cpp {t}={ls} -m {} --host 127.0.0.1 --port {{port}} -c 4096 -np 1 -t {threads} -tb {threads} --no-webui --spec-type {t}", model.display()));
+                    }
+                }
+                Err(_) => eprintln!("note: LLAMA_SERVER is not set; llama.cpp is left out"),
+            }
+            for s in &server {
+                py.arg("--server").arg(s);
+            }
+        }
+    }
+    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_owned())).unwrap_or_default();
+    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    if matches!(py.get_args().next().and_then(|a| a.to_str()), Some(a) if a.ends_with("spec_http.py")) {
+        py.args(["--machine", &format!("{cores} cores, {cpu}")]);
+    }
+    step("benchmark", &mut py)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -17,6 +17,9 @@ pub const AREAS: &[&str] = &["kernels", "kv", "mtp", "tokenizer", "model", "atte
 #[serde(deny_unknown_fields)]
 pub struct Registry {
     pub base: Base,
+    /// Where the engine crates start to compile, for the gate runner.
+    #[serde(default)]
+    pub engine: Option<EngineReq>,
     #[serde(default, rename = "patch")]
     pub patches: Vec<PatchEntry>,
 }
@@ -38,6 +41,14 @@ pub enum Base {
         #[serde(default)]
         include: Vec<String>,
     },
+}
+
+/// `[engine]`: the engine crates (`engine/crates/tine-*`) use APIs up to this patch, so gates
+/// that build them may only sit on this patch or later ones.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct EngineReq {
+    pub builds_from: String,
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
@@ -127,6 +138,9 @@ pub fn render(reg: &Registry) -> String {
             }
         }
     }
+    if let Some(e) = &reg.engine {
+        writeln!(w, "\n# The engine crates compile from this patch on; gates that build them sit on it or later.\n[engine]\nbuilds_from = {}", q(&e.builds_from)).expect("String write");
+    }
     for p in &reg.patches {
         writeln!(w, "\n[[patch]]").expect("String write");
         writeln!(w, "id = {}\nfile = {}\nsha256 = {}\ntitle = {}\narea = {}", q(&p.id), q(&p.file), q(&p.sha256), q(&p.title), q(&p.area)).expect("String write");
@@ -184,38 +198,9 @@ pub fn render_markdown(reg: &Registry) -> String {
     out
 }
 
-/// Checks a gate name against the catalogue; the gate runner uses the same grammar.
+/// Checks a gate name against the catalogue; the gate runner parses with the same grammar.
 pub fn check_gate(gate: &str) -> Result<(), String> {
-    let (kind, arg) = gate.split_once(':').unwrap_or((gate, ""));
-    let spec_types = ["draft-mtp", "draft-assistant", "draft", "ngram"];
-    let spec = |s: &str| {
-        if spec_types.contains(&s) {
-            Ok(())
-        } else {
-            Err(format!("unknown spec type {s:?} in gate {gate:?} (known: {})", spec_types.join(", ")))
-        }
-    };
-    let number = |s: &str| s.parse::<f64>().map(|_| ()).map_err(|_| format!("{s:?} is not a number in gate {gate:?}"));
-    match kind {
-        "apply" if arg.is_empty() => Ok(()),
-        "test" if !arg.trim().is_empty() => Ok(()),
-        "greedy-identical" | "logit-equiv" => spec(arg),
-        "accept" => {
-            let (s, min) = arg.rsplit_once(':').ok_or_else(|| format!("gate {gate:?}: expected accept:<spec-type>:<min>"))?;
-            spec(s)?;
-            number(min)
-        }
-        "tps-ratio" => {
-            let (pair, min) = arg.rsplit_once(':').ok_or_else(|| format!("gate {gate:?}: expected tps-ratio:<A>/<B>:<min>"))?;
-            let (a, b) = pair.split_once('/').ok_or_else(|| format!("gate {gate:?}: expected tps-ratio:<A>/<B>:<min>"))?;
-            if a.is_empty() || b.is_empty() {
-                return Err(format!("gate {gate:?}: empty configuration name"));
-            }
-            number(min)
-        }
-        "tokenizer" if !arg.is_empty() => Ok(()),
-        _ => Err(format!("unknown gate {gate:?} (known: apply, test:<cargo test args>, greedy-identical:<spec>, logit-equiv:<spec>, accept:<spec>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)")),
-    }
+    crate::gate::Gate::parse(gate).map(|_| ())
 }
 
 fn is_hex(s: &str, len: usize) -> bool {
@@ -283,9 +268,18 @@ pub fn lint(reg: &Registry) -> Vec<String> {
                 problems.push(format!("{who}: hook {h:?} is also declared by patch {other}; hook names are unique"));
             }
         }
+        if p.is_applied() && p.gates.is_empty() {
+            problems.push(format!("{who}: no gates; every patch needs a suite that would fail without it"));
+        }
         for g in &p.gates {
-            if let Err(e) = check_gate(g) {
-                problems.push(format!("{who}: {e}"));
+            match crate::gate::Gate::parse(g) {
+                Err(e) => problems.push(format!("{who}: {e}")),
+                Ok(gate) if gate.needs_engine() => match &reg.engine {
+                    None => problems.push(format!("{who}: gate {g:?} needs the engine crates, but the registry has no [engine] builds_from")),
+                    Some(e) if p.id < e.builds_from => problems.push(format!("{who}: gate {g:?} needs the engine crates, which compile only from patch {} on ([engine] builds_from); gate this patch with its own tests (`test:-p tine-patch-tests --test <file>`)", e.builds_from)),
+                    _ => {}
+                },
+                Ok(_) => {}
             }
         }
     }
@@ -305,6 +299,8 @@ kind = "crates"
 name = "candle-core"
 version = "0.11.0"
 sha256 = "5ecb245093b0f791b89d3420c3df9c6d49c60ab63ba54db896bf8a3baf486706"
+[engine]
+builds_from = "0001"
 [[patch]]
 id = "0001"
 file = "0001-kv.patch"
@@ -328,6 +324,8 @@ gates = ["apply", "test:-p tine-runtime"]
 [base]
 kind = "dir"
 path = "base"
+[engine]
+builds_from = "0003"
 [[patch]]
 id = "0002"
 file = "0002-a.patch"
@@ -337,7 +335,7 @@ area = "kv"
 hooks = ["h"]
 status = "carried"
 bump = "drop-if-upstream"
-gates = ["tps-ratio:spec/plain", "bogus"]
+gates = ["tps-ratio:spec/plain", "bogus", "greedy-identical:ngram", "test:-p tine-patch-tests --test x"]
 [[patch]]
 id = "0001"
 file = "0001-B.patch"
@@ -353,12 +351,14 @@ bump = "reapply"
         let expect = r#"patch 0002: sha256 must be 64 lowercase hex digits
 patch 0002: status "carried" / bump "drop-if-upstream" needs an upstream reference
 patch 0002: gate "tps-ratio:spec/plain": expected tps-ratio:<A>/<B>:<min>
-patch 0002: unknown gate "bogus" (known: apply, test:<cargo test args>, greedy-identical:<spec>, logit-equiv:<spec>, accept:<spec>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)
+patch 0002: unknown gate "bogus" (known: apply, test:<cargo test arguments>, greedy-identical:<spec-type>, logit-equiv:<spec-type>, accept:<spec-type>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)
+patch 0002: gate "greedy-identical:ngram" needs the engine crates, which compile only from patch 0003 on ([engine] builds_from); gate this patch with its own tests (`test:-p tine-patch-tests --test <file>`)
 patch 0001: ids must increase in series order (follows 0002)
 patch 0001: file "0001-B.patch" must be named 0001-<slug>.patch with a lowercase slug
 patch 0001: area "nowhere" is not one of kernels, kv, mtp, tokenizer, model, attention, quant, sampling, build, api, other
 patch 0001: status "maybe" is not one of carried, submitted, upstreamed, retired
-patch 0001: hook "h" is also declared by patch 0002; hook names are unique"#;
+patch 0001: hook "h" is also declared by patch 0002; hook names are unique
+patch 0001: no gates; every patch needs a suite that would fail without it"#;
         assert_eq!(got, expect);
     }
 }

@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::fs;
 
 use crate::chain::Project;
+use crate::gate;
 use crate::patch;
 use crate::registry::{self, Registry};
 use crate::tree;
@@ -11,6 +12,7 @@ use crate::tree;
 /// Every disagreement, one line each; empty means in sync.
 pub fn sync_check(p: &Project, reg: &Registry) -> Vec<String> {
     let mut problems = registry::lint(reg);
+    let mut series = Vec::new();
     let listed: BTreeSet<&str> = reg.patches.iter().map(|e| e.file.as_str()).collect();
     if let Ok(dir) = fs::read_dir(p.patches_dir()) {
         let mut on_disk: Vec<String> = dir.filter_map(|e| e.ok()?.file_name().to_str().map(str::to_owned)).filter(|n| n.ends_with(".patch")).collect();
@@ -48,6 +50,15 @@ pub fn sync_check(p: &Project, reg: &Registry) -> Vec<String> {
         if parsed.files.is_empty() {
             problems.push(format!("{who}: patches/{} holds no file changes", e.file));
         }
+        series.push(parsed.clone());
+        let have = gate::patch_test_files_of_series(&series.iter().collect::<Vec<_>>());
+        for g in &e.gates {
+            if let Some(t) = gate::Gate::parse(g).ok().as_ref().and_then(|g| g.patch_test().map(str::to_owned)) {
+                if !have.contains_key(&t) {
+                    problems.push(format!("{who}: gate {g:?} runs test file {t}.rs, which no patch up to this one adds under <crate>/tests/"));
+                }
+            }
+        }
         let trailers = parsed.trailers();
         let trailer_hooks: BTreeSet<&str> = trailers.iter().filter(|(k, _)| k == "Tine-Hook").map(|(_, v)| v.as_str()).collect();
         let declared: BTreeSet<&str> = e.hooks.iter().map(|s| s.as_str()).collect();
@@ -69,6 +80,13 @@ pub fn sync_check(p: &Project, reg: &Registry) -> Vec<String> {
                     problems.push(format!("{who}: registry status {:?} disagrees with Upstream-Status {v:?}", e.status));
                 }
             }
+        }
+    }
+    if p.root.join("engine/crates").is_dir() {
+        let path = gate::harness_manifest_path(p);
+        let want = gate::harness_manifest(&gate::patch_test_files_of_series(&series.iter().collect::<Vec<_>>()));
+        if fs::read_to_string(&path).ok().as_deref() != Some(want.as_str()) {
+            problems.push(format!("{} is stale or missing: run `cargo xtask bless` and commit", p.rel(&path)));
         }
     }
     let doc = p.sync_doc_path();

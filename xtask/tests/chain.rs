@@ -430,6 +430,7 @@ fn sync_check_catches_an_unlisted_patch_bad_trailers_and_stale_docs() {
     fs::write(fx.p.registry_path(), xtask::registry::render(&reg)).expect("write");
     let got = check();
     let expect = [
+        "patch 0001: gate \"accept:draft-mtp:0.5\" needs the engine crates, but the registry has no [engine] builds_from",
         "patch 0001: unknown spec type \"warp\" in gate \"logit-equiv:warp\" (known: draft-mtp, draft-assistant, draft, ngram)",
         "patches/0002-stray.patch has no registry entry (add a [[patch]] to upstream-sync/UPSTREAM_SYNC.toml or delete it)",
         "patch 0001: Tine-Hook trailers {\"h1\"} differ from the registry's hooks {\"h2\"}",
@@ -485,4 +486,62 @@ fn full_verify_on_the_real_pinned_base() {
     } else {
         assert!(fail_text(&r, 7).contains("run `cargo xtask apply-chain`"));
     }
+}
+
+// ---- Gates: the catalogue, and the real chain's suites catching a reverted patch ----
+
+#[test]
+fn gate_names_parse_into_the_catalogue_or_say_what_is_wrong() {
+    use xtask::gate::Gate;
+    let cases: &[(&str, &str)] = &[
+        ("apply", "Apply"),
+        ("test:-p tine-patch-tests --test kv_cache_truncate", "Test { args: [\"-p\", \"tine-patch-tests\", \"--test\", \"kv_cache_truncate\"] }"),
+        ("accept:ngram:0.6", "Accept { spec: \"ngram\", min: 0.6 }"),
+        ("tps-ratio:ngram@3/plain:1.3", "TpsRatio { a: Config { spec: Some(\"ngram\"), depth: 3 }, b: Config { spec: None, depth: 0 }, min: 1.3 }"),
+        ("tps-ratio:ngram/plain:1.3", "error: gate \"tps-ratio:ngram/plain:1.3\": configuration \"ngram\" must be `plain` or `<spec-type>@<depth>`"),
+        ("greedy-identical:eagle", "error: unknown spec type \"eagle\" in gate \"greedy-identical:eagle\" (known: draft-mtp, draft-assistant, draft, ngram)"),
+        ("accept:ngram", "error: gate \"accept:ngram\": expected accept:<spec-type>:<min>"),
+        ("test:", "error: unknown gate \"test:\" (known: apply, test:<cargo test arguments>, greedy-identical:<spec-type>, logit-equiv:<spec-type>, accept:<spec-type>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)"),
+    ];
+    for (name, want) in cases {
+        let got = match Gate::parse(name) {
+            Ok(g) => format!("{g:?}"),
+            Err(e) => format!("error: {e}"),
+        };
+        assert_eq!(&got, want, "{name}");
+    }
+    let engine = |s: &str| Gate::parse(s).expect("valid").needs_engine();
+    assert!(!engine("test:-p tine-patch-tests --test x") && engine("test:-p tine-runtime --test runtime") && engine("logit-equiv:draft") && !engine("apply"));
+}
+
+#[test]
+fn a_failed_cargo_run_is_reduced_to_its_first_error_or_panic() {
+    use xtask::gate::failure_reason;
+    let compile = "   Compiling candle-nn\nerror[E0599]: no method named `truncate` found for struct `KvCache` in the current scope\n  --> ../../upstream/candle-nn/tests/kv_cache_truncate.rs:12:8\n   |\n";
+    assert_eq!(failure_reason(compile), "does not compile against this tree: error[E0599]: no method named `truncate` found for struct `KvCache` in the current scope (../../upstream/candle-nn/tests/kv_cache_truncate.rs:12:8)");
+    let panic = "running 1 test\n\nthread 'decoding_matches' (77) panicked at tests/x.rs:15:9:\nposition 0: max |logit diff| 0.4 >= 0.002\nnote: run with `RUST_BACKTRACE=1`\n";
+    assert_eq!(failure_reason(panic), "test `decoding_matches` failed: position 0: max |logit diff| 0.4 >= 0.002");
+}
+
+/// Gates the real chain's patch `id` (needs the base in the cache: `cargo xtask ci` fetches it).
+fn gate_real(id: &str, revert: bool) -> Vec<xtask::gate::Outcome> {
+    let p = Project::discover();
+    let l = chain::load_all(&p, &pb()).expect("the real base and series load");
+    let i = l.patches.iter().position(|x| x.entry.id == id).expect("patch in the series");
+    xtask::gate::run_patch(&p, &l, i, &xtask::gate::Options { revert }, &pb()).expect("the gate runs")
+}
+
+#[test]
+fn the_real_gates_pass_and_catch_reverted_patches_0001_and_0002() {
+    // One test, in series: the gates share target/gates/ (one scratch workspace).
+    let passed = gate_real("0002", false);
+    assert!(passed.iter().all(|o| o.passed), "{passed:#?}");
+    // 0001 without its source changes: its test calls an API that is gone.
+    let reverted = gate_real("0001", true);
+    let test = reverted.iter().find(|o| o.gate.starts_with("test:")).expect("a test gate");
+    assert!(!test.passed && test.reason.contains("does not compile against this tree") && test.reason.contains("truncate"), "{test:#?}");
+    // 0002 without its fix: the forward no longer matches the float64 reference.
+    let reverted = gate_real("0002", true);
+    let test = reverted.iter().find(|o| o.gate.starts_with("test:")).expect("a test gate");
+    assert!(!test.passed && test.reason.contains("max |logit diff|"), "{test:#?}");
 }

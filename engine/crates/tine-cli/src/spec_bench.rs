@@ -43,21 +43,20 @@ const PYTHON_SNIPPET: &str = "def load_records(path, limit=None):\n    records =
 
 const PASSAGE: &str = "The lighthouse at Bell Rock was built between 1807 and 1810. \"The rock is covered by the sea for twenty hours of every day,\" wrote its engineer, Robert Stevenson. Workers could only labour at low tide, and in the first season they managed just eighty hours on the rock itself. \"We were often obliged to leave the work with the water rising round our knees,\" one mason recalled. The tower still stands, and its light has shone every night for more than two hundred years.";
 
+/// The seeds' nine prompts (our texts), shared with `cargo xtask bench spec`.
+const MTP9: &str = include_str!("../../../../bench/prompts/mtp9.json");
+
 /// (set, name, user message) in the seeds' order.
-fn prompts() -> Vec<(&'static str, &'static str, String)> {
-    vec![
-        ("copy", "code_edit", format!("Rewrite this Python code with the variable `records` renamed to `rows`. Change nothing else and print the whole code.\n\n```python\n{PYTHON_SNIPPET}```")),
-        ("copy", "summarize_quotes", format!("{PASSAGE}\n\nSummarize the passage above in three sentences, quoting its two quotations word for word.")),
-        ("mtp9", "code_python", "Write a Python function that checks whether a string is a palindrome, with a docstring and two examples.".into()),
-        ("mtp9", "code_cpp", "Write a C++ function that reverses a singly linked list, and a short main() that tests it.".into()),
-        ("mtp9", "explain_concept", "Explain what a hash table is and why lookups are fast on average.".into()),
-        ("mtp9", "summarize", format!("Summarize this in two sentences:\n\n{PASSAGE}")),
-        ("mtp9", "qa_factual", "What is the capital of Australia, and why was it chosen over Sydney and Melbourne?".into()),
-        ("mtp9", "translation", "Translate into French: 'The weather is lovely today, so we are going to walk along the river and have lunch in the park.'".into()),
-        ("mtp9", "creative_short", "Write a short poem about a lighthouse keeper on a stormy night.".into()),
-        ("mtp9", "stepwise_math", "A train travels 120 km in 1.5 hours, then 80 km in 1 hour. What is its average speed? Think step by step.".into()),
-        ("mtp9", "long_code_review", format!("Review this code and list concrete improvements:\n\n```python\n{PYTHON_SNIPPET}```")),
-    ]
+fn prompts() -> Vec<(&'static str, String, String)> {
+    let mut v = vec![
+        ("copy", "code_edit".to_owned(), format!("Rewrite this Python code with the variable `records` renamed to `rows`. Change nothing else and print the whole code.\n\n```python\n{PYTHON_SNIPPET}```")),
+        ("copy", "summarize_quotes".to_owned(), format!("{PASSAGE}\n\nSummarize the passage above in three sentences, quoting its two quotations word for word.")),
+    ];
+    let set: serde_json::Value = serde_json::from_str(MTP9).expect("bench/prompts/mtp9.json is valid JSON");
+    for p in set["prompts"].as_array().expect("a prompts array") {
+        v.push(("mtp9", p["name"].as_str().expect("name").to_owned(), p["text"].as_str().expect("text").to_owned()));
+    }
+    v
 }
 
 /// Drafts token 0 (`<pad>`), which the target never chooses: every draft is rejected.

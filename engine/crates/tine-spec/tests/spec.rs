@@ -268,7 +268,7 @@ fn sampling_with_speculation_keeps_the_exact_next_token_distribution() {
 }
 
 #[test]
-fn patch_0011_the_nextn_head_leaves_the_trunk_unchanged_and_chains_like_a_batch() {
+fn nextn_state_leaves_the_trunk_unchanged_chains_like_a_batch_and_reports_reuse() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (with, without) = (dir.path().join("with.gguf"), dir.path().join("without.gguf"));
     let cfg = TinyGemma3 { seed: 5, ..TinyGemma3::default() };
@@ -297,7 +297,7 @@ fn patch_0011_the_nextn_head_leaves_the_trunk_unchanged_and_chains_like_a_batch(
 }
 
 #[test]
-fn patch_0012_assistant_heads_load_in_both_namings_and_mismatches_are_clear_errors() {
+fn assistant_drafting_is_lossless_in_both_namings_and_mismatches_are_clear_errors() {
     let fx = fixture();
     let dir = tempfile::tempdir().expect("tempdir");
     let variant = dir.path().join("variant.gguf");
