@@ -36,6 +36,22 @@ enum Cmd {
     /// Benchmark decode speed with speculative decoding against plain decoding (greedy), on the
     /// seeds' 9-prompt set and copy-heavy prompts, every configuration interleaved in one run.
     SpecBench(spec_bench::SpecBenchArgs),
+    /// Graft a NextN head (a small GGUF holding only its block) into a copy of its target GGUF,
+    /// for `--spec-type draft-mtp`. The output is written atomically.
+    GraftNextn(GraftArgs),
+}
+
+#[derive(Args)]
+struct GraftArgs {
+    /// The target GGUF (default: the cached Gemma 3 270M Q4_K_M).
+    #[arg(long)]
+    target: Option<PathBuf>,
+    /// The NextN head GGUF (for the default model: drafters/gemma3-270m-nextn.gguf).
+    #[arg(long)]
+    head: PathBuf,
+    /// Where to write the grafted model.
+    #[arg(short, long)]
+    out: PathBuf,
 }
 
 #[derive(Args)]
@@ -383,6 +399,14 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
     Ok(all_exact)
 }
 
+fn graft(a: GraftArgs) -> anyhow::Result<()> {
+    let target = a.target.unwrap_or_else(tine_runtime::default_model_path);
+    let g = tine_runtime::graft_nextn(&target, &a.head, &a.out)?;
+    let vocab = g.draft_vocab.map(|k| format!(", draft vocabulary of {k} tokens")).unwrap_or_default();
+    eprintln!("grafted {} tensor(s) as block {} into {}{vocab}; run it with --spec-type draft-mtp", g.head_tensors, g.block, a.out.display());
+    Ok(())
+}
+
 fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
     let model = load(&a.model)?;
     let ids = model.tokenizer.encode(&a.prompt, !a.no_bos, true);
@@ -429,6 +453,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Generate(a) => generate(a).context("tine generate"),
         Cmd::Tokenize(a) => tokenize(a).context("tine tokenize"),
         Cmd::SpecBench(a) => spec_bench::run(a).context("tine spec-bench"),
+        Cmd::GraftNextn(a) => graft(a).context("tine graft-nextn"),
         Cmd::LogitEquiv(a) => {
             if !logit_equiv(a).context("tine logit-equiv")? {
                 std::process::exit(1);

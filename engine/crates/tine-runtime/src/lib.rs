@@ -5,8 +5,10 @@
 //! driver use: [`Sequence::prefill`], [`Sequence::decode`], [`Sequence::forward_all`],
 //! [`Sequence::rollback`]. The runtime knows nothing about sampling, chat templates or HTTP.
 
+mod graft;
 mod model;
 
+pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::{Assistant, Hidden, Logits, LoadError, Model, ModelInfo, NextNState, Sequence, StepError};
 
 /// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).

@@ -118,6 +118,11 @@ impl Model {
         Ok(Model { weights, tokenizer, info, eog, device })
     }
 
+    /// The token of each NextN logit row, when the head scores a subset of the vocabulary.
+    pub fn nextn_draft_vocab(&self) -> Option<&[u32]> {
+        self.weights.nextn_draft_vocab()
+    }
+
     /// Whether the GGUF carries a NextN head (`--spec-type draft-mtp`).
     pub fn has_nextn(&self) -> bool {
         self.weights.has_nextn()
@@ -303,6 +308,7 @@ impl Sequence {
     }
 
     /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
+    /// The logits cover the head's draft vocabulary ([`Assistant::draft_vocab`]) when it has one.
     pub fn assistant_step(&self, model: &Model, head: &Assistant, hidden: &Hidden, token: u32, position: usize) -> Result<(Vec<f32>, Hidden), StepError> {
         let x = Tensor::new(&[[token]], &model.device)?;
         let h = hidden.0.unsqueeze(0)?;
@@ -346,7 +352,8 @@ impl NextNState {
 
     /// Appends entries for positions `len()..`: `hidden` row `i` and the token after it,
     /// `next_tokens[i]`; `first_token` is the sequence's token 0 when the state is empty.
-    /// Returns the last entry's logits and every entry's output hidden state.
+    /// Returns the last entry's logits (over [`Model::nextn_draft_vocab`] when the head has a
+    /// reduced vocabulary) and every entry's output hidden state.
     pub fn forward(&mut self, model: &Model, first_token: u32, hidden: &Hidden, next_tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
         if next_tokens.is_empty() || hidden.positions() != next_tokens.len() {
             return Err(StepError::Empty);
@@ -374,6 +381,11 @@ impl Assistant {
     /// `n - 1`, which a local block with window `w` sees only while `j <= w - 2`.
     pub fn max_draft_steps(&self, target: &Model) -> usize {
         self.head.max_draft_steps(&target.weights)
+    }
+
+    /// The token of each logit row, when the head scores a subset of the vocabulary.
+    pub fn draft_vocab(&self) -> Option<&[u32]> {
+        self.head.draft_vocab()
     }
 
     pub fn load(path: &Path, target: &Model) -> Result<Assistant, LoadError> {

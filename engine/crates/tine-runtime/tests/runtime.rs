@@ -287,3 +287,43 @@ fn patch_0010_real_model_verify_batches_are_bit_identical_to_decode() {
         assert_verify_batches_equal_decode(model, &toks, toks.len() - 24, batch);
     }
 }
+
+#[test]
+fn grafting_a_nextn_head_gives_the_model_written_with_it_and_refuses_misfits() {
+    use candle_core::quantized::gguf_file;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let cfg = TinyGemma3 { seed: 5, ..TinyGemma3::default() };
+    let (with, target, head, out) = (dir.path().join("with.gguf"), dir.path().join("target.gguf"), dir.path().join("head.gguf"), dir.path().join("grafted.gguf"));
+    TinyGemma3 { nextn: true, ..cfg.clone() }.write(&with);
+    cfg.write(&target);
+    // The head as shipped: only the NextN block of `with`, plus the width keys.
+    let mut f = std::fs::File::open(&with).expect("open");
+    let ct = gguf_file::Content::read(&mut f).expect("read");
+    let prefix = format!("blk.{}.", cfg.n_layer);
+    let names: Vec<String> = ct.tensor_infos.keys().filter(|n| n.starts_with(&prefix)).cloned().collect();
+    let tensors: Vec<_> = names.iter().map(|n| ct.tensor(&mut f, n, &candle_core::Device::Cpu).expect("tensor")).collect();
+    let md: Vec<(&str, &gguf_file::Value)> = ct.metadata.iter().filter(|(k, _)| k.starts_with("gemma3.embedding") || k.starts_with("general.arch")).map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut std::fs::File::create(&head).expect("create"), &md, &names.iter().map(String::as_str).zip(tensors.iter()).collect::<Vec<_>>()).expect("write head");
+
+    let g = tine_runtime::graft_nextn(&target, &head, &out).expect("graft");
+    assert_eq!((g.block, g.head_tensors, g.draft_vocab), (cfg.n_layer, names.len(), None));
+    let (a, b) = (Model::load(&with).expect("written with the head"), Model::load(&out).expect("grafted"));
+    assert!(b.has_nextn());
+    let p = tokens(9);
+    let (mut sa, mut sb) = (a.new_sequence(64), b.new_sequence(64));
+    let (la, ha) = sa.prefill_hidden(&a, &p).expect("prefill");
+    let (lb, hb) = sb.prefill_hidden(&b, &p).expect("prefill");
+    assert_eq!(la, lb, "the grafted trunk is the target's");
+    let next: Vec<u32> = p[1..].iter().copied().chain([9]).collect();
+    let (na, _) = a.new_nextn_state(64).expect("head").forward(&a, p[0], &ha, &next).expect("nextn");
+    let (nb, _) = b.new_nextn_state(64).expect("head").forward(&b, p[0], &hb, &next).expect("nextn");
+    assert_eq!(na, nb, "the grafted head drafts as the head it was cut from");
+
+    let again = tine_runtime::graft_nextn(&out, &head, &dir.path().join("twice.gguf")).err().expect("a second head is refused");
+    assert!(again.to_string().contains("already has a NextN head"), "{again}");
+    let short = dir.path().join("short.gguf");
+    TinyGemma3 { n_layer: 5, ..cfg.clone() }.write(&short);
+    let misfit = tine_runtime::graft_nextn(&short, &head, &dir.path().join("misfit.gguf")).err().expect("a head for another depth is refused");
+    assert!(misfit.to_string().contains("not in block 5"), "{misfit}");
+    assert!(!dir.path().join("misfit.gguf").exists() && !dir.path().join("misfit.gguf.partial").exists(), "nothing is left behind");
+}

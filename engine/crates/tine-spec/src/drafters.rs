@@ -15,12 +15,14 @@ fn top_probability(logits: &[f32]) -> f32 {
     (1.0 / sum) as f32
 }
 
-/// The next draft from `logits`, or `None` when its probability is under `p_min`.
-fn pick(logits: &[f32], p_min: f32) -> Option<u32> {
+/// The next draft from `logits`, or `None` when its probability is under `p_min`. A head with a
+/// reduced draft vocabulary scores `vocab[i]` in row `i`.
+fn pick(logits: &[f32], p_min: f32, vocab: Option<&[u32]>) -> Option<u32> {
     if p_min > 0.0 && top_probability(logits) < p_min {
         return None;
     }
-    Some(argmax(logits))
+    let i = argmax(logits);
+    Some(vocab.map_or(i, |v| v[i as usize]))
 }
 
 fn draft_err(e: tine_runtime::StepError) -> SpecError {
@@ -103,7 +105,7 @@ impl Drafter for DraftModelDrafter {
         self.seq.rollback(keep).map_err(draft_err)?;
         let mut logits = self.seq.prefill(&self.model, &ctx[keep..]).map_err(draft_err)?;
         let mut drafts = Vec::with_capacity(input.n_max);
-        while let Some(d) = pick(&logits, input.p_min) {
+        while let Some(d) = pick(&logits, input.p_min, None) {
             drafts.push(d);
             if drafts.len() == input.n_max {
                 break;
@@ -156,7 +158,7 @@ impl Drafter for MtpDrafter {
         let (mut logits, mut out) = self.state.forward(input.model, tokens[0], hidden, &next).map_err(draft_err)?;
         self.trusted = self.state.len();
         let mut drafts = Vec::with_capacity(input.n_max);
-        while let Some(d) = pick(&logits, input.p_min) {
+        while let Some(d) = pick(&logits, input.p_min, input.model.nextn_draft_vocab()) {
             drafts.push(d);
             if drafts.len() == input.n_max {
                 break;
@@ -199,7 +201,7 @@ impl Drafter for AssistantDrafter {
         let mut drafts = Vec::with_capacity(steps);
         for position in n..n + steps {
             let (logits, next) = input.target.assistant_step(input.model, &self.head, &hidden, token, position).map_err(draft_err)?;
-            let Some(d) = pick(&logits, input.p_min) else { break };
+            let Some(d) = pick(&logits, input.p_min, self.head.draft_vocab()) else { break };
             drafts.push(d);
             hidden = next;
             token = d;
