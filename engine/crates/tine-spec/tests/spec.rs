@@ -380,3 +380,40 @@ fn real_model_drafting_with_itself_accepts_every_token_and_ngram_accepts_most_of
     assert_eq!(got.0, want);
     assert!(spec.stats.accept_rate() > 0.6, "ngram on a copy: {:?}", spec.stats);
 }
+
+/// `src` with extra metadata, rewritten tensor by tensor to `dst`.
+fn with_metadata(src: &std::path::Path, dst: &std::path::Path, extra: Vec<(&str, candle_core::quantized::gguf_file::Value)>) {
+    use candle_core::quantized::gguf_file;
+    let mut f = std::fs::File::open(src).expect("open");
+    let ct = gguf_file::Content::read(&mut f).expect("read");
+    let names: Vec<String> = ct.tensor_infos.keys().cloned().collect();
+    let tensors: Vec<_> = names.iter().map(|n| ct.tensor(&mut f, n, &candle_core::Device::Cpu).expect("tensor")).collect();
+    let mut md: Vec<(&str, &gguf_file::Value)> = ct.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    md.extend(extra.iter().map(|(k, v)| (*k, v)));
+    gguf_file::write(&mut std::fs::File::create(dst).expect("create"), &md, &names.iter().map(String::as_str).zip(tensors.iter()).collect::<Vec<_>>()).expect("write");
+}
+
+#[test]
+fn a_nextn_head_with_a_permuted_draft_vocabulary_drafts_exactly_the_same_tokens() {
+    // Row i of the reduced head scores token vocab[i]; with every token present in another order
+    // the drafts must equal the full head's.
+    use candle_core::quantized::gguf_file::Value;
+    let fx = fixture();
+    let path = fx._dir.path().join("permuted.gguf");
+    let n_vocab = tine_test_support::vocab().len() as u32;
+    let vocab: Vec<u32> = (0..n_vocab).rev().collect();
+    with_metadata(&fx._dir.path().join("target.gguf"), &path, vec![("gemma3.nextn.draft_vocab", Value::Array(vocab.iter().map(|&i| Value::U32(i)).collect()))]);
+    let permuted = Arc::new(Model::load(&path).expect("loads"));
+    assert_eq!(permuted.nextn_draft_vocab(), Some(vocab.as_slice()));
+    let drafts = |m: &Arc<Model>| {
+        let mut seq = m.new_sequence(256);
+        let p = prompt();
+        let (logits, hidden) = seq.prefill_hidden(m, &p).expect("prefill");
+        let pending = tine_sampling::argmax(&logits);
+        let input = DraftInput { model: m, target: &seq, pending, hidden: Some(&hidden), hidden_start: 0, n_max: 5, p_min: 0.0 };
+        MtpDrafter::new(m, 256).expect("head").draft(&input).expect("draft")
+    };
+    let (full, reduced) = (drafts(&fx.target), drafts(&permuted));
+    assert_eq!(full.len(), 5);
+    assert_eq!(full, reduced, "the reduced head must draft the full head's tokens");
+}
