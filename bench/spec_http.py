@@ -110,6 +110,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "docs/evaluations/mtp.md"))
     ap.add_argument("--command", default="", help="the command line to record in the report")
     ap.add_argument("--machine", default="", help="machine description to record")
+    ap.add_argument("--notes", default="", help="a Markdown file appended to the report (what the tables do not say)")
     a = ap.parse_args()
     depths = [int(x) for x in a.depths.split(",") if x]
     prompts = [(p["name"], p["text"]) for p in json.load(open(os.path.join(ROOT, "bench/prompts/mtp9.json")))["prompts"]]
@@ -141,6 +142,9 @@ def main():
             md.append(f"| {name} | {p['accept']:.3f} | {p['tau']:.2f} | {p['tps']:.1f} | {p0['tps']:.1f} | {p['tps'] / p0['tps']:.2f}x | {'yes' if p['identical'] else 'NO'} |")
     svg_path = os.path.splitext(a.out)[0] + ".svg"
     md.append(f"\n![speedup by depth]({os.path.basename(svg_path)})\n")
+    if a.notes:
+        with open(a.notes) as f:
+            md.append(f.read())
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         f.write("\n".join(md) + "\n")

@@ -398,9 +398,12 @@ fn write_workspace(p: &Project, s: &Scratch, base: &Tree, tree: &Tree, engine: b
         }
     }
     if engine {
-        let crates = tree::read_tree(&p.root.join("engine/crates")).context("reading engine/crates")?;
-        for (path, e) in crates {
-            files.insert(format!("engine/crates/{path}"), e.data);
+        // The engine crates and the data files they compile in (`include_str!`).
+        for dir in ["engine/crates", "bench/prompts"] {
+            let t = tree::read_tree(&p.root.join(dir)).with_context(|| format!("reading {dir}"))?;
+            for (path, e) in t {
+                files.insert(format!("{dir}/{path}"), e.data);
+            }
         }
     }
     let harness = format!("engine/crates/{PATCH_TESTS}");

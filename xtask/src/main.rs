@@ -311,6 +311,10 @@ fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
         }
         BenchCmd::Spec { types, llama_types, depths, rounds, server } => {
             py.arg(p.root.join("bench/spec_http.py")).args(["--depths", &depths, "--rounds", &rounds.to_string(), "--command", &command]);
+            let notes = p.root.join("docs/evaluations/mtp-notes.md");
+            if notes.exists() {
+                py.arg("--notes").arg(notes);
+            }
             let serve = |m: &std::path::Path, extra: &str| format!("{} serve -m {} --host 127.0.0.1 --port {{port}} -c 4096 --parallel 1 {extra}", tine.display(), m.display());
             for t in &types {
                 let line = match t.as_str() {
