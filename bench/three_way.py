@@ -19,7 +19,7 @@ import argparse, json, os, statistics, subprocess, sys, time, urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from svg import bar_chart  # noqa: E402
-from spec_http import post, wait_healthy  # noqa: E402
+from spec_http import ServerDied, post, wait_healthy  # noqa: E402
 
 PARAGRAPH = ("The history of the lighthouse is a story of engineering, commerce and solitude. "
              "Early beacons were open fires on hilltops; later, towers of stone carried oil lamps, "
@@ -66,7 +66,10 @@ def main():
             procs[k] = subprocess.Popen(cmd, stdout=open(os.path.join(log_dir, f"{k}.log"), "w"), stderr=subprocess.STDOUT, start_new_session=True)
             urls[k] = f"http://127.0.0.1:{port}"
         for k in engines:
-            wait_healthy(urls[k], procs[k])
+            try:
+                wait_healthy(urls[k], procs[k])
+            except ServerDied as e:
+                sys.exit(f"{k}: {e} (log: {log_dir}/{k}.log)")
         res = {k: {"pp": [], "tg": []} for k in engines}
         for r in range(a.rounds):
             for k in engines:

@@ -488,7 +488,7 @@ fn build_tine(s: &Scratch, dir: &Path, pb: &indicatif::ProgressBar, id: &str) ->
 }
 
 /// Draft arguments for a spec type on the default model, or why there are none.
-fn draft_args(p: &Project, spec: &str, model: &Path) -> anyhow::Result<(PathBuf, Vec<String>)> {
+fn draft_args(p: &Project, tine: &Path, spec: &str, model: &Path) -> anyhow::Result<(PathBuf, Vec<String>)> {
     let drafters = p.root.join("drafters");
     match spec {
         "ngram" => Ok((model.to_owned(), vec![])),
@@ -501,9 +501,14 @@ fn draft_args(p: &Project, spec: &str, model: &Path) -> anyhow::Result<(PathBuf,
             Ok((model.to_owned(), vec!["--mtp-head".into(), head.display().to_string()]))
         }
         "draft-mtp" => {
-            let grafted = p.root.join("target/gates/gemma3-270m-nextn-grafted.gguf");
-            if !grafted.exists() {
-                bail!("needs the default model grafted with a NextN head at {} (`tine graft-nextn`)", p.rel(&grafted));
+            let head = drafters.join("gemma3-270m-nextn.gguf");
+            if !head.exists() {
+                bail!("needs a NextN head for the default model at {} (none is shipped)", p.rel(&head));
+            }
+            let grafted = p.root.join("target/gates/gemma-3-270m-q4_k_m-nextn.gguf");
+            let out = Command::new(tine).args(["graft-nextn", "--target"]).arg(model).arg("--head").arg(&head).arg("-o").arg(&grafted).output()?;
+            if !out.status.success() {
+                bail!("`tine graft-nextn` failed: {}", String::from_utf8_lossy(&out.stderr).trim());
             }
             Ok((grafted, vec![]))
         }
@@ -519,7 +524,7 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
     let result = (|| -> anyhow::Result<Outcome> {
         match g {
             Gate::GreedyIdentical { spec } | Gate::LogitEquiv { spec } => {
-                let (m, extra) = draft_args(p, spec, &model)?;
+                let (m, extra) = draft_args(p, tine, spec, &model)?;
                 let json = dir.join(format!("{}.json", slug(name)));
                 let mut cmd = Command::new(tine);
                 cmd.args(["logit-equiv", "--spec-type", spec, "--depths", "1,2,3", "-n", "32", "-m"]).arg(&m).args(&extra).arg("--json").arg(&json);
@@ -597,7 +602,7 @@ fn spec_bench(p: &Project, tine: &Path, model: &Path, specs: &[&str], depths: &[
     let mut models = None;
     let mut extra = Vec::new();
     for s in specs {
-        let (m, e) = draft_args(p, s, model)?;
+        let (m, e) = draft_args(p, tine, s, model)?;
         models.get_or_insert(m);
         extra.extend(e);
     }

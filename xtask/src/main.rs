@@ -21,7 +21,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// The main job: fetch the base if needed, apply the whole chain to engine/upstream/, verify,
-    /// fetch the default model, build `tine` and generate text with it.
+    /// fetch the default model, build `tine`, graft the shipped NextN drafter into a copy of the
+    /// model and generate text with it (speculative decoding, `--spec-type draft-mtp`).
     Up {
         /// The prompt to generate from.
         #[arg(long, default_value = "Once upon a time, in a small village,")]
@@ -285,8 +286,12 @@ fn up(p: &Project, prompt: &str) -> anyhow::Result<ExitCode> {
     let cargo = xtask::base::cargo_bin();
     step("build tine (release)", Command::new(&cargo).args(["build", "--release", "-p", "tine-cli", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
     let tine = p.root.join("target/release/tine");
-    step("tine generate", Command::new(&tine).args(["generate", "--temp", "0", "-n", "64", "-m"]).arg(&model).args(["-p", prompt]))?;
-    eprintln!("\nserve it:  {} serve --model {} --host 127.0.0.1 --port 8080 --parallel 2", p.rel(&tine), model.display());
+    // The best shipped drafter for the default model: its NextN head, grafted into a copy.
+    let head = p.root.join("drafters/gemma3-270m-nextn.gguf");
+    let grafted = p.root.join("target/drafters/gemma-3-270m-q4_k_m-nextn.gguf");
+    step("graft the NextN drafter", Command::new(&tine).args(["graft-nextn", "--target"]).arg(&model).arg("--head").arg(&head).arg("-o").arg(&grafted))?;
+    step("tine generate (speculative: draft-mtp)", Command::new(&tine).args(["generate", "--temp", "0", "-n", "64", "--spec-type", "draft-mtp", "-m"]).arg(&grafted).args(["-p", prompt]))?;
+    eprintln!("\nserve it:  {} serve --model {} --spec-type draft-mtp --host 127.0.0.1 --port 8080 --parallel 2", p.rel(&tine), p.rel(&grafted));
     Ok(ExitCode::SUCCESS)
 }
 
@@ -345,8 +350,12 @@ fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
             match std::env::var("LLAMA_SERVER") {
                 Ok(ls) => {
                     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+                    // llama.cpp's n-gram types ignore a request's `speculative.n_max`: each runs at
+                    // its own setting, against a spec-off llama.cpp server in the same run.
+                    let llama = |extra: &str| format!("{ls} -m {} --host 127.0.0.1 --port {{port}} -c 4096 -np 1 -t {threads} -tb {threads} --no-webui {extra}", model.display());
+                    py.arg("--server").arg(format!("base:llama.cpp spec off={}", llama("")));
                     for t in &llama_types {
-                        py.arg("--server").arg(format!("llama.cpp {t}={ls} -m {} --host 127.0.0.1 --port {{port}} -c 4096 -np 1 -t {threads} -tb {threads} --no-webui --spec-type {t}", model.display()));
+                        py.arg("--server").arg(format!("fixed:llama.cpp {t}={}", llama(&format!("--spec-type {t}"))));
                     }
                 }
                 Err(_) => eprintln!("note: LLAMA_SERVER is not set; llama.cpp is left out"),
