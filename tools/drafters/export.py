@@ -144,16 +144,8 @@ def load_nextn_gguf(head, path):
     """Fill a heads.NextNHead from a NextN GGUF (dequantized): checks what ships. Returns draft_vocab (or None)."""
     import torch
 
-    r = gguf.GGUFReader(path)
-    ts = {t.name: t for t in r.tensors}
+    r, ts, get = _gguf_tensors(path)
     L = next(int(n.split(".")[1]) for n in ts if ".nextn.eh_proj" in n)
-
-    def get(name):
-        t = ts[name]
-        a = np.asarray(t.data)
-        if t.tensor_type == Q.Q8_0:
-            a = gguf.quants.dequantize(a, Q.Q8_0)
-        return torch.from_numpy(np.array(a, dtype=np.float32).reshape([int(x) for x in reversed(t.shape.tolist())]))
 
     b = head.block
     m = {"attn_norm": b.attn_norm, "attn_q": b.wq, "attn_k": b.wk, "attn_v": b.wv, "attn_output": b.wo,
@@ -164,8 +156,17 @@ def load_nextn_gguf(head, path):
     with torch.no_grad():
         for k, p in m.items():
             p.copy_(get(f"blk.{L}.{k}.weight").reshape(p.shape))
-    dv = ts.get(f"blk.{L}.nextn.draft_vocab")
-    return None if dv is None else np.asarray(dv.data).astype(np.int64)
+    return _draft_vocab(r, ts, f"blk.{L}.nextn.draft_vocab", "gemma3.nextn.draft_vocab")
+
+
+def _draft_vocab(r, ts, tensor, key):
+    """The draft vocabulary as the pipeline writes it (an I32 tensor) or as Tine reads it
+    (metadata, after vocab_metadata.py), or None."""
+    if tensor in ts:
+        return np.asarray(ts[tensor].data).astype(np.int64)
+    if key in r.fields:
+        return np.asarray(r.fields[key].contents(), dtype=np.int64)
+    return None
 
 
 def _gguf_tensors(path):
@@ -200,22 +201,19 @@ def load_assistant_gguf(head, path):
     with torch.no_grad():
         for k, p in m.items():
             p.copy_(get(k).reshape(p.shape))
-    dv = ts.get("draft_vocab")
-    return None if dv is None else np.asarray(dv.data).astype(np.int64)
+    return _draft_vocab(r, ts, "draft_vocab", f"{r.fields['general.architecture'].contents()}.draft_vocab")
 
 
 def full_vocab_assistant(src, dst, n_vocab):
     """A copy of an assistant GGUF for engines without draft_vocab support: token_embd scattered into
     n_vocab rows (zeros elsewhere), no draft_vocab tensor. Checking only (178 MB)."""
     r, ts, get = _gguf_tensors(src)
-    vocab = np.asarray(ts["draft_vocab"].data).astype(np.int64)
     arch = r.fields["general.architecture"].contents()
+    vocab = _draft_vocab(r, ts, "draft_vocab", f"{arch}.draft_vocab")
     w = gguf.GGUFWriter(dst, arch)
-    for f in r.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF."):
-            continue
-        vt = f.types[0]
-        w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None)
+    from vocab_metadata import copy_fields
+
+    copy_fields(r, w, skip=lambda name: name == f"{arch}.draft_vocab")
     for t in r.tensors:
         if t.name == "draft_vocab":
             continue

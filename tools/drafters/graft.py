@@ -14,6 +14,8 @@ import argparse
 
 import gguf
 
+from vocab_metadata import copy_fields, write_raw
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -33,31 +35,14 @@ def main():
         head_tensors = [t for t in head_tensors if not t.name.endswith(".draft_vocab")]
     new = {f"{arch}.block_count": (n + 1, gguf.GGUFValueType.UINT32), f"{arch}.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32)}
     w = gguf.GGUFWriter(a.out, arch)
-    for f in tr.fields.values():
-        if f.name == "general.architecture" or f.name.startswith("GGUF."):
-            continue
-        vt = f.types[0]
-        st = f.types[-1] if vt == gguf.GGUFValueType.ARRAY else None
-        if f.name in new:
-            v, t = new.pop(f.name)
-            w.add_key_value(f.name, v, t)
-        else:
-            w.add_key_value(f.name, f.contents(), vt, sub_type=st)
+    copy_fields(tr, w, skip=lambda name: name in new)
     for k, (v, t) in new.items():
         w.add_key_value(k, v, t)
     # a draft vocabulary stored as metadata (vocab_metadata.py's layout) travels with the head
     dv = hr.fields.get(f"{arch}.nextn.draft_vocab")
     if dv is not None and not a.no_draft_vocab:
         w.add_key_value(dv.name, dv.contents(), gguf.GGUFValueType.ARRAY, sub_type=dv.types[-1])
-    tensors = list(tr.tensors) + head_tensors
-    for t in tensors:
-        w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for t in tensors:
-        w.write_tensor_data(t.data, tensor_endianess=tr.endianess)
-    w.close()
+    write_raw(w, list(tr.tensors) + head_tensors, tr.endianess)
     print(f"grafted {len(head_tensors)} tensors of blk.{n} into {a.out}")
 
 

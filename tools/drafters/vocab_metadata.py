@@ -15,6 +15,29 @@ import numpy as np
 import gguf
 
 
+def copy_fields(reader, writer, skip=lambda name: False):
+    """Copies every metadata key of `reader` to `writer`, except the ones GGUFWriter writes itself
+    and those `skip` names."""
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") or skip(field.name):
+            continue
+        val_type = field.types[0]
+        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+
+
+def write_raw(writer, tensors, endianess):
+    """Writes the header, the keys and `tensors` (reader tensors, copied byte for byte)."""
+    for t in tensors:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in tensors:
+        writer.write_tensor_data(t.data, tensor_endianess=endianess)
+    writer.close()
+
+
 def convert(src, dst):
     reader = gguf.GGUFReader(src)
     arch = str(reader.fields["general.architecture"].contents())
@@ -28,22 +51,9 @@ def convert(src, dst):
     key = "gemma3.nextn.draft_vocab" if ".nextn." in vt.name else f"{arch}.draft_vocab"
     tmp = dst + ".partial"
     writer = gguf.GGUFWriter(tmp, arch)
-    for field in reader.fields.values():
-        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF.") or field.name.endswith("draft_vocab_size"):
-            continue
-        val_type = field.types[0]
-        sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
+    copy_fields(reader, writer, skip=lambda name: name.endswith("draft_vocab_size"))
     writer.add_key_value(key, [int(i) for i in ids], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT32)
-    kept = [t for t in reader.tensors if t is not vt]
-    for t in kept:
-        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_ti_data_to_file()
-    for t in kept:
-        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
-    writer.close()
+    write_raw(writer, [t for t in reader.tensors if t is not vt], reader.endianess)
     os.replace(tmp, dst)
     return key, len(ids)
 
