@@ -135,18 +135,18 @@ impl Gate {
 /// The generated crate that compiles the patches' own test files.
 pub const PATCH_TESTS: &str = "tine-patch-tests";
 
-/// The test files the patches add: `<crate>/tests/<name>.rs` (one level; `tests/<dir>/mod.rs`
-/// are shared modules, not tests) present in `tree` but not in `base`. Name -> path.
+/// The test name of a path a patch adds, if it is one of the patches' own test files:
+/// `candle*/tests/<name>.rs`, one level deep (`tests/<dir>/mod.rs` are shared modules).
+fn patch_test_name(path: &str) -> Option<&str> {
+    let mut parts = path.split('/');
+    let (krate, dir, file) = (parts.next()?, parts.next()?, parts.next()?);
+    let name = file.strip_suffix(".rs")?;
+    (parts.next().is_none() && krate.starts_with("candle") && dir == "tests").then_some(name)
+}
+
+/// The test files the patches add, present in `tree` but not in `base`. Name -> path.
 pub fn patch_test_files(base: &Tree, tree: &Tree) -> BTreeMap<String, String> {
-    tree.keys()
-        .filter(|p| !base.contains_key(*p))
-        .filter_map(|p| {
-            let mut parts = p.split('/');
-            let (krate, dir, file) = (parts.next()?, parts.next()?, parts.next()?);
-            let name = file.strip_suffix(".rs")?;
-            (parts.next().is_none() && krate.starts_with("candle") && dir == "tests").then(|| (name.to_owned(), p.clone()))
-        })
-        .collect()
+    tree.keys().filter(|p| !base.contains_key(*p)).filter_map(|p| patch_test_name(p).map(|n| (n.to_owned(), p.clone()))).collect()
 }
 
 /// The same list read from the patches alone (files they add under `<crate>/tests/`, minus those
@@ -159,8 +159,9 @@ pub fn patch_test_files_of_series(patches: &[&PatchSet]) -> BTreeMap<String, Str
                 out.retain(|_, v| v != p);
             }
             if let (Op::Create | Op::Copy | Op::Rename, Some(p)) = (&f.op, f.new_path.as_deref()) {
-                let one: Tree = [(p.to_owned(), tree::Entry::file(Vec::new()))].into();
-                out.extend(patch_test_files(&Tree::new(), &one));
+                if let Some(name) = patch_test_name(p) {
+                    out.insert(name.to_owned(), p.to_owned());
+                }
             }
         }
     }
@@ -256,7 +257,8 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
         bail!("patch {} has no gates in the registry; every patch needs a suite that fails without it", lp.entry.id);
     }
     let engine_from = engine_from(&l.registry, &l.patches);
-    let engine_builds = engine_from.is_some_and(|e| index >= e) && !opts.revert || engine_from.is_some_and(|e| index > e);
+    // Reverting the patch the engine first compiles at leaves a tree it does not compile on.
+    let engine_builds = engine_from.is_some_and(|e| index > e || (index == e && !opts.revert));
     for (name, g) in &gates {
         if g.needs_engine() && !engine_from.is_some_and(|e| index >= e) {
             bail!("patch {}: gate {name:?} needs the engine crates, which build only from patch {} on (registry [engine] builds_from)", lp.entry.id, l.registry.engine.as_ref().map(|e| e.builds_from.as_str()).unwrap_or("<unset>"));

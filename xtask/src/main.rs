@@ -315,7 +315,9 @@ fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
             py.arg(p.root.join("bench/three_way.py")).arg("--model").arg(&model).args(["--rounds", &rounds.to_string(), "--command", &command]);
         }
         BenchCmd::Spec { types, llama_types, depths, rounds, server } => {
-            py.arg(p.root.join("bench/spec_http.py")).args(["--depths", &depths, "--rounds", &rounds.to_string(), "--command", &command]);
+            let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_owned())).unwrap_or_default();
+            let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+            py.arg(p.root.join("bench/spec_http.py")).args(["--depths", &depths, "--rounds", &rounds.to_string(), "--command", &command, "--machine", &format!("{cores} cores, {cpu}")]);
             let notes = p.root.join("docs/evaluations/mtp-notes.md");
             if notes.exists() {
                 py.arg("--notes").arg(notes);
@@ -364,11 +366,6 @@ fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
                 py.arg("--server").arg(s);
             }
         }
-    }
-    let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_owned())).unwrap_or_default();
-    let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    if matches!(py.get_args().next().and_then(|a| a.to_str()), Some(a) if a.ends_with("spec_http.py")) {
-        py.args(["--machine", &format!("{cores} cores, {cpu}")]);
     }
     step("benchmark", &mut py)?;
     Ok(ExitCode::SUCCESS)
