@@ -120,12 +120,9 @@ fn apply_checked(tree: &mut Tree, patch: &PatchSet, name: &str, reverse: bool) -
             Ok(())
         }
         (Ok(_), Ok(_)) => Err(ApplyError { patch: name.into(), file: patch.files[0].display_path().into(), hunk: None, kind: ApplyErrorKind::Ambiguous }),
-        (Err(_), Ok(_)) => Err(ApplyError {
-            patch: name.into(),
-            file: patch.files[0].display_path().into(),
-            hunk: None,
-            kind: if reverse { ApplyErrorKind::NotApplied } else { ApplyErrorKind::AlreadyApplied },
-        }),
+        (Err(_), Ok(_)) => {
+            Err(ApplyError { patch: name.into(), file: patch.files[0].display_path().into(), hunk: None, kind: if reverse { ApplyErrorKind::NotApplied } else { ApplyErrorKind::AlreadyApplied } })
+        }
         (Err(e), Err(_)) => Err(ApplyError { patch: name.into(), ..e }),
     }
 }

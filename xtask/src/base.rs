@@ -62,7 +62,9 @@ fn load_crates(crates: &[CratePin], progress: &indicatif::ProgressBar) -> anyhow
                     fetched = true;
                     progress.set_message("fetching the base crates through cargo");
                     fetch_with_cargo(crates)?;
-                    find_crate_file(pin)?.with_context(|| format!("cargo fetch succeeded but no {}-{}.crate with sha256 {} is in {}", pin.name, pin.version, pin.sha256, cargo_home().join("registry/cache").display()))?
+                    find_crate_file(pin)?.with_context(|| {
+                        format!("cargo fetch succeeded but no {}-{}.crate with sha256 {} is in {}", pin.name, pin.version, pin.sha256, cargo_home().join("registry/cache").display())
+                    })?
                 }
                 None => bail!("no {}-{}.crate with sha256 {} after cargo fetch", pin.name, pin.version, pin.sha256),
             };
@@ -83,7 +85,9 @@ fn load_crates(crates: &[CratePin], progress: &indicatif::ProgressBar) -> anyhow
 /// The `.crate` in cargo's download cache whose sha256 equals the pin.
 fn find_crate_file(pin: &CratePin) -> anyhow::Result<Option<PathBuf>> {
     let cache = cargo_home().join("registry").join("cache");
-    let Ok(indexes) = fs::read_dir(&cache) else { return Ok(None) };
+    let Ok(indexes) = fs::read_dir(&cache) else {
+        return Ok(None);
+    };
     for index in indexes {
         let candidate = index?.path().join(format!("{}-{}.crate", pin.name, pin.version));
         if let Ok(bytes) = fs::read(&candidate) {
@@ -113,15 +117,67 @@ fn fetch_with_cargo(crates: &[CratePin]) -> anyhow::Result<()> {
     let lock = fs::read_to_string(dir.join("Cargo.lock")).context("reading the fetch Cargo.lock")?;
     let lock: toml::Value = toml::from_str(&lock).context("parsing the fetch Cargo.lock")?;
     for c in crates {
-        let found = lock.get("package").and_then(|p| p.as_array()).into_iter().flatten().find(|p| {
-            p.get("name").and_then(|n| n.as_str()) == Some(c.name.as_str()) && p.get("version").and_then(|v| v.as_str()) == Some(c.version.as_str())
-        });
+        let found = lock
+            .get("package")
+            .and_then(|p| p.as_array())
+            .into_iter()
+            .flatten()
+            .find(|p| p.get("name").and_then(|n| n.as_str()) == Some(c.name.as_str()) && p.get("version").and_then(|v| v.as_str()) == Some(c.version.as_str()));
         let checksum = found.and_then(|p| p.get("checksum")).and_then(|s| s.as_str());
         if checksum != Some(c.sha256.as_str()) {
             bail!("{}-{}: the registry's checksum is {:?}, the pin says {}; the pin or the registry is wrong", c.name, c.version, checksum, c.sha256);
         }
     }
     Ok(())
+}
+
+/// Pins for `names` at `version`: cargo downloads them (mirrors and offline caches work) and
+/// its lock file gives each `.crate`'s sha256, which is then checked against the file itself.
+pub fn resolve_crates(names: &[&str], version: &str, progress: &indicatif::ProgressBar) -> anyhow::Result<Vec<CratePin>> {
+    progress.set_message(format!("fetching the base crates at {version} through cargo"));
+    let lock = lock_for(&names.iter().map(|n| (*n, format!("={version}"))).collect::<Vec<_>>(), "fetch")?;
+    let mut pins = Vec::new();
+    for name in names {
+        let checksum = locked(&lock, name, Some(version)).and_then(|p| p.get("checksum")).and_then(|s| s.as_str()).map(str::to_owned);
+        let Some(sha256) = checksum else { bail!("{name}-{version}: cargo's lock file has no checksum for it (is it published?)") };
+        let pin = CratePin { name: (*name).to_owned(), version: version.to_owned(), sha256 };
+        find_crate_file(&pin)?.with_context(|| format!("cargo fetched {name}-{version} but no .crate with sha256 {} is in {}", pin.sha256, cargo_home().join("registry/cache").display()))?;
+        pins.push(pin);
+    }
+    Ok(pins)
+}
+
+/// The newest published (non-prerelease) version of `name`, as cargo resolves `*`.
+pub fn newest_version(name: &str) -> anyhow::Result<String> {
+    let lock = lock_for(&[(name, "*".to_owned())], "generate-lockfile")?;
+    locked(&lock, name, None).and_then(|p| p.get("version")).and_then(|v| v.as_str()).map(str::to_owned).with_context(|| format!("cargo resolved no version of {name}"))
+}
+
+fn locked<'a>(lock: &'a toml::Value, name: &str, version: Option<&str>) -> Option<&'a toml::Value> {
+    lock.get("package")
+        .and_then(|p| p.as_array())?
+        .iter()
+        .find(|p| p.get("name").and_then(|n| n.as_str()) == Some(name) && version.is_none_or(|v| p.get("version").and_then(|x| x.as_str()) == Some(v)))
+}
+
+/// Runs `cargo <verb>` on a throw-away manifest depending on `deps`; returns its lock file.
+fn lock_for(deps: &[(&str, String)], verb: &str) -> anyhow::Result<toml::Value> {
+    let dir = cache_root().join(format!("resolve-{}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}", dir.display()))?;
+    let mut manifest = String::from("[package]\nname = \"tine-base-resolve\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[workspace]\n\n[dependencies]\n");
+    for (n, req) in deps {
+        manifest.push_str(&format!("{n} = \"{req}\"\n"));
+    }
+    fs::write(dir.join("Cargo.toml"), manifest)?;
+    fs::write(dir.join("src/lib.rs"), "")?;
+    let out = Command::new(cargo_bin()).args([verb, "--quiet"]).current_dir(&dir).output().with_context(|| format!("running `cargo {verb}`"))?;
+    let lock = fs::read_to_string(dir.join("Cargo.lock"));
+    let _ = fs::remove_dir_all(&dir);
+    if !out.status.success() {
+        bail!("`cargo {verb}` for {} failed ({}):\n{}", deps.iter().map(|(n, r)| format!("{n} {r}")).collect::<Vec<_>>().join(", "), out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    toml::from_str(&lock.context("reading the resolve Cargo.lock")?).context("parsing the resolve Cargo.lock")
 }
 
 fn unpack_crate(crate_file: &Path, pin: &CratePin, dest: &Path) -> anyhow::Result<()> {

@@ -129,11 +129,7 @@ pub struct State {
 
 impl State {
     pub fn new(patches: &[LoadedPatch], tree: &Tree) -> State {
-        State {
-            applied: patches.iter().map(|p| p.entry.id.clone()).collect(),
-            patch_sha256: patches.iter().map(|p| tree::sha256_hex(&p.bytes)).collect(),
-            manifest: tree::manifest_of(tree),
-        }
+        State { applied: patches.iter().map(|p| p.entry.id.clone()).collect(), patch_sha256: patches.iter().map(|p| tree::sha256_hex(&p.bytes)).collect(), manifest: tree::manifest_of(tree) }
     }
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut v = serde_json::to_vec_pretty(self).expect("state serialises");
@@ -177,7 +173,9 @@ impl Live {
 /// The live tree, checked for maintainer edits. Returns the state (applied prefix) it holds.
 /// A live tree without a state file is adopted when it equals some prefix of the chain.
 pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch], verb: &str) -> anyhow::Result<Option<(Live, usize)>> {
-    let Some(live) = Live::read(p)? else { return Ok(None) };
+    let Some(live) = Live::read(p)? else {
+        return Ok(None);
+    };
     match &live.state {
         Some(state) => {
             let drift = live.drift().expect("state is present");
@@ -235,6 +233,9 @@ pub struct Loaded {
 }
 
 pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> anyhow::Result<Loaded> {
+    if let Some(what) = crate::rebase::describe_in_progress(p) {
+        bail!("{what}\n(the chain commands wait until the rebase is finished or aborted)");
+    }
     let registry = load_registry(p)?;
     let base = crate::base::load(&registry.base, &p.root, progress)?;
     check_pristine(p, &base)?;

@@ -53,7 +53,11 @@ pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> an
         bail!("engine/upstream/ does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)");
     };
     if n > k {
-        bail!("engine/upstream/ holds the chain up to {}; unapply only goes down (use `cargo xtask apply-chain --to {}`)", live.state.as_ref().map(|s| s.top().to_owned()).unwrap_or_else(|| "0000".into()), l.patches[n - 1].entry.id);
+        bail!(
+            "engine/upstream/ holds the chain up to {}; unapply only goes down (use `cargo xtask apply-chain --to {}`)",
+            live.state.as_ref().map(|s| s.top().to_owned()).unwrap_or_else(|| "0000".into()),
+            l.patches[n - 1].entry.id
+        );
     }
     let changed_since: Vec<&str> = match &live.state {
         Some(s) => l.patches[..k].iter().zip(&s.patch_sha256).filter(|(lp, sha)| tree::sha256_hex(&lp.bytes) != **sha).map(|(lp, _)| lp.name()).collect(),
@@ -180,7 +184,10 @@ pub struct CaptureOptions<'a> {
 pub fn capture(p: &Project, o: &CaptureOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let mut l = load_all(p, pb)?;
     let name = o.name.trim_end_matches(".patch");
-    let (id, slug) = name.split_once('-').filter(|(id, s)| id.len() == 4 && id.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty()).with_context(|| format!("capture takes NNNN-slug (for example 0002-kv-rollback), not {name:?}"))?;
+    let (id, slug) = name
+        .split_once('-')
+        .filter(|(id, s)| id.len() == 4 && id.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty())
+        .with_context(|| format!("capture takes NNNN-slug (for example 0002-kv-rollback), not {name:?}"))?;
     if l.registry.patches.iter().any(|e| e.id == id) {
         bail!("patch id {id} is already in the registry");
     }
@@ -289,10 +296,8 @@ pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> 
     let name = match name {
         Some(n) => n.trim_end_matches(".tar").to_owned(),
         None => {
-            let mut names: Vec<String> = fs::read_dir(&dir)
-                .with_context(|| format!("no backups in {}", p.rel(&dir)))?
-                .filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".tar").map(str::to_owned))
-                .collect();
+            let mut names: Vec<String> =
+                fs::read_dir(&dir).with_context(|| format!("no backups in {}", p.rel(&dir)))?.filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".tar").map(str::to_owned)).collect();
             names.sort();
             names.pop().with_context(|| format!("no backups in {}", p.rel(&dir)))?
         }
@@ -325,10 +330,9 @@ pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> 
             None => true,
         };
         if unsaved && tree::manifest_of(&live.tree) != recorded {
-            return Err(Refused(format!(
-                "engine/upstream/ holds edits that no patch or backup carries; restoring {name} would lose them.\nback them up first (`cargo xtask backup`), then restore"
-            ))
-            .into());
+            return Err(
+                Refused(format!("engine/upstream/ holds edits that no patch or backup carries; restoring {name} would lose them.\nback them up first (`cargo xtask backup`), then restore")).into()
+            );
         }
     }
     let extra: Vec<(&str, &[u8])> = state_bytes.as_deref().map(|s| vec![(tree::STATE_FILE, s)]).unwrap_or_default();

@@ -73,7 +73,9 @@ fn section(old_path: Option<&String>, new_path: Option<&String>, old: Option<&En
     match (old, new) {
         (None, Some(n)) => writeln!(out, "new file mode {:o}", n.mode),
         (Some(o), None) => writeln!(out, "deleted file mode {:o}", o.mode),
-        (Some(o), Some(n)) if o.mode != n.mode => writeln!(out, "old mode {:o}\nnew mode {:o}", o.mode, n.mode),
+        (Some(o), Some(n)) if o.mode != n.mode => {
+            writeln!(out, "old mode {:o}\nnew mode {:o}", o.mode, n.mode)
+        }
         _ => Ok(()),
     }
     .expect("String write");

@@ -19,11 +19,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _};
 
+use crate::apply;
 use crate::chain::{self, LoadedPatch, Project};
 use crate::patch::{Op, PatchSet};
 use crate::registry::Registry;
 use crate::tree::{self, Tree};
-use crate::apply;
 
 /// The spec types the engine knows (`tine --spec-type`).
 pub const SPEC_TYPES: &[&str] = &["draft-mtp", "draft-assistant", "draft", "ngram"];
@@ -121,7 +121,9 @@ impl Gate {
 
     /// The test file a `test:-p tine-patch-tests --test <name>` gate runs, if that is what it is.
     pub fn patch_test(&self) -> Option<&str> {
-        let Gate::Test { args } = self else { return None };
+        let Gate::Test { args } = self else {
+            return None;
+        };
         let on_harness = args.windows(2).any(|w| matches!(w[0].as_str(), "-p" | "--package") && w[1] == PATCH_TESTS);
         let name = args.windows(2).find(|w| w[0] == "--test").map(|w| w[1].as_str());
         if on_harness {
@@ -189,7 +191,7 @@ pub fn harness_manifest(tests: &BTreeMap<String, String>) -> String {
          path = \"lib.rs\"\n\
          \n\
          [dependencies]\n\
-         candle = { package = \"candle-core\", version = \"=0.11.0\" }\n\
+         candle.workspace = true\n\
          candle-nn.workspace = true\n\
          candle-transformers.workspace = true\n",
     );
@@ -261,7 +263,11 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
     let engine_builds = engine_from.is_some_and(|e| index > e || (index == e && !opts.revert));
     for (name, g) in &gates {
         if g.needs_engine() && !engine_from.is_some_and(|e| index >= e) {
-            bail!("patch {}: gate {name:?} needs the engine crates, which build only from patch {} on (registry [engine] builds_from)", lp.entry.id, l.registry.engine.as_ref().map(|e| e.builds_from.as_str()).unwrap_or("<unset>"));
+            bail!(
+                "patch {}: gate {name:?} needs the engine crates, which build only from patch {} on (registry [engine] builds_from)",
+                lp.entry.id,
+                l.registry.engine.as_ref().map(|e| e.builds_from.as_str()).unwrap_or("<unset>")
+            );
         }
     }
     pb.set_length(gates.len() as u64);
@@ -275,7 +281,10 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
         Ok(t) => t.clone(),
         Err(e) => {
             // Nothing else can run on a chain that does not apply.
-            return Ok(gates.iter().map(|(name, _)| Outcome { gate: name.clone(), passed: false, figures: String::new(), reason: format!("the chain does not apply up to {}: {e}", lp.entry.id), seconds: 0.0, log: None }).collect());
+            return Ok(gates
+                .iter()
+                .map(|(name, _)| Outcome { gate: name.clone(), passed: false, figures: String::new(), reason: format!("the chain does not apply up to {}: {e}", lp.entry.id), seconds: 0.0, log: None })
+                .collect());
         }
     };
     let tree = if opts.revert { revert_sources(&tree, lp)? } else { tree };
@@ -293,7 +302,14 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
         let t0 = Instant::now();
         let mut o = match g {
             Gate::Apply => match &applied {
-                Ok(_) => Outcome { gate: name.clone(), passed: true, figures: format!("{} file(s), reverse round-trip exact, {} hook(s)", lp.parsed.files.len(), lp.entry.hooks.len()), reason: String::new(), seconds: start.elapsed().as_secs_f64(), log: None },
+                Ok(_) => Outcome {
+                    gate: name.clone(),
+                    passed: true,
+                    figures: format!("{} file(s), reverse round-trip exact, {} hook(s)", lp.parsed.files.len(), lp.entry.hooks.len()),
+                    reason: String::new(),
+                    seconds: start.elapsed().as_secs_f64(),
+                    log: None,
+                },
                 Err(e) => fail(name, e.to_string()),
             },
             Gate::Test { args } => {
@@ -301,10 +317,13 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
                     let have = patch_test_files(&l.base, &tree);
                     if !have.contains_key(t) {
                         let owner = l.patches.iter().find(|x| patch_test_files_of_series(&[&x.parsed]).contains_key(t)).map(|x| x.entry.id.clone());
-                        outcomes.push(fail(name, match owner {
-                            Some(o) => format!("test file {t}.rs is added by patch {o}, which is not in this tree"),
-                            None => format!("no patch adds a test file {t}.rs under <crate>/tests/"),
-                        }));
+                        outcomes.push(fail(
+                            name,
+                            match owner {
+                                Some(o) => format!("test file {t}.rs is added by patch {o}, which is not in this tree"),
+                                None => format!("no patch adds a test file {t}.rs under <crate>/tests/"),
+                            },
+                        ));
                         pb.inc(1);
                         continue;
                     }
@@ -547,7 +566,10 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                     } else {
                         figs.push(format!("d{depth} real_frac {} max|dl| {}", r["real_frac"], r["max_abs_logit_diff"]));
                         if r["exact"] != serde_json::Value::Bool(true) {
-                            bad.push(format!("depth {depth}: real_frac {}, frac_full_agree {}, mean_top1_mae {}, max |dlogit| {}", r["real_frac"], r["frac_full_agree"], r["mean_top1_mae"], r["max_abs_logit_diff"]));
+                            bad.push(format!(
+                                "depth {depth}: real_frac {}, frac_full_agree {}, mean_top1_mae {}, max |dlogit| {}",
+                                r["real_frac"], r["frac_full_agree"], r["mean_top1_mae"], r["max_abs_logit_diff"]
+                            ));
                         }
                     }
                 }
@@ -561,7 +583,14 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                 let label = format!("{spec} d3");
                 let r = rows.iter().find(|r| r["config"] == label.as_str()).with_context(|| format!("spec-bench reported no row {label}"))?;
                 let a = r["accept"].as_f64().unwrap_or(0.0);
-                Ok(Outcome { gate: name.into(), passed: a >= *min, figures: format!("accept {a:.3} (tau {:.2})", r["tau"].as_f64().unwrap_or(0.0)), reason: if a >= *min { String::new() } else { format!("acceptance {a:.3} < {min}") }, seconds: 0.0, log: None })
+                Ok(Outcome {
+                    gate: name.into(),
+                    passed: a >= *min,
+                    figures: format!("accept {a:.3} (tau {:.2})", r["tau"].as_f64().unwrap_or(0.0)),
+                    reason: if a >= *min { String::new() } else { format!("acceptance {a:.3} < {min}") },
+                    seconds: 0.0,
+                    log: None,
+                })
             }
             Gate::TpsRatio { a, b, min } => {
                 let specs: BTreeSet<&str> = [a, b].iter().filter_map(|c| c.spec.as_deref()).collect();
@@ -575,7 +604,14 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                 };
                 let (ta, tb) = (tps(a)?, tps(b)?);
                 let ratio = ta / tb;
-                Ok(Outcome { gate: name.into(), passed: ratio >= *min, figures: format!("{} {ta:.1} / {} {tb:.1} tok/s = {ratio:.2}x", a.label(), b.label()), reason: if ratio >= *min { String::new() } else { format!("ratio {ratio:.2} < {min}") }, seconds: 0.0, log: None })
+                Ok(Outcome {
+                    gate: name.into(),
+                    passed: ratio >= *min,
+                    figures: format!("{} {ta:.1} / {} {tb:.1} tok/s = {ratio:.2}x", a.label(), b.label()),
+                    reason: if ratio >= *min { String::new() } else { format!("ratio {ratio:.2} < {min}") },
+                    seconds: 0.0,
+                    log: None,
+                })
             }
             Gate::Tokenizer { corpus } => {
                 let path = p.root.join(corpus);
@@ -591,7 +627,14 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                         bad.push(format!("{text:?}"));
                     }
                 }
-                Ok(Outcome { gate: name.into(), passed: bad.is_empty(), figures: format!("{} of {} texts exact", cases.len() - bad.len(), cases.len()), reason: if bad.is_empty() { String::new() } else { format!("differ from llama.cpp: {}", bad.into_iter().take(5).collect::<Vec<_>>().join(", ")) }, seconds: 0.0, log: None })
+                Ok(Outcome {
+                    gate: name.into(),
+                    passed: bad.is_empty(),
+                    figures: format!("{} of {} texts exact", cases.len() - bad.len(), cases.len()),
+                    reason: if bad.is_empty() { String::new() } else { format!("differ from llama.cpp: {}", bad.into_iter().take(5).collect::<Vec<_>>().join(", ")) },
+                    seconds: 0.0,
+                    log: None,
+                })
             }
             Gate::Apply | Gate::Test { .. } => unreachable!("not an engine gate"),
         }

@@ -8,12 +8,15 @@
 pub mod apply;
 pub mod base;
 pub mod base85;
+pub mod bump;
 pub mod chain;
 pub mod commands;
 pub mod export;
 pub mod gate;
+pub mod merge3;
 pub mod model;
 pub mod patch;
+pub mod rebase;
 pub mod registry;
 pub mod sync_check;
 pub mod tree;

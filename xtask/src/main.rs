@@ -110,6 +110,44 @@ enum Cmd {
         #[arg(long)]
         revert: bool,
     },
+    /// Move the patch series onto a new upstream base (the pinned base is the ancestor).
+    ///
+    /// Every hunk is carried by a three-way merge against the old chain, never placed by
+    /// searching for its context, and classified exact | offset | merged | upstream | conflict;
+    /// every patch gets a verdict exact | rebased | upstream | partial-upstream | conflict.
+    /// A real run re-exports the carried patches, retires upstreamed ones (bump policy
+    /// drop-if-upstream, or a submitted patch that landed), moves the pin, manifests, docs and
+    /// the engine's version requirements, and writes docs/bumps/<from>-to-<onto>.{md,json}.
+    /// It stops at the first conflict with diff3 markers in engine/upstream/ (state in .tine-rebase/).
+    Rebase {
+        /// The new base: crates:VERSION (every pinned crate at VERSION), dir:PATH or git:URL@COMMIT.
+        #[arg(long, value_name = "SPEC", conflicts_with_all = ["cont", "abort"], required_unless_present_any = ["cont", "abort"])]
+        onto: Option<String>,
+        /// Classify only: print one row per hunk and write nothing in the project (exit 1 if the run would stop).
+        #[arg(long, requires = "onto")]
+        dry_run: bool,
+        /// Also write the report as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<std::path::PathBuf>,
+        /// Resume after resolving the conflict markers in engine/upstream/ (refused while markers remain).
+        #[arg(long = "continue", conflicts_with = "abort")]
+        cont: bool,
+        /// With --continue: retire the patch the run stopped on because the new base already has it.
+        #[arg(long, requires = "cont")]
+        retire: bool,
+        /// Undo the run: registry, patches, manifests, docs and engine/upstream/ restored byte for byte.
+        #[arg(long)]
+        abort: bool,
+    },
+    /// The dry run of `rebase` onto SPEC (default: the newest published version of the base
+    /// crates); changes nothing. Exit 0 only when every patch is exact or rebased.
+    Canary {
+        #[arg(value_name = "SPEC")]
+        spec: Option<String>,
+        /// Also write the report as JSON to FILE.
+        #[arg(long, value_name = "FILE")]
+        json: Option<std::path::PathBuf>,
+    },
     /// Benchmarks; each writes its table, chart and exact command to docs/evaluations/.
     Bench {
         #[command(subcommand)]
@@ -204,6 +242,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             pb.finish_and_clear();
             return bench(&p, which);
         }
+        Cmd::Rebase { onto, dry_run, json, cont, retire, abort } => {
+            return xtask::bump::rebase(&p, &xtask::bump::RebaseArgs { onto: onto.as_deref(), dry_run, json: json.as_deref(), cont, retire, abort }, &pb);
+        }
+        Cmd::Canary { spec, json } => return xtask::bump::canary(&p, spec.as_deref(), json.as_deref(), &pb),
         Cmd::Gate { patch, all, list, revert } => return gate(&p, patch.as_deref(), all, list, revert, &pb),
     }
     pb.finish_and_clear();
@@ -315,7 +357,10 @@ fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
             py.arg(p.root.join("bench/three_way.py")).arg("--model").arg(&model).args(["--rounds", &rounds.to_string(), "--command", &command]);
         }
         BenchCmd::Spec { types, llama_types, depths, rounds, server } => {
-            let cpu = std::fs::read_to_string("/proc/cpuinfo").ok().and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_owned())).unwrap_or_default();
+            let cpu = std::fs::read_to_string("/proc/cpuinfo")
+                .ok()
+                .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_owned()))
+                .unwrap_or_default();
             let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
             py.arg(p.root.join("bench/spec_http.py")).args(["--depths", &depths, "--rounds", &rounds.to_string(), "--command", &command, "--machine", &format!("{cores} cores, {cpu}")]);
             let notes = p.root.join("docs/evaluations/mtp-notes.md");

@@ -63,7 +63,10 @@ pub enum Content {
     /// No content change (pure rename, mode change, empty file creation).
     None,
     Text(Vec<Hunk>),
-    Binary { forward: BinaryHunk, reverse: Option<BinaryHunk> },
+    Binary {
+        forward: BinaryHunk,
+        reverse: Option<BinaryHunk>,
+    },
     /// `Binary files a/x and b/x differ`: git wrote no data, nothing can apply it.
     BinaryWithoutData,
 }
@@ -217,17 +220,8 @@ fn parse_file(lines: &[&[u8]], start: usize) -> Result<(FilePatch, usize), Parse
     let lno = start + 1;
     let first = strip_eol(lines[start]);
     let (a, b) = parse_diff_git_names(&first[b"diff --git ".len()..]).map_err(|k| perr(lno, k))?;
-    let mut fp = FilePatch {
-        op: Op::Modify,
-        old_path: Some(a.clone()),
-        new_path: Some(b.clone()),
-        old_mode: None,
-        new_mode: None,
-        old_id: None,
-        new_id: None,
-        content: Content::None,
-        patch_line: lno,
-    };
+    let mut fp =
+        FilePatch { op: Op::Modify, old_path: Some(a.clone()), new_path: Some(b.clone()), old_mode: None, new_mode: None, old_id: None, new_id: None, content: Content::None, patch_line: lno };
     let mut i = start + 1;
     let mut minus: Option<Option<String>> = None;
     let mut plus: Option<Option<String>> = None;

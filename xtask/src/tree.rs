@@ -331,10 +331,14 @@ pub fn write_tree_atomically(dest: &Path, tree: &Tree, extra: &[(&str, &[u8])], 
 
 /// Scratch trees left by interrupted runs (their process is gone) are removed; a live run's are kept.
 fn remove_stale_scratch(parent: &Path, name: &str) {
-    let Ok(entries) = fs::read_dir(parent) else { return };
+    let Ok(entries) = fs::read_dir(parent) else {
+        return;
+    };
     for e in entries.flatten() {
         let file_name = e.file_name();
-        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(&format!(".{name}.new-"))) else { continue };
+        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(&format!(".{name}.new-"))) else {
+            continue;
+        };
         let mine = pid == std::process::id().to_string();
         if mine || !Path::new("/proc").join(pid).exists() {
             let _ = fs::remove_dir_all(e.path());

@@ -159,7 +159,15 @@ pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<Report
                     r.push(4, T4, Outcome::Fail(format!("the reversed tree differs from the pristine base:\n{}", d.describe(20))));
                 }
             }
-            r.push(6, T6, if hook_problems.is_empty() { Outcome::Pass(format!("{} hook(s)", reg.patches.iter().filter(|e| e.is_applied()).map(|e| e.hooks.len()).sum::<usize>())) } else { Outcome::Fail(hook_problems.join("\n")) });
+            r.push(
+                6,
+                T6,
+                if hook_problems.is_empty() {
+                    Outcome::Pass(format!("{} hook(s)", reg.patches.iter().filter(|e| e.is_applied()).map(|e| e.hooks.len()).sum::<usize>()))
+                } else {
+                    Outcome::Fail(hook_problems.join("\n"))
+                },
+            );
         }
         None => {
             r.push(3, T3, Outcome::Skipped("the chain did not apply".into()));
@@ -249,7 +257,11 @@ fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item
         for pkg in found {
             let path = pkg["manifest_path"].as_str().unwrap_or("");
             if !pkg["source"].is_null() || Path::new(path) != want {
-                problems.push(format!("{name} {} resolves to {} ({path}), not engine/upstream/{name}: cargo ignored the [patch.crates-io] entry", pkg["version"].as_str().unwrap_or("?"), pkg["source"].as_str().unwrap_or("a path")));
+                problems.push(format!(
+                    "{name} {} resolves to {} ({path}), not engine/upstream/{name}: cargo ignored the [patch.crates-io] entry",
+                    pkg["version"].as_str().unwrap_or("?"),
+                    pkg["source"].as_str().unwrap_or("a path")
+                ));
             }
         }
     }

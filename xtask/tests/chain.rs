@@ -138,7 +138,17 @@ fn every_patch_format_round_trips_through_capture_apply_unapply_and_libgit2() {
     let after1 = fx.live_tree();
     let p1 = fx.patch_bytes("0001-every-shape.patch");
     let text = String::from_utf8_lossy(&p1);
-    for needle in ["new file mode 100644", "deleted file mode 100644", "rename from old/name.rs", "old mode 100644\nnew mode 100755", "GIT binary patch", "line 2\r\n", "\\ No newline at end of file", "\"a/caf\\303\\251/na\\303\\257ve file.txt\"", "Tine-Hook: cafe-hook"] {
+    for needle in [
+        "new file mode 100644",
+        "deleted file mode 100644",
+        "rename from old/name.rs",
+        "old mode 100644\nnew mode 100755",
+        "GIT binary patch",
+        "line 2\r\n",
+        "\\ No newline at end of file",
+        "\"a/caf\\303\\251/na\\303\\257ve file.txt\"",
+        "Tine-Hook: cafe-hook",
+    ] {
         assert!(text.contains(needle), "patch lacks {needle:?}:\n{text}");
     }
     assert_eq!(git2_apply(&before, &p1), after1, "libgit2 disagrees with our placer on 0001");
@@ -325,7 +335,8 @@ fn an_interrupted_apply_leaves_the_old_tree_intact() {
 
     // A chain that fails half-way also leaves the old tree: 0002 does not apply.
     fx.apply(None).expect("applies");
-    fs::write(fx.p.patches_dir().join("0002-bad.patch"), b"Subject: bad\nUpstream-Status: Pending\n---\ndiff --git a/a.txt b/a.txt\n--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-not there\n+x\n").expect("write");
+    fs::write(fx.p.patches_dir().join("0002-bad.patch"), b"Subject: bad\nUpstream-Status: Pending\n---\ndiff --git a/a.txt b/a.txt\n--- a/a.txt\n+++ b/a.txt\n@@ -1 +1 @@\n-not there\n+x\n")
+        .expect("write");
     let mut reg = chain::load_registry(&fx.p).expect("registry");
     let mut e = reg.patches[0].clone();
     e.id = "0002".into();
@@ -355,10 +366,13 @@ fn refresh_regenerates_a_patch_and_names_later_patches_that_break() {
 
     // Refresh 0001 so that 0002's context (`two`) changes: 0002 must be named as broken.
     fx.apply(Some("0001")).expect("a clean tree can move to any prefix");
-    fx.edit("a.txt", b"1
+    fx.edit(
+        "a.txt",
+        b"1
 TWO
 3
-");
+",
+    );
     let err = commands::refresh(&fx.p, "0001", &pb()).expect_err("0002 no longer applies");
     let msg = format!("{err:#}");
     assert!(msg.contains("later patches no longer apply") && msg.contains("patch 0002-three.patch: a.txt, hunk #1"), "{msg}");
@@ -517,8 +531,12 @@ fn gate_names_parse_into_the_catalogue_or_say_what_is_wrong() {
 #[test]
 fn a_failed_cargo_run_is_reduced_to_its_first_error_or_panic() {
     use xtask::gate::failure_reason;
-    let compile = "   Compiling candle-nn\nerror[E0599]: no method named `truncate` found for struct `KvCache` in the current scope\n  --> ../../upstream/candle-nn/tests/kv_cache_truncate.rs:12:8\n   |\n";
-    assert_eq!(failure_reason(compile), "does not compile against this tree: error[E0599]: no method named `truncate` found for struct `KvCache` in the current scope (../../upstream/candle-nn/tests/kv_cache_truncate.rs:12:8)");
+    let compile =
+        "   Compiling candle-nn\nerror[E0599]: no method named `truncate` found for struct `KvCache` in the current scope\n  --> ../../upstream/candle-nn/tests/kv_cache_truncate.rs:12:8\n   |\n";
+    assert_eq!(
+        failure_reason(compile),
+        "does not compile against this tree: error[E0599]: no method named `truncate` found for struct `KvCache` in the current scope (../../upstream/candle-nn/tests/kv_cache_truncate.rs:12:8)"
+    );
     let panic = "running 1 test\n\nthread 'decoding_matches' (77) panicked at tests/x.rs:15:9:\nposition 0: max |logit diff| 0.4 >= 0.002\nnote: run with `RUST_BACKTRACE=1`\n";
     assert_eq!(failure_reason(panic), "test `decoding_matches` failed: position 0: max |logit diff| 0.4 >= 0.002");
 }
