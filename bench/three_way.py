@@ -3,7 +3,7 @@
 
 Every engine serves llama-server's `POST /completion` and reports llama-server's `timings`:
   tine   target/release/tine serve (spec off)
-  stock  target/stock-candle/release/stock-candle-bench: pristine candle 0.11.0's quantized_gemma3
+  stock  target/stock-candle/release/stock-candle-bench: the pristine pinned candle's quantized_gemma3
          loop behind a minimal /completion (bench/stock-candle)
   llama  $LLAMA_SERVER (llama.cpp's llama-server, built by the user), -t <cores>; left out with a
          note when LLAMA_SERVER is unset
@@ -53,7 +53,7 @@ def main():
         engines["llama"] = [a.llama_server, "-m", a.model, "--host", "127.0.0.1", "--port", "{port}", "-c", "4096", "-t", threads, "-tb", threads, "-np", "1", "--no-webui"]
     else:
         notes.append("llama.cpp was left out: LLAMA_SERVER is not set (build llama.cpp's llama-server and set LLAMA_SERVER=/path/to/llama-server).")
-    names = {"tine": "Tine (full chain)", "stock": "stock candle 0.11.0", "llama": "llama.cpp llama-server"}
+    names = {"tine": "Tine (full chain)", "stock": "stock candle (pinned base)", "llama": "llama.cpp llama-server"}
     log_dir = os.path.join(ROOT, "target/bench-three-way")
     os.makedirs(log_dir, exist_ok=True)
     procs, urls = {}, {}

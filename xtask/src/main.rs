@@ -348,7 +348,7 @@ fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
     match which {
         BenchCmd::ThreeWay { rounds } => {
             step(
-                "build the stock-candle harness (release, pristine candle 0.11.0)",
+                "build the stock-candle harness (release, the pristine pinned base)",
                 Command::new(&cargo).args(["build", "--release", "--manifest-path"]).arg(p.root.join("bench/stock-candle/Cargo.toml")).arg("--target-dir").arg(p.root.join("target/stock-candle")),
             )?;
             if std::env::var_os("LLAMA_SERVER").is_none() {

@@ -406,8 +406,24 @@ pub fn carry(lp: &LoadedPatch, old_prev: &Tree, new_prev: &Tree, mode: Mode<'_>)
     // A hunk-level "upstream" can leave nothing to carry at all.
     let no_change = merged.iter().all(|(p, e)| new_prev.get(p) == e.as_ref());
     let verdict = if no_change && verdict != Verdict::Conflict { Verdict::Upstream } else { verdict };
-    let report = PatchReport { id: lp.entry.id.clone(), file: lp.entry.file.clone(), verdict, hunks, action: String::new(), notes: Vec::new() };
+    // A patch's own new test files never land upstream byte for byte: when every other change
+    // is upstream, the patch is upstream and its tests leave with it.
+    let own_tests: BTreeSet<&str> = lp.parsed.files.iter().filter(|f| f.op == Op::Create).filter_map(|f| f.new_path.as_deref()).filter(|p| is_test_path(p)).collect();
+    let mut notes = Vec::new();
+    let verdict = if verdict == Verdict::PartialUpstream && hunks.iter().all(|h| h.class == Class::Upstream || own_tests.contains(h.file.as_str())) {
+        notes.push(format!("every change but its own test files is upstream; they leave with it: {}", own_tests.iter().cloned().collect::<Vec<_>>().join(", ")));
+        merged.clear();
+        Verdict::Upstream
+    } else {
+        verdict
+    };
+    let report = PatchReport { id: lp.entry.id.clone(), file: lp.entry.file.clone(), verdict, hunks, action: String::new(), notes };
     Ok(Carried { report, merged, conflicts })
+}
+
+/// A file under a `tests/` (or `test/`) directory.
+fn is_test_path(path: &str) -> bool {
+    path.split('/').rev().skip(1).any(|c| c == "tests" || c == "test")
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -636,6 +652,8 @@ pub struct Plan {
     pub new_tree: Tree,
     /// Index of the first patch that stops a real run, with its conflicts and the trees around it.
     pub stop: Option<Stop>,
+    /// Patches whose hook markers changed in the carry: id -> the hooks they now mark.
+    pub hooks: BTreeMap<String, Vec<String>>,
 }
 
 pub struct Stop {
@@ -672,6 +690,8 @@ pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &st
     let mut new_bytes = BTreeMap::new();
     let mut stop: Option<Stop> = None;
     let mut first_stop: Option<String> = None;
+    let mut hooks: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let mut hook_index: BTreeMap<String, BTreeSet<String>> = new_base.iter().map(|(p, e)| (p.clone(), tree::hooks_in(&e.data))).filter(|(_, h)| !h.is_empty()).collect();
     let ours_label = |lp: &LoadedPatch| format!("ours: patch {} ({})", lp.entry.id, lp.entry.file);
     let anc_label = |i: usize| format!("ancestor: {from}{}", if i == 0 { String::new() } else { format!(" + patches up to {}", patches[i - 1].entry.id) });
     let theirs_label = |i: usize| format!("upstream: {onto}{}", if i == 0 { String::new() } else { format!(" + carried patches up to {}", patches[i - 1].entry.id) });
@@ -684,7 +704,7 @@ pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &st
         let old_overlay = apply::plan(&old, &lp.parsed, false).map_err(|e| apply::ApplyError { patch: lp.name().to_owned(), ..e })?;
         let decided_retire = res.retire.contains(id);
         let mut action = action_for(&lp.entry, carried.report.verdict, decided_retire).to_owned();
-        carried.report.notes = registry_notes(&lp.entry, carried.report.verdict, onto);
+        carried.report.notes.extend(registry_notes(&lp.entry, carried.report.verdict, onto));
         if let Some(text) = res.resolved.get(id) {
             // The maintainer's resolution replaces the merge.
             let path = resolved_dir.map(|d| d.join(text)).expect("resolutions come with their directory");
@@ -733,12 +753,62 @@ pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &st
         } else if action == "stop" || action == "decide" {
             first_stop = Some(id.clone());
         }
+        // The hooks the carried patch marks: markers its files gain that the new chain lacked.
+        let before_hooks: BTreeSet<String> = hook_index.values().flatten().cloned().collect();
+        for (path, e) in &carried.merged {
+            match e {
+                Some(e) => hook_index.insert(path.clone(), tree::hooks_in(&e.data)),
+                None => hook_index.remove(path),
+            };
+        }
+        if let Some(bytes) = new_bytes.get_mut(id) {
+            let after: BTreeSet<String> = carried.merged.keys().filter_map(|p| hook_index.get(p)).flatten().filter(|h| !before_hooks.contains(*h)).cloned().collect();
+            let declared: BTreeSet<String> = lp.entry.hooks.iter().cloned().collect();
+            if after != declared {
+                carried.report.notes.push(format!("hooks: now {:?} (the registry declared {:?}); the registry entry and the Tine-Hook trailers follow", after, declared));
+                *bytes = with_hook_trailers(bytes, &after);
+                hooks.insert(id.clone(), after.into_iter().collect());
+                if carried.report.action == "keep" || action == "keep" {
+                    action = "re-export".into();
+                }
+            }
+        }
         carried.report.action = action;
         apply_overlay(&mut old, &old_overlay);
         apply_overlay(&mut new, &carried.merged);
         report.patches.push(carried.report);
     }
-    Ok(Plan { report, new_bytes, new_tree: new, stop })
+    Ok(Plan { report, new_bytes, new_tree: new, stop, hooks })
+}
+
+/// `bytes` with its header's `Tine-Hook:` trailers replaced by `hooks` (placed where the old
+/// ones were, else before `Upstream-Status:`, else at the end of the header).
+pub fn with_hook_trailers(bytes: &[u8], hooks: &BTreeSet<String>) -> Vec<u8> {
+    let start = tree::find(bytes, b"diff --git ").unwrap_or(bytes.len());
+    let header = String::from_utf8_lossy(&bytes[..start]).into_owned();
+    let mut out = String::new();
+    let mut placed = false;
+    let block: String = hooks.iter().map(|h| format!("Tine-Hook: {h}\n")).collect();
+    for line in header.split_inclusive('\n') {
+        if line.starts_with("Tine-Hook: ") {
+            if !placed {
+                out.push_str(&block);
+                placed = true;
+            }
+            continue;
+        }
+        if line.starts_with("Upstream-Status: ") && !placed {
+            out.push_str(&block);
+            placed = true;
+        }
+        out.push_str(line);
+    }
+    if !placed {
+        out.push_str(&block);
+    }
+    let mut v = out.into_bytes();
+    v.extend_from_slice(&bytes[start..]);
+    v
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1281,6 +1351,9 @@ fn commit(p: &Project, inputs: &Inputs, mut state: RebaseState, plan: &Plan, ext
             e.upstream = if e.upstream.is_empty() { format!("in {}", base_spec(&inputs.onto_base)) } else { format!("in {} ({})", base_spec(&inputs.onto_base), e.upstream) };
         } else if let Some(b) = plan.new_bytes.get(&e.id) {
             e.sha256 = tree::sha256_hex(b);
+        }
+        if let Some(h) = plan.hooks.get(&e.id) {
+            e.hooks = h.clone();
         }
     }
     // The engine requirement moves to the next patch still carried.

@@ -667,3 +667,80 @@ fn the_carried_series_matches_git_rebase_with_every_blob_present() {
     }
     fx.assert_sound();
 }
+
+#[test]
+fn a_fix_that_landed_upstream_retires_its_patch_and_its_own_test_files_leave_with_it() {
+    let fx = Fx::new(&[("src/gelu.rs", b"fn act() { silu() }\n"), ("keep.txt", b"k\n")]);
+    fx.patch("0001-fix", &[("src/gelu.rs", Some(b"fn act() { gelu() }\n")), ("tests/gelu.rs", Some(b"#[test] fn t() {}\n"))]);
+    fx.set_entry("0001", |e| {
+        e.bump = "drop-if-upstream".into();
+        e.upstream = "example/upstream#2".into();
+    });
+    let onto = fx.onto(&[("src/gelu.rs", Some(b"fn act() { gelu() }\n"))]);
+    let r = fx.dry(&onto);
+    assert_eq!((verdict(&r, "0001"), r.patches[0].action.as_str()), (Verdict::Upstream, "retire"), "{}", rebase::render_table(&r));
+    assert!(r.patches[0].notes.iter().any(|n| n.contains("tests/gelu.rs")), "{:?}", r.patches[0].notes);
+    done(fx.run(&onto));
+    assert!(!fx.live().contains_key("tests/gelu.rs"));
+    fx.assert_sound();
+}
+
+#[test]
+fn hook_markers_that_move_in_a_resolution_follow_into_the_registry_and_the_trailers() {
+    let f = numbered("line ", 20);
+    let fx = Fx::new(&[("f.txt", f.as_bytes())]);
+    fx.patch("0001-hooked", &[("f.txt", Some(set_line(&f, 10, "// tine-hook: old-spot").as_bytes()))]);
+    let onto = fx.onto(&[("f.txt", Some(set_line(&f, 10, "upstream ten").as_bytes()))]);
+    stopped(fx.run(&onto));
+    write_file(&fx.p.upstream_dir().join("f.txt"), set_line(&set_line(&f, 10, "upstream ten"), 11, "// tine-hook: new-spot").as_bytes(), MODE_FILE);
+    let r = done(fx.cont(false).expect("continue"));
+    assert!(r.patches[0].notes.iter().any(|n| n.starts_with("hooks: now")), "{:?}", r.patches[0].notes);
+    let reg = registry::load(&fx.p.registry_path()).expect("registry");
+    assert_eq!(reg.patches[0].hooks, ["new-spot"]);
+    let text = String::from_utf8(fs::read(fx.p.patches_dir().join("0001-hooked.patch")).expect("patch")).expect("utf8");
+    assert!(text.contains("Tine-Hook: new-spot\n") && !text.contains("Tine-Hook: old-spot"), "{text}");
+    fx.assert_sound();
+}
+
+/// The real bump's committed report agrees with the registry it produced.
+#[test]
+fn the_committed_report_of_the_real_bump_to_0_11_1_matches_the_registry() {
+    let p = Project::discover();
+    let text = fs::read(p.root.join("docs/bumps/0.11.0-to-0.11.1.json")).expect("the bump report is committed");
+    let r: Report = serde_json::from_slice(&text).expect("the report parses as a rebase report");
+    assert_eq!((r.from.as_str(), r.onto.as_str()), ("0.11.0", "0.11.1"));
+    let reg = registry::load(&p.registry_path()).expect("registry");
+    let Base::Crates { crates } = &reg.base else { panic!("the base is registry crates") };
+    assert!(crates.iter().all(|c| c.version == "0.11.1"), "the pin moved to 0.11.1");
+    for pr in &r.patches {
+        let e = reg.patches.iter().find(|e| e.id == pr.id).unwrap_or_else(|| panic!("patch {} of the report is in the registry", pr.id));
+        assert_eq!(pr.action == "retire", e.status == "retired", "patch {}: the report's action {} and the registry's status {}", pr.id, pr.action, e.status);
+        assert!(!pr.hunks.is_empty(), "patch {} lists its hunks", pr.id);
+        assert!(!matches!(pr.action.as_str(), "stop" | "decide"), "patch {}: a completed bump has no open stops", pr.id);
+    }
+    let carried: Vec<&str> = reg.patches.iter().filter(|e| e.is_applied()).map(|e| e.id.as_str()).collect();
+    let reported: Vec<&str> = r.patches.iter().filter(|p| p.action != "retire").map(|p| p.id.as_str()).collect();
+    assert_eq!(carried, reported, "every carried patch is in the report, in series order");
+}
+
+#[test]
+fn canary_exits_zero_only_when_every_patch_is_exact_or_rebased_and_writes_nothing() {
+    let (fx, _, _) = middle_conflict();
+    let before = fx.snapshot();
+    fx.onto(&[("h.txt", Some(b"h0\nh1\nh2\nh3\n"))]);
+    let json = fx.path("canary.json");
+    let out = xtask(&fx, &["canary", "dir:base2", "--json", json.to_str().expect("utf8")], None);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    let r: Report = serde_json::from_slice(&fs::read(&json).expect("the JSON report")).expect("parses");
+    assert!(r.clean());
+    let f = numbered("line ", 30);
+    fx.onto(&[("f.txt", Some(set_line(&f, 15, "middle upstream").as_bytes()))]);
+    let out = xtask(&fx, &["canary", "dir:base2"], None);
+    assert_eq!(out.status.code(), Some(1), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("0002 conflict"));
+    let mut after = fx.snapshot();
+    after.retain(|k, _| !k.starts_with("base2/") && k != "canary.json");
+    let mut before = before;
+    before.retain(|k, _| !k.starts_with("base2/"));
+    assert_eq!(after, before);
+}
