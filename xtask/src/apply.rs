@@ -2,13 +2,16 @@
 //!
 //! No fuzz, no offset, whitespace and line endings significant. Before a patch applies forward
 //! we check whether it is already applied (an exact reverse match): forward-first tools apply an
-//! insertion twice when its context repeats. When a hunk fails we say why: where it would have
-//! matched at an offset, whether it would only match with fuzz, or the first line that differs.
+//! insertion twice when its context repeats. A hunk with fewer trailing than leading context
+//! lines (or none) ends the file and must match at its end, as git apply and GNU patch require;
+//! without that anchor the two directions of an end-of-file hunk both match (one image is a
+//! prefix of the other). When a hunk fails we say why: where it would have matched at an offset,
+//! whether it would only match with fuzz, or the first line that differs.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::patch::{split_lines, BinaryHunk, Content, FilePatch, Hunk, Line, Op, PatchSet};
+use crate::patch::{split_lines, BinaryHunk, Content, FilePatch, Hunk, Op, PatchSet};
 use crate::tree::{Entry, Tree, MODE_FILE};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -52,6 +55,8 @@ pub enum ApplyErrorKind {
     Mismatch { line: usize, expected: String, found: String },
     #[error("the hunk starts at line {line}, past the end of the file ({len} lines)")]
     PastEnd { line: usize, len: usize },
+    #[error("the hunk ends the file (fewer trailing than leading context lines), so it must match at the end; it matches at line {line} but {after} more line(s) follow")]
+    NotAtEnd { line: usize, after: usize },
     #[error("the hunk would only apply at offset {offset:+} (line {line}, stated {stated}); offsets are refused on a pinned base")]
     AtOffset { stated: usize, line: usize, offset: isize },
     #[error("the hunk would only apply with fuzz {fuzz} (ignoring {fuzz} context line(s)) at line {line}; fuzz is refused")]
@@ -179,7 +184,8 @@ fn apply_file(st: &mut Staged<'_>, fp: &FilePatch, reverse: bool) -> FileResult<
             let src = src.expect("a deleted file has a path");
             let cur = st.get(src).cloned().ok_or_else(|| nohunk(ApplyErrorKind::MissingFile))?;
             check_mode(src_mode, cur.mode)?;
-            let rest = transform(&cur.data, fp, reverse)?;
+            // The deletion's hunk ends the file; if it matches but more follows, say so plainly.
+            let rest = transform(&cur.data, fp, reverse).map_err(|(h, k)| (h, if matches!(k, ApplyErrorKind::NotAtEnd { .. }) { ApplyErrorKind::DeleteLeavesContent } else { k }))?;
             if !rest.is_empty() {
                 return Err(nohunk(ApplyErrorKind::DeleteLeavesContent));
             }
@@ -258,11 +264,15 @@ pub fn place(data: &[u8], hunks: &[Hunk], reverse: bool) -> FileResult<Vec<u8>> 
         let at = Some((k + 1, h.patch_line));
         let pre = h.preimage(reverse);
         let (start, count) = h.pre_range(reverse);
+        // A range of zero lines names the line after which the hunk inserts. The position is exact,
+        // so a hunk from line 1 is anchored at the beginning (git's match_beginning) already.
         let idx = if count == 0 { start } else { start.saturating_sub(1) };
         if idx < cursor {
             return Err((at, ApplyErrorKind::Overlap));
         }
-        if lines.get(idx..idx + pre.len()) != Some(&pre[..]) {
+        let end = idx.checked_add(pre.len());
+        let here = end.and_then(|e| lines.get(idx..e)) == Some(&pre[..]);
+        if !here || (h.anchored_at_end() && end != Some(lines.len())) {
             return Err((at, diagnose(&lines, h, reverse, idx)));
         }
         for l in &lines[cursor..idx] {
@@ -286,20 +296,38 @@ fn positions(lines: &[&[u8]], pre: &[&[u8]]) -> Vec<usize> {
     (0..=lines.len() - pre.len()).filter(|&p| lines[p..p + pre.len()] == *pre).collect()
 }
 
+/// `p - idx` as a signed offset, saturating (both may be any usize).
+fn offset(p: usize, idx: usize) -> isize {
+    if p >= idx {
+        isize::try_from(p - idx).unwrap_or(isize::MAX)
+    } else {
+        isize::try_from(idx - p).map(|d| -d).unwrap_or(isize::MIN)
+    }
+}
+
 fn diagnose(lines: &[&[u8]], h: &Hunk, reverse: bool, idx: usize) -> ApplyErrorKind {
     let pre = h.preimage(reverse);
-    let stated = idx + 1;
-    if let Some(&p) = positions(lines, &pre).iter().min_by_key(|&&p| p.abs_diff(idx)) {
-        return ApplyErrorKind::AtOffset { stated, line: p + 1, offset: p as isize - idx as isize };
+    let stated = idx.saturating_add(1);
+    if h.anchored_at_end() {
+        // Only a match that ends the file counts for an anchored hunk.
+        let at_end = lines.len().checked_sub(pre.len()).filter(|&p| lines[p..] == pre[..]);
+        match at_end {
+            Some(p) if p != idx => return ApplyErrorKind::AtOffset { stated, line: p + 1, offset: offset(p, idx) },
+            _ => {}
+        }
+        if let Some(after) = idx.checked_add(pre.len()).filter(|&e| lines.get(idx..e) == Some(&pre[..])).map(|e| lines.len() - e) {
+            return ApplyErrorKind::NotAtEnd { line: stated, after };
+        }
+    } else if let Some(&p) = positions(lines, &pre).iter().min_by_key(|&&p| p.abs_diff(idx)) {
+        return ApplyErrorKind::AtOffset { stated, line: p + 1, offset: offset(p, idx) };
     }
-    let lead = h.lines.iter().take_while(|l| matches!(l, Line::Context(_))).count();
-    let trail = h.lines.iter().rev().take_while(|l| matches!(l, Line::Context(_))).count();
+    let (lead, trail) = (h.leading_context(), h.trailing_context());
     for fuzz in 1..=2usize {
         let (a, b) = (fuzz.min(lead), fuzz.min(trail));
         if a + b == 0 || a + b >= pre.len() {
             continue;
         }
-        if let Some(&p) = positions(lines, &pre[a..pre.len() - b]).iter().min_by_key(|&&p| p.abs_diff(idx + a)) {
+        if let Some(&p) = positions(lines, &pre[a..pre.len() - b]).iter().min_by_key(|&&p| p.abs_diff(idx.saturating_add(a))) {
             return ApplyErrorKind::WithFuzz { fuzz, line: (p + 1).saturating_sub(a).max(1) };
         }
     }

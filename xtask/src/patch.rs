@@ -41,6 +41,25 @@ impl Hunk {
         self.preimage(!reverse)
     }
 
+    /// Context lines before the first change.
+    pub fn leading_context(&self) -> usize {
+        self.lines.iter().take_while(|l| matches!(l, Line::Context(_))).count()
+    }
+
+    /// Context lines after the last change.
+    pub fn trailing_context(&self) -> usize {
+        self.lines.iter().rev().take_while(|l| matches!(l, Line::Context(_))).count()
+    }
+
+    /// Whether the hunk must end at the end of the file. A diff writes fewer trailing than leading
+    /// context lines only when it runs into the end of the file, so such a hunk (and one with no
+    /// trailing context at all) is anchored there, as git apply (`match_end`) and GNU patch do.
+    /// The same holds in both directions: the context lines are shared.
+    pub fn anchored_at_end(&self) -> bool {
+        let trailing = self.trailing_context();
+        trailing == 0 || trailing < self.leading_context()
+    }
+
     /// (start, count) on the side the hunk is matched against.
     pub fn pre_range(&self, reverse: bool) -> (usize, usize) {
         if reverse {

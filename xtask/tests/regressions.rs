@@ -1,0 +1,260 @@
+//! Regression tests: one per toolchain bug, each named after what it guards.
+//!
+//! Patches made by the git command line (and, for our own exports, libgit2) are the independent
+//! checkers: for every shape we accept, git must give the same tree, both ways.
+
+use std::fs;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use xtask::apply::{self, ApplyErrorKind};
+use xtask::chain::Project;
+use xtask::commands::{self, CaptureOptions};
+use xtask::patch;
+use xtask::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
+use xtask::verify;
+
+// ---- Fixture helpers (as in tests/chain.rs) ----
+
+struct Fx {
+    _dir: tempfile::TempDir,
+    p: Project,
+}
+
+fn pb() -> indicatif::ProgressBar {
+    indicatif::ProgressBar::hidden()
+}
+
+fn write_file(path: &Path, data: &[u8], mode: u32) {
+    fs::create_dir_all(path.parent().expect("has parent")).expect("mkdir");
+    fs::write(path, data).expect("write");
+    fs::set_permissions(path, fs::Permissions::from_mode(if mode == MODE_EXEC { 0o755 } else { 0o644 })).expect("chmod");
+}
+
+impl Fx {
+    /// A project whose base is the directory `base/` holding `files`.
+    fn new(files: &[(&str, &[u8])]) -> Fx {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = Project::new(dir.path());
+        for (path, data) in files {
+            write_file(&dir.path().join("base").join(path), data, MODE_FILE);
+        }
+        fs::create_dir_all(p.patches_dir()).expect("mkdir patches");
+        write_file(&p.registry_path(), b"[base]\nkind = \"dir\"\npath = \"base\"\n", MODE_FILE);
+        commands::bless(&p, true, &pb()).expect("bless the new base");
+        Fx { _dir: dir, p }
+    }
+
+    fn live(&self, path: &str) -> PathBuf {
+        self.p.upstream_dir().join(path)
+    }
+
+    fn edit(&self, path: &str, data: &[u8]) {
+        write_file(&self.live(path), data, MODE_FILE);
+    }
+
+    fn apply(&self, to: Option<&str>) -> anyhow::Result<()> {
+        commands::apply_chain(&self.p, to, &pb())
+    }
+
+    fn capture(&self, name: &str) -> anyhow::Result<()> {
+        commands::capture(&self.p, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb())
+    }
+
+    fn verify(&self) -> verify::Report {
+        verify::verify(&self.p, &pb()).expect("verify runs")
+    }
+
+    fn live_tree(&self) -> Tree {
+        tree::read_tree(&self.p.upstream_dir()).expect("live tree")
+    }
+
+    fn base_tree(&self) -> Tree {
+        tree::read_tree(&self.p.root.join("base")).expect("base tree")
+    }
+
+    fn patch_bytes(&self, file: &str) -> Vec<u8> {
+        fs::read(self.p.patches_dir().join(file)).expect("patch file")
+    }
+}
+
+/// libgit2 applies `patch` to `base`: an independent second opinion on every exported patch.
+fn git2_apply(base: &Tree, patch: &[u8]) -> Tree {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (path, e) in base {
+        write_file(&dir.path().join(path), &e.data, e.mode);
+    }
+    let repo = git2::Repository::init(dir.path()).expect("git init");
+    let start = tree::find(patch, b"diff --git ").expect("a patch has a diff");
+    let diff = git2::Diff::from_buffer(&patch[start..]).expect("libgit2 parses our patch");
+    repo.apply(&diff, git2::ApplyLocation::WorkDir, None).expect("libgit2 applies our patch");
+    tree::read_tree(dir.path()).expect("read back")
+}
+
+fn one_file(path: &str, data: &[u8]) -> Tree {
+    [(path.to_owned(), Entry::file(data))].into()
+}
+
+// ---- The git command line, isolated from any user configuration ----
+
+fn git_cmd(dir: &Path) -> Command {
+    let mut c = Command::new("git");
+    c.current_dir(dir)
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_AUTHOR_NAME", "A U Thor")
+        .env("GIT_AUTHOR_EMAIL", "author@example.invalid")
+        .env("GIT_AUTHOR_DATE", "1700000000 +0000")
+        .env("GIT_COMMITTER_NAME", "C O Mitter")
+        .env("GIT_COMMITTER_EMAIL", "committer@example.invalid")
+        .env("GIT_COMMITTER_DATE", "1700000000 +0000")
+        .args(["-c", "core.autocrlf=false", "-c", "init.defaultBranch=main"]);
+    c
+}
+
+fn git(dir: &Path, args: &[&str]) -> Vec<u8> {
+    let out = git_cmd(dir).args(args).output().expect("git runs");
+    assert!(out.status.success(), "git {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
+
+fn write_tree(dir: &Path, t: &Tree) {
+    for (path, e) in t {
+        write_file(&dir.join(path), &e.data, e.mode);
+    }
+}
+
+/// A git repository holding `t`, committed.
+fn git_repo(t: &Tree) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    git(dir.path(), &["init", "-q"]);
+    write_tree(dir.path(), t);
+    git(dir.path(), &["add", "-A"]);
+    git(dir.path(), &["commit", "-q", "--allow-empty", "-m", "base"]);
+    dir
+}
+
+/// `git diff --binary` from `old` to `new` (one file each).
+fn git_diff(path: &str, old: &[u8], new: &[u8]) -> Vec<u8> {
+    let repo = git_repo(&one_file(path, old));
+    fs::write(repo.path().join(path), new).expect("write");
+    git(repo.path(), &["diff", "--binary"])
+}
+
+/// `git apply [-R]` of `patch` on `t`, outside any repository: the tree, or None when git refuses.
+fn git_apply(t: &Tree, patch: &[u8], reverse: bool) -> Option<Tree> {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let work = dir.path().join("w");
+    fs::create_dir_all(&work).expect("mkdir");
+    write_tree(&work, t);
+    let patch_path = dir.path().join("p.patch");
+    fs::write(&patch_path, patch).expect("write");
+    let mut c = git_cmd(&work);
+    c.arg("apply");
+    if reverse {
+        c.arg("-R");
+    }
+    let ok = c.arg(&patch_path).output().expect("git runs").status.success();
+    ok.then(|| tree::read_tree(&work).expect("read back"))
+}
+
+/// Our placer on `t`: the tree, or the error kind.
+fn ours(t: &Tree, patch: &[u8], reverse: bool) -> Result<Tree, ApplyErrorKind> {
+    let ps = patch::parse(patch).expect("git's patch parses");
+    let mut t = t.clone();
+    let r = if reverse { apply::unapply(&mut t, &ps, "p.patch") } else { apply::apply(&mut t, &ps, "p.patch") };
+    r.map(|()| t).map_err(|e| e.kind)
+}
+
+// ---- 1. End-of-file hunks are anchored ----
+
+/// (name, before, after): the shapes whose hunk runs into the end of the file.
+const EOF_SHAPES: &[(&str, &str, &str)] = &[
+    ("append", "a\nb\nc\nd\n", "a\nb\nc\nd\ne\n"),
+    ("delete-last", "a\nb\nc\nd\n", "a\nb\nc\n"),
+    ("replace-last", "a\nb\nc\nd\n", "a\nb\nc\nD\n"),
+    ("append-no-newline", "a\nb\nc\nd", "a\nb\nc\nd\ne"),
+    ("delete-last-no-newline", "a\nb\nc\nd", "a\nb\nc"),
+    ("replace-last-no-newline", "a\nb\nc\nd", "a\nb\nc\nD"),
+    ("drop-final-newline", "a\nb\nc\nd\n", "a\nb\nc\nd"),
+    ("add-final-newline", "a\nb\nc\nd", "a\nb\nc\nd\n"),
+    ("append-repeated-brace", "fn f() {\n    x();\n}\n}\n", "fn f() {\n    x();\n}\n}\n}\n"),
+    ("delete-repeated-brace", "fn f() {\n    x();\n}\n}\n}\n", "fn f() {\n    x();\n}\n}\n"),
+    ("two-braces-to-one", "}\n}\n", "}\n"),
+    ("one-brace-to-two", "}\n", "}\n}\n"),
+    ("one-line-append", "a\n", "a\nb\n"),
+    ("delete-second-of-two", "a\nb\n", "a\n"),
+    ("long-replace-last", "1\n2\n3\n4\n5\n6\n7\n8\n9\n10\n", "1\n2\n3\n4\n5\n6\n7\n8\n9\nten\n"),
+    // One trailing context line, fewer than the three leading: anchored too (GNU patch's rule).
+    ("delete-next-to-last", "1\n2\n3\n4\n5\n6\n7\n8\n", "1\n2\n3\n4\n5\n6\n8\n"),
+];
+
+#[test]
+fn end_of_file_hunks_apply_and_reverse_exactly_like_git_apply() {
+    for (name, old, new) in EOF_SHAPES {
+        let patch = git_diff("f", old.as_bytes(), new.as_bytes());
+        let (old_t, new_t) = (one_file("f", old.as_bytes()), one_file("f", new.as_bytes()));
+        let forward = ours(&old_t, &patch, false).unwrap_or_else(|k| panic!("{name}: forward refused: {k}"));
+        assert_eq!(forward, new_t, "{name}: forward");
+        assert_eq!(git_apply(&old_t, &patch, false).as_ref(), Some(&forward), "{name}: git apply disagrees");
+        let back = ours(&new_t, &patch, true).unwrap_or_else(|k| panic!("{name}: reverse refused: {k}"));
+        assert_eq!(back, old_t, "{name}: reverse");
+        assert_eq!(git_apply(&new_t, &patch, true).as_ref(), Some(&back), "{name}: git apply -R disagrees");
+        // The already-applied check plans the other direction first: it must not see ambiguity.
+        assert_eq!(ours(&new_t, &patch, false).expect_err("applied twice"), ApplyErrorKind::AlreadyApplied, "{name}");
+        assert_eq!(ours(&old_t, &patch, true).expect_err("reversed twice"), ApplyErrorKind::NotApplied, "{name}");
+    }
+}
+
+#[test]
+fn a_hunk_without_trailing_context_does_not_apply_in_the_middle_of_a_file() {
+    // git's own patches, on a file that goes on after where they end: git refuses (match_end), so must we.
+    for (name, old, new) in EOF_SHAPES.iter().filter(|(_, old, _)| old.ends_with('\n')) {
+        let patch = git_diff("f", old.as_bytes(), new.as_bytes());
+        let longer = one_file("f", format!("{old}more\n").as_bytes());
+        let got = ours(&longer, &patch, false);
+        assert!(matches!(got, Err(ApplyErrorKind::NotAtEnd { .. })), "{name}: {got:?}");
+        let ps = patch::parse(&patch).expect("parses");
+        let xtask::patch::Content::Text(h) = &ps.files[0].content else { panic!("text") };
+        if h[0].trailing_context() == 0 {
+            assert_eq!(git_apply(&longer, &patch, false), None, "{name}: git apply accepted it mid-file");
+        }
+    }
+    let err = apply::apply(&mut one_file("f", b"a\nb\nc\nd\nmore\n"), &patch::parse(&git_diff("f", b"a\nb\nc\nd\n", b"a\nb\nc\n")).expect("parses"), "0001-x.patch").expect_err("refused");
+    assert_eq!(err.to_string(), "patch 0001-x.patch: f, hunk #1 (patch line 5): the hunk ends the file (fewer trailing than leading context lines), so it must match at the end; it matches at line 1 but 1 more line(s) follow");
+}
+
+#[test]
+fn an_insertion_at_the_end_of_a_file_applied_twice_is_already_applied_not_ambiguous() {
+    let patch = git_diff("f", b"x\n}\n}\n", b"x\n}\n}\n}\n");
+    let ps = patch::parse(&patch).expect("parses");
+    let mut t = one_file("f", b"x\n}\n}\n");
+    apply::apply(&mut t, &ps, "p").expect("applies once");
+    let err = apply::apply(&mut t, &ps, "p").expect_err("refused the second time");
+    assert_eq!(err.kind, ApplyErrorKind::AlreadyApplied, "{err}");
+    apply::unapply(&mut t, &ps, "p").expect("reverses");
+    assert_eq!(t["f"].data, b"x\n}\n}\n");
+}
+
+#[test]
+fn capture_records_end_of_file_edits_that_verify_unapply_and_match_libgit2() {
+    // One patch per shape: in a patch of several files, one that fails the opposite direction
+    // would hide another file's ambiguity.
+    for (name, old, new) in EOF_SHAPES {
+        let fx = Fx::new(&[("f.txt", old.as_bytes())]);
+        fx.apply(None).expect("applies");
+        fx.edit("f.txt", new.as_bytes());
+        fx.capture("0001-eof").unwrap_or_else(|e| panic!("{name}: capture: {e:#}"));
+        let want = fx.live_tree();
+        let r = fx.verify();
+        assert!(r.passed(), "{name}: verify failed:\n{}", r.render());
+        let bytes = fx.patch_bytes("0001-eof.patch");
+        assert_eq!(git2_apply(&fx.base_tree(), &bytes), want, "{name}: libgit2 disagrees with our placer");
+        assert_eq!(git_apply(&want, &bytes, true).as_ref(), Some(&fx.base_tree()), "{name}: git apply -R disagrees with our placer");
+        commands::unapply(&fx.p, Some("0000"), &pb()).unwrap_or_else(|e| panic!("{name}: unapply: {e:#}"));
+        assert_eq!(fx.live_tree(), fx.base_tree(), "{name}");
+        fx.apply(None).expect("reapply");
+        assert_eq!(fx.live_tree(), want, "{name}");
+    }
+}
