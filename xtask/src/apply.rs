@@ -67,8 +67,10 @@ pub enum ApplyErrorKind {
     DeleteLeavesContent,
     #[error("binary preimage does not match (the file is not the one the patch was made from)")]
     BinaryPreimage,
-    #[error("binary delta hunks are not supported; re-export the patch with literal data (`cargo xtask refresh`)")]
-    BinaryDelta,
+    #[error("binary delta does not apply: {0}")]
+    BinaryDelta(#[from] crate::delta::DeltaError),
+    #[error("binary patch gives a file whose blob id is {found}, the index line says {expected}")]
+    BinaryPostimage { expected: String, found: String },
     #[error("binary change without data (`Binary files … differ`); export with `git diff --binary --full-index`")]
     BinaryWithoutData,
     #[error("binary patch has no reverse hunk, so it cannot be reverse-applied")]
@@ -238,10 +240,19 @@ fn transform(data: &[u8], fp: &FilePatch, reverse: bool) -> FileResult<Vec<u8>> 
                     }
                 }
             }
-            match new {
-                BinaryHunk::Literal(d) => Ok(d.clone()),
-                BinaryHunk::Delta => Err((None, ApplyErrorKind::BinaryDelta)),
+            let result = match new {
+                BinaryHunk::Literal(d) => d.clone(),
+                BinaryHunk::Delta(d) => crate::delta::apply(data, d).map_err(|e| (None, e.into()))?,
+            };
+            // The result must be the blob the index line names (git checks this too).
+            let result_id = if reverse { &fp.old_id } else { &fp.new_id };
+            if let Some(id) = result_id.as_ref().filter(|id| id.len() == 40) {
+                let found = if result.is_empty() && id.bytes().all(|b| b == b'0') { id.clone() } else { git_blob_id(&result) };
+                if &found != id {
+                    return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.clone(), found }));
+                }
             }
+            Ok(result)
         }
     }
 }

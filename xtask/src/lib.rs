@@ -10,6 +10,7 @@ pub mod base;
 pub mod base85;
 pub mod chain;
 pub mod commands;
+pub mod delta;
 pub mod export;
 pub mod gate;
 pub mod model;

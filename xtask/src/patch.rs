@@ -73,8 +73,8 @@ impl Hunk {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BinaryHunk {
     Literal(Vec<u8>),
-    /// A git delta against the preimage; recognised so it can be refused by name.
-    Delta,
+    /// A git delta against the preimage (inflated; see [`crate::delta`]).
+    Delta(Vec<u8>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -454,19 +454,21 @@ fn parse_binary_hunk(lines: &[&[u8]], start: usize) -> Result<(BinaryHunk, usize
     if i < lines.len() {
         i += 1; // the blank line that ends the hunk
     }
-    match kind {
-        "literal" => {
-            use std::io::Read;
-            let mut data = Vec::with_capacity(size);
-            flate2::read::ZlibDecoder::new(&compressed[..]).read_to_end(&mut data).map_err(|e| bad(format!("zlib: {e}")))?;
-            if data.len() != size {
-                return Err(bad(format!("literal says {size} bytes, inflates to {}", data.len())));
-            }
-            Ok((BinaryHunk::Literal(data), i))
-        }
-        "delta" => Ok((BinaryHunk::Delta, i)),
-        other => Err(bad(format!("unknown binary hunk kind {other:?}"))),
+    if kind != "literal" && kind != "delta" {
+        return Err(bad(format!("unknown binary hunk kind {kind:?}")));
     }
+    // Both kinds give the inflated size. Reading one byte past it catches a longer stream without
+    // inflating all of it, and the stated size is never trusted for an allocation.
+    use std::io::Read;
+    let mut data = Vec::new();
+    let limit = u64::try_from(size).unwrap_or(u64::MAX).saturating_add(1);
+    flate2::read::ZlibDecoder::new(&compressed[..]).take(limit).read_to_end(&mut data).map_err(|e| bad(format!("zlib: {e}")))?;
+    if data.len() != size {
+        let got = if data.len() > size { "more".to_owned() } else { data.len().to_string() };
+        return Err(bad(format!("{kind} says {size} bytes, inflates to {got}")));
+    }
+    let hunk = if kind == "literal" { BinaryHunk::Literal(data) } else { BinaryHunk::Delta(data) };
+    Ok((hunk, i))
 }
 
 /// `a/x b/x`, possibly quoted, possibly with spaces (then both halves must be equal).

@@ -9,9 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use xtask::apply::{self, ApplyErrorKind};
-use xtask::chain::Project;
+use xtask::chain::{self, Project};
 use xtask::commands::{self, CaptureOptions};
 use xtask::patch;
+use xtask::registry::{self, PatchEntry};
 use xtask::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
 use xtask::verify;
 
@@ -76,6 +77,32 @@ impl Fx {
 
     fn patch_bytes(&self, file: &str) -> Vec<u8> {
         fs::read(self.p.patches_dir().join(file)).expect("patch file")
+    }
+
+    fn assert_verified(&self) {
+        let r = self.verify();
+        assert!(r.passed(), "verify failed:\n{}", r.render());
+    }
+
+    /// Adds a patch made elsewhere to the end of the series by hand (file + registry entry), then blesses.
+    fn add_patch(&self, id: &str, slug: &str, bytes: &[u8]) -> anyhow::Result<()> {
+        let file = format!("{id}-{slug}.patch");
+        fs::write(self.p.patches_dir().join(&file), bytes).expect("write patch");
+        let mut reg = chain::load_registry(&self.p).expect("registry");
+        reg.patches.push(PatchEntry {
+            id: id.into(),
+            file,
+            sha256: String::new(),
+            title: slug.into(),
+            area: "other".into(),
+            hooks: Vec::new(),
+            status: "carried".into(),
+            upstream: String::new(),
+            bump: "reapply".into(),
+            gates: vec!["apply".into()],
+        });
+        fs::write(self.p.registry_path(), registry::render(&reg)).expect("write registry");
+        commands::bless(&self.p, false, &pb())
     }
 }
 
@@ -257,4 +284,62 @@ fn capture_records_end_of_file_edits_that_verify_unapply_and_match_libgit2() {
         fx.apply(None).expect("reapply");
         assert_eq!(fx.live_tree(), want, "{name}");
     }
+}
+
+// ---- 2. Binary delta hunks ----
+
+/// 20 KB of pseudo-random bytes (NULs included, so git treats it as binary).
+fn blob() -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    (0..20_000)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (x >> 56) as u8
+        })
+        .collect()
+}
+
+fn changed_blob() -> Vec<u8> {
+    let mut b = blob();
+    for i in [100, 5_000, 12_345, 19_999] {
+        b[i] ^= 0x5a;
+    }
+    b.extend_from_slice(b"tail");
+    b
+}
+
+#[test]
+fn binary_delta_hunks_apply_both_ways_like_git_apply() {
+    let (old, new) = (blob(), changed_blob());
+    let patch = git_diff("blob.bin", &old, &new);
+    let text = String::from_utf8_lossy(&patch);
+    assert_eq!(text.matches("\ndelta ").count(), 2, "git should write a forward and a reverse delta:\n{text}");
+    let (old_t, new_t) = (one_file("blob.bin", &old), one_file("blob.bin", &new));
+    let forward = ours(&old_t, &patch, false).expect("the delta applies");
+    assert_eq!(forward, new_t);
+    assert_eq!(git_apply(&old_t, &patch, false).as_ref(), Some(&forward));
+    let back = ours(&new_t, &patch, true).expect("the reverse delta applies");
+    assert_eq!(back, old_t);
+    assert_eq!(ours(&new_t, &patch, false).expect_err("twice"), ApplyErrorKind::AlreadyApplied);
+    // Another file of the same size: the index line's blob id refuses it before the delta runs.
+    let mut other = old.clone();
+    other[7] ^= 1;
+    assert_eq!(ours(&one_file("blob.bin", &other), &patch, false).expect_err("wrong preimage"), ApplyErrorKind::BinaryPreimage);
+    // Without the blob ids, the delta's own source-size check still refuses a different file.
+    let no_ids = text.lines().filter(|l| !l.starts_with("index ")).collect::<Vec<_>>().join("\n") + "\n";
+    let got = ours(&one_file("blob.bin", &old[..100]), no_ids.as_bytes(), false).expect_err("wrong size");
+    assert!(matches!(&got, ApplyErrorKind::BinaryDelta(xtask::delta::DeltaError::SourceSize { expected: 20_000, found: 100 })), "{got:?}");
+}
+
+#[test]
+fn binary_delta_patches_work_through_apply_chain_verify_and_unapply() {
+    let fx = Fx::new(&[("blob.bin", &blob())]);
+    let mut bytes = b"Subject: [PATCH] blob: a few bytes\n\nUpstream-Status: Pending\n---\n".to_vec();
+    bytes.extend_from_slice(&git_diff("blob.bin", &blob(), &changed_blob()));
+    fx.add_patch("0001", "blob", &bytes).expect("bless: the chain applies");
+    fx.apply(None).expect("apply-chain applies the delta");
+    assert_eq!(fx.live_tree()["blob.bin"].data, changed_blob());
+    fx.assert_verified();
+    commands::unapply(&fx.p, Some("0000"), &pb()).expect("unapply reverses the delta");
+    assert_eq!(fx.live_tree(), fx.base_tree());
 }
