@@ -71,6 +71,10 @@ pub enum ApplyErrorKind {
     BinaryDelta(#[from] crate::delta::DeltaError),
     #[error("binary patch gives a file whose blob id is {found}, the index line says {expected}")]
     BinaryPostimage { expected: String, found: String },
+    #[error("cannot create it: {file} is a file, not a directory")]
+    UnderAFile { file: String },
+    #[error("cannot create it: it is a directory holding {holds}")]
+    IsADirectory { holds: String },
     #[error("binary change without data (`Binary files … differ`); export with `git diff --binary --full-index`")]
     BinaryWithoutData,
     #[error("binary patch has no reverse hunk, so it cannot be reverse-applied")]
@@ -94,6 +98,16 @@ impl Staged<'_> {
     }
     fn put(&mut self, path: &str, e: Option<Entry>) {
         self.overlay.insert(path.to_owned(), e);
+    }
+    /// The nearest ancestor of `path` that is a file.
+    fn file_above(&self, path: &str) -> Option<String> {
+        path.match_indices('/').map(|(i, _)| &path[..i]).find(|a| self.get(a).is_some()).map(str::to_owned)
+    }
+    /// A file under `path/`, when `path` is a directory.
+    fn file_below(&self, path: &str) -> Option<String> {
+        let dir = format!("{path}/");
+        let under = |m: &Overlay| m.range(dir.clone()..).take_while(|(k, _)| k.starts_with(&dir)).find(|(_, e)| e.is_some()).map(|(k, _)| k.clone());
+        under(&self.overlay).or_else(|| self.tree.range(dir.clone()..).take_while(|(k, _)| k.starts_with(&dir)).map(|(k, _)| k).find(|k| self.get(k).is_some()).cloned())
     }
 }
 
@@ -143,6 +157,17 @@ pub fn plan(tree: &Tree, patch: &PatchSet, reverse: bool) -> Result<BTreeMap<Str
     let order: Vec<&FilePatch> = if reverse { patch.files.iter().rev().collect() } else { patch.files.iter().collect() };
     for fp in order {
         apply_file(&mut staged, fp, reverse).map_err(|(hunk, kind)| ApplyError { patch: String::new(), file: fp.display_path().to_owned(), hunk, kind })?;
+    }
+    // Paths the patch creates must fit the tree it leaves: not under a file, not over a directory.
+    // Checked on the final state, so a patch may replace a directory by a file (or back) in one go.
+    let created: Vec<&String> = staged.overlay.iter().filter(|(p, e)| e.is_some() && tree.get(*p).is_none()).map(|(p, _)| p).collect();
+    for path in created {
+        let kind = match (staged.file_above(path), staged.file_below(path)) {
+            (Some(file), _) => ApplyErrorKind::UnderAFile { file },
+            (None, Some(holds)) => ApplyErrorKind::IsADirectory { holds },
+            (None, None) => continue,
+        };
+        return Err(ApplyError { patch: String::new(), file: path.clone(), hunk: None, kind });
     }
     Ok(staged.overlay)
 }

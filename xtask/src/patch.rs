@@ -158,6 +158,8 @@ pub enum ParseErrorKind {
     BadDiffGitLine(String),
     #[error("malformed hunk header {0:?}")]
     BadHunkHeader(String),
+    #[error("hunk header {0:?} names lines past the largest line number")]
+    HunkOutOfRange(String),
     #[error("hunk body ends early: header promised {old} old and {new} new lines")]
     ShortHunk { old: usize, new: usize },
     #[error("unexpected line inside a hunk: {0:?}")]
@@ -366,7 +368,9 @@ fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
             if h.old_start < last_end {
                 return bad("hunks overlap or are out of order");
             }
-            last_end = h.old_start + h.old_count;
+            // parse_hunk refuses ranges that overflow; hunks built in code may not have been through it.
+            let Some(end) = h.old_start.checked_add(h.old_count) else { return bad("a hunk's range overflows") };
+            last_end = end;
         }
     }
     Ok(())
@@ -386,6 +390,10 @@ fn parse_hunk(lines: &[&[u8]], start: usize) -> Result<(Hunk, usize), ParseError
     };
     let (old_start, old_count) = range(old).ok_or_else(bad)?;
     let (new_start, new_count) = range(new).ok_or_else(bad)?;
+    // The placer computes the range's end; one that does not fit is refused here, by line.
+    if old_start.checked_add(old_count).is_none() || new_start.checked_add(new_count).is_none() {
+        return Err(perr(ln, ParseErrorKind::HunkOutOfRange(head.clone())));
+    }
     let mut h = Hunk { old_start, old_count, new_start, new_count, lines: Vec::new(), patch_line: ln };
     let (mut o, mut n) = (0, 0);
     let mut i = start + 1;

@@ -11,10 +11,10 @@ use std::process::Command;
 use xtask::apply::{self, ApplyErrorKind};
 use xtask::chain::{self, Project};
 use xtask::commands::{self, CaptureOptions};
-use xtask::patch;
+use xtask::patch::{self, ParseErrorKind};
 use xtask::registry::{self, PatchEntry};
 use xtask::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
-use xtask::verify;
+use xtask::verify::{self, Outcome};
 
 // ---- Fixture helpers (as in tests/chain.rs) ----
 
@@ -117,6 +117,17 @@ fn git2_apply(base: &Tree, patch: &[u8]) -> Tree {
     let diff = git2::Diff::from_buffer(&patch[start..]).expect("libgit2 parses our patch");
     repo.apply(&diff, git2::ApplyLocation::WorkDir, None).expect("libgit2 applies our patch");
     tree::read_tree(dir.path()).expect("read back")
+}
+
+fn step(r: &verify::Report, n: u8) -> &Outcome {
+    &r.steps.iter().find(|s| s.number == n).expect("step exists").outcome
+}
+
+fn fail_text(r: &verify::Report, n: u8) -> String {
+    match step(r, n) {
+        Outcome::Fail(t) => t.clone(),
+        other => panic!("step {n} should fail, got {other:?}\n{}", r.render()),
+    }
 }
 
 fn one_file(path: &str, data: &[u8]) -> Tree {
@@ -342,4 +353,63 @@ fn binary_delta_patches_work_through_apply_chain_verify_and_unapply() {
     fx.assert_verified();
     commands::unapply(&fx.p, Some("0000"), &pb()).expect("unapply reverses the delta");
     assert_eq!(fx.live_tree(), fx.base_tree());
+}
+
+// ---- 3. Arithmetic on hunk ranges; paths that collide with files or directories ----
+
+#[test]
+fn a_hunk_start_near_u64_max_is_an_error_not_a_panic() {
+    let hdr = "diff --git a/f b/f\n--- a/f\n+++ b/f\n";
+    let body = " a\n b\n c\n d\n e\n";
+    for header in ["@@ -18446744073709551615,5 +1,5 @@", "@@ -1,5 +18446744073709551615,5 @@", "@@ -1,18446744073709551615 +1,5 @@"] {
+        let err = patch::parse(format!("{hdr}{header}\n{body}").as_bytes()).expect_err("refused");
+        assert_eq!((err.line, &err.kind), (4, &ParseErrorKind::HunkOutOfRange(header.into())), "{header}");
+    }
+    // A range that just fits parses, and the placer refuses it cleanly in both directions.
+    let ps = patch::parse(format!("{hdr}@@ -18446744073709551610,5 +18446744073709551610,5 @@\n{body}").as_bytes()).expect("fits");
+    let t = one_file("f", b"a\nb\nc\nd\ne\n");
+    for reverse in [false, true] {
+        let got = apply::plan(&t, &ps, reverse).expect_err("refused");
+        assert!(matches!(got.kind, ApplyErrorKind::AtOffset { .. }), "{got}");
+    }
+    let ps = patch::parse(format!("{hdr}@@ -18446744073709551610,0 +18446744073709551610,1 @@\n+x\n").as_bytes()).expect("fits");
+    for reverse in [false, true] {
+        let got = apply::plan(&t, &ps, reverse).expect_err("refused");
+        assert!(matches!(got.kind, ApplyErrorKind::AtOffset { .. } | ApplyErrorKind::PastEnd { .. }), "{got}");
+    }
+    // Sizes in binary hunk headers are not trusted for allocations either.
+    for kind in ["literal", "delta"] {
+        let err = patch::parse(format!("diff --git a/b b/b\nGIT binary patch\n{kind} 18446744073709551615\nHcmV?d00001\n\n").as_bytes()).expect_err("refused");
+        assert!(matches!(err.kind, ParseErrorKind::BadBinary(_)), "{err}");
+    }
+}
+
+const CREATE_F_X: &str =
+    "diff --git a/f/x b/f/x\nnew file mode 100644\nindex 0000000000000000000000000000000000000000..587be6b4c3f93f93c489c0111bba5596147a26cb\n--- /dev/null\n+++ b/f/x\n@@ -0,0 +1 @@\n+x\n";
+const CREATE_D: &str =
+    "diff --git a/d b/d\nnew file mode 100644\nindex 0000000000000000000000000000000000000000..587be6b4c3f93f93c489c0111bba5596147a26cb\n--- /dev/null\n+++ b/d\n@@ -0,0 +1 @@\n+x\n";
+const DELETE_D_Y: &str =
+    "diff --git a/d/y b/d/y\ndeleted file mode 100644\nindex 975fbec8256d3e8a3797e7a3611380f27c49f4ac..0000000000000000000000000000000000000000\n--- a/d/y\n+++ /dev/null\n@@ -1 +0,0 @@\n-y\n";
+
+#[test]
+fn creating_a_file_under_a_file_or_over_a_directory_is_refused_by_the_placer() {
+    let base: Tree = [("f".to_owned(), Entry::file(&b"f\n"[..])), ("d/y".to_owned(), Entry::file(&b"y\n"[..]))].into();
+    let err = apply::apply(&mut base.clone(), &patch::parse(CREATE_F_X.as_bytes()).expect("parses"), "0001-f-x.patch").expect_err("refused");
+    assert_eq!(err.to_string(), "patch 0001-f-x.patch: f/x: cannot create it: f is a file, not a directory");
+    let err = apply::apply(&mut base.clone(), &patch::parse(CREATE_D.as_bytes()).expect("parses"), "0001-d.patch").expect_err("refused");
+    assert_eq!(err.to_string(), "patch 0001-d.patch: d: cannot create it: it is a directory holding d/y");
+    // One patch that empties the directory and puts a file in its place fits, both ways (and git agrees).
+    let both = format!("{CREATE_D}{DELETE_D_Y}");
+    let done = ours(&base, both.as_bytes(), false).expect("fits");
+    assert_eq!(done.keys().collect::<Vec<_>>(), ["d", "f"]);
+    assert_eq!(git_apply(&base, both.as_bytes(), false).as_ref(), Some(&done));
+    assert_eq!(ours(&done, both.as_bytes(), true).expect("reverses"), base);
+
+    // verify's step 2 names the patch, instead of a write failing later without a name.
+    let fx = Fx::new(&[("f", b"f\n")]);
+    fx.add_patch("0001", "f-x", format!("Subject: [PATCH] f/x\n\nUpstream-Status: Pending\n---\n{CREATE_F_X}").as_bytes()).expect_err("bless: the chain does not apply");
+    let t = fail_text(&fx.verify(), 2);
+    assert!(t.contains("patch 0001-f-x.patch: f/x: cannot create it: f is a file"), "{t}");
+    let err = fx.apply(None).expect_err("apply-chain refuses by name");
+    assert!(err.to_string().contains("patch 0001-f-x.patch: f/x"), "{err:#}");
 }
