@@ -413,3 +413,23 @@ fn creating_a_file_under_a_file_or_over_a_directory_is_refused_by_the_placer() {
     let err = fx.apply(None).expect_err("apply-chain refuses by name");
     assert!(err.to_string().contains("patch 0001-f-x.patch: f/x"), "{err:#}");
 }
+
+// ---- 4. refresh reports the first later patch that breaks, not every one after it ----
+
+#[test]
+fn refresh_that_breaks_the_next_patch_reports_only_the_first_broken_patch() {
+    let fx = Fx::new(&[("a.txt", b"1\n2\n3\n")]);
+    fx.apply(None).expect("applies");
+    fx.edit("a.txt", b"1\ntwo\n3\n");
+    fx.capture("0001-two").expect("capture 0001");
+    fx.edit("a.txt", b"1\ntwo\nthree\n");
+    fx.capture("0002-three").expect("capture 0002");
+    fx.edit("a.txt", b"1\ntwo\nthree\nfour\n");
+    fx.capture("0003-four").expect("capture 0003");
+    fx.apply(Some("0001")).expect("down to 0001");
+    fx.edit("a.txt", b"1\nTWO\n3\n");
+    let msg = format!("{:#}", commands::refresh(&fx.p, "0001", &pb()).expect_err("0002 breaks"));
+    assert!(msg.contains("patch 0002-three.patch: a.txt, hunk #1"), "{msg}");
+    assert!(msg.contains("the 1 patch(es) after it were not checked, since they build on it: 0003-four.patch"), "{msg}");
+    assert!(!msg.contains("patch 0003-four.patch:"), "0003 was applied without 0002 and reported:\n{msg}");
+}
