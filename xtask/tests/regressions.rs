@@ -433,3 +433,58 @@ fn refresh_that_breaks_the_next_patch_reports_only_the_first_broken_patch() {
     assert!(msg.contains("the 1 patch(es) after it were not checked, since they build on it: 0003-four.patch"), "{msg}");
     assert!(!msg.contains("patch 0003-four.patch:"), "0003 was applied without 0002 and reported:\n{msg}");
 }
+
+// ---- 5. verify never modifies the project ----
+
+/// A tiny engine workspace whose "base crate" is a path crate in engine/upstream/.
+fn cargo_project(base_version: &str) -> (tempfile::TempDir, Project) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.path();
+    write_file(&root.join("Cargo.toml"), b"[workspace]\nmembers = [\"engine/crates/user\"]\nresolver = \"2\"\n", MODE_FILE);
+    write_file(
+        &root.join("engine/crates/user/Cargo.toml"),
+        b"[package]\nname = \"user\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\ntiny-base = { path = \"../../upstream/tiny-base\" }\n",
+        MODE_FILE,
+    );
+    write_file(&root.join("engine/crates/user/src/lib.rs"), b"", MODE_FILE);
+    write_file(&root.join("engine/upstream/tiny-base/Cargo.toml"), format!("[package]\nname = \"tiny-base\"\nversion = \"{base_version}\"\nedition = \"2021\"\n").as_bytes(), MODE_FILE);
+    write_file(&root.join("engine/upstream/tiny-base/src/lib.rs"), b"", MODE_FILE);
+    let p = Project::new(root);
+    (dir, p)
+}
+
+#[test]
+fn verify_step_7_never_rewrites_cargo_lock() {
+    let reg = registry::Registry {
+        base: registry::Base::Crates { crates: vec![registry::CratePin { name: "tiny-base".into(), version: "0.1.0".into(), sha256: "0".repeat(64) }] },
+        engine: None,
+        patches: Vec::new(),
+    };
+    let (_dir, p) = cargo_project("0.1.0");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let status = Command::new(&cargo).args(["generate-lockfile", "--offline", "--manifest-path"]).arg(p.root.join("Cargo.toml")).status().expect("cargo runs");
+    assert!(status.success());
+    let lock = fs::read(p.root.join("Cargo.lock")).expect("lock");
+    match verify::check_cargo(&p, &reg) {
+        Outcome::Pass(_) => {}
+        other => panic!("an up-to-date lock passes: {other:?}"),
+    }
+    assert_eq!(fs::read(p.root.join("Cargo.lock")).expect("lock"), lock);
+
+    // The base crate's version moves: cargo would rewrite Cargo.lock. verify must fail and say what to run.
+    write_file(&p.root.join("engine/upstream/tiny-base/Cargo.toml"), b"[package]\nname = \"tiny-base\"\nversion = \"0.1.1\"\nedition = \"2021\"\n", MODE_FILE);
+    match verify::check_cargo(&p, &reg) {
+        Outcome::Fail(t) => assert!(t.contains("Cargo.lock is out of date") && t.contains("cargo update --workspace"), "{t}"),
+        other => panic!("a stale lock fails: {other:?}"),
+    }
+    assert_eq!(fs::read(p.root.join("Cargo.lock")).expect("lock"), lock, "verify rewrote Cargo.lock");
+    assert!(!p.root.join("target").exists());
+
+    // No lock at all: cargo would write one; verify says so and writes nothing.
+    fs::remove_file(p.root.join("Cargo.lock")).expect("rm");
+    match verify::check_cargo(&p, &reg) {
+        Outcome::Fail(t) => assert!(t.contains("cargo generate-lockfile"), "{t}"),
+        other => panic!("a missing lock fails: {other:?}"),
+    }
+    assert!(!p.root.join("Cargo.lock").exists());
+}
