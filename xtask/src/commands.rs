@@ -394,3 +394,19 @@ pub fn bless(p: &Project, with_base: bool, pb: &indicatif::ProgressBar) -> anyho
     Ok(())
 }
 
+/// `cargo xtask import`: [`crate::import::import`], its refusal to strand edits as exit code 3.
+pub fn import(p: &Project, o: &crate::import::ImportOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    use crate::import::ImportError;
+    let done = match crate::import::import(p, o, pb) {
+        Ok(done) => done,
+        Err(e @ ImportError::LiveEdits(_)) => return Err(Refused(e.to_string()).into()),
+        Err(e) => return Err(e.into()),
+    };
+    pb.finish_and_clear();
+    say(format!("imported {} as {} ({} hook(s): {})", o.file.display(), done.file, done.hooks.len(), done.hooks.join(", ")));
+    if done.rebuilt_live {
+        say("engine/upstream/ held later patches and was rebuilt to include it");
+    }
+    say("recorded its registry entry, patch sha256s, manifest.patched and docs/UPSTREAM_SYNC.md; gate it with `cargo xtask gate --patch` once it has tests");
+    Ok(())
+}

@@ -13,6 +13,7 @@ pub mod commands;
 pub mod delta;
 pub mod export;
 pub mod gate;
+pub mod import;
 pub mod model;
 pub mod patch;
 pub mod registry;

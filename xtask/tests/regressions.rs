@@ -11,6 +11,7 @@ use std::process::Command;
 use xtask::apply::{self, ApplyErrorKind};
 use xtask::chain::{self, Project};
 use xtask::commands::{self, CaptureOptions};
+use xtask::import::{ImportError, ImportOptions};
 use xtask::patch::{self, ParseErrorKind};
 use xtask::registry::{self, PatchEntry};
 use xtask::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
@@ -103,6 +104,11 @@ impl Fx {
         });
         fs::write(self.p.registry_path(), registry::render(&reg)).expect("write registry");
         commands::bless(&self.p, false, &pb())
+    }
+
+    /// Every file of the project, engine/upstream/ and its state file included.
+    fn snapshot(&self) -> Tree {
+        tree::read_tree(&self.p.root).expect("project tree")
     }
 }
 
@@ -487,4 +493,123 @@ fn verify_step_7_never_rewrites_cargo_lock() {
         other => panic!("a missing lock fails: {other:?}"),
     }
     assert!(!p.root.join("Cargo.lock").exists());
+}
+
+// ---- 6. import ----
+
+/// Series 0010 (a.rs), 0020 (b.rs), 0030 (c.rs) on a base of three files.
+fn three_patch_fixture() -> Fx {
+    let lines = |tag: &str| (1..=9).map(|i| format!("{tag}{i}\n")).collect::<String>();
+    let fx = Fx::new(&[("a.rs", lines("a").as_bytes()), ("b.rs", lines("b").as_bytes()), ("c.rs", lines("c").as_bytes())]);
+    fx.apply(None).expect("applies");
+    let edit = |f: &str, from: &str, to: &str| {
+        let cur = fs::read_to_string(fx.live(f)).expect("read");
+        fx.edit(f, cur.replace(from, to).as_bytes());
+    };
+    edit("a.rs", "a2\n", "A2\n");
+    fx.capture("0010-a").expect("0010");
+    edit("b.rs", "b2\n", "B2\n");
+    fx.capture("0020-b").expect("0020");
+    edit("c.rs", "c8\n", "C8\n");
+    fx.capture("0030-c").expect("0030");
+    fx
+}
+
+/// `git format-patch` of `edit` made on the fixture's chain up to `at`.
+fn format_patch(fx: &Fx, at: &str, edit: &dyn Fn(&Path)) -> (tempfile::TempDir, PathBuf) {
+    let patches = chain::load_patches(&fx.p, &chain::load_registry(&fx.p).expect("registry")).expect("patches");
+    let n = chain::resolve_to(&patches, Some(at)).expect("id");
+    let t = chain::build(&fx.base_tree(), &patches[..n]).expect("builds");
+    let repo = git_repo(&t);
+    edit(repo.path());
+    git(repo.path(), &["add", "-A"]);
+    git(repo.path(), &["commit", "-q", "-m", "b: change b8 and add a hook\n\nUpstream PR #42, as merged.\n\nSigned-off-by: A U Thor <author@example.invalid>"]);
+    let mail = git(repo.path(), &["format-patch", "-1", "--stdout"]);
+    let path = repo.path().join("0001-upstream.patch");
+    fs::write(&path, mail).expect("write");
+    (repo, path)
+}
+
+fn edit_b8(dir: &Path) {
+    let b = fs::read_to_string(dir.join("b.rs")).expect("read");
+    fs::write(dir.join("b.rs"), b.replace("b8\n", "B8\n")).expect("write");
+    fs::write(dir.join("hook.rs"), "// tine-hook: imported-hook\n").expect("write");
+}
+
+fn import(fx: &Fx, file: &Path, after: &str) -> Result<xtask::import::Imported, ImportError> {
+    xtask::import::import(&fx.p, &ImportOptions { file, after, id: None, slug: None, area: "kv", upstream_status: "Pending" }, &pb())
+}
+
+#[test]
+fn import_adds_a_git_format_patch_after_a_middle_patch() {
+    let fx = three_patch_fixture();
+    let (_repo, mail) = format_patch(&fx, "0020", &edit_b8);
+    let text = fs::read_to_string(&mail).expect("read");
+    assert!(text.starts_with("From ") && text.contains("\nSubject: [PATCH] b: change b8") && text.contains("\n-- \n"), "{text}");
+    let commit = text[5..45].to_owned();
+
+    let done = import(&fx, &mail, "0020").expect("imports");
+    assert_eq!((done.id.as_str(), done.file.as_str(), done.rebuilt_live), ("0021", "0021-b-change-b8-and-add-a-hook.patch", true));
+    let reg = chain::load_registry(&fx.p).expect("registry");
+    assert_eq!(reg.patches.iter().map(|e| e.id.as_str()).collect::<Vec<_>>(), ["0010", "0020", "0021", "0030"]);
+    let e = &reg.patches[2];
+    assert_eq!((e.title.as_str(), e.area.as_str(), e.status.as_str(), e.bump.as_str()), ("b: change b8 and add a hook", "kv", "carried", "reapply"));
+    assert_eq!((e.hooks.clone(), e.gates.clone()), (vec!["imported-hook".to_owned()], vec!["apply".to_owned()]));
+
+    let bytes = fx.patch_bytes(&done.file);
+    let got = String::from_utf8(bytes.clone()).expect("utf8");
+    let header = format!(
+        "Subject: [PATCH] b: change b8 and add a hook\n\nUpstream PR #42, as merged.\n\nSigned-off-by: A U Thor <author@example.invalid>\n\nTine-Hook: imported-hook\nUpstream-Status: Pending\nImported-From: {commit}\nImported-Author: A U Thor <author@example.invalid>\nImported-Date: Tue, 14 Nov 2023 22:13:20 +0000\n---\ndiff --git a/b.rs b/b.rs\n"
+    );
+    assert!(got.starts_with(&header), "{got}");
+    assert!(!got.contains("\n-- \n") && !got.contains("files changed"), "the mail's signature and diffstat are gone:\n{got}");
+    assert!(xtask::sync_check::sync_check(&fx.p, &reg).is_empty(), "{:?}", xtask::sync_check::sync_check(&fx.p, &reg));
+    assert!(fs::read_to_string(fx.p.sync_doc_path()).expect("docs").contains("| 0021 | b: change b8 and add a hook | kv |"));
+    // engine/upstream/ held 0030, so it was rebuilt with the import; everything verifies.
+    assert_eq!(fs::read_to_string(fx.live("hook.rs")).expect("read"), "// tine-hook: imported-hook\n");
+    fx.assert_verified();
+    fx.apply(None).expect("apply-chain: nothing to do");
+
+    // Deterministic and in capture's format: the same edit captured by hand gives the same diff.
+    let other = three_patch_fixture();
+    other.apply(Some("0020")).expect("down to 0020");
+    edit_b8(&other.p.upstream_dir());
+    commands::capture(&other.p, &CaptureOptions { name: "0021-b-change-b8-and-add-a-hook", after: Some("0020"), title: None, area: "kv", upstream_status: "Pending" }, &pb()).expect("capture");
+    let captured = other.patch_bytes("0021-b-change-b8-and-add-a-hook.patch");
+    let diff = |b: &[u8]| b[tree::find(b, b"diff --git ").expect("diff")..].to_vec();
+    assert_eq!(diff(&bytes), diff(&captured));
+    let before = chain::build(&fx.base_tree(), &chain::load_patches(&fx.p, &reg).expect("patches")[..2]).expect("builds");
+    let mut after = before.clone();
+    apply::apply(&mut after, &patch::parse(&bytes).expect("parses"), "x").expect("applies");
+    assert_eq!(git2_apply(&before, &bytes), after, "libgit2 disagrees");
+}
+
+#[test]
+fn import_refuses_a_patch_that_does_not_apply_or_breaks_a_later_one_and_writes_nothing() {
+    let fx = three_patch_fixture();
+    let untouched = fx.snapshot();
+    // Made on top of 0030 (its context holds C8): it does not apply after 0020.
+    let (_r1, on_top) = format_patch(&fx, "0030", &|d: &Path| {
+        let c = fs::read_to_string(d.join("c.rs")).expect("read");
+        fs::write(d.join("c.rs"), c.replace("c9\n", "C9\n")).expect("write");
+    });
+    let msg = format!("{:#}", anyhow::Error::from(import(&fx, &on_top, "0020").expect_err("refused")));
+    assert!(msg.contains("does not apply strictly on the chain up to 0020; nothing was written") && msg.contains("patch 0001-upstream.patch: c.rs, hunk #1"), "{msg}");
+    assert_eq!(fx.snapshot(), untouched);
+    // Made after 0020, but it changes the line 0030 changes: 0030 would no longer apply.
+    let (_r2, clash) = format_patch(&fx, "0020", &|d: &Path| {
+        let c = fs::read_to_string(d.join("c.rs")).expect("read");
+        fs::write(d.join("c.rs"), c.replace("c8\n", "c-eight\n")).expect("write");
+    });
+    let msg = format!("{:#}", anyhow::Error::from(import(&fx, &clash, "0020").expect_err("refused")));
+    assert!(msg.contains("a later patch no longer applies; nothing was written") && msg.contains("patch 0030-c.patch: c.rs, hunk #1"), "{msg}");
+    assert_eq!(fx.snapshot(), untouched);
+    // No id between 0020 and 0021.
+    let (_r3, fine) = format_patch(&fx, "0020", &edit_b8);
+    import(&fx, &fine, "0020").expect("imports as 0021");
+    let after_one = fx.snapshot();
+    let (_r4, again) = format_patch(&fx, "0021", &|d: &Path| fs::write(d.join("new.txt"), "n\n").expect("write"));
+    let err = xtask::import::import(&fx.p, &ImportOptions { file: &again, after: "0020", id: None, slug: Some("new"), area: "other", upstream_status: "Pending" }, &pb()).expect_err("no id fits");
+    assert!(matches!(err, ImportError::NoFreeId { .. }), "{err}");
+    assert_eq!(fx.snapshot(), after_one);
 }
