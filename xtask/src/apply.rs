@@ -2,13 +2,16 @@
 //!
 //! No fuzz, no offset, whitespace and line endings significant. Before a patch applies forward
 //! we check whether it is already applied (an exact reverse match): forward-first tools apply an
-//! insertion twice when its context repeats. When a hunk fails we say why: where it would have
-//! matched at an offset, whether it would only match with fuzz, or the first line that differs.
+//! insertion twice when its context repeats. A hunk with fewer trailing than leading context
+//! lines (or none) ends the file and must match at its end, as git apply and GNU patch require;
+//! without that anchor the two directions of an end-of-file hunk both match (one image is a
+//! prefix of the other). When a hunk fails we say why: where it would have matched at an offset,
+//! whether it would only match with fuzz, or the first line that differs.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::patch::{split_lines, BinaryHunk, Content, FilePatch, Hunk, Line, Op, PatchSet};
+use crate::patch::{split_lines, BinaryHunk, Content, FilePatch, Hunk, Op, PatchSet};
 use crate::tree::{Entry, Tree, MODE_FILE};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -52,6 +55,8 @@ pub enum ApplyErrorKind {
     Mismatch { line: usize, expected: String, found: String },
     #[error("the hunk starts at line {line}, past the end of the file ({len} lines)")]
     PastEnd { line: usize, len: usize },
+    #[error("the hunk ends the file (fewer trailing than leading context lines), so it must match at the end; it matches at line {line} but {after} more line(s) follow")]
+    NotAtEnd { line: usize, after: usize },
     #[error("the hunk would only apply at offset {offset:+} (line {line}, stated {stated}); offsets are refused on a pinned base")]
     AtOffset { stated: usize, line: usize, offset: isize },
     #[error("the hunk would only apply with fuzz {fuzz} (ignoring {fuzz} context line(s)) at line {line}; fuzz is refused")]
@@ -62,8 +67,14 @@ pub enum ApplyErrorKind {
     DeleteLeavesContent,
     #[error("binary preimage does not match (the file is not the one the patch was made from)")]
     BinaryPreimage,
-    #[error("binary delta hunks are not supported; re-export the patch with literal data (`cargo xtask refresh`)")]
-    BinaryDelta,
+    #[error("binary delta does not apply: {0}")]
+    BinaryDelta(#[from] crate::delta::DeltaError),
+    #[error("binary patch gives a file whose blob id is {found}, the index line says {expected}")]
+    BinaryPostimage { expected: String, found: String },
+    #[error("cannot create it: {file} is a file, not a directory")]
+    UnderAFile { file: String },
+    #[error("cannot create it: it is a directory holding {holds}")]
+    IsADirectory { holds: String },
     #[error("binary change without data (`Binary files … differ`); export with `git diff --binary --full-index`")]
     BinaryWithoutData,
     #[error("binary patch has no reverse hunk, so it cannot be reverse-applied")]
@@ -87,6 +98,16 @@ impl Staged<'_> {
     }
     fn put(&mut self, path: &str, e: Option<Entry>) {
         self.overlay.insert(path.to_owned(), e);
+    }
+    /// The nearest ancestor of `path` that is a file.
+    fn file_above(&self, path: &str) -> Option<String> {
+        path.match_indices('/').map(|(i, _)| &path[..i]).find(|a| self.get(a).is_some()).map(str::to_owned)
+    }
+    /// A file under `path/`, when `path` is a directory.
+    fn file_below(&self, path: &str) -> Option<String> {
+        let dir = format!("{path}/");
+        let under = |m: &Overlay| m.range(dir.clone()..).take_while(|(k, _)| k.starts_with(&dir)).find(|(_, e)| e.is_some()).map(|(k, _)| k.clone());
+        under(&self.overlay).or_else(|| self.tree.range(dir.clone()..).take_while(|(k, _)| k.starts_with(&dir)).map(|(k, _)| k).find(|k| self.get(k).is_some()).cloned())
     }
 }
 
@@ -134,6 +155,17 @@ pub fn plan(tree: &Tree, patch: &PatchSet, reverse: bool) -> Result<BTreeMap<Str
     for fp in order {
         apply_file(&mut staged, fp, reverse).map_err(|(hunk, kind)| ApplyError { patch: String::new(), file: fp.display_path().to_owned(), hunk, kind })?;
     }
+    // Paths the patch creates must fit the tree it leaves: not under a file, not over a directory.
+    // Checked on the final state, so a patch may replace a directory by a file (or back) in one go.
+    let created: Vec<&String> = staged.overlay.iter().filter(|(p, e)| e.is_some() && tree.get(*p).is_none()).map(|(p, _)| p).collect();
+    for path in created {
+        let kind = match (staged.file_above(path), staged.file_below(path)) {
+            (Some(file), _) => ApplyErrorKind::UnderAFile { file },
+            (None, Some(holds)) => ApplyErrorKind::IsADirectory { holds },
+            (None, None) => continue,
+        };
+        return Err(ApplyError { patch: String::new(), file: path.clone(), hunk: None, kind });
+    }
     Ok(staged.overlay)
 }
 
@@ -176,7 +208,8 @@ fn apply_file(st: &mut Staged<'_>, fp: &FilePatch, reverse: bool) -> FileResult<
             let src = src.expect("a deleted file has a path");
             let cur = st.get(src).cloned().ok_or_else(|| nohunk(ApplyErrorKind::MissingFile))?;
             check_mode(src_mode, cur.mode)?;
-            let rest = transform(&cur.data, fp, reverse)?;
+            // The deletion's hunk ends the file; if it matches but more follows, say so plainly.
+            let rest = transform(&cur.data, fp, reverse).map_err(|(h, k)| (h, if matches!(k, ApplyErrorKind::NotAtEnd { .. }) { ApplyErrorKind::DeleteLeavesContent } else { k }))?;
             if !rest.is_empty() {
                 return Err(nohunk(ApplyErrorKind::DeleteLeavesContent));
             }
@@ -229,10 +262,19 @@ fn transform(data: &[u8], fp: &FilePatch, reverse: bool) -> FileResult<Vec<u8>> 
                     }
                 }
             }
-            match new {
-                BinaryHunk::Literal(d) => Ok(d.clone()),
-                BinaryHunk::Delta => Err((None, ApplyErrorKind::BinaryDelta)),
+            let result = match new {
+                BinaryHunk::Literal(d) => d.clone(),
+                BinaryHunk::Delta(d) => crate::delta::apply(data, d).map_err(|e| (None, e.into()))?,
+            };
+            // The result must be the blob the index line names (git checks this too).
+            let result_id = if reverse { &fp.old_id } else { &fp.new_id };
+            if let Some(id) = result_id.as_ref().filter(|id| id.len() == 40) {
+                let found = if result.is_empty() && id.bytes().all(|b| b == b'0') { id.clone() } else { git_blob_id(&result) };
+                if &found != id {
+                    return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.clone(), found }));
+                }
             }
+            Ok(result)
         }
     }
 }
@@ -255,11 +297,15 @@ pub fn place(data: &[u8], hunks: &[Hunk], reverse: bool) -> FileResult<Vec<u8>> 
         let at = Some((k + 1, h.patch_line));
         let pre = h.preimage(reverse);
         let (start, count) = h.pre_range(reverse);
+        // A range of zero lines names the line after which the hunk inserts. The position is exact,
+        // so a hunk from line 1 is anchored at the beginning (git's match_beginning) already.
         let idx = if count == 0 { start } else { start.saturating_sub(1) };
         if idx < cursor {
             return Err((at, ApplyErrorKind::Overlap));
         }
-        if lines.get(idx..idx + pre.len()) != Some(&pre[..]) {
+        let end = idx.checked_add(pre.len());
+        let here = end.and_then(|e| lines.get(idx..e)) == Some(&pre[..]);
+        if !here || (h.anchored_at_end() && end != Some(lines.len())) {
             return Err((at, diagnose(&lines, h, reverse, idx)));
         }
         for l in &lines[cursor..idx] {
@@ -283,20 +329,38 @@ fn positions(lines: &[&[u8]], pre: &[&[u8]]) -> Vec<usize> {
     (0..=lines.len() - pre.len()).filter(|&p| lines[p..p + pre.len()] == *pre).collect()
 }
 
+/// `p - idx` as a signed offset, saturating (both may be any usize).
+fn offset(p: usize, idx: usize) -> isize {
+    if p >= idx {
+        isize::try_from(p - idx).unwrap_or(isize::MAX)
+    } else {
+        isize::try_from(idx - p).map(|d| -d).unwrap_or(isize::MIN)
+    }
+}
+
 fn diagnose(lines: &[&[u8]], h: &Hunk, reverse: bool, idx: usize) -> ApplyErrorKind {
     let pre = h.preimage(reverse);
-    let stated = idx + 1;
-    if let Some(&p) = positions(lines, &pre).iter().min_by_key(|&&p| p.abs_diff(idx)) {
-        return ApplyErrorKind::AtOffset { stated, line: p + 1, offset: p as isize - idx as isize };
+    let stated = idx.saturating_add(1);
+    if h.anchored_at_end() {
+        // Only a match that ends the file counts for an anchored hunk.
+        let at_end = lines.len().checked_sub(pre.len()).filter(|&p| lines[p..] == pre[..]);
+        match at_end {
+            Some(p) if p != idx => return ApplyErrorKind::AtOffset { stated, line: p + 1, offset: offset(p, idx) },
+            _ => {}
+        }
+        if let Some(after) = idx.checked_add(pre.len()).filter(|&e| lines.get(idx..e) == Some(&pre[..])).map(|e| lines.len() - e) {
+            return ApplyErrorKind::NotAtEnd { line: stated, after };
+        }
+    } else if let Some(&p) = positions(lines, &pre).iter().min_by_key(|&&p| p.abs_diff(idx)) {
+        return ApplyErrorKind::AtOffset { stated, line: p + 1, offset: offset(p, idx) };
     }
-    let lead = h.lines.iter().take_while(|l| matches!(l, Line::Context(_))).count();
-    let trail = h.lines.iter().rev().take_while(|l| matches!(l, Line::Context(_))).count();
+    let (lead, trail) = (h.leading_context(), h.trailing_context());
     for fuzz in 1..=2usize {
         let (a, b) = (fuzz.min(lead), fuzz.min(trail));
         if a + b == 0 || a + b >= pre.len() {
             continue;
         }
-        if let Some(&p) = positions(lines, &pre[a..pre.len() - b]).iter().min_by_key(|&&p| p.abs_diff(idx + a)) {
+        if let Some(&p) = positions(lines, &pre[a..pre.len() - b]).iter().min_by_key(|&&p| p.abs_diff(idx.saturating_add(a))) {
             return ApplyErrorKind::WithFuzz { fuzz, line: (p + 1).saturating_sub(a).max(1) };
         }
     }

@@ -110,15 +110,16 @@ fn export_checked(header: &[u8], old: &Tree, new: &Tree, name: &str) -> anyhow::
     Ok(bytes)
 }
 
-/// Re-applies `later` on `t`; names the ones that no longer apply.
-fn reapply_later(t: &mut Tree, later: &[LoadedPatch]) -> Vec<String> {
-    let mut broken = Vec::new();
-    for lp in later {
+/// Re-applies `later` on `t` in order, stopping at the first that no longer applies: the ones
+/// after it were made on top of it, so applying them without it proves nothing either way.
+/// Returns that patch's error and the names of the patches left unchecked.
+fn reapply_later<'a>(t: &mut Tree, later: &'a [LoadedPatch]) -> Result<(), (Box<apply::ApplyError>, Vec<&'a str>)> {
+    for (i, lp) in later.iter().enumerate() {
         if let Err(e) = apply::apply(t, &lp.parsed, lp.name()) {
-            broken.push(format!("{e}"));
+            return Err((Box::new(e), later[i + 1..].iter().map(|lp| lp.name()).collect()));
         }
     }
-    broken
+    Ok(())
 }
 
 /// Records the new patch (sha256s, docs, manifest.patched when the chain applies) and the live
@@ -129,11 +130,13 @@ fn finish_bless(p: &Project, reg: &mut registry::Registry, base: &Tree, live: &T
     tree::write_file_atomically(&p.upstream_dir().join(tree::STATE_FILE), &new_state.to_bytes())?;
     let patches = chain::load_patches(p, reg)?;
     let mut t = live.clone();
-    let broken = reapply_later(&mut t, &patches[new_state.applied.len()..]);
-    if !broken.is_empty() {
+    if let Err((e, unchecked)) = reapply_later(&mut t, &patches[new_state.applied.len()..]) {
+        let rest = match unchecked.len() {
+            0 => String::new(),
+            n => format!("\nthe {n} patch(es) after it were not checked, since they build on it: {}", unchecked.join(", ")),
+        };
         bail!(
-            "later patches no longer apply on top of it (manifest.patched was left unchanged):\n  {}\nfix each with `cargo xtask apply-chain --to <id>` (after the one before it applies), edit, `cargo xtask refresh <id>`",
-            broken.join("\n  ")
+            "later patches no longer apply on top of it (manifest.patched was left unchanged); the first that does not:\n  {e}{rest}\nfix it so it applies on top of the chain before it, then `cargo xtask bless` (and the same for any later one that breaks then)"
         );
     }
     Ok(())
@@ -392,5 +395,22 @@ pub fn bless(p: &Project, with_base: bool, pb: &indicatif::ProgressBar) -> anyho
         bail!("recorded sha256s and docs, but the chain does not apply, so manifest.patched was not written:\n  {e}");
     }
     say("recorded patch sha256s, manifest.patched and docs/UPSTREAM_SYNC.md");
+    Ok(())
+}
+
+/// `cargo xtask import`: [`crate::import::import`], its refusal to strand edits as exit code 3.
+pub fn import(p: &Project, o: &crate::import::ImportOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    use crate::import::ImportError;
+    let done = match crate::import::import(p, o, pb) {
+        Ok(done) => done,
+        Err(e @ ImportError::LiveEdits(_)) => return Err(Refused(e.to_string()).into()),
+        Err(e) => return Err(e.into()),
+    };
+    pb.finish_and_clear();
+    say(format!("imported {} as {} ({} hook(s): {})", o.file.display(), done.file, done.hooks.len(), done.hooks.join(", ")));
+    if done.rebuilt_live {
+        say("engine/upstream/ held later patches and was rebuilt to include it");
+    }
+    say("recorded its registry entry, patch sha256s, manifest.patched and docs/UPSTREAM_SYNC.md; gate it with `cargo xtask gate --patch` once it has tests");
     Ok(())
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use xtask::chain::Project;
 use xtask::commands::{self, CaptureOptions, Refused};
+use xtask::import::ImportOptions;
 use xtask::{chain, sync_check, verify};
 
 #[derive(Parser)]
@@ -68,6 +69,34 @@ enum Cmd {
         /// Subject line (default: the slug).
         #[arg(long)]
         title: Option<String>,
+        /// Registry area (kernels, kv, mtp, tokenizer, model, attention, quant, sampling, build, api, other).
+        #[arg(long, default_value = "other")]
+        area: String,
+        /// Upstream-Status trailer.
+        #[arg(long, default_value = "Pending")]
+        upstream_status: String,
+    },
+    /// Add a patch made elsewhere (a `git format-patch` mail, or a git diff) to the series after MMMM.
+    ///
+    /// It must apply strictly on the chain up to MMMM, and every later patch must still apply on
+    /// top of it; otherwise nothing is written. It is re-exported in Tine's format (Subject and
+    /// body from the mail, Tine-Hook trailers for the `tine-hook:` markers it adds,
+    /// Upstream-Status, Imported-From/-Author/-Date from the mail), gets a registry entry (status
+    /// carried, bump reapply, gates ["apply"]) and is blessed (sha256s, manifest.patched, docs).
+    /// A clean engine/upstream/ that holds patches after MMMM is rebuilt to include it; one with
+    /// edits on top of such patches is refused (exit 3).
+    Import {
+        /// The patch file.
+        file: std::path::PathBuf,
+        /// The patch it follows (0000: the pristine base).
+        #[arg(long, value_name = "MMMM")]
+        after: String,
+        /// Its id (default: the one after MMMM's; it must sit between MMMM and the next patch).
+        #[arg(long, value_name = "NNNN")]
+        id: Option<String>,
+        /// Its file name's slug (default: made from the mail's subject).
+        #[arg(long)]
+        slug: Option<String>,
         /// Registry area (kernels, kv, mtp, tokenizer, model, attention, quant, sampling, build, api, other).
         #[arg(long, default_value = "other")]
         area: String,
@@ -213,6 +242,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Refresh { id } => commands::refresh(&p, &id, &pb)?,
         Cmd::Capture { name, after, title, area, upstream_status } => {
             commands::capture(&p, &CaptureOptions { name: &name, after: after.as_deref(), title: title.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
+        }
+        Cmd::Import { file, after, id, slug, area, upstream_status } => {
+            commands::import(&p, &ImportOptions { file: &file, after: &after, id: id.as_deref(), slug: slug.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
         }
         Cmd::Backup { name } => {
             pb.finish_and_clear();

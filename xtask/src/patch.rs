@@ -41,6 +41,25 @@ impl Hunk {
         self.preimage(!reverse)
     }
 
+    /// Context lines before the first change.
+    pub fn leading_context(&self) -> usize {
+        self.lines.iter().take_while(|l| matches!(l, Line::Context(_))).count()
+    }
+
+    /// Context lines after the last change.
+    pub fn trailing_context(&self) -> usize {
+        self.lines.iter().rev().take_while(|l| matches!(l, Line::Context(_))).count()
+    }
+
+    /// Whether the hunk must end at the end of the file. A diff writes fewer trailing than leading
+    /// context lines only when it runs into the end of the file, so such a hunk (and one with no
+    /// trailing context at all) is anchored there, as git apply (`match_end`) and GNU patch do.
+    /// The same holds in both directions: the context lines are shared.
+    pub fn anchored_at_end(&self) -> bool {
+        let trailing = self.trailing_context();
+        trailing == 0 || trailing < self.leading_context()
+    }
+
     /// (start, count) on the side the hunk is matched against.
     pub fn pre_range(&self, reverse: bool) -> (usize, usize) {
         if reverse {
@@ -54,8 +73,8 @@ impl Hunk {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum BinaryHunk {
     Literal(Vec<u8>),
-    /// A git delta against the preimage; recognised so it can be refused by name.
-    Delta,
+    /// A git delta against the preimage (inflated; see [`crate::delta`]).
+    Delta(Vec<u8>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -142,6 +161,8 @@ pub enum ParseErrorKind {
     BadDiffGitLine(String),
     #[error("malformed hunk header {0:?}")]
     BadHunkHeader(String),
+    #[error("hunk header {0:?} names lines past the largest line number")]
+    HunkOutOfRange(String),
     #[error("hunk body ends early: header promised {old} old and {new} new lines")]
     ShortHunk { old: usize, new: usize },
     #[error("unexpected line inside a hunk: {0:?}")]
@@ -341,7 +362,9 @@ fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
             if h.old_start < last_end {
                 return bad("hunks overlap or are out of order");
             }
-            last_end = h.old_start + h.old_count;
+            // parse_hunk refuses ranges that overflow; hunks built in code may not have been through it.
+            let Some(end) = h.old_start.checked_add(h.old_count) else { return bad("a hunk's range overflows") };
+            last_end = end;
         }
     }
     Ok(())
@@ -361,6 +384,10 @@ fn parse_hunk(lines: &[&[u8]], start: usize) -> Result<(Hunk, usize), ParseError
     };
     let (old_start, old_count) = range(old).ok_or_else(bad)?;
     let (new_start, new_count) = range(new).ok_or_else(bad)?;
+    // The placer computes the range's end; one that does not fit is refused here, by line.
+    if old_start.checked_add(old_count).is_none() || new_start.checked_add(new_count).is_none() {
+        return Err(perr(ln, ParseErrorKind::HunkOutOfRange(head.clone())));
+    }
     let mut h = Hunk { old_start, old_count, new_start, new_count, lines: Vec::new(), patch_line: ln };
     let (mut o, mut n) = (0, 0);
     let mut i = start + 1;
@@ -429,19 +456,21 @@ fn parse_binary_hunk(lines: &[&[u8]], start: usize) -> Result<(BinaryHunk, usize
     if i < lines.len() {
         i += 1; // the blank line that ends the hunk
     }
-    match kind {
-        "literal" => {
-            use std::io::Read;
-            let mut data = Vec::with_capacity(size);
-            flate2::read::ZlibDecoder::new(&compressed[..]).read_to_end(&mut data).map_err(|e| bad(format!("zlib: {e}")))?;
-            if data.len() != size {
-                return Err(bad(format!("literal says {size} bytes, inflates to {}", data.len())));
-            }
-            Ok((BinaryHunk::Literal(data), i))
-        }
-        "delta" => Ok((BinaryHunk::Delta, i)),
-        other => Err(bad(format!("unknown binary hunk kind {other:?}"))),
+    if kind != "literal" && kind != "delta" {
+        return Err(bad(format!("unknown binary hunk kind {kind:?}")));
     }
+    // Both kinds give the inflated size. Reading one byte past it catches a longer stream without
+    // inflating all of it, and the stated size is never trusted for an allocation.
+    use std::io::Read;
+    let mut data = Vec::new();
+    let limit = u64::try_from(size).unwrap_or(u64::MAX).saturating_add(1);
+    flate2::read::ZlibDecoder::new(&compressed[..]).take(limit).read_to_end(&mut data).map_err(|e| bad(format!("zlib: {e}")))?;
+    if data.len() != size {
+        let got = if data.len() > size { "more".to_owned() } else { data.len().to_string() };
+        return Err(bad(format!("{kind} says {size} bytes, inflates to {got}")));
+    }
+    let hunk = if kind == "literal" { BinaryHunk::Literal(data) } else { BinaryHunk::Delta(data) };
+    Ok((hunk, i))
 }
 
 /// `a/x b/x`, possibly quoted, possibly with spaces (then both halves must be equal).

@@ -234,15 +234,41 @@ pub fn check_cargo(p: &Project, reg: &Registry) -> Outcome {
     }
 }
 
+/// cargo's words when `--locked` stops it from rewriting the lock file.
+fn lock_is_stale(stderr: &str) -> bool {
+    stderr.contains("--locked was passed")
+}
+
 fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item = &'a str>) -> anyhow::Result<Vec<String>> {
-    let out = Command::new(crate::base::cargo_bin())
-        .args(["metadata", "--format-version", "1", "--all-features", "--manifest-path"])
-        .arg(manifest)
-        .current_dir(root)
-        .output()
-        .map_err(|e| anyhow::anyhow!("running `cargo metadata`: {e}"))?;
+    let lock = root.join("Cargo.lock");
+    if !lock.exists() {
+        anyhow::bail!("there is no Cargo.lock, so cargo would write one: run `cargo generate-lockfile` at the project root and commit it");
+    }
+    // A check must not modify the project: `--locked` makes cargo fail instead of rewriting
+    // Cargo.lock. `--offline` first, so the check does not reach the network; only when cargo's
+    // cache lacks a crate is it run again online (downloads go to cargo's cache, not the project).
+    let run = |offline: bool| {
+        Command::new(crate::base::cargo_bin())
+            .args(["metadata", "--format-version", "1", "--all-features", "--locked"])
+            .args(offline.then_some("--offline"))
+            .arg("--manifest-path")
+            .arg(manifest)
+            .current_dir(root)
+            .output()
+            .map_err(|e| anyhow::anyhow!("running `cargo metadata`: {e}"))
+    };
+    let mut out = run(true)?;
+    if !out.status.success() && !lock_is_stale(&String::from_utf8_lossy(&out.stderr)) {
+        out = run(false)?;
+    }
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
+        if lock_is_stale(&stderr) {
+            anyhow::bail!(
+                "Cargo.lock is out of date with the workspace's manifests (cargo would rewrite it; verify leaves it alone): run `cargo update --workspace` at the project root, review the Cargo.lock diff and commit it\ncargo said: {}",
+                stderr.trim()
+            );
+        }
         anyhow::bail!("`cargo metadata` failed:\n{}", stderr.trim());
     }
     let mut problems: Vec<String> = stderr.lines().filter(|l| l.contains("was not used in the crate graph")).map(|l| format!("cargo: {}", l.trim())).collect();
@@ -265,7 +291,6 @@ fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item
             }
         }
     }
-    let lock = root.join("Cargo.lock");
     if let Ok(text) = fs::read_to_string(&lock) {
         if let Ok(v) = toml::from_str::<toml::Value>(&text) {
             if let Some(unused) = v.get("patch").and_then(|p| p.get("unused")).and_then(|u| u.as_array()) {
