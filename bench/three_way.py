@@ -39,6 +39,8 @@ def main():
     ap.add_argument("--n-predict", type=int, default=512)
     ap.add_argument("--out", default=os.path.join(ROOT, "docs/evaluations/three-way-tps.md"))
     ap.add_argument("--command", default="bench/three_way.py")
+    ap.add_argument("--also", action="append", default=[], metavar="LABEL=KIND:PATH",
+                    help="another engine in the same run: KIND is tine or stock, PATH its binary (e.g. builds on the previous base)")
     a = ap.parse_args()
     threads = str(os.cpu_count())
     ids = lambda text, bos: json.loads(subprocess.run([a.tine, "tokenize", "-m", a.model, "-p", text] + ([] if bos else ["--no-bos"]), capture_output=True, text=True, check=True).stdout)
@@ -54,6 +56,14 @@ def main():
     else:
         notes.append("llama.cpp was left out: LLAMA_SERVER is not set (build llama.cpp's llama-server and set LLAMA_SERVER=/path/to/llama-server).")
     names = {"tine": "Tine (full chain)", "stock": "stock candle (pinned base)", "llama": "llama.cpp llama-server"}
+    for i, spec in enumerate(a.also):
+        label, _, rest = spec.partition("=")
+        kind, _, path = rest.partition(":")
+        if kind not in ("tine", "stock") or not label or not path:
+            sys.exit(f"--also {spec!r}: expected LABEL=tine:PATH or LABEL=stock:PATH")
+        key = f"also{i}"
+        engines[key] = [path if j == 0 else c for j, c in enumerate(engines[kind])]
+        names[key] = label
     log_dir = os.path.join(ROOT, "target/bench-three-way")
     os.makedirs(log_dir, exist_ok=True)
     procs, urls = {}, {}
@@ -99,7 +109,7 @@ def main():
     for k in med:
         lines.append(f"| {names[k]} | {med[k]['pp']:.1f} | {med[k]['tg']:.1f} |")
     lines.append("")
-    for other in ("stock", "llama"):
+    for other in ["stock", "llama"] + [k for k in med if k.startswith("also")]:
         if other in med:
             lines.append(f"- Tine / {names[other]}: prefill {med['tine']['pp'] / med[other]['pp']:.2f}x, decode {med['tine']['tg'] / med[other]['tg']:.2f}x.")
     lines += [f"- {n}" for n in notes]
