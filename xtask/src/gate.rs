@@ -427,6 +427,14 @@ fn write_workspace(p: &Project, s: &Scratch, base: &Tree, tree: &Tree, engine: b
             }
         }
     }
+    if !engine {
+        // The patches' Gemma 3 tests include tine-test-support's fixture by `#[path]`.
+        let dir = "engine/crates/tine-test-support";
+        let t = tree::read_tree(&p.root.join(dir)).with_context(|| format!("reading {dir}"))?;
+        for (path, e) in t {
+            files.insert(format!("{dir}/{path}"), e.data);
+        }
+    }
     let harness = format!("engine/crates/{PATCH_TESTS}");
     files.insert(format!("{harness}/Cargo.toml"), harness_manifest(&patch_test_files(base, tree)).into_bytes());
     files.insert(format!("{harness}/lib.rs"), HARNESS_LIB.as_bytes().to_vec());

@@ -744,3 +744,83 @@ fn canary_exits_zero_only_when_every_patch_is_exact_or_rebased_and_writes_nothin
     before.retain(|k, _| !k.starts_with("base2/"));
     assert_eq!(after, before);
 }
+
+/// The modules a test file pulls in (`#[path = "…"] mod x;` or `mod x;`), as paths relative to the tree.
+fn test_modules(path: &str, text: &str) -> Vec<String> {
+    let dir = Path::new(path).parent().expect("test files sit in a directory");
+    let mut out = Vec::new();
+    let mut pending_path: Option<String> = None;
+    for line in text.lines().map(str::trim) {
+        if let Some(p) = line.strip_prefix("#[path = \"").and_then(|r| r.strip_suffix("\"]")) {
+            pending_path = Some(p.to_owned());
+        } else if let Some(name) = line.strip_prefix("mod ").and_then(|r| r.strip_suffix(';')) {
+            let rel = match pending_path.take() {
+                Some(p) => dir.join(p),
+                None => dir.join(name).join("mod.rs"),
+            };
+            // Normalise `..` so the path can be looked up in the tree or on disk.
+            let mut parts: Vec<&str> = Vec::new();
+            for c in rel.to_str().expect("utf8").split('/') {
+                match c {
+                    ".." if parts.last().is_some_and(|l| *l != "..") => {
+                        parts.pop();
+                    }
+                    "." | "" => {}
+                    c => parts.push(c),
+                }
+            }
+            out.push(parts.join("/"));
+        } else if !line.starts_with("//") && !line.is_empty() {
+            pending_path = None;
+        }
+    }
+    out
+}
+
+/// Upstream merges the GELU fix (huggingface/candle#3747): a `dir` base = the pinned base plus
+/// 0002's source change. The bump retires 0002 and every other patch's tests still find what
+/// they include, because the shared Gemma 3 fixture lives in tine-test-support, not in 0002.
+#[test]
+fn a_base_with_upstreams_gelu_fix_retires_0002_and_leaves_every_other_patchs_tests_whole() {
+    let p = Project::discover();
+    let reg = registry::load(&p.registry_path()).expect("registry");
+    let base = xtask::base::load(&reg.base, &p.root, &pb()).expect("the pinned base (cargo xtask apply-chain fetches it)");
+    let patches = xtask::chain::load_patches(&p, &reg).expect("patches");
+    let gelu = patches.iter().find(|l| l.entry.id == "0002").expect("patch 0002");
+    let src = "candle-transformers/src/models/quantized_gemma3.rs";
+    let mut fixed = base.clone();
+    xtask::apply::apply(&mut fixed, &gelu.parsed, gelu.name()).expect("0002 applies to the base");
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (path, e) in &base {
+        let data = if path == src { &fixed[src].data } else { &e.data };
+        write_file(&dir.path().join(path), data, e.mode);
+    }
+    let onto = Base::Dir { path: dir.path().to_str().expect("utf8").to_owned() };
+    let inputs = rebase::load_inputs(&p, onto, &pb()).expect("inputs");
+    let plan = rebase::plan(&inputs.old_base, &inputs.new_base, &inputs.patches, &inputs.from, &inputs.onto, &rebase::Resolutions::default(), None, false).expect("plan");
+    let r = &plan.report;
+    for pr in &r.patches {
+        if pr.id == "0002" {
+            assert_eq!((pr.verdict, pr.action.as_str()), (Verdict::Upstream, "retire"), "{}", rebase::render_table(r));
+        } else {
+            assert!(matches!(pr.verdict, Verdict::Exact | Verdict::Rebased), "patch {} must carry: {}", pr.id, rebase::render_table(r));
+        }
+    }
+    assert!(!plan.new_tree.contains_key("candle-transformers/tests/quantized_gemma3_gelu.rs"), "0002's own test leaves with it");
+    let mut checked = 0;
+    for lp in inputs.patches.iter().filter(|l| l.entry.id != "0002") {
+        for f in lp.parsed.files.iter().filter(|f| f.op == xtask::patch::Op::Create) {
+            let path = f.new_path.as_deref().expect("created");
+            if !path.contains("/tests/") || !path.ends_with(".rs") {
+                continue;
+            }
+            let text = String::from_utf8_lossy(&plan.new_tree[path].data).into_owned();
+            for m in test_modules(path, &text) {
+                let found = plan.new_tree.contains_key(&m) || p.upstream_dir().join(&m).exists() || m.strip_prefix("../").is_some_and(|rest| p.root.join("engine").join(rest).exists());
+                assert!(found, "patch {}: {path} includes {m}, which the carried tree and the project lack", lp.entry.id);
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 9, "the patches' tests include the shared fixture ({checked} includes checked)");
+}

@@ -1,13 +1,14 @@
 //! Test fixtures for Tine's crates.
 //!
-//! One source with the patches' own tests: the `quantized_gemma3` fixture that patch 0002 adds
-//! under `candle-transformers/tests/gemma3_fixture/` (tiny synthetic GGUFs in the real tensor
-//! layouts, a NextN block, an assistant head, and a float64 reference forward).
+//! The `quantized_gemma3` fixture (tiny synthetic GGUFs in the real tensor layouts, a NextN block,
+//! an assistant head, and a float64 reference forward) lives here, in `src/gemma3_fixture/`, and is
+//! one source for the engine's tests and the patches' own: their test files under
+//! `candle-transformers/tests/` include it by `#[path]`. It lives in Tine's crate rather than in a
+//! patch so that retiring a patch (a base bump) cannot take it.
 
 // The fixture is written as a candle test module, where candle-core is called `candle`.
 extern crate candle_core as candle;
 
-#[path = "../../../upstream/candle-transformers/tests/gemma3_fixture/mod.rs"]
-mod fixture;
+mod gemma3_fixture;
 
-pub use fixture::*;
+pub use gemma3_fixture::*;
