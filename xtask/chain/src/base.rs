@@ -14,18 +14,6 @@ use anyhow::{bail, Context as _};
 use crate::registry::{Base, CratePin};
 use crate::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
 
-/// Where Tine caches bases (and, later, models): `$TINE_CACHE_DIR`, else `$XDG_CACHE_HOME/tine`, else `~/.cache/tine`.
-pub fn cache_root() -> PathBuf {
-    if let Some(d) = std::env::var_os("TINE_CACHE_DIR") {
-        return PathBuf::from(d);
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(d).join("tine");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("tine")
-}
-
 fn cargo_home() -> PathBuf {
     if let Some(d) = std::env::var_os("CARGO_HOME") {
         return PathBuf::from(d);
@@ -38,30 +26,31 @@ pub fn cargo_bin() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
-/// Loads the pristine tree described by `base`; `project_root` anchors relative paths.
-pub fn load(base: &Base, project_root: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Tree> {
+/// Loads the pristine tree described by `base`; `project_root` anchors relative paths, `cache`
+/// holds unpacked crates and fetched repositories.
+pub fn load(base: &Base, project_root: &Path, cache: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Tree> {
     match base {
-        Base::Crates { crates } => load_crates(crates, progress),
+        Base::Crates { crates } => load_crates(crates, cache, progress),
         Base::Dir { path } => {
             let dir = project_root.join(path);
             tree::read_tree(&dir).with_context(|| format!("reading the base directory {}", dir.display()))
         }
-        Base::Git { url, commit, include } => load_git(url, commit, include, project_root),
+        Base::Git { url, commit, include } => load_git(url, commit, include, project_root, cache),
     }
 }
 
-fn load_crates(crates: &[CratePin], progress: &indicatif::ProgressBar) -> anyhow::Result<Tree> {
+fn load_crates(crates: &[CratePin], cache: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Tree> {
     let mut tree = Tree::new();
     let mut fetched = false;
     for pin in crates {
-        let dir = cache_root().join("base").join("crates").join(format!("{}-{}-{}", pin.name, pin.version, &pin.sha256[..16]));
+        let dir = cache.join("base").join("crates").join(format!("{}-{}-{}", pin.name, pin.version, &pin.sha256[..16]));
         if !dir.join(".complete").exists() {
             let crate_file = match find_crate_file(pin)? {
                 Some(f) => f,
                 None if !fetched => {
                     fetched = true;
                     progress.set_message("fetching the base crates through cargo");
-                    fetch_with_cargo(crates)?;
+                    fetch_with_cargo(crates, cache)?;
                     find_crate_file(pin)?.with_context(|| {
                         format!("cargo fetch succeeded but no {}-{}.crate with sha256 {} is in {}", pin.name, pin.version, pin.sha256, cargo_home().join("registry/cache").display())
                     })?
@@ -101,10 +90,10 @@ fn find_crate_file(pin: &CratePin) -> anyhow::Result<Option<PathBuf>> {
 
 /// Lets cargo download the pinned crates (honouring source replacement, mirrors and offline
 /// settings) through a throw-away manifest, then checks Cargo.lock's checksums against the pins.
-fn fetch_with_cargo(crates: &[CratePin]) -> anyhow::Result<()> {
-    let dir = cache_root().join("fetch");
+fn fetch_with_cargo(crates: &[CratePin], cache: &Path) -> anyhow::Result<()> {
+    let dir = cache.join("fetch");
     fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}", dir.display()))?;
-    let mut manifest = String::from("[package]\nname = \"tine-base-fetch\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[workspace]\n\n[dependencies]\n");
+    let mut manifest = String::from("[package]\nname = \"patchchain-base-fetch\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[workspace]\n\n[dependencies]\n");
     for c in crates {
         manifest.push_str(&format!("{} = \"={}\"\n", c.name, c.version));
     }
@@ -133,9 +122,9 @@ fn fetch_with_cargo(crates: &[CratePin]) -> anyhow::Result<()> {
 
 /// Pins for `names` at `version`: cargo downloads them (mirrors and offline caches work) and
 /// its lock file gives each `.crate`'s sha256, which is then checked against the file itself.
-pub fn resolve_crates(names: &[&str], version: &str, progress: &indicatif::ProgressBar) -> anyhow::Result<Vec<CratePin>> {
+pub fn resolve_crates(names: &[&str], version: &str, cache: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Vec<CratePin>> {
     progress.set_message(format!("fetching the base crates at {version} through cargo"));
-    let lock = lock_for(&names.iter().map(|n| (*n, format!("={version}"))).collect::<Vec<_>>(), "fetch")?;
+    let lock = lock_for(&names.iter().map(|n| (*n, format!("={version}"))).collect::<Vec<_>>(), "fetch", cache)?;
     let mut pins = Vec::new();
     for name in names {
         let checksum = locked(&lock, name, Some(version)).and_then(|p| p.get("checksum")).and_then(|s| s.as_str()).map(str::to_owned);
@@ -148,8 +137,8 @@ pub fn resolve_crates(names: &[&str], version: &str, progress: &indicatif::Progr
 }
 
 /// The newest published (non-prerelease) version of `name`, as cargo resolves `*`.
-pub fn newest_version(name: &str) -> anyhow::Result<String> {
-    let lock = lock_for(&[(name, "*".to_owned())], "generate-lockfile")?;
+pub fn newest_version(name: &str, cache: &Path) -> anyhow::Result<String> {
+    let lock = lock_for(&[(name, "*".to_owned())], "generate-lockfile", cache)?;
     locked(&lock, name, None).and_then(|p| p.get("version")).and_then(|v| v.as_str()).map(str::to_owned).with_context(|| format!("cargo resolved no version of {name}"))
 }
 
@@ -161,11 +150,11 @@ fn locked<'a>(lock: &'a toml::Value, name: &str, version: Option<&str>) -> Optio
 }
 
 /// Runs `cargo <verb>` on a throw-away manifest depending on `deps`; returns its lock file.
-fn lock_for(deps: &[(&str, String)], verb: &str) -> anyhow::Result<toml::Value> {
-    let dir = cache_root().join(format!("resolve-{}", std::process::id()));
+fn lock_for(deps: &[(&str, String)], verb: &str, cache: &Path) -> anyhow::Result<toml::Value> {
+    let dir = cache.join(format!("resolve-{}", std::process::id()));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(dir.join("src")).with_context(|| format!("creating {}", dir.display()))?;
-    let mut manifest = String::from("[package]\nname = \"tine-base-resolve\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[workspace]\n\n[dependencies]\n");
+    let mut manifest = String::from("[package]\nname = \"patchchain-base-resolve\"\nversion = \"0.0.0\"\nedition = \"2021\"\npublish = false\n\n[workspace]\n\n[dependencies]\n");
     for (n, req) in deps {
         manifest.push_str(&format!("{n} = \"{req}\"\n"));
     }
@@ -237,13 +226,13 @@ fn make_writable(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn load_git(url: &str, commit: &str, include: &[String], project_root: &Path) -> anyhow::Result<Tree> {
+fn load_git(url: &str, commit: &str, include: &[String], project_root: &Path, cache: &Path) -> anyhow::Result<Tree> {
     let local = {
         let p = project_root.join(url);
         p.exists().then_some(p)
     };
     let key = &tree::sha256_hex(url.as_bytes())[..16];
-    let cache = cache_root().join("base").join("git").join(format!("{key}.git"));
+    let cache = cache.join("base").join("git").join(format!("{key}.git"));
     let repo = match git2::Repository::open_bare(&cache) {
         Ok(r) => r,
         Err(_) => {

@@ -6,7 +6,8 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::apply;
-use crate::chain::{self, Live, Project};
+use crate::chain::{self, Live};
+use crate::project::Project;
 use crate::registry::{Base, Registry};
 use crate::tree::{self, Tree};
 
@@ -66,7 +67,7 @@ pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<Report
     let mut r = Report::default();
     let reg = chain::load_registry(p)?;
     pb.set_message("loading the base");
-    let base = crate::base::load(&reg.base, &p.root, pb)?;
+    let base = crate::base::load(&reg.base, &p.root, &p.cache_dir, pb)?;
     match chain::check_pristine(p, &base) {
         Ok(()) => r.push(1, T1, Outcome::Pass(format!("{} files", base.len()))),
         Err(e) => r.push(1, T1, Outcome::Fail(format!("{e:#}"))),
@@ -227,7 +228,7 @@ pub fn check_cargo(p: &Project, reg: &Registry) -> Outcome {
     if !p.upstream_dir().exists() {
         return Outcome::Fail("engine/upstream/ is absent, so the engine workspace cannot resolve: run `cargo xtask apply-chain`".into());
     }
-    match metadata_problems(&p.root, &manifest, crates.iter().map(|c| c.name.as_str())) {
+    match metadata_problems(&p.root, &p.upstream_dir(), &manifest, crates.iter().map(|c| c.name.as_str())) {
         Ok(problems) if problems.is_empty() => Outcome::Pass(format!("{} crate(s) from engine/upstream/", crates.len())),
         Ok(problems) => Outcome::Fail(problems.join("\n")),
         Err(e) => Outcome::Fail(format!("{e:#}")),
@@ -239,7 +240,7 @@ fn lock_is_stale(stderr: &str) -> bool {
     stderr.contains("--locked was passed")
 }
 
-fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item = &'a str>) -> anyhow::Result<Vec<String>> {
+fn metadata_problems<'a>(root: &Path, upstream: &Path, manifest: &Path, names: impl Iterator<Item = &'a str>) -> anyhow::Result<Vec<String>> {
     let lock = root.join("Cargo.lock");
     if !lock.exists() {
         anyhow::bail!("there is no Cargo.lock, so cargo would write one: run `cargo generate-lockfile` at the project root and commit it");
@@ -275,7 +276,7 @@ fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let packages = meta["packages"].as_array().cloned().unwrap_or_default();
     for name in names {
-        let want = root.join("engine/upstream").join(name).join("Cargo.toml");
+        let want = upstream.join(name).join("Cargo.toml");
         let found: Vec<&serde_json::Value> = packages.iter().filter(|p| p["name"] == name).collect();
         if found.is_empty() {
             problems.push(format!("{name}: not in the engine workspace's crate graph; a [patch] entry nothing uses is ignored (depend on it from an engine crate)"));

@@ -13,9 +13,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::apply::{self, ApplyError};
-use crate::chain::{self, Live, LoadedPatch, Project};
+use crate::chain::{self, Live, LoadedPatch};
 use crate::export;
+use crate::extension::Extension;
 use crate::patch::{self, ParseError};
+use crate::project::Project;
 use crate::registry::{self, PatchEntry};
 use crate::sync_check;
 use crate::tree::{self, Tree};
@@ -312,7 +314,7 @@ impl Undo {
 }
 
 /// Imports `o.file` into the series after `o.after`.
-pub fn import(p: &Project, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -> Result<Imported, ImportError> {
+pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -> Result<Imported, ImportError> {
     let path = o.file.to_owned();
     let bytes = fs::read(&path).map_err(|source| ImportError::Read { path: path.clone(), source })?;
     let incoming = patch::parse(&bytes).map_err(|source| ImportError::Parse { path: path.clone(), source })?;
@@ -432,16 +434,17 @@ pub fn import(p: &Project, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -
     };
 
     // Write, and put everything back if any step fails.
-    let touched = [patch_path.clone(), p.registry_path(), p.sync_doc_path(), p.patched_manifest_path(), crate::gate::harness_manifest_path(p)];
+    let mut touched = vec![patch_path.clone(), p.registry_path(), p.sync_doc_path(), p.patched_manifest_path()];
+    touched.extend(ext.generated_files(p, &l.registry, &series.iter().map(|lp| &lp.parsed).collect::<Vec<_>>()).into_iter().map(|(path, _)| path));
     let undo = Undo::snapshot(&touched);
-    let problems_before: BTreeSet<String> = sync_check::sync_check(p, &l.registry).into_iter().collect();
+    let problems_before: BTreeSet<String> = sync_check::sync_check(p, ext, &l.registry).into_iter().collect();
     let result = (|| -> Result<(), ImportError> {
         tree::write_file_atomically(&patch_path, &out)?;
         l.registry.patches.insert(pos, entry);
-        if let Err(e) = chain::bless(p, &mut l.registry, &l.base, false)? {
+        if let Err(e) = chain::bless(p, ext, &mut l.registry, &l.base, false)? {
             return Err(ImportError::Internal(format!("the new chain does not apply: {e}")));
         }
-        let new: Vec<String> = sync_check::sync_check(p, &l.registry).into_iter().filter(|pr| !problems_before.contains(pr)).collect();
+        let new: Vec<String> = sync_check::sync_check(p, ext, &l.registry).into_iter().filter(|pr| !problems_before.contains(pr)).collect();
         if !new.is_empty() {
             return Err(ImportError::Unverified(new));
         }

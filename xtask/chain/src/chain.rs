@@ -6,59 +6,22 @@
 
 use std::collections::BTreeMap;
 use std::fs;
-use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 
 use crate::apply;
+use crate::extension::Extension;
 use crate::patch::{self, PatchSet};
+use crate::project::Project;
 use crate::registry::{self, PatchEntry, Registry};
 use crate::tree::{self, Tree};
 
-/// The paths of one project (Tine itself, or a synthetic one in the tests).
-#[derive(Clone, Debug)]
-pub struct Project {
-    pub root: PathBuf,
-}
-
-impl Project {
-    pub fn new(root: impl Into<PathBuf>) -> Project {
-        Project { root: root.into() }
-    }
-    /// The project this xtask belongs to (`TINE_PROJECT_ROOT` overrides, for tests).
-    pub fn discover() -> Project {
-        if let Some(r) = std::env::var_os("TINE_PROJECT_ROOT") {
-            return Project::new(r);
-        }
-        let manifest_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-        Project::new(manifest_dir.parent().expect("xtask/ lies inside the project root"))
-    }
-    pub fn registry_path(&self) -> PathBuf {
-        self.root.join("upstream-sync/UPSTREAM_SYNC.toml")
-    }
-    pub fn pristine_manifest_path(&self) -> PathBuf {
-        self.root.join("upstream-sync/manifest.pristine")
-    }
-    pub fn patched_manifest_path(&self) -> PathBuf {
-        self.root.join("upstream-sync/manifest.patched")
-    }
-    pub fn patches_dir(&self) -> PathBuf {
-        self.root.join("patches")
-    }
-    pub fn upstream_dir(&self) -> PathBuf {
-        self.root.join("engine/upstream")
-    }
-    pub fn backups_dir(&self) -> PathBuf {
-        self.root.join("engine/.backups")
-    }
-    pub fn sync_doc_path(&self) -> PathBuf {
-        self.root.join("docs/UPSTREAM_SYNC.md")
-    }
-    pub fn rel<'a>(&self, p: &'a Path) -> std::borrow::Cow<'a, str> {
-        p.strip_prefix(&self.root).unwrap_or(p).to_string_lossy()
-    }
-}
+/// A refusal that protects a maintainer's work: edits in the live tree that no patch carries
+/// (the CLI's exit code 3).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
 
 /// One patch of the series, read and parsed.
 #[derive(Clone, Debug)]
@@ -233,11 +196,11 @@ pub struct Loaded {
 }
 
 pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> anyhow::Result<Loaded> {
-    if let Some(what) = crate::rebase::describe_in_progress(p) {
+    if let Some(what) = crate::rebase_state::describe_in_progress(p) {
         bail!("{what}\n(the chain commands wait until the rebase is finished or aborted)");
     }
     let registry = load_registry(p)?;
-    let base = crate::base::load(&registry.base, &p.root, progress)?;
+    let base = crate::base::load(&registry.base, &p.root, &p.cache_dir, progress)?;
     check_pristine(p, &base)?;
     let patches = load_patches(p, &registry)?;
     Ok(Loaded { registry, base, patches })
@@ -261,9 +224,9 @@ pub fn hooks_added(before: &Tree, after: &Tree) -> Vec<String> {
     tree::hooks_of_tree(after).into_keys().filter(|h| !b.contains_key(h)).collect()
 }
 
-/// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies) and
-/// `docs/UPSTREAM_SYNC.md` from the files on disk.
-pub fn bless(p: &Project, reg: &mut Registry, base: &Tree, with_base: bool) -> anyhow::Result<Result<(), apply::ApplyError>> {
+/// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies),
+/// `docs/UPSTREAM_SYNC.md` and the extension's generated files from the files on disk.
+pub fn bless(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool) -> anyhow::Result<Result<(), apply::ApplyError>> {
     for e in &mut reg.patches {
         if e.is_applied() {
             let path = p.patches_dir().join(&e.file);
@@ -277,9 +240,8 @@ pub fn bless(p: &Project, reg: &mut Registry, base: &Tree, with_base: bool) -> a
         tree::write_file_atomically(&p.pristine_manifest_path(), tree::render_manifest(&tree::manifest_of(base)).as_bytes())?;
     }
     let patches = load_patches(p, reg)?;
-    if p.root.join("engine/crates").is_dir() {
-        let tests = crate::gate::patch_test_files_of_series(&patches.iter().map(|l| &l.parsed).collect::<Vec<_>>());
-        tree::write_file_atomically(&crate::gate::harness_manifest_path(p), crate::gate::harness_manifest(&tests).as_bytes())?;
+    for (path, bytes) in ext.generated_files(p, reg, &patches.iter().map(|l| &l.parsed).collect::<Vec<_>>()) {
+        tree::write_file_atomically(&path, &bytes)?;
     }
     match build(base, &patches) {
         Ok(full) => {

@@ -21,10 +21,13 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::apply;
-use crate::chain::{self, LoadedPatch, Project};
+use crate::chain::{self, LoadedPatch, Refused};
 use crate::export;
 use crate::merge3::{self, Side};
 use crate::patch::{self, Content, FilePatch, Hunk, Op, PatchSet};
+use crate::project::Project;
+pub use crate::rebase_state::{describe_in_progress, in_progress, state_dir, BaseRecord, ConflictFile, Phase, RebaseState, Resolutions, Stopped};
+use crate::rebase_state::{read_state, write_state};
 use crate::registry::{self, Base, Registry};
 use crate::tree::{self, Entry, Tree};
 
@@ -96,14 +99,14 @@ pub fn base_spec(b: &Base) -> String {
 }
 
 /// The registry base for `spec`, with crate sha256s learned from the package registry.
-pub fn resolve_onto(spec: &OntoSpec, current: &Base, progress: &indicatif::ProgressBar) -> anyhow::Result<Base> {
+pub fn resolve_onto(spec: &OntoSpec, current: &Base, cache: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Base> {
     Ok(match spec {
         OntoSpec::Crates(version) => {
             let Base::Crates { crates } = current else {
                 return Err(SpecError::NotCrates(version.clone(), if matches!(current, Base::Dir { .. }) { "directory" } else { "git commit" }).into());
             };
             let names: Vec<&str> = crates.iter().map(|c| c.name.as_str()).collect();
-            Base::Crates { crates: crate::base::resolve_crates(&names, version, progress)? }
+            Base::Crates { crates: crate::base::resolve_crates(&names, version, cache, progress)? }
         }
         OntoSpec::Dir(path) => Base::Dir { path: path.clone() },
         OntoSpec::Git { url, commit } => {
@@ -231,14 +234,6 @@ fn get<'a>(tree: &'a Tree, overlay: &'a Overlay, path: &str) -> Option<&'a Entry
         Some(e) => e.as_ref(),
         None => tree.get(path),
     }
-}
-
-/// One conflicted file, for the maintainer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConflictFile {
-    pub path: String,
-    pub hunks: Vec<usize>,
-    pub reason: String,
 }
 
 /// A patch carried onto the new prefix.
@@ -671,15 +666,6 @@ pub enum StopKind {
     Decide,
 }
 
-/// Decisions and resolutions a real run has collected so far.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Resolutions {
-    /// Patch id -> the maintainer's resolved patch bytes against the new chain before it.
-    pub resolved: BTreeMap<String, String>,
-    /// Patch ids the maintainer chose to retire.
-    pub retire: BTreeSet<String>,
-}
-
 /// Carries the whole series. `markers`: write conflicts with diff3 markers (for a real run's
 /// stop); otherwise conflicts take the patch's side so later patches are still classified.
 #[allow(clippy::too_many_arguments)] // the series, its labels, and the run's knobs
@@ -962,77 +948,6 @@ pub fn footprint<'a>(series: impl IntoIterator<Item = &'a PatchSet>, base: &Tree
 // ---------------------------------------------------------------------------------------------
 // The real run: state, stop, continue, abort, commit
 
-/// Where a running bump keeps its state (git-ignored).
-pub fn state_dir(p: &Project) -> PathBuf {
-    p.root.join(".tine-rebase")
-}
-
-pub fn in_progress(p: &Project) -> bool {
-    state_dir(p).join("state.json").exists()
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub enum Phase {
-    /// Carrying patches; `stopped` says where a person is needed.
-    Carrying,
-    /// Every file of the result is staged in `commit/`; writing them out.
-    Commit,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Stopped {
-    pub id: String,
-    pub kind: String,
-    pub files: Vec<ConflictFile>,
-    /// The manifest of the tree written into engine/upstream/ for the maintainer.
-    pub tree_sha256: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RebaseState {
-    pub from: String,
-    pub onto: String,
-    pub onto_base: BaseRecord,
-    pub phase: Phase,
-    #[serde(default)]
-    pub stopped: Option<Stopped>,
-    #[serde(default)]
-    pub resolutions: Resolutions,
-    /// Project-relative paths the run may write, and whether each existed at the start
-    /// (the originals are under `orig/`).
-    pub write_set: BTreeMap<String, bool>,
-    /// engine/upstream/ existed at the start (its snapshot is `orig-upstream.tar`).
-    pub had_upstream: bool,
-    /// Files to write in the commit phase (staged under `commit/`; `false`: delete).
-    #[serde(default)]
-    pub commit: BTreeMap<String, bool>,
-}
-
-/// A base as stored in the state (the registry's own `Base` is not serialisable as JSON).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub enum BaseRecord {
-    Crates(Vec<(String, String, String)>),
-    Dir(String),
-    Git(String, String, Vec<String>),
-}
-
-impl BaseRecord {
-    pub fn of(b: &Base) -> BaseRecord {
-        match b {
-            Base::Crates { crates } => BaseRecord::Crates(crates.iter().map(|c| (c.name.clone(), c.version.clone(), c.sha256.clone())).collect()),
-            Base::Dir { path } => BaseRecord::Dir(path.clone()),
-            Base::Git { url, commit, include } => BaseRecord::Git(url.clone(), commit.clone(), include.clone()),
-        }
-    }
-    pub fn base(&self) -> Base {
-        match self {
-            BaseRecord::Crates(c) => Base::Crates { crates: c.iter().map(|(n, v, s)| registry::CratePin { name: n.clone(), version: v.clone(), sha256: s.clone() }).collect() },
-            BaseRecord::Dir(p) => Base::Dir { path: p.clone() },
-            BaseRecord::Git(u, c, i) => Base::Git { url: u.clone(), commit: c.clone(), include: i.clone() },
-        }
-    }
-}
-
 /// Project files the bump rewrites beyond the chain's own (for Tine: the engine's version
 /// requirements on the base crates, the patch-tests manifest), computed from the new registry.
 pub type ExtraFiles<'a> = &'a dyn Fn(&Project, &Registry, &Registry, &[LoadedPatch]) -> anyhow::Result<Vec<(String, Vec<u8>)>>;
@@ -1041,8 +956,6 @@ pub type ExtraFiles<'a> = &'a dyn Fn(&Project, &Registry, &Registry, &[LoadedPat
 pub enum RebaseError {
     #[error("a rebase is already in progress ({0}); finish it with `cargo xtask rebase --continue` or undo it with `cargo xtask rebase --abort`")]
     InProgress(String),
-    #[error("no rebase is in progress")]
-    NotInProgress,
     #[error("patch {id}: conflict markers remain in engine/upstream/:\n  {}\nresolve them, then `cargo xtask rebase --continue`", lines.join("\n  "))]
     MarkersRemain { id: String, lines: Vec<String> },
     #[error("patch {id} is already upstream and its bump policy is {bump:?}: a person decides. Retire it with `cargo xtask rebase --continue --retire`, or `cargo xtask rebase --abort`")]
@@ -1058,17 +971,9 @@ fn crash_point(name: &'static str) {
     }
 }
 
-fn read_state(p: &Project) -> anyhow::Result<RebaseState> {
-    let path = state_dir(p).join("state.json");
-    let bytes = fs::read(&path).map_err(|_| RebaseError::NotInProgress)?;
-    serde_json::from_slice(&bytes).map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", p.rel(&path)))
-}
-
-fn write_state(p: &Project, s: &RebaseState) -> anyhow::Result<()> {
-    let mut v = serde_json::to_vec_pretty(s).expect("state serialises");
-    v.push(b'\n');
-    tree::write_file_atomically(&state_dir(p).join("state.json"), &v)?;
-    Ok(())
+/// The name prefix of a scratch sibling of the state directory (`.tine-rebase.new-<pid>`, `.tine-rebase.done-<pid>`).
+fn sibling(p: &Project, what: &str) -> String {
+    format!("{}.{what}-", state_dir(p).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
 }
 
 fn enc(path: &str) -> String {
@@ -1089,10 +994,10 @@ pub struct Inputs {
 pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) -> anyhow::Result<Inputs> {
     let registry = chain::load_registry(p)?;
     pb.set_message("loading the old base");
-    let old_base = crate::base::load(&registry.base, &p.root, pb)?;
+    let old_base = crate::base::load(&registry.base, &p.root, &p.cache_dir, pb)?;
     chain::check_pristine(p, &old_base)?;
     pb.set_message("loading the new base");
-    let new_base = crate::base::load(&onto_base, &p.root, pb)?;
+    let new_base = crate::base::load(&onto_base, &p.root, &p.cache_dir, pb)?;
     let patches = chain::load_patches(p, &registry)?;
     let from = base_label(&registry.base);
     let onto = base_label(&onto_base);
@@ -1112,8 +1017,8 @@ fn write_set(p: &Project, inputs: &Inputs, extra: &[String]) -> Vec<String> {
         v.push(rel(p.patches_dir().join(&lp.entry.file)));
     }
     let label = format!("{}-to-{}", inputs.from, inputs.onto);
-    v.push(format!("docs/bumps/{label}.md"));
-    v.push(format!("docs/bumps/{label}.json"));
+    v.push(rel(p.bumps_dir().join(format!("{label}.md"))));
+    v.push(rel(p.bumps_dir().join(format!("{label}.json"))));
     v.extend(extra.iter().cloned());
     v
 }
@@ -1129,18 +1034,19 @@ pub fn start(p: &Project, inputs: &Inputs, extra_paths: &[String], extra: ExtraF
         return Err(RebaseError::InProgress(p.rel(&state_dir(p)).into_owned()).into());
     }
     // The live tree must hold nothing a patch does not carry.
-    let live = chain::live_state_without_edits(p, &inputs.old_base, &inputs.patches, "rebase").map_err(|e| crate::commands::Refused(format!("{e:#}")))?;
+    let live = chain::live_state_without_edits(p, &inputs.old_base, &inputs.patches, "rebase").map_err(|e| Refused(format!("{e:#}")))?;
     let dir = state_dir(p);
     // Leftovers of interrupted starts and finishes are never a run.
-    if let Ok(entries) = fs::read_dir(&p.root) {
+    let (new_prefix, done_prefix) = (sibling(p, "new"), sibling(p, "done"));
+    if let Ok(entries) = fs::read_dir(dir.parent().unwrap_or(&p.root)) {
         for e in entries.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with(".tine-rebase.new-") || n.starts_with(".tine-rebase.done-") {
+            if n.starts_with(&new_prefix) || n.starts_with(&done_prefix) {
                 let _ = fs::remove_dir_all(e.path());
             }
         }
     }
-    let tmp = p.root.join(format!(".tine-rebase.new-{}", std::process::id()));
+    let tmp = dir.with_file_name(format!("{new_prefix}{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(tmp.join("orig"))?;
     let mut ws = BTreeMap::new();
@@ -1277,7 +1183,7 @@ pub fn continue_run(p: &Project, opts: &ContinueOptions, extra: ExtraFiles<'_>, 
     let mut state = read_state(p)?;
     if state.phase == Phase::Commit {
         // The project may be half written: only the new base is needed to finish.
-        let new_base = crate::base::load(&state.onto_base.base(), &p.root, pb)?;
+        let new_base = crate::base::load(&state.onto_base.base(), &p.root, &p.cache_dir, pb)?;
         finish_commit(p, &new_base, &state, pb)?;
         let report: Report = serde_json::from_slice(&fs::read(state_dir(p).join("commit-report.json"))?)?;
         remove_state(p)?;
@@ -1396,8 +1302,8 @@ fn commit(p: &Project, inputs: &Inputs, mut state: RebaseState, plan: &Plan, ext
     json["hunk_stats"] = serde_json::to_value(stats).expect("serialises");
     let mut json_bytes = serde_json::to_vec_pretty(&json).expect("serialises");
     json_bytes.push(b'\n');
-    files.insert(format!("docs/bumps/{label}.json"), Some(json_bytes));
-    files.insert(format!("docs/bumps/{label}.md"), Some(render_markdown(&plan.report, &stats).into_bytes()));
+    files.insert(rel(p.bumps_dir().join(format!("{label}.json"))), Some(json_bytes));
+    files.insert(rel(p.bumps_dir().join(format!("{label}.md"))), Some(render_markdown(&plan.report, &stats).into_bytes()));
     for (path, bytes) in extra(p, &inputs.registry, &reg, &new_series)? {
         files.insert(path, Some(bytes));
     }
@@ -1467,7 +1373,7 @@ fn finish_commit(p: &Project, new_base: &Tree, state: &RebaseState, pb: &indicat
 
 fn remove_state(p: &Project) -> anyhow::Result<()> {
     // Rename first, so a crash never leaves a half-deleted state that looks like a run.
-    let dead = p.root.join(format!(".tine-rebase.done-{}", std::process::id()));
+    let dead = state_dir(p).with_file_name(format!("{}{}", sibling(p, "done"), std::process::id()));
     fs::rename(state_dir(p), &dead)?;
     fs::remove_dir_all(&dead)?;
     Ok(())
@@ -1497,14 +1403,4 @@ pub fn abort(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
         fs::remove_dir_all(p.upstream_dir())?;
     }
     remove_state(p)
-}
-
-/// A short description of a run in progress, for `status`.
-pub fn describe_in_progress(p: &Project) -> Option<String> {
-    let s = read_state(p).ok()?;
-    Some(match (&s.phase, &s.stopped) {
-        (Phase::Commit, _) => format!("rebase {} -> {}: interrupted while writing the result; `cargo xtask rebase --continue` finishes it", s.from, s.onto),
-        (_, Some(st)) => format!("rebase {} -> {}: stopped at patch {} ({}); resolve, then `cargo xtask rebase --continue`, or `--abort`", s.from, s.onto, st.id, st.kind),
-        _ => format!("rebase {} -> {}: interrupted; `cargo xtask rebase --continue` resumes it", s.from, s.onto),
-    })
 }
