@@ -112,7 +112,7 @@ pub struct RebaseArgs<'a> {
 }
 
 pub fn rebase(p: &Project, a: &RebaseArgs<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
-    let extra = |p: &Project, old: &Registry, new: &Registry, s: &[LoadedPatch]| extra_files(p, old, new, s);
+    let extra = |p: &Project, old: &Registry, new: &Registry, s: &[LoadedPatch]| extra_files(p, old, new, s).map_err(Into::into);
     if a.abort {
         rebase::abort(p, pb)?;
         pb.finish_and_clear();

@@ -26,7 +26,7 @@ fn write_file(path: &Path, data: &[u8], mode: u32) {
     fs::set_permissions(path, fs::Permissions::from_mode(if mode == MODE_EXEC { 0o755 } else { 0o644 })).expect("chmod");
 }
 
-fn no_extra(_: &Project, _: &registry::Registry, _: &registry::Registry, _: &[patchchain::chain::LoadedPatch]) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+fn no_extra(_: &Project, _: &registry::Registry, _: &registry::Registry, _: &[patchchain::chain::LoadedPatch]) -> rebase::ExtraFilesResult {
     Ok(Vec::new())
 }
 

@@ -6,16 +6,129 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::path::PathBuf;
 
-use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 
 use crate::apply;
+use crate::base::BaseError;
 use crate::extension::Extension;
-use crate::patch::{self, PatchSet};
+use crate::patch::{self, ParseError, PatchSet};
 use crate::project::Project;
-use crate::registry::{self, PatchEntry, Registry};
-use crate::tree::{self, Tree};
+use crate::registry::{self, LoadError, PatchEntry, Registry};
+use crate::tree::{self, ManifestParseError, ReadTreeError, Tree, WriteError};
+
+/// Reading the series' patch files.
+#[derive(Debug, thiserror::Error)]
+pub enum PatchLoadError {
+    #[error("patch {id}: cannot read {shown} (the registry lists it; is the file missing?)")]
+    Read {
+        id: String,
+        path: PathBuf,
+        shown: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("patch {id}: {shown} is malformed")]
+    Parse {
+        id: String,
+        path: PathBuf,
+        shown: String,
+        #[source]
+        source: ParseError,
+    },
+}
+
+/// A `--to NNNN` that names no patch of the series.
+#[derive(Debug, thiserror::Error)]
+#[error("no patch {id:?} in the series (known: 0000, {})", .known.join(", "))]
+pub struct ResolveError {
+    pub id: String,
+    pub known: Vec<String>,
+}
+
+/// Reading the live tree and its state file.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    #[error(transparent)]
+    Read(#[from] ReadTreeError),
+    #[error("{shown} is corrupt; `cargo xtask backup` then delete it to adopt the tree")]
+    CorruptState {
+        path: PathBuf,
+        shown: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Why a command may not replace the live tree: it holds something no patch carries.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveEditsError {
+    #[error(transparent)]
+    Live(#[from] LiveError),
+    #[error(
+        "engine/upstream/ holds edits that no patch carries, so `{verb}` would lose them:\n{drift}\n\
+         keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/; then `cargo xtask restore` brings it back)"
+    )]
+    Edits {
+        verb: String,
+        /// The drifted files, described.
+        drift: String,
+        top: String,
+    },
+    #[error("engine/upstream/ holds patches {applied:?}, which is not a prefix of the series {series:?}; `cargo xtask backup`, then remove engine/upstream/ and apply again")]
+    NotAPrefix { applied: Vec<String>, series: Vec<String> },
+    #[error(
+        "engine/upstream/ has no chain state and matches no prefix of the chain, so `{verb}` would lose whatever it holds;\n\
+         keep it with `cargo xtask backup`, then remove engine/upstream/ and run `cargo xtask apply-chain`"
+    )]
+    Unknown { verb: String },
+}
+
+/// Step 1 of verify: the base against `manifest.pristine`.
+#[derive(Debug, thiserror::Error)]
+pub enum PristineError {
+    #[error("cannot read {shown} (record it once with `cargo xtask bless --base`)")]
+    Read {
+        shown: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Parse(#[from] ManifestParseError),
+    #[error("the pristine base does not match {shown} (a corrupted cache or a changed base):\n{drift}")]
+    Differs { shown: String, drift: String },
+}
+
+/// Loading registry, base and series.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadAllError {
+    #[error("{0}\n(the chain commands wait until the rebase is finished or aborted)")]
+    RebaseInProgress(String),
+    #[error(transparent)]
+    Registry(#[from] LoadError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+    #[error(transparent)]
+    Pristine(#[from] PristineError),
+    #[error(transparent)]
+    Patches(#[from] PatchLoadError),
+}
+
+/// Recording sha256s, manifests, docs and generated files.
+#[derive(Debug, thiserror::Error)]
+pub enum BlessError {
+    #[error("reading {shown}")]
+    Read {
+        shown: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error(transparent)]
+    Patches(#[from] PatchLoadError),
+}
 
 /// A refusal that protects a maintainer's work: edits in the live tree that no patch carries
 /// (the CLI's exit code 3).
@@ -37,26 +150,33 @@ impl LoadedPatch {
     }
 }
 
-pub fn load_registry(p: &Project) -> anyhow::Result<Registry> {
-    Ok(registry::load(&p.registry_path())?)
+pub fn load_registry(p: &Project) -> Result<Registry, LoadError> {
+    registry::load(&p.registry_path())
 }
 
 /// Reads and parses every applied patch of the series.
-pub fn load_patches(p: &Project, reg: &Registry) -> anyhow::Result<Vec<LoadedPatch>> {
+pub fn load_patches(p: &Project, reg: &Registry) -> Result<Vec<LoadedPatch>, PatchLoadError> {
     reg.patches
         .iter()
         .filter(|e| e.is_applied())
         .map(|entry| {
             let path = p.patches_dir().join(&entry.file);
-            let bytes = fs::read(&path).with_context(|| format!("patch {}: cannot read {} (the registry lists it; is the file missing?)", entry.id, p.rel(&path)))?;
-            let parsed = patch::parse(&bytes).with_context(|| format!("patch {}: {} is malformed", entry.id, p.rel(&path)))?;
+            let shown = p.rel(&path).into_owned();
+            let bytes = match fs::read(&path) {
+                Ok(b) => b,
+                Err(source) => return Err(PatchLoadError::Read { id: entry.id.clone(), path, shown, source }),
+            };
+            let parsed = match patch::parse(&bytes) {
+                Ok(ps) => ps,
+                Err(source) => return Err(PatchLoadError::Parse { id: entry.id.clone(), path, shown, source }),
+            };
             Ok(LoadedPatch { entry: entry.clone(), bytes, parsed })
         })
         .collect()
 }
 
 /// Index into `patches` after which to stop: `--to NNNN` (`0000` = none).
-pub fn resolve_to(patches: &[LoadedPatch], to: Option<&str>) -> anyhow::Result<usize> {
+pub fn resolve_to(patches: &[LoadedPatch], to: Option<&str>) -> Result<usize, ResolveError> {
     match to {
         None => Ok(patches.len()),
         Some("0000") | Some("0") => Ok(0),
@@ -64,7 +184,7 @@ pub fn resolve_to(patches: &[LoadedPatch], to: Option<&str>) -> anyhow::Result<u
             let id = id.trim_end_matches(".patch");
             match patches.iter().position(|p| p.entry.id == id || p.entry.file.trim_end_matches(".patch") == id) {
                 Some(i) => Ok(i + 1),
-                None => bail!("no patch {id:?} in the series (known: 0000, {})", patches.iter().map(|p| p.entry.id.as_str()).collect::<Vec<_>>().join(", ")),
+                None => Err(ResolveError { id: id.to_owned(), known: patches.iter().map(|p| p.entry.id.clone()).collect() }),
             }
         }
     }
@@ -111,7 +231,7 @@ pub struct Live {
 }
 
 impl Live {
-    pub fn read(p: &Project) -> anyhow::Result<Option<Live>> {
+    pub fn read(p: &Project) -> Result<Option<Live>, LiveError> {
         let dir = p.upstream_dir();
         if !dir.exists() {
             return Ok(None);
@@ -119,7 +239,7 @@ impl Live {
         let tree = tree::read_tree(&dir)?;
         let state_path = dir.join(tree::STATE_FILE);
         let state = match fs::read(&state_path) {
-            Ok(b) => Some(serde_json::from_slice(&b).with_context(|| format!("{} is corrupt; `cargo xtask backup` then delete it to adopt the tree", p.rel(&state_path)))?),
+            Ok(b) => Some(serde_json::from_slice(&b).map_err(|source| LiveError::CorruptState { shown: p.rel(&state_path).into_owned(), path: state_path.clone(), source })?),
             Err(_) => None,
         };
         Ok(Some(Live { tree, state }))
@@ -135,7 +255,7 @@ impl Live {
 
 /// The live tree, checked for maintainer edits. Returns the state (applied prefix) it holds.
 /// A live tree without a state file is adopted when it equals some prefix of the chain.
-pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch], verb: &str) -> anyhow::Result<Option<(Live, usize)>> {
+pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch], verb: &str) -> Result<Option<(Live, usize)>, LiveEditsError> {
     let Some(live) = Live::read(p)? else {
         return Ok(None);
     };
@@ -143,18 +263,13 @@ pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch
         Some(state) => {
             let drift = live.drift().expect("state is present");
             if !drift.is_empty() {
-                bail!(
-                    "engine/upstream/ holds edits that no patch carries, so `{verb}` would lose them:\n{}\n\
-                     keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/; then `cargo xtask restore` brings it back)",
-                    drift.describe(20),
-                    top = state.top()
-                );
+                return Err(LiveEditsError::Edits { verb: verb.to_owned(), drift: drift.describe(20), top: state.top().to_owned() });
             }
             // The applied prefix must still be a prefix of the series (by id).
             let n = state.applied.len();
             let ids: Vec<&str> = patches.iter().map(|p| p.entry.id.as_str()).collect();
             if n > ids.len() || state.applied.iter().zip(&ids).any(|(a, b)| a != b) {
-                bail!("engine/upstream/ holds patches {:?}, which is not a prefix of the series {:?}; `cargo xtask backup`, then remove engine/upstream/ and apply again", state.applied, ids);
+                return Err(LiveEditsError::NotAPrefix { applied: state.applied.clone(), series: ids.iter().map(|s| (*s).to_owned()).collect() });
             }
             Ok(Some((live, n)))
         }
@@ -172,20 +287,16 @@ pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch
                     return Ok(Some((live, i + 1)));
                 }
             }
-            bail!(
-                "engine/upstream/ has no chain state and matches no prefix of the chain, so `{verb}` would lose whatever it holds;\n\
-                 keep it with `cargo xtask backup`, then remove engine/upstream/ and run `cargo xtask apply-chain`"
-            )
+            Err(LiveEditsError::Unknown { verb: verb.to_owned() })
         }
     }
 }
 
 /// Writes `tree` as the live tree holding `patches`, atomically.
-pub fn write_live(p: &Project, tree: &Tree, patches: &[LoadedPatch], progress: &indicatif::ProgressBar) -> anyhow::Result<()> {
+pub fn write_live(p: &Project, tree: &Tree, patches: &[LoadedPatch], progress: &indicatif::ProgressBar) -> Result<(), WriteError> {
     let state = State::new(patches, tree);
     let bytes = state.to_bytes();
-    tree::write_tree_atomically(&p.upstream_dir(), tree, &[(tree::STATE_FILE, &bytes)], progress)?;
-    Ok(())
+    tree::write_tree_atomically(&p.upstream_dir(), tree, &[(tree::STATE_FILE, &bytes)], progress)
 }
 
 /// Loads base and series, and checks the base against its recorded manifest.
@@ -195,9 +306,9 @@ pub struct Loaded {
     pub patches: Vec<LoadedPatch>,
 }
 
-pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> anyhow::Result<Loaded> {
+pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> Result<Loaded, LoadAllError> {
     if let Some(what) = crate::rebase_state::describe_in_progress(p) {
-        bail!("{what}\n(the chain commands wait until the rebase is finished or aborted)");
+        return Err(LoadAllError::RebaseInProgress(what));
     }
     let registry = load_registry(p)?;
     let base = crate::base::load(&registry.base, &p.root, &p.cache_dir, progress)?;
@@ -207,13 +318,13 @@ pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> anyhow::Resul
 }
 
 /// Step 1 of verify: the base equals `manifest.pristine`.
-pub fn check_pristine(p: &Project, base: &Tree) -> anyhow::Result<()> {
+pub fn check_pristine(p: &Project, base: &Tree) -> Result<(), PristineError> {
     let path = p.pristine_manifest_path();
-    let text = fs::read_to_string(&path).with_context(|| format!("cannot read {} (record it once with `cargo xtask bless --base`)", p.rel(&path)))?;
+    let text = fs::read_to_string(&path).map_err(|source| PristineError::Read { shown: p.rel(&path).into_owned(), source })?;
     let recorded = tree::parse_manifest(&text, &path)?;
     let d = tree::diff_manifests(&recorded, &tree::manifest_of(base));
     if !d.is_empty() {
-        bail!("the pristine base does not match {} (a corrupted cache or a changed base):\n{}", p.rel(&path), d.describe(20));
+        return Err(PristineError::Differs { shown: p.rel(&path).into_owned(), drift: d.describe(20) });
     }
     Ok(())
 }
@@ -226,11 +337,11 @@ pub fn hooks_added(before: &Tree, after: &Tree) -> Vec<String> {
 
 /// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies),
 /// `docs/UPSTREAM_SYNC.md` and the extension's generated files from the files on disk.
-pub fn bless(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool) -> anyhow::Result<Result<(), apply::ApplyError>> {
+pub fn bless(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool) -> Result<Result<(), apply::ApplyError>, BlessError> {
     for e in &mut reg.patches {
         if e.is_applied() {
             let path = p.patches_dir().join(&e.file);
-            let bytes = fs::read(&path).with_context(|| format!("reading {}", p.rel(&path)))?;
+            let bytes = fs::read(&path).map_err(|source| BlessError::Read { shown: p.rel(&path).into_owned(), source })?;
             e.sha256 = tree::sha256_hex(&bytes);
         }
     }

@@ -8,6 +8,7 @@ use anyhow::{bail, Context as _};
 use crate::apply;
 pub use crate::chain::Refused;
 use crate::chain::{self, build, live_state_without_edits, load_all, resolve_to, Live, LoadedPatch, State};
+use crate::error::Causes;
 use crate::export;
 use crate::extension::Extension;
 use crate::patch;
@@ -22,7 +23,7 @@ fn say(msg: impl AsRef<str>) {
 pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let l = load_all(p, pb)?;
     let n = resolve_to(&l.patches, to)?;
-    let live = live_state_without_edits(p, &l.base, &l.patches, "apply-chain").map_err(|e| Refused(format!("{e:#}")))?;
+    let live = live_state_without_edits(p, &l.base, &l.patches, "apply-chain").map_err(|e| Refused(Causes(&e).to_string()))?;
     let mut t = l.base.clone();
     for lp in &l.patches[..n] {
         apply::apply(&mut t, &lp.parsed, lp.name())?;
@@ -47,7 +48,7 @@ pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -
 pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let l = load_all(p, pb)?;
     let n = resolve_to(&l.patches, Some(to.unwrap_or("0000")))?;
-    let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(format!("{e:#}")))? else {
+    let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(Causes(&e).to_string()))? else {
         bail!("engine/upstream/ does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)");
     };
     if n > k {

@@ -88,10 +88,18 @@ pub enum ImportError {
     Internal(String),
     #[error("the import was written but sync-check then found problems, so every file was put back:\n  {}", .0.join("\n  "))]
     Unverified(Vec<String>),
+    #[error("the chain up to {after} does not apply: {error} (run `cargo xtask verify`)")]
+    ChainBroken { after: String, error: Box<ApplyError> },
     #[error(transparent)]
     Write(#[from] tree::WriteError),
     #[error(transparent)]
-    Project(#[from] anyhow::Error),
+    Load(#[from] chain::LoadAllError),
+    #[error(transparent)]
+    Resolve(#[from] chain::ResolveError),
+    #[error(transparent)]
+    Live(#[from] chain::LiveError),
+    #[error(transparent)]
+    Bless(#[from] chain::BlessError),
 }
 
 fn unchecked_note(unchecked: &[String]) -> String {
@@ -305,10 +313,14 @@ impl Undo {
     fn restore(self) {
         for (path, old) in self.0 {
             // Best effort: the first error is what the caller reports.
-            let _ = match old {
-                Some(bytes) => tree::write_file_atomically(&path, &bytes).map_err(|e| e.to_string()),
-                None => fs::remove_file(&path).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|e| e.to_string()),
-            };
+            match old {
+                Some(bytes) => {
+                    let _ = tree::write_file_atomically(&path, &bytes);
+                }
+                None => {
+                    let _ = fs::remove_file(&path);
+                }
+            }
         }
     }
 }
@@ -356,7 +368,7 @@ pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indi
     }
 
     pb.set_message("applying the chain");
-    let before = chain::build(&l.base, &l.patches[..k]).map_err(|e| ImportError::Project(anyhow::anyhow!("the chain up to {prev} does not apply: {e} (run `cargo xtask verify`)")))?;
+    let before = chain::build(&l.base, &l.patches[..k]).map_err(|e| ImportError::ChainBroken { after: prev.clone(), error: Box::new(e) })?;
     let mut after = before.clone();
     let shown = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.display().to_string());
     apply::apply(&mut after, &incoming, &shown).map_err(|source| ImportError::DoesNotApply { path: path.clone(), after: prev.clone(), source: Box::new(source) })?;

@@ -21,7 +21,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::apply;
+use crate::base::BaseError;
 use crate::chain::{self, LoadedPatch, Refused};
+use crate::error::Causes;
 use crate::export;
 use crate::merge3::{self, Side};
 use crate::patch::{self, Content, FilePatch, Hunk, Op, PatchSet};
@@ -99,7 +101,16 @@ pub fn base_spec(b: &Base) -> String {
 }
 
 /// The registry base for `spec`, with crate sha256s learned from the package registry.
-pub fn resolve_onto(spec: &OntoSpec, current: &Base, cache: &Path, progress: &indicatif::ProgressBar) -> anyhow::Result<Base> {
+/// Why the new base cannot be named.
+#[derive(Debug, thiserror::Error)]
+pub enum OntoError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+}
+
+pub fn resolve_onto(spec: &OntoSpec, current: &Base, cache: &Path, progress: &indicatif::ProgressBar) -> Result<Base, OntoError> {
     Ok(match spec {
         OntoSpec::Crates(version) => {
             let Base::Crates { crates } = current else {
@@ -368,13 +379,21 @@ fn classify_hunks(file: &str, hunks: &[Hunk], chunks: &[merge3::Chunk], renamed_
     out
 }
 
-fn mode_merge(a: u32, o: u32, t: u32) -> Result<u32, String> {
+/// Both sides changed a file's mode, differently.
+#[derive(Debug, thiserror::Error)]
+#[error("mode: the patch sets {ours:o}, upstream set {theirs:o}")]
+struct ModeConflict {
+    ours: u32,
+    theirs: u32,
+}
+
+fn mode_merge(a: u32, o: u32, t: u32) -> Result<u32, ModeConflict> {
     if o == a || t == o {
         Ok(t)
     } else if t == a {
         Ok(o)
     } else {
-        Err(format!("mode: the patch sets {o:o}, upstream set {t:o}"))
+        Err(ModeConflict { ours: o, theirs: t })
     }
 }
 
@@ -497,7 +516,7 @@ fn carry_file(fp: &FilePatch, old_prev: &Tree, new_prev: &Tree, ours_overlay: &O
             let mode_bits = match mode_merge(a.mode, o.mode, t.mode) {
                 Ok(m) => m,
                 Err(why) => {
-                    file_conflict = Some(why);
+                    file_conflict = Some(why.to_string());
                     o.mode
                 }
             };
@@ -595,6 +614,21 @@ pub fn export_carried(header: &[u8], new_prev: &Tree, merged: &Overlay, name: &s
     Ok(bytes)
 }
 
+/// Why the series cannot be carried (a conflict is not an error: it is in the report).
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Apply(#[from] Box<apply::ApplyError>),
+    #[error("reading the resolution of {id} ({}): {err}", .path.display())]
+    ReadResolution { id: String, path: PathBuf, err: std::io::Error },
+    #[error("the resolution of {id} does not parse: {err}")]
+    ResolutionUnparsable { id: String, err: patch::ParseError },
+    #[error("the resolution of {id} no longer applies: {err}")]
+    ResolutionDoesNotApply { id: String, err: Box<apply::ApplyError> },
+    #[error(transparent)]
+    Export(#[from] ExportError),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
     #[error("internal error: the re-exported {0} does not parse: {1}")]
@@ -669,7 +703,7 @@ pub enum StopKind {
 /// Carries the whole series. `markers`: write conflicts with diff3 markers (for a real run's
 /// stop); otherwise conflicts take the patch's side so later patches are still classified.
 #[allow(clippy::too_many_arguments)] // the series, its labels, and the run's knobs
-pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &str, onto: &str, res: &Resolutions, resolved_dir: Option<&Path>, markers: bool) -> anyhow::Result<Plan> {
+pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &str, onto: &str, res: &Resolutions, resolved_dir: Option<&Path>, markers: bool) -> Result<Plan, PlanError> {
     let mut old = old_base.clone();
     let mut new = new_base.clone();
     let mut report = Report { from: from.to_owned(), onto: onto.to_owned(), patches: Vec::new() };
@@ -687,21 +721,21 @@ pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &st
         let mode = if want_markers { Mode::Markers { ours: &lo, base: &lb, theirs: &lt } } else { Mode::Classify };
         let mut carried = carry(lp, &old, &new, mode)?;
         let id = &lp.entry.id;
-        let old_overlay = apply::plan(&old, &lp.parsed, false).map_err(|e| apply::ApplyError { patch: lp.name().to_owned(), ..e })?;
+        let old_overlay = apply::plan(&old, &lp.parsed, false).map_err(|e| Box::new(apply::ApplyError { patch: lp.name().to_owned(), ..e }))?;
         let decided_retire = res.retire.contains(id);
         let mut action = action_for(&lp.entry, carried.report.verdict, decided_retire).to_owned();
         carried.report.notes.extend(registry_notes(&lp.entry, carried.report.verdict, onto));
         if let Some(text) = res.resolved.get(id) {
             // The maintainer's resolution replaces the merge.
             let path = resolved_dir.map(|d| d.join(text)).expect("resolutions come with their directory");
-            let bytes = fs::read(&path).map_err(|e| anyhow::anyhow!("reading the resolution of {id} ({}): {e}", path.display()))?;
+            let bytes = fs::read(&path).map_err(|err| PlanError::ReadResolution { id: id.clone(), path: path.clone(), err })?;
             if bytes.is_empty() {
                 action = "retire".into();
                 carried.report.notes.push("resolved by the maintainer: retired (nothing left to carry)".into());
                 carried.merged = Overlay::new();
             } else {
-                let parsed = patch::parse(&bytes).map_err(|e| anyhow::anyhow!("the resolution of {id} does not parse: {e}"))?;
-                let overlay = apply::plan(&new, &parsed, false).map_err(|e| anyhow::anyhow!("the resolution of {id} no longer applies: {e}"))?;
+                let parsed = patch::parse(&bytes).map_err(|err| PlanError::ResolutionUnparsable { id: id.clone(), err })?;
+                let overlay = apply::plan(&new, &parsed, false).map_err(|err| PlanError::ResolutionDoesNotApply { id: id.clone(), err: Box::new(err) })?;
                 carried.merged = overlay;
                 carried.report.notes.push("resolved by the maintainer".into());
                 action = "re-export".into();
@@ -950,7 +984,10 @@ pub fn footprint<'a>(series: impl IntoIterator<Item = &'a PatchSet>, base: &Tree
 
 /// Project files the bump rewrites beyond the chain's own (for Tine: the engine's version
 /// requirements on the base crates, the patch-tests manifest), computed from the new registry.
-pub type ExtraFiles<'a> = &'a dyn Fn(&Project, &Registry, &Registry, &[LoadedPatch]) -> anyhow::Result<Vec<(String, Vec<u8>)>>;
+pub type ExtraFiles<'a> = &'a dyn Fn(&Project, &Registry, &Registry, &[LoadedPatch]) -> ExtraFilesResult;
+
+/// The extra files (project-relative path, bytes), or why the project cannot compute them.
+pub type ExtraFilesResult = Result<Vec<(String, Vec<u8>)>, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RebaseError {
@@ -991,7 +1028,20 @@ pub struct Inputs {
     pub onto: String,
 }
 
-pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) -> anyhow::Result<Inputs> {
+/// Why a run's inputs cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum InputsError {
+    #[error(transparent)]
+    Registry(#[from] registry::LoadError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+    #[error(transparent)]
+    Pristine(#[from] chain::PristineError),
+    #[error(transparent)]
+    Patches(#[from] chain::PatchLoadError),
+}
+
+pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) -> Result<Inputs, InputsError> {
     let registry = chain::load_registry(p)?;
     pb.set_message("loading the old base");
     let old_base = crate::base::load(&registry.base, &p.root, &p.cache_dir, pb)?;
@@ -1005,7 +1055,7 @@ pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) ->
 }
 
 /// The dry run: classification only, nothing written.
-pub fn dry_run(inputs: &Inputs) -> anyhow::Result<Report> {
+pub fn dry_run(inputs: &Inputs) -> Result<Report, PlanError> {
     Ok(plan(&inputs.old_base, &inputs.new_base, &inputs.patches, &inputs.from, &inputs.onto, &Resolutions::default(), None, false)?.report)
 }
 
@@ -1034,7 +1084,7 @@ pub fn start(p: &Project, inputs: &Inputs, extra_paths: &[String], extra: ExtraF
         return Err(RebaseError::InProgress(p.rel(&state_dir(p)).into_owned()).into());
     }
     // The live tree must hold nothing a patch does not carry.
-    let live = chain::live_state_without_edits(p, &inputs.old_base, &inputs.patches, "rebase").map_err(|e| Refused(format!("{e:#}")))?;
+    let live = chain::live_state_without_edits(p, &inputs.old_base, &inputs.patches, "rebase").map_err(|e| Refused(Causes(&e).to_string()))?;
     let dir = state_dir(p);
     // Leftovers of interrupted starts and finishes are never a run.
     let (new_prefix, done_prefix) = (sibling(p, "new"), sibling(p, "done"));
@@ -1304,7 +1354,7 @@ fn commit(p: &Project, inputs: &Inputs, mut state: RebaseState, plan: &Plan, ext
     json_bytes.push(b'\n');
     files.insert(rel(p.bumps_dir().join(format!("{label}.json"))), Some(json_bytes));
     files.insert(rel(p.bumps_dir().join(format!("{label}.md"))), Some(render_markdown(&plan.report, &stats).into_bytes()));
-    for (path, bytes) in extra(p, &inputs.registry, &reg, &new_series)? {
+    for (path, bytes) in extra(p, &inputs.registry, &reg, &new_series).map_err(|e| anyhow::anyhow!(e))? {
         files.insert(path, Some(bytes));
     }
     let dir = state_dir(p).join("commit");

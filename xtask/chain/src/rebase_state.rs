@@ -100,22 +100,25 @@ impl BaseRecord {
     }
 }
 
-/// Reading the state of a run that is not there.
+/// Reading the state of a run.
 #[derive(Debug, thiserror::Error)]
-#[error("no rebase is in progress")]
-pub struct NotInProgress;
-
-pub fn read_state(p: &Project) -> anyhow::Result<RebaseState> {
-    let path = state_dir(p).join("state.json");
-    let bytes = fs::read(&path).map_err(|_| NotInProgress)?;
-    serde_json::from_slice(&bytes).map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", p.rel(&path)))
+pub enum StateError {
+    #[error("no rebase is in progress")]
+    NotInProgress,
+    #[error("{shown} is corrupt: {err}")]
+    Corrupt { shown: String, err: serde_json::Error },
 }
 
-pub fn write_state(p: &Project, s: &RebaseState) -> anyhow::Result<()> {
+pub fn read_state(p: &Project) -> Result<RebaseState, StateError> {
+    let path = state_dir(p).join("state.json");
+    let bytes = fs::read(&path).map_err(|_| StateError::NotInProgress)?;
+    serde_json::from_slice(&bytes).map_err(|err| StateError::Corrupt { shown: p.rel(&path).into_owned(), err })
+}
+
+pub fn write_state(p: &Project, s: &RebaseState) -> Result<(), tree::WriteError> {
     let mut v = serde_json::to_vec_pretty(s).expect("state serialises");
     v.push(b'\n');
-    tree::write_file_atomically(&state_dir(p).join("state.json"), &v)?;
-    Ok(())
+    tree::write_file_atomically(&state_dir(p).join("state.json"), &v)
 }
 
 /// A short description of a run in progress, for `status`.
