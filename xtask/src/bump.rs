@@ -1,4 +1,4 @@
-//! Tine's porcelain over [`crate::rebase`]: `rebase` and `canary`, plus the project files a base
+//! Tine's porcelain over [`patchchain::rebase`]: `rebase` and `canary`, plus the project files a base
 //! bump must move besides the chain's own (the engine's `=VERSION` requirements on the base
 //! crates and the generated patch-tests manifest).
 
@@ -7,18 +7,21 @@ use std::process::{Command, ExitCode};
 
 use anyhow::Context as _;
 
-use crate::chain::{self, LoadedPatch, Project};
-use crate::rebase::{self, OntoSpec, Outcome, Report};
-use crate::registry::{Base, Registry};
-use crate::tree;
+use patchchain::chain::{self, LoadedPatch};
+use patchchain::rebase::{self, OntoSpec, Outcome, Report};
+use patchchain::registry::{Base, Registry};
+use patchchain::{tree, Extension as _, Project};
+
+use crate::gate;
+use crate::tine::Tine;
 
 /// Manifests whose `=VERSION` requirements on base crates follow the base.
 const VERSION_MANIFESTS: &[&str] = &["Cargo.toml", "bench/stock-candle/Cargo.toml"];
 
 pub fn extra_paths(p: &Project) -> Vec<String> {
     let mut v: Vec<String> = VERSION_MANIFESTS.iter().filter(|m| p.root.join(m).exists()).map(|m| (*m).to_owned()).collect();
-    if p.root.join("engine/crates").is_dir() {
-        v.push(p.rel(&crate::gate::harness_manifest_path(p)).into_owned());
+    if gate::engine_crates_dir(p).is_dir() {
+        v.push(p.rel(&gate::harness_manifest_path(p)).into_owned());
     }
     v
 }
@@ -64,9 +67,8 @@ pub fn extra_files(p: &Project, old: &Registry, new: &Registry, series: &[Loaded
             }
         }
     }
-    if p.root.join("engine/crates").is_dir() {
-        let tests = crate::gate::patch_test_files_of_series(&series.iter().map(|l| &l.parsed).collect::<Vec<_>>());
-        out.push((p.rel(&crate::gate::harness_manifest_path(p)).into_owned(), crate::gate::harness_manifest(&tests).into_bytes()));
+    for (path, bytes) in Tine.generated_files(p, new, &series.iter().map(|l| &l.parsed).collect::<Vec<_>>()) {
+        out.push((p.rel(&path).into_owned(), bytes));
     }
     Ok(out)
 }
@@ -82,10 +84,10 @@ fn write_json(p: &Project, path: Option<&Path>, r: &Report) -> anyhow::Result<()
 
 /// After a completed bump the lock file follows the new versions (cargo resolves offline first).
 fn refresh_lock(p: &Project) {
-    if !p.root.join("Cargo.lock").exists() || !p.root.join("engine/crates").is_dir() {
+    if !p.root.join("Cargo.lock").exists() || !gate::engine_crates_dir(p).is_dir() {
         return;
     }
-    let cargo = crate::base::cargo_bin();
+    let cargo = patchchain::base::cargo_bin();
     for offline in [true, false] {
         let mut c = Command::new(&cargo);
         c.args(["metadata", "--format-version", "1", "--manifest-path"]).arg(p.root.join("Cargo.toml"));
@@ -110,7 +112,7 @@ pub struct RebaseArgs<'a> {
 }
 
 pub fn rebase(p: &Project, a: &RebaseArgs<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
-    let extra = |p: &Project, old: &Registry, new: &Registry, s: &[LoadedPatch]| extra_files(p, old, new, s);
+    let extra = |p: &Project, old: &Registry, new: &Registry, s: &[LoadedPatch]| extra_files(p, old, new, s).map_err(Into::into);
     if a.abort {
         rebase::abort(p, pb)?;
         pb.finish_and_clear();
@@ -122,7 +124,7 @@ pub fn rebase(p: &Project, a: &RebaseArgs<'_>, pb: &indicatif::ProgressBar) -> a
     } else {
         let spec = OntoSpec::parse(a.onto.context("--onto SPEC is required")?)?;
         let reg = chain::load_registry(p)?;
-        let onto = rebase::resolve_onto(&spec, &reg.base, pb)?;
+        let onto = rebase::resolve_onto(&spec, &reg.base, &p.cache_dir, pb)?;
         let inputs = rebase::load_inputs(p, onto, pb)?;
         if a.dry_run {
             let start = std::time::Instant::now();
@@ -163,12 +165,12 @@ pub fn canary(p: &Project, spec: Option<&str>, json: Option<&Path>, pb: &indicat
             Base::Crates { crates } => {
                 let first = crates.first().context("the base lists no crates")?;
                 pb.set_message(format!("looking up the newest {}", first.name));
-                OntoSpec::Crates(crate::base::newest_version(&first.name)?)
+                OntoSpec::Crates(patchchain::base::newest_version(&first.name, &p.cache_dir)?)
             }
             _ => anyhow::bail!("the base is not registry crates, so there is no newest version to look up; name one: `cargo xtask canary dir:PATH` or `git:URL@COMMIT`"),
         },
     };
-    let onto = rebase::resolve_onto(&spec, &reg.base, pb)?;
+    let onto = rebase::resolve_onto(&spec, &reg.base, &p.cache_dir, pb)?;
     let inputs = rebase::load_inputs(p, onto, pb)?;
     let r = rebase::dry_run(&inputs)?;
     pb.finish_and_clear();

@@ -19,11 +19,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Context as _};
 
-use crate::apply;
-use crate::chain::{self, LoadedPatch, Project};
-use crate::patch::{Op, PatchSet};
-use crate::registry::Registry;
-use crate::tree::{self, Tree};
+use patchchain::apply::{self, ApplyError};
+use patchchain::chain::{self, LoadedPatch};
+use patchchain::patch::{Op, PatchSet};
+use patchchain::registry::{Base, PatchEntry, Registry};
+use patchchain::tree::{self, Tree};
+use patchchain::Project;
 
 /// The spec types the engine knows (`tine --spec-type`).
 pub const SPEC_TYPES: &[&str] = &["draft-mtp", "draft-assistant", "draft", "ngram"];
@@ -47,14 +48,55 @@ pub struct Config {
     pub depth: usize,
 }
 
+/// Why a gate name does not parse.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GateParseError {
+    #[error("unknown gate {gate:?} (known: {})", CATALOGUE.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "))]
+    Unknown { gate: String },
+    #[error("gate {gate:?}: expected {form}")]
+    Form { gate: String, form: &'static str },
+    #[error("unknown spec type {spec:?} in gate {gate:?} (known: {})", SPEC_TYPES.join(", "))]
+    UnknownSpec { gate: String, spec: String },
+    #[error("{text:?} is not a number in gate {gate:?}")]
+    NotANumber { gate: String, text: String },
+    #[error("gate {gate:?}: configuration {config:?} must be `plain` or `<spec-type>@<depth>`")]
+    BadConfig { gate: String, config: String },
+    #[error("gate {gate:?}: depth {depth:?} must be 1..16")]
+    BadDepth { gate: String, depth: String },
+}
+
+/// Why a well-formed gate cannot sit on a patch: it needs the engine crates, which compile only
+/// from the registry's `[engine] builds_from` on.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("gate {gate:?} needs the engine crates, but the registry has no [engine] builds_from")]
+    NoEngine { gate: String },
+    #[error(
+        "gate {gate:?} needs the engine crates, which compile only from patch {builds_from} on ([engine] builds_from); gate this patch with its own tests (`test:-p {PATCH_TESTS} --test <file>`)"
+    )]
+    BeforeEngine { gate: String, builds_from: String },
+}
+
+/// Where `gate` may sit: not before the engine crates compile if it needs them.
+pub fn check_placement(reg: &Registry, patch: &PatchEntry, name: &str, gate: &Gate) -> Result<(), PlacementError> {
+    if !gate.needs_engine() {
+        return Ok(());
+    }
+    match &reg.engine {
+        None => Err(PlacementError::NoEngine { gate: name.to_owned() }),
+        Some(e) if patch.id < e.builds_from => Err(PlacementError::BeforeEngine { gate: name.to_owned(), builds_from: e.builds_from.clone() }),
+        Some(_) => Ok(()),
+    }
+}
+
 impl Config {
-    fn parse(s: &str, gate: &str) -> Result<Config, String> {
+    fn parse(s: &str, gate: &str) -> Result<Config, GateParseError> {
         if s == "plain" {
             return Ok(Config { spec: None, depth: 0 });
         }
-        let (spec, depth) = s.split_once('@').ok_or_else(|| format!("gate {gate:?}: configuration {s:?} must be `plain` or `<spec-type>@<depth>`"))?;
+        let (spec, depth) = s.split_once('@').ok_or_else(|| GateParseError::BadConfig { gate: gate.to_owned(), config: s.to_owned() })?;
         check_spec(spec, gate)?;
-        let depth: usize = depth.parse().ok().filter(|d| (1..=16).contains(d)).ok_or_else(|| format!("gate {gate:?}: depth {depth:?} must be 1..16"))?;
+        let depth: usize = depth.parse().ok().filter(|d| (1..=16).contains(d)).ok_or_else(|| GateParseError::BadDepth { gate: gate.to_owned(), depth: depth.to_owned() })?;
         Ok(Config { spec: Some(spec.to_owned()), depth })
     }
     /// The row label `tine spec-bench` prints for this configuration.
@@ -66,11 +108,11 @@ impl Config {
     }
 }
 
-fn check_spec(s: &str, gate: &str) -> Result<(), String> {
+fn check_spec(s: &str, gate: &str) -> Result<(), GateParseError> {
     if SPEC_TYPES.contains(&s) {
         Ok(())
     } else {
-        Err(format!("unknown spec type {s:?} in gate {gate:?} (known: {})", SPEC_TYPES.join(", ")))
+        Err(GateParseError::UnknownSpec { gate: gate.to_owned(), spec: s.to_owned() })
     }
 }
 
@@ -86,26 +128,27 @@ pub const CATALOGUE: &[(&str, &str)] = &[
 ];
 
 impl Gate {
-    pub fn parse(gate: &str) -> Result<Gate, String> {
+    pub fn parse(gate: &str) -> Result<Gate, GateParseError> {
         let (kind, arg) = gate.split_once(':').unwrap_or((gate, ""));
-        let number = |s: &str| s.parse::<f64>().map_err(|_| format!("{s:?} is not a number in gate {gate:?}"));
+        let number = |s: &str| s.parse::<f64>().map_err(|_| GateParseError::NotANumber { gate: gate.to_owned(), text: s.to_owned() });
+        let form = |form: &'static str| GateParseError::Form { gate: gate.to_owned(), form };
         match kind {
             "apply" if arg.is_empty() => Ok(Gate::Apply),
             "test" if !arg.trim().is_empty() => Ok(Gate::Test { args: arg.split_whitespace().map(str::to_owned).collect() }),
             "greedy-identical" => check_spec(arg, gate).map(|()| Gate::GreedyIdentical { spec: arg.to_owned() }),
             "logit-equiv" => check_spec(arg, gate).map(|()| Gate::LogitEquiv { spec: arg.to_owned() }),
             "accept" => {
-                let (s, min) = arg.rsplit_once(':').ok_or_else(|| format!("gate {gate:?}: expected accept:<spec-type>:<min>"))?;
+                let (s, min) = arg.rsplit_once(':').ok_or_else(|| form("accept:<spec-type>:<min>"))?;
                 check_spec(s, gate)?;
                 Ok(Gate::Accept { spec: s.to_owned(), min: number(min)? })
             }
             "tps-ratio" => {
-                let (pair, min) = arg.rsplit_once(':').ok_or_else(|| format!("gate {gate:?}: expected tps-ratio:<A>/<B>:<min>"))?;
-                let (a, b) = pair.split_once('/').ok_or_else(|| format!("gate {gate:?}: expected tps-ratio:<A>/<B>:<min>"))?;
+                let (pair, min) = arg.rsplit_once(':').ok_or_else(|| form("tps-ratio:<A>/<B>:<min>"))?;
+                let (a, b) = pair.split_once('/').ok_or_else(|| form("tps-ratio:<A>/<B>:<min>"))?;
                 Ok(Gate::TpsRatio { a: Config::parse(a, gate)?, b: Config::parse(b, gate)?, min: number(min)? })
             }
             "tokenizer" if !arg.is_empty() => Ok(Gate::Tokenizer { corpus: arg.to_owned() }),
-            _ => Err(format!("unknown gate {gate:?} (known: {})", CATALOGUE.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "))),
+            _ => Err(GateParseError::Unknown { gate: gate.to_owned() }),
         }
     }
 
@@ -137,23 +180,33 @@ impl Gate {
 /// The generated crate that compiles the patches' own test files.
 pub const PATCH_TESTS: &str = "tine-patch-tests";
 
+/// The top-level directories whose `tests/` hold the patches' own test files: the registry's
+/// base crates (a crates base puts each crate under its name); empty for another kind of base,
+/// where any top-level directory counts.
+pub fn test_crates(reg: &Registry) -> Vec<String> {
+    match &reg.base {
+        Base::Crates { crates } => crates.iter().map(|c| c.name.clone()).collect(),
+        Base::Dir { .. } | Base::Git { .. } => Vec::new(),
+    }
+}
+
 /// The test name of a path a patch adds, if it is one of the patches' own test files:
-/// `candle*/tests/<name>.rs`, one level deep (`tests/<dir>/mod.rs` are shared modules).
-fn patch_test_name(path: &str) -> Option<&str> {
+/// `<crate>/tests/<name>.rs` for a base crate, one level deep (`tests/<dir>/mod.rs` are shared modules).
+fn patch_test_name<'a>(path: &'a str, crates: &[String]) -> Option<&'a str> {
     let mut parts = path.split('/');
     let (krate, dir, file) = (parts.next()?, parts.next()?, parts.next()?);
     let name = file.strip_suffix(".rs")?;
-    (parts.next().is_none() && krate.starts_with("candle") && dir == "tests").then_some(name)
+    (parts.next().is_none() && (crates.is_empty() || crates.iter().any(|c| c == krate)) && dir == "tests").then_some(name)
 }
 
 /// The test files the patches add, present in `tree` but not in `base`. Name -> path.
-pub fn patch_test_files(base: &Tree, tree: &Tree) -> BTreeMap<String, String> {
-    tree.keys().filter(|p| !base.contains_key(*p)).filter_map(|p| patch_test_name(p).map(|n| (n.to_owned(), p.clone()))).collect()
+pub fn patch_test_files(base: &Tree, tree: &Tree, crates: &[String]) -> BTreeMap<String, String> {
+    tree.keys().filter(|p| !base.contains_key(*p)).filter_map(|p| patch_test_name(p, crates).map(|n| (n.to_owned(), p.clone()))).collect()
 }
 
 /// The same list read from the patches alone (files they add under `<crate>/tests/`, minus those
 /// a later patch deletes), for `sync-check`, which has no base tree at hand.
-pub fn patch_test_files_of_series(patches: &[&PatchSet]) -> BTreeMap<String, String> {
+pub fn patch_test_files_of_series(patches: &[&PatchSet], crates: &[String]) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for ps in patches {
         for f in &ps.files {
@@ -161,7 +214,7 @@ pub fn patch_test_files_of_series(patches: &[&PatchSet]) -> BTreeMap<String, Str
                 out.retain(|_, v| v != p);
             }
             if let (Op::Create | Op::Copy | Op::Rename, Some(p)) = (&f.op, f.new_path.as_deref()) {
-                if let Some(name) = patch_test_name(p) {
+                if let Some(name) = patch_test_name(p, crates) {
                     out.insert(name.to_owned(), p.to_owned());
                 }
             }
@@ -206,8 +259,13 @@ pub fn harness_manifest(tests: &BTreeMap<String, String>) -> String {
 
 pub const HARNESS_LIB: &str = "//! No library: the tests are the patches' own files under engine/upstream/<crate>/tests/.\n";
 
+/// The engine workspace's crates (`engine/crates/`).
+pub fn engine_crates_dir(p: &Project) -> PathBuf {
+    p.root.join("engine/crates")
+}
+
 pub fn harness_manifest_path(p: &Project) -> PathBuf {
-    p.root.join("engine/crates").join(PATCH_TESTS).join("Cargo.toml")
+    engine_crates_dir(p).join(PATCH_TESTS).join("Cargo.toml")
 }
 
 /// How a gate ended.
@@ -262,7 +320,7 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
     // Reverting the patch the engine first compiles at leaves a tree it does not compile on.
     let engine_builds = engine_from.is_some_and(|e| index > e || (index == e && !opts.revert));
     for (name, g) in &gates {
-        if g.needs_engine() && !engine_from.is_some_and(|e| index >= e) {
+        if g.needs_engine() && engine_from.is_none_or(|e| index < e) {
             bail!(
                 "patch {}: gate {name:?} needs the engine crates, which build only from patch {} on (registry [engine] builds_from)",
                 lp.entry.id,
@@ -294,7 +352,7 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
     let needs_workspace = gates.iter().any(|(_, g)| *g != Gate::Apply);
     if needs_workspace {
         pb.set_message(format!("{}: writing the scratch workspace", lp.entry.id));
-        write_workspace(p, &scratch, &l.base, &tree, engine_builds)?;
+        write_workspace(p, &scratch, &l.base, &tree, &test_crates(&l.registry), engine_builds)?;
     }
     let mut tine: Option<anyhow::Result<PathBuf>> = None;
     for (name, g) in &gates {
@@ -314,9 +372,9 @@ pub fn run_patch(p: &Project, l: &chain::Loaded, index: usize, opts: &Options, p
             },
             Gate::Test { args } => {
                 if let Some(t) = g.patch_test() {
-                    let have = patch_test_files(&l.base, &tree);
+                    let have = patch_test_files(&l.base, &tree, &test_crates(&l.registry));
                     if !have.contains_key(t) {
-                        let owner = l.patches.iter().find(|x| patch_test_files_of_series(&[&x.parsed]).contains_key(t)).map(|x| x.entry.id.clone());
+                        let owner = l.patches.iter().find(|x| patch_test_files_of_series(&[&x.parsed], &test_crates(&l.registry)).contains_key(t)).map(|x| x.entry.id.clone());
                         outcomes.push(fail(
                             name,
                             match owner {
@@ -372,20 +430,33 @@ fn slug(s: &str) -> String {
     out.trim_matches('-').chars().take(80).collect()
 }
 
+/// Why the `apply` gate fails.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyGateError {
+    #[error("{0}")]
+    Apply(ApplyError),
+    #[error("reverse-apply: {0}")]
+    Reverse(ApplyError),
+    #[error("reverse-applying does not give back the tree before the patch:\n{0}")]
+    NotReversed(String),
+    #[error("hook marker(s) the registry declares are not in the tree: {}", .0.iter().map(|h| format!("`{} {h}`", tree::HOOK_MARKER)).collect::<Vec<_>>().join(", "))]
+    MissingHooks(Vec<String>),
+}
+
 /// The `apply` gate: strict apply onto the chain before, exact reverse round-trip, hooks present.
-fn apply_gate(before: &Tree, lp: &LoadedPatch) -> Result<Tree, String> {
+fn apply_gate(before: &Tree, lp: &LoadedPatch) -> Result<Tree, ApplyGateError> {
     let mut after = before.clone();
-    apply::apply(&mut after, &lp.parsed, lp.name()).map_err(|e| e.to_string())?;
+    apply::apply(&mut after, &lp.parsed, lp.name()).map_err(ApplyGateError::Apply)?;
     let mut back = after.clone();
-    apply::unapply(&mut back, &lp.parsed, lp.name()).map_err(|e| format!("reverse-apply: {e}"))?;
+    apply::unapply(&mut back, &lp.parsed, lp.name()).map_err(ApplyGateError::Reverse)?;
     if &back != before {
         let d = tree::diff_manifests(&tree::manifest_of(before), &tree::manifest_of(&back));
-        return Err(format!("reverse-applying does not give back the tree before the patch:\n{}", d.describe(10)));
+        return Err(ApplyGateError::NotReversed(d.describe(10)));
     }
     let hooks = tree::hooks_of_tree(&after);
-    let missing: Vec<&String> = lp.entry.hooks.iter().filter(|h| !hooks.contains_key(*h)).collect();
+    let missing: Vec<String> = lp.entry.hooks.iter().filter(|h| !hooks.contains_key(*h)).cloned().collect();
     if !missing.is_empty() {
-        return Err(format!("hook marker(s) the registry declares are not in the tree: {}", missing.iter().map(|h| format!("`tine-hook: {h}`")).collect::<Vec<_>>().join(", ")));
+        return Err(ApplyGateError::MissingHooks(missing));
     }
     Ok(after)
 }
@@ -404,10 +475,10 @@ pub fn revert_sources(tree: &Tree, lp: &LoadedPatch) -> anyhow::Result<Tree> {
 }
 
 /// Writes the scratch workspace for `tree`, touching only files whose bytes changed.
-fn write_workspace(p: &Project, s: &Scratch, base: &Tree, tree: &Tree, engine: bool) -> anyhow::Result<()> {
+fn write_workspace(p: &Project, s: &Scratch, base: &Tree, tree: &Tree, crates: &[String], engine: bool) -> anyhow::Result<()> {
     let mut files: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     for (path, e) in tree {
-        files.insert(format!("engine/upstream/{path}"), e.data.clone());
+        files.insert(format!("{}/{path}", p.live.display()), e.data.clone());
     }
     let root_manifest = fs::read_to_string(p.root.join("Cargo.toml")).context("reading Cargo.toml")?;
     let members = if engine { "members = [\"engine/crates/*\"]" } else { "members = [\"engine/crates/tine-patch-tests\"]" };
@@ -436,7 +507,7 @@ fn write_workspace(p: &Project, s: &Scratch, base: &Tree, tree: &Tree, engine: b
         }
     }
     let harness = format!("engine/crates/{PATCH_TESTS}");
-    files.insert(format!("{harness}/Cargo.toml"), harness_manifest(&patch_test_files(base, tree)).into_bytes());
+    files.insert(format!("{harness}/Cargo.toml"), harness_manifest(&patch_test_files(base, tree, crates)).into_bytes());
     files.insert(format!("{harness}/lib.rs"), HARNESS_LIB.as_bytes().to_vec());
     sync_dir(&s.work, &files)
 }
@@ -459,7 +530,7 @@ fn sync_dir(dir: &Path, files: &BTreeMap<String, Vec<u8>>) -> anyhow::Result<()>
 }
 
 fn cargo(s: &Scratch) -> Command {
-    let mut c = Command::new(crate::base::cargo_bin());
+    let mut c = Command::new(patchchain::base::cargo_bin());
     c.current_dir(&s.work).env("CARGO_TARGET_DIR", &s.target);
     c
 }
@@ -698,4 +769,57 @@ pub fn render_list(reg: &Registry) -> String {
         writeln!(s, "  {} {}\n      {}", p.id, p.file, p.gates.join("\n      ")).expect("String write");
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use patchchain::registry::{self, Registry};
+    use patchchain::Extension as _;
+
+    use crate::Tine;
+
+    /// `lint` with Tine's gate grammar: the generic problems, then each gate's, in order.
+    #[test]
+    fn lint_names_every_problem() {
+        let text = r#"
+[base]
+kind = "dir"
+path = "base"
+[engine]
+builds_from = "0003"
+[[patch]]
+id = "0002"
+file = "0002-a.patch"
+sha256 = "00"
+title = "a"
+area = "kv"
+hooks = ["h"]
+status = "carried"
+bump = "drop-if-upstream"
+gates = ["tps-ratio:spec/plain", "bogus", "greedy-identical:ngram", "test:-p tine-patch-tests --test x"]
+[[patch]]
+id = "0001"
+file = "0001-B.patch"
+sha256 = "5ecb245093b0f791b89d3420c3df9c6d49c60ab63ba54db896bf8a3baf486706"
+title = "b"
+area = "nowhere"
+hooks = ["h"]
+status = "maybe"
+bump = "reapply"
+"#;
+        let reg: Registry = toml::from_str(text).expect("valid toml");
+        let got = registry::lint(&reg, &|r, e, g| Tine.check_gate(r, e, g)).join("\n");
+        let expect = r#"patch 0002: sha256 must be 64 lowercase hex digits
+patch 0002: status "carried" / bump "drop-if-upstream" needs an upstream reference
+patch 0002: gate "tps-ratio:spec/plain": expected tps-ratio:<A>/<B>:<min>
+patch 0002: unknown gate "bogus" (known: apply, test:<cargo test arguments>, greedy-identical:<spec-type>, logit-equiv:<spec-type>, accept:<spec-type>:<min>, tps-ratio:<A>/<B>:<min>, tokenizer:<corpus>)
+patch 0002: gate "greedy-identical:ngram" needs the engine crates, which compile only from patch 0003 on ([engine] builds_from); gate this patch with its own tests (`test:-p tine-patch-tests --test <file>`)
+patch 0001: ids must increase in series order (follows 0002)
+patch 0001: file "0001-B.patch" must be named 0001-<slug>.patch with a lowercase slug
+patch 0001: area "nowhere" is not one of kernels, kv, mtp, tokenizer, model, attention, quant, sampling, build, api, other
+patch 0001: status "maybe" is not one of carried, submitted, upstreamed, retired
+patch 0001: hook "h" is also declared by patch 0002; hook names are unique
+patch 0001: no gates; every patch needs a suite that would fail without it"#;
+        assert_eq!(got, expect);
+    }
 }

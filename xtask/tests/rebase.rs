@@ -8,12 +8,13 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use xtask::chain::Project;
-use xtask::commands::{self, CaptureOptions};
-use xtask::rebase::{self, Class, ContinueOptions, Outcome, Report, Verdict};
-use xtask::registry::{self, Base};
-use xtask::tree::{self, Tree, MODE_EXEC, MODE_FILE};
-use xtask::{sync_check, verify};
+use patchchain::commands::{self, CaptureOptions};
+use patchchain::rebase::{self, Class, ContinueOptions, Outcome, Report, Verdict};
+use patchchain::registry::{self, Base};
+use patchchain::tree::{self, Tree, MODE_EXEC, MODE_FILE};
+use patchchain::Project;
+use patchchain::{sync_check, verify};
+use xtask::Tine;
 
 fn pb() -> indicatif::ProgressBar {
     indicatif::ProgressBar::hidden()
@@ -25,7 +26,7 @@ fn write_file(path: &Path, data: &[u8], mode: u32) {
     fs::set_permissions(path, fs::Permissions::from_mode(if mode == MODE_EXEC { 0o755 } else { 0o644 })).expect("chmod");
 }
 
-fn no_extra(_: &Project, _: &registry::Registry, _: &registry::Registry, _: &[xtask::chain::LoadedPatch]) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+fn no_extra(_: &Project, _: &registry::Registry, _: &registry::Registry, _: &[patchchain::chain::LoadedPatch]) -> rebase::ExtraFilesResult {
     Ok(Vec::new())
 }
 
@@ -56,7 +57,7 @@ impl Fx {
         }
         fs::create_dir_all(p.patches_dir()).expect("mkdir patches");
         write_file(&p.registry_path(), b"[base]\nkind = \"dir\"\npath = \"base\"\n", MODE_FILE);
-        commands::bless(&p, true, &pb()).expect("bless the new base");
+        commands::bless(&p, &Tine, true, &pb()).expect("bless the new base");
         commands::apply_chain(&p, None, &pb()).expect("apply the empty chain");
         Fx { _dir: dir, p }
     }
@@ -78,7 +79,7 @@ impl Fx {
                 None => fs::remove_file(&full).expect("rm"),
             }
         }
-        commands::capture(&self.p, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
+        commands::capture(&self.p, &Tine, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
     }
 
     fn chmod(&self, rel: &str, mode: u32) {
@@ -122,7 +123,7 @@ impl Fx {
         let mut reg = registry::load(&self.p.registry_path()).expect("registry");
         f(reg.patches.iter_mut().find(|e| e.id == id).expect("entry"));
         fs::write(self.p.registry_path(), registry::render(&reg)).expect("write registry");
-        commands::bless(&self.p, false, &pb()).expect("bless");
+        commands::bless(&self.p, &Tine, false, &pb()).expect("bless");
     }
 
     fn live(&self) -> Tree {
@@ -148,7 +149,7 @@ impl Fx {
     fn assert_sound(&self) {
         let r = verify::verify(&self.p, &pb()).expect("verify runs");
         assert!(r.passed(), "verify after the bump:\n{}", r.render());
-        let problems = sync_check::sync_check(&self.p, &registry::load(&self.p.registry_path()).expect("registry"));
+        let problems = sync_check::sync_check(&self.p, &Tine, &registry::load(&self.p.registry_path()).expect("registry"));
         assert!(problems.is_empty(), "sync-check after the bump: {problems:?}");
     }
 }
@@ -310,7 +311,7 @@ fn a_mode_change_survives_an_upstream_content_change() {
     let fx = Fx::new(&[("run.sh", b"#!/bin/sh\necho 1\n")]);
     commands::apply_chain(&fx.p, None, &pb()).expect("apply");
     fx.chmod("engine/upstream/run.sh", 0o755);
-    commands::capture(&fx.p, &CaptureOptions { name: "0001-exec", after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
+    commands::capture(&fx.p, &Tine, &CaptureOptions { name: "0001-exec", after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
     let onto = fx.onto(&[("run.sh", Some(b"#!/bin/sh\necho 2\n"))]);
     let r = fx.dry(&onto);
     assert_eq!(verdict(&r, "0001"), Verdict::Rebased, "{}", rebase::render_table(&r));
@@ -346,10 +347,10 @@ fn a_context_that_repeats_after_the_bump_does_not_pull_the_hunk_into_the_copy() 
     let copy: String = lines[46..53].iter().map(|l| format!("{l}\n")).collect();
     let up: String = lines[..43].iter().map(|l| format!("{l}\n")).collect::<String>() + &copy + &lines[43..].iter().map(|l| format!("{l}\n")).collect::<String>();
     // A context-searching placer (quilt, `patch -F`) would pick the nearer copy.
-    let ps = xtask::patch::parse(&fs::read(fx.p.patches_dir().join("0001-change.patch")).expect("patch")).expect("parses");
-    let xtask::patch::Content::Text(hunks) = &ps.files[0].content else { panic!("text patch") };
-    match xtask::apply::place(up.as_bytes(), hunks, false) {
-        Err((_, xtask::apply::ApplyErrorKind::AtOffset { line, .. })) => {
+    let ps = patchchain::patch::parse(&fs::read(fx.p.patches_dir().join("0001-change.patch")).expect("patch")).expect("parses");
+    let patchchain::patch::Content::Text(hunks) = &ps.files[0].content else { panic!("text patch") };
+    match patchchain::apply::place(up.as_bytes(), hunks, false) {
+        Err((_, patchchain::apply::ApplyErrorKind::AtOffset { line, .. })) => {
             assert_eq!(line, 44, "the nearest match is the copy")
         }
         other => panic!("expected the context search to find the copy first: {other:?}"),
@@ -640,7 +641,7 @@ fn the_carried_series_matches_git_rebase_with_every_blob_present() {
     let inputs = fx.inputs(&onto);
     let mut t = base.clone();
     for lp in &inputs.patches {
-        xtask::apply::apply(&mut t, &lp.parsed, lp.name()).expect("old chain applies");
+        patchchain::apply::apply(&mut t, &lp.parsed, lp.name()).expect("old chain applies");
         commit_tree(repo.path(), &t, &lp.entry.id);
     }
     git(repo.path(), &["checkout", "-q", "up"]);
@@ -651,10 +652,10 @@ fn the_carried_series_matches_git_rebase_with_every_blob_present() {
     done(fx.run(&onto));
     // Every carried prefix equals git's rebased commit at the same place.
     let reg = registry::load(&fx.p.registry_path()).expect("registry");
-    let patches = xtask::chain::load_patches(&fx.p, &reg).expect("patches");
+    let patches = patchchain::chain::load_patches(&fx.p, &reg).expect("patches");
     let mut ours = tree::read_tree(&fx.path("base2")).expect("base2");
     for (i, lp) in patches.iter().enumerate() {
-        xtask::apply::apply(&mut ours, &lp.parsed, lp.name()).expect("new chain applies");
+        patchchain::apply::apply(&mut ours, &lp.parsed, lp.name()).expect("new chain applies");
         let rev = format!("HEAD~{}", patches.len() - 1 - i);
         let listing = git(repo.path(), &["ls-tree", "-r", "--name-only", &rev]);
         let mut theirs = Tree::new();
@@ -705,7 +706,7 @@ fn hook_markers_that_move_in_a_resolution_follow_into_the_registry_and_the_trail
 /// The real bump's committed report agrees with the registry it produced.
 #[test]
 fn the_committed_report_of_the_real_bump_to_0_11_1_matches_the_registry() {
-    let p = Project::discover();
+    let p = xtask::project();
     let text = fs::read(p.root.join("docs/bumps/0.11.0-to-0.11.1.json")).expect("the bump report is committed");
     let r: Report = serde_json::from_slice(&text).expect("the report parses as a rebase report");
     assert_eq!((r.from.as_str(), r.onto.as_str()), ("0.11.0", "0.11.1"));

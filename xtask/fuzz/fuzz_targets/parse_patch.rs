@@ -2,10 +2,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use xtask::tree::{Entry, Tree};
+use patchchain::tree::{Entry, Tree};
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(ps) = xtask::patch::parse(data) else { return };
+    let Ok(ps) = patchchain::patch::parse(data) else { return };
     // Place it on a small tree holding every path it names, in both directions.
     let mut tree = Tree::new();
     for f in &ps.files {
@@ -13,6 +13,6 @@ fuzz_target!(|data: &[u8]| {
             tree.insert(p.clone(), Entry::file(&b"a\nb\nc\n"[..]));
         }
     }
-    let _ = xtask::apply::plan(&tree, &ps, false);
-    let _ = xtask::apply::plan(&tree, &ps, true);
+    let _ = patchchain::apply::plan(&tree, &ps, false);
+    let _ = patchchain::apply::plan(&tree, &ps, true);
 });

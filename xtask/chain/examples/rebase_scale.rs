@@ -5,14 +5,14 @@
 //! at the top of a third of the files and edits lines elsewhere. Prints a Markdown table of
 //! medians over `--rounds` runs for each N.
 //!
-//! `cargo run --release --manifest-path xtask/Cargo.toml --example rebase_scale -- 128 512`
+//! `cargo run --release --manifest-path xtask/Cargo.toml -p patchchain --example rebase_scale -- 128 512`
 
 use std::time::Instant;
 
-use xtask::chain::LoadedPatch;
-use xtask::registry::PatchEntry;
-use xtask::tree::{Entry, Tree};
-use xtask::{apply, export, patch, rebase};
+use patchchain::chain::LoadedPatch;
+use patchchain::registry::PatchEntry;
+use patchchain::tree::{Entry, Tree};
+use patchchain::{apply, export, patch, rebase};
 
 struct Rng(u64);
 impl Rng {

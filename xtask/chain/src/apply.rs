@@ -52,7 +52,7 @@ pub enum ApplyErrorKind {
     #[error("mode is {found:o}, the patch expects {expected:o}")]
     ModeMismatch { expected: u32, found: u32 },
     #[error("the hunk's before-image does not match at line {line}: expected {expected:?}, found {found:?}")]
-    Mismatch { line: usize, expected: String, found: String },
+    Mismatch { line: usize, expected: Box<str>, found: Box<str> },
     #[error("the hunk starts at line {line}, past the end of the file ({len} lines)")]
     PastEnd { line: usize, len: usize },
     #[error("the hunk ends the file (fewer trailing than leading context lines), so it must match at the end; it matches at line {line} but {after} more line(s) follow")]
@@ -70,7 +70,7 @@ pub enum ApplyErrorKind {
     #[error("binary delta does not apply: {0}")]
     BinaryDelta(#[from] crate::delta::DeltaError),
     #[error("binary patch gives a file whose blob id is {found}, the index line says {expected}")]
-    BinaryPostimage { expected: String, found: String },
+    BinaryPostimage { expected: Box<str>, found: Box<str> },
     #[error("cannot create it: {file} is a file, not a directory")]
     UnderAFile { file: String },
     #[error("cannot create it: it is a directory holding {holds}")]
@@ -271,7 +271,7 @@ fn transform(data: &[u8], fp: &FilePatch, reverse: bool) -> FileResult<Vec<u8>> 
             if let Some(id) = result_id.as_ref().filter(|id| id.len() == 40) {
                 let found = if result.is_empty() && id.bytes().all(|b| b == b'0') { id.clone() } else { git_blob_id(&result) };
                 if &found != id {
-                    return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.clone(), found }));
+                    return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.as_str().into(), found: found.into() }));
                 }
             }
             Ok(result)
@@ -369,7 +369,7 @@ fn diagnose(lines: &[&[u8]], h: &Hunk, reverse: bool, idx: usize) -> ApplyErrorK
     }
     let j = (0..pre.len()).find(|&j| lines.get(idx + j) != Some(&pre[j])).unwrap_or(0);
     let show = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
-    ApplyErrorKind::Mismatch { line: idx + j + 1, expected: show(pre[j]), found: lines.get(idx + j).map(|l| show(l)).unwrap_or_else(|| "end of file".into()) }
+    ApplyErrorKind::Mismatch { line: idx + j + 1, expected: show(pre[j]).into(), found: lines.get(idx + j).map(|l| show(l)).unwrap_or_else(|| "end of file".into()).into() }
 }
 
 #[cfg(test)]

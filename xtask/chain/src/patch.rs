@@ -572,7 +572,7 @@ pub fn unquote(raw: &[u8]) -> Result<(Vec<u8>, usize), ParseErrorKind> {
 /// Quotes a path the way git does (`core.quotePath=true`): only when it needs to.
 pub fn quote_path(prefix: &str, path: &str) -> String {
     let full = format!("{prefix}{path}");
-    let needs = full.bytes().any(|b| b < 0x20 || b >= 0x7f || b == b'"' || b == b'\\');
+    let needs = full.bytes().any(|b| !(0x20..0x7f).contains(&b) || b == b'"' || b == b'\\');
     if !needs {
         return full;
     }

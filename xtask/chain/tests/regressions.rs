@@ -8,14 +8,15 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use xtask::apply::{self, ApplyErrorKind};
-use xtask::chain::{self, Project};
-use xtask::commands::{self, CaptureOptions};
-use xtask::import::{ImportError, ImportOptions};
-use xtask::patch::{self, ParseErrorKind};
-use xtask::registry::{self, PatchEntry};
-use xtask::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
-use xtask::verify::{self, Outcome};
+use patchchain::apply::{self, ApplyErrorKind};
+use patchchain::commands::{self, CaptureOptions};
+use patchchain::import::{ImportError, ImportOptions};
+use patchchain::patch::{self, ParseErrorKind};
+use patchchain::registry::{self, PatchEntry};
+use patchchain::tree::{self, Entry, Tree, MODE_EXEC, MODE_FILE};
+use patchchain::verify::{self, Outcome};
+use patchchain::NoExtension;
+use patchchain::{chain, Project};
 
 // ---- Fixture helpers (as in tests/chain.rs) ----
 
@@ -44,7 +45,7 @@ impl Fx {
         }
         fs::create_dir_all(p.patches_dir()).expect("mkdir patches");
         write_file(&p.registry_path(), b"[base]\nkind = \"dir\"\npath = \"base\"\n", MODE_FILE);
-        commands::bless(&p, true, &pb()).expect("bless the new base");
+        commands::bless(&p, &NoExtension, true, &pb()).expect("bless the new base");
         Fx { _dir: dir, p }
     }
 
@@ -61,7 +62,7 @@ impl Fx {
     }
 
     fn capture(&self, name: &str) -> anyhow::Result<()> {
-        commands::capture(&self.p, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb())
+        commands::capture(&self.p, &NoExtension, &CaptureOptions { name, after: None, title: None, area: "other", upstream_status: "Pending" }, &pb())
     }
 
     fn verify(&self) -> verify::Report {
@@ -103,7 +104,7 @@ impl Fx {
             gates: vec!["apply".into()],
         });
         fs::write(self.p.registry_path(), registry::render(&reg)).expect("write registry");
-        commands::bless(&self.p, false, &pb())
+        commands::bless(&self.p, &NoExtension, false, &pb())
     }
 
     /// Every file of the project, engine/upstream/ and its state file included.
@@ -260,7 +261,7 @@ fn a_hunk_without_trailing_context_does_not_apply_in_the_middle_of_a_file() {
         let got = ours(&longer, &patch, false);
         assert!(matches!(got, Err(ApplyErrorKind::NotAtEnd { .. })), "{name}: {got:?}");
         let ps = patch::parse(&patch).expect("parses");
-        let xtask::patch::Content::Text(h) = &ps.files[0].content else { panic!("text") };
+        let patchchain::patch::Content::Text(h) = &ps.files[0].content else { panic!("text") };
         if h[0].trailing_context() == 0 {
             assert_eq!(git_apply(&longer, &patch, false), None, "{name}: git apply accepted it mid-file");
         }
@@ -345,7 +346,7 @@ fn binary_delta_hunks_apply_both_ways_like_git_apply() {
     // Without the blob ids, the delta's own source-size check still refuses a different file.
     let no_ids = text.lines().filter(|l| !l.starts_with("index ")).collect::<Vec<_>>().join("\n") + "\n";
     let got = ours(&one_file("blob.bin", &old[..100]), no_ids.as_bytes(), false).expect_err("wrong size");
-    assert!(matches!(&got, ApplyErrorKind::BinaryDelta(xtask::delta::DeltaError::SourceSize { expected: 20_000, found: 100 })), "{got:?}");
+    assert!(matches!(&got, ApplyErrorKind::BinaryDelta(patchchain::delta::DeltaError::SourceSize { expected: 20_000, found: 100 })), "{got:?}");
 }
 
 #[test]
@@ -434,7 +435,7 @@ fn refresh_that_breaks_the_next_patch_reports_only_the_first_broken_patch() {
     fx.capture("0003-four").expect("capture 0003");
     fx.apply(Some("0001")).expect("down to 0001");
     fx.edit("a.txt", b"1\nTWO\n3\n");
-    let msg = format!("{:#}", commands::refresh(&fx.p, "0001", &pb()).expect_err("0002 breaks"));
+    let msg = format!("{:#}", commands::refresh(&fx.p, &NoExtension, "0001", &pb()).expect_err("0002 breaks"));
     assert!(msg.contains("patch 0002-three.patch: a.txt, hunk #1"), "{msg}");
     assert!(msg.contains("the 1 patch(es) after it were not checked, since they build on it: 0003-four.patch"), "{msg}");
     assert!(!msg.contains("patch 0003-four.patch:"), "0003 was applied without 0002 and reported:\n{msg}");
@@ -536,8 +537,8 @@ fn edit_b8(dir: &Path) {
     fs::write(dir.join("hook.rs"), "// tine-hook: imported-hook\n").expect("write");
 }
 
-fn import(fx: &Fx, file: &Path, after: &str) -> Result<xtask::import::Imported, ImportError> {
-    xtask::import::import(&fx.p, &ImportOptions { file, after, id: None, slug: None, area: "kv", upstream_status: "Pending" }, &pb())
+fn import(fx: &Fx, file: &Path, after: &str) -> Result<patchchain::import::Imported, ImportError> {
+    patchchain::import::import(&fx.p, &NoExtension, &ImportOptions { file, after, id: None, slug: None, area: "kv", upstream_status: "Pending" }, &pb())
 }
 
 #[test]
@@ -563,7 +564,7 @@ fn import_adds_a_git_format_patch_after_a_middle_patch() {
     );
     assert!(got.starts_with(&header), "{got}");
     assert!(!got.contains("\n-- \n") && !got.contains("files changed"), "the mail's signature and diffstat are gone:\n{got}");
-    assert!(xtask::sync_check::sync_check(&fx.p, &reg).is_empty(), "{:?}", xtask::sync_check::sync_check(&fx.p, &reg));
+    assert!(patchchain::sync_check::sync_check(&fx.p, &NoExtension, &reg).is_empty(), "{:?}", patchchain::sync_check::sync_check(&fx.p, &NoExtension, &reg));
     assert!(fs::read_to_string(fx.p.sync_doc_path()).expect("docs").contains("| 0021 | b: change b8 and add a hook | kv |"));
     // engine/upstream/ held 0030, so it was rebuilt with the import; everything verifies.
     assert_eq!(fs::read_to_string(fx.live("hook.rs")).expect("read"), "// tine-hook: imported-hook\n");
@@ -574,7 +575,8 @@ fn import_adds_a_git_format_patch_after_a_middle_patch() {
     let other = three_patch_fixture();
     other.apply(Some("0020")).expect("down to 0020");
     edit_b8(&other.p.upstream_dir());
-    commands::capture(&other.p, &CaptureOptions { name: "0021-b-change-b8-and-add-a-hook", after: Some("0020"), title: None, area: "kv", upstream_status: "Pending" }, &pb()).expect("capture");
+    commands::capture(&other.p, &NoExtension, &CaptureOptions { name: "0021-b-change-b8-and-add-a-hook", after: Some("0020"), title: None, area: "kv", upstream_status: "Pending" }, &pb())
+        .expect("capture");
     let captured = other.patch_bytes("0021-b-change-b8-and-add-a-hook.patch");
     let diff = |b: &[u8]| b[tree::find(b, b"diff --git ").expect("diff")..].to_vec();
     assert_eq!(diff(&bytes), diff(&captured));
@@ -609,7 +611,8 @@ fn import_refuses_a_patch_that_does_not_apply_or_breaks_a_later_one_and_writes_n
     import(&fx, &fine, "0020").expect("imports as 0021");
     let after_one = fx.snapshot();
     let (_r4, again) = format_patch(&fx, "0021", &|d: &Path| fs::write(d.join("new.txt"), "n\n").expect("write"));
-    let err = xtask::import::import(&fx.p, &ImportOptions { file: &again, after: "0020", id: None, slug: Some("new"), area: "other", upstream_status: "Pending" }, &pb()).expect_err("no id fits");
+    let err = patchchain::import::import(&fx.p, &NoExtension, &ImportOptions { file: &again, after: "0020", id: None, slug: Some("new"), area: "other", upstream_status: "Pending" }, &pb())
+        .expect_err("no id fits");
     assert!(matches!(err, ImportError::NoFreeId { .. }), "{err}");
     assert_eq!(fx.snapshot(), after_one);
 }

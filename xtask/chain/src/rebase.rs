@@ -21,10 +21,15 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::apply;
-use crate::chain::{self, LoadedPatch, Project};
+use crate::base::BaseError;
+use crate::chain::{self, LoadedPatch, Refused};
+use crate::error::Causes;
 use crate::export;
 use crate::merge3::{self, Side};
 use crate::patch::{self, Content, FilePatch, Hunk, Op, PatchSet};
+use crate::project::Project;
+pub use crate::rebase_state::{describe_in_progress, in_progress, state_dir, BaseRecord, ConflictFile, Phase, RebaseState, Resolutions, Stopped};
+use crate::rebase_state::{read_state, write_state};
 use crate::registry::{self, Base, Registry};
 use crate::tree::{self, Entry, Tree};
 
@@ -96,14 +101,23 @@ pub fn base_spec(b: &Base) -> String {
 }
 
 /// The registry base for `spec`, with crate sha256s learned from the package registry.
-pub fn resolve_onto(spec: &OntoSpec, current: &Base, progress: &indicatif::ProgressBar) -> anyhow::Result<Base> {
+/// Why the new base cannot be named.
+#[derive(Debug, thiserror::Error)]
+pub enum OntoError {
+    #[error(transparent)]
+    Spec(#[from] SpecError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+}
+
+pub fn resolve_onto(spec: &OntoSpec, current: &Base, cache: &Path, progress: &indicatif::ProgressBar) -> Result<Base, OntoError> {
     Ok(match spec {
         OntoSpec::Crates(version) => {
             let Base::Crates { crates } = current else {
                 return Err(SpecError::NotCrates(version.clone(), if matches!(current, Base::Dir { .. }) { "directory" } else { "git commit" }).into());
             };
             let names: Vec<&str> = crates.iter().map(|c| c.name.as_str()).collect();
-            Base::Crates { crates: crate::base::resolve_crates(&names, version, progress)? }
+            Base::Crates { crates: crate::base::resolve_crates(&names, version, cache, progress)? }
         }
         OntoSpec::Dir(path) => Base::Dir { path: path.clone() },
         OntoSpec::Git { url, commit } => {
@@ -231,14 +245,6 @@ fn get<'a>(tree: &'a Tree, overlay: &'a Overlay, path: &str) -> Option<&'a Entry
         Some(e) => e.as_ref(),
         None => tree.get(path),
     }
-}
-
-/// One conflicted file, for the maintainer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConflictFile {
-    pub path: String,
-    pub hunks: Vec<usize>,
-    pub reason: String,
 }
 
 /// A patch carried onto the new prefix.
@@ -373,13 +379,21 @@ fn classify_hunks(file: &str, hunks: &[Hunk], chunks: &[merge3::Chunk], renamed_
     out
 }
 
-fn mode_merge(a: u32, o: u32, t: u32) -> Result<u32, String> {
+/// Both sides changed a file's mode, differently.
+#[derive(Debug, thiserror::Error)]
+#[error("mode: the patch sets {ours:o}, upstream set {theirs:o}")]
+struct ModeConflict {
+    ours: u32,
+    theirs: u32,
+}
+
+fn mode_merge(a: u32, o: u32, t: u32) -> Result<u32, ModeConflict> {
     if o == a || t == o {
         Ok(t)
     } else if t == a {
         Ok(o)
     } else {
-        Err(format!("mode: the patch sets {o:o}, upstream set {t:o}"))
+        Err(ModeConflict { ours: o, theirs: t })
     }
 }
 
@@ -502,7 +516,7 @@ fn carry_file(fp: &FilePatch, old_prev: &Tree, new_prev: &Tree, ours_overlay: &O
             let mode_bits = match mode_merge(a.mode, o.mode, t.mode) {
                 Ok(m) => m,
                 Err(why) => {
-                    file_conflict = Some(why);
+                    file_conflict = Some(why.to_string());
                     o.mode
                 }
             };
@@ -600,6 +614,21 @@ pub fn export_carried(header: &[u8], new_prev: &Tree, merged: &Overlay, name: &s
     Ok(bytes)
 }
 
+/// Why the series cannot be carried (a conflict is not an error: it is in the report).
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error(transparent)]
+    Apply(#[from] Box<apply::ApplyError>),
+    #[error("reading the resolution of {id} ({}): {err}", .path.display())]
+    ReadResolution { id: String, path: PathBuf, err: std::io::Error },
+    #[error("the resolution of {id} does not parse: {err}")]
+    ResolutionUnparsable { id: String, err: patch::ParseError },
+    #[error("the resolution of {id} no longer applies: {err}")]
+    ResolutionDoesNotApply { id: String, err: Box<apply::ApplyError> },
+    #[error(transparent)]
+    Export(#[from] ExportError),
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ExportError {
     #[error("internal error: the re-exported {0} does not parse: {1}")]
@@ -671,19 +700,10 @@ pub enum StopKind {
     Decide,
 }
 
-/// Decisions and resolutions a real run has collected so far.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Resolutions {
-    /// Patch id -> the maintainer's resolved patch bytes against the new chain before it.
-    pub resolved: BTreeMap<String, String>,
-    /// Patch ids the maintainer chose to retire.
-    pub retire: BTreeSet<String>,
-}
-
 /// Carries the whole series. `markers`: write conflicts with diff3 markers (for a real run's
 /// stop); otherwise conflicts take the patch's side so later patches are still classified.
 #[allow(clippy::too_many_arguments)] // the series, its labels, and the run's knobs
-pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &str, onto: &str, res: &Resolutions, resolved_dir: Option<&Path>, markers: bool) -> anyhow::Result<Plan> {
+pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &str, onto: &str, res: &Resolutions, resolved_dir: Option<&Path>, markers: bool) -> Result<Plan, PlanError> {
     let mut old = old_base.clone();
     let mut new = new_base.clone();
     let mut report = Report { from: from.to_owned(), onto: onto.to_owned(), patches: Vec::new() };
@@ -701,21 +721,21 @@ pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &st
         let mode = if want_markers { Mode::Markers { ours: &lo, base: &lb, theirs: &lt } } else { Mode::Classify };
         let mut carried = carry(lp, &old, &new, mode)?;
         let id = &lp.entry.id;
-        let old_overlay = apply::plan(&old, &lp.parsed, false).map_err(|e| apply::ApplyError { patch: lp.name().to_owned(), ..e })?;
+        let old_overlay = apply::plan(&old, &lp.parsed, false).map_err(|e| Box::new(apply::ApplyError { patch: lp.name().to_owned(), ..e }))?;
         let decided_retire = res.retire.contains(id);
         let mut action = action_for(&lp.entry, carried.report.verdict, decided_retire).to_owned();
         carried.report.notes.extend(registry_notes(&lp.entry, carried.report.verdict, onto));
         if let Some(text) = res.resolved.get(id) {
             // The maintainer's resolution replaces the merge.
             let path = resolved_dir.map(|d| d.join(text)).expect("resolutions come with their directory");
-            let bytes = fs::read(&path).map_err(|e| anyhow::anyhow!("reading the resolution of {id} ({}): {e}", path.display()))?;
+            let bytes = fs::read(&path).map_err(|err| PlanError::ReadResolution { id: id.clone(), path: path.clone(), err })?;
             if bytes.is_empty() {
                 action = "retire".into();
                 carried.report.notes.push("resolved by the maintainer: retired (nothing left to carry)".into());
                 carried.merged = Overlay::new();
             } else {
-                let parsed = patch::parse(&bytes).map_err(|e| anyhow::anyhow!("the resolution of {id} does not parse: {e}"))?;
-                let overlay = apply::plan(&new, &parsed, false).map_err(|e| anyhow::anyhow!("the resolution of {id} no longer applies: {e}"))?;
+                let parsed = patch::parse(&bytes).map_err(|err| PlanError::ResolutionUnparsable { id: id.clone(), err })?;
+                let overlay = apply::plan(&new, &parsed, false).map_err(|err| PlanError::ResolutionDoesNotApply { id: id.clone(), err: Box::new(err) })?;
                 carried.merged = overlay;
                 carried.report.notes.push("resolved by the maintainer".into());
                 action = "re-export".into();
@@ -962,87 +982,17 @@ pub fn footprint<'a>(series: impl IntoIterator<Item = &'a PatchSet>, base: &Tree
 // ---------------------------------------------------------------------------------------------
 // The real run: state, stop, continue, abort, commit
 
-/// Where a running bump keeps its state (git-ignored).
-pub fn state_dir(p: &Project) -> PathBuf {
-    p.root.join(".tine-rebase")
-}
-
-pub fn in_progress(p: &Project) -> bool {
-    state_dir(p).join("state.json").exists()
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub enum Phase {
-    /// Carrying patches; `stopped` says where a person is needed.
-    Carrying,
-    /// Every file of the result is staged in `commit/`; writing them out.
-    Commit,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct Stopped {
-    pub id: String,
-    pub kind: String,
-    pub files: Vec<ConflictFile>,
-    /// The manifest of the tree written into engine/upstream/ for the maintainer.
-    pub tree_sha256: String,
-}
-
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub struct RebaseState {
-    pub from: String,
-    pub onto: String,
-    pub onto_base: BaseRecord,
-    pub phase: Phase,
-    #[serde(default)]
-    pub stopped: Option<Stopped>,
-    #[serde(default)]
-    pub resolutions: Resolutions,
-    /// Project-relative paths the run may write, and whether each existed at the start
-    /// (the originals are under `orig/`).
-    pub write_set: BTreeMap<String, bool>,
-    /// engine/upstream/ existed at the start (its snapshot is `orig-upstream.tar`).
-    pub had_upstream: bool,
-    /// Files to write in the commit phase (staged under `commit/`; `false`: delete).
-    #[serde(default)]
-    pub commit: BTreeMap<String, bool>,
-}
-
-/// A base as stored in the state (the registry's own `Base` is not serialisable as JSON).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
-pub enum BaseRecord {
-    Crates(Vec<(String, String, String)>),
-    Dir(String),
-    Git(String, String, Vec<String>),
-}
-
-impl BaseRecord {
-    pub fn of(b: &Base) -> BaseRecord {
-        match b {
-            Base::Crates { crates } => BaseRecord::Crates(crates.iter().map(|c| (c.name.clone(), c.version.clone(), c.sha256.clone())).collect()),
-            Base::Dir { path } => BaseRecord::Dir(path.clone()),
-            Base::Git { url, commit, include } => BaseRecord::Git(url.clone(), commit.clone(), include.clone()),
-        }
-    }
-    pub fn base(&self) -> Base {
-        match self {
-            BaseRecord::Crates(c) => Base::Crates { crates: c.iter().map(|(n, v, s)| registry::CratePin { name: n.clone(), version: v.clone(), sha256: s.clone() }).collect() },
-            BaseRecord::Dir(p) => Base::Dir { path: p.clone() },
-            BaseRecord::Git(u, c, i) => Base::Git { url: u.clone(), commit: c.clone(), include: i.clone() },
-        }
-    }
-}
-
 /// Project files the bump rewrites beyond the chain's own (for Tine: the engine's version
 /// requirements on the base crates, the patch-tests manifest), computed from the new registry.
-pub type ExtraFiles<'a> = &'a dyn Fn(&Project, &Registry, &Registry, &[LoadedPatch]) -> anyhow::Result<Vec<(String, Vec<u8>)>>;
+pub type ExtraFiles<'a> = &'a dyn Fn(&Project, &Registry, &Registry, &[LoadedPatch]) -> ExtraFilesResult;
+
+/// The extra files (project-relative path, bytes), or why the project cannot compute them.
+pub type ExtraFilesResult = Result<Vec<(String, Vec<u8>)>, Box<dyn std::error::Error + Send + Sync>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RebaseError {
     #[error("a rebase is already in progress ({0}); finish it with `cargo xtask rebase --continue` or undo it with `cargo xtask rebase --abort`")]
     InProgress(String),
-    #[error("no rebase is in progress")]
-    NotInProgress,
     #[error("patch {id}: conflict markers remain in engine/upstream/:\n  {}\nresolve them, then `cargo xtask rebase --continue`", lines.join("\n  "))]
     MarkersRemain { id: String, lines: Vec<String> },
     #[error("patch {id} is already upstream and its bump policy is {bump:?}: a person decides. Retire it with `cargo xtask rebase --continue --retire`, or `cargo xtask rebase --abort`")]
@@ -1058,17 +1008,9 @@ fn crash_point(name: &'static str) {
     }
 }
 
-fn read_state(p: &Project) -> anyhow::Result<RebaseState> {
-    let path = state_dir(p).join("state.json");
-    let bytes = fs::read(&path).map_err(|_| RebaseError::NotInProgress)?;
-    serde_json::from_slice(&bytes).map_err(|e| anyhow::anyhow!("{} is corrupt: {e}", p.rel(&path)))
-}
-
-fn write_state(p: &Project, s: &RebaseState) -> anyhow::Result<()> {
-    let mut v = serde_json::to_vec_pretty(s).expect("state serialises");
-    v.push(b'\n');
-    tree::write_file_atomically(&state_dir(p).join("state.json"), &v)?;
-    Ok(())
+/// The name prefix of a scratch sibling of the state directory (`.tine-rebase.new-<pid>`, `.tine-rebase.done-<pid>`).
+fn sibling(p: &Project, what: &str) -> String {
+    format!("{}.{what}-", state_dir(p).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())
 }
 
 fn enc(path: &str) -> String {
@@ -1086,13 +1028,26 @@ pub struct Inputs {
     pub onto: String,
 }
 
-pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) -> anyhow::Result<Inputs> {
+/// Why a run's inputs cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum InputsError {
+    #[error(transparent)]
+    Registry(#[from] registry::LoadError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+    #[error(transparent)]
+    Pristine(#[from] chain::PristineError),
+    #[error(transparent)]
+    Patches(#[from] chain::PatchLoadError),
+}
+
+pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) -> Result<Inputs, InputsError> {
     let registry = chain::load_registry(p)?;
     pb.set_message("loading the old base");
-    let old_base = crate::base::load(&registry.base, &p.root, pb)?;
+    let old_base = crate::base::load(&registry.base, &p.root, &p.cache_dir, pb)?;
     chain::check_pristine(p, &old_base)?;
     pb.set_message("loading the new base");
-    let new_base = crate::base::load(&onto_base, &p.root, pb)?;
+    let new_base = crate::base::load(&onto_base, &p.root, &p.cache_dir, pb)?;
     let patches = chain::load_patches(p, &registry)?;
     let from = base_label(&registry.base);
     let onto = base_label(&onto_base);
@@ -1100,7 +1055,7 @@ pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) ->
 }
 
 /// The dry run: classification only, nothing written.
-pub fn dry_run(inputs: &Inputs) -> anyhow::Result<Report> {
+pub fn dry_run(inputs: &Inputs) -> Result<Report, PlanError> {
     Ok(plan(&inputs.old_base, &inputs.new_base, &inputs.patches, &inputs.from, &inputs.onto, &Resolutions::default(), None, false)?.report)
 }
 
@@ -1112,8 +1067,8 @@ fn write_set(p: &Project, inputs: &Inputs, extra: &[String]) -> Vec<String> {
         v.push(rel(p.patches_dir().join(&lp.entry.file)));
     }
     let label = format!("{}-to-{}", inputs.from, inputs.onto);
-    v.push(format!("docs/bumps/{label}.md"));
-    v.push(format!("docs/bumps/{label}.json"));
+    v.push(rel(p.bumps_dir().join(format!("{label}.md"))));
+    v.push(rel(p.bumps_dir().join(format!("{label}.json"))));
     v.extend(extra.iter().cloned());
     v
 }
@@ -1129,18 +1084,19 @@ pub fn start(p: &Project, inputs: &Inputs, extra_paths: &[String], extra: ExtraF
         return Err(RebaseError::InProgress(p.rel(&state_dir(p)).into_owned()).into());
     }
     // The live tree must hold nothing a patch does not carry.
-    let live = chain::live_state_without_edits(p, &inputs.old_base, &inputs.patches, "rebase").map_err(|e| crate::commands::Refused(format!("{e:#}")))?;
+    let live = chain::live_state_without_edits(p, &inputs.old_base, &inputs.patches, "rebase").map_err(|e| Refused(Causes(&e).to_string()))?;
     let dir = state_dir(p);
     // Leftovers of interrupted starts and finishes are never a run.
-    if let Ok(entries) = fs::read_dir(&p.root) {
+    let (new_prefix, done_prefix) = (sibling(p, "new"), sibling(p, "done"));
+    if let Ok(entries) = fs::read_dir(dir.parent().unwrap_or(&p.root)) {
         for e in entries.flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
-            if n.starts_with(".tine-rebase.new-") || n.starts_with(".tine-rebase.done-") {
+            if n.starts_with(&new_prefix) || n.starts_with(&done_prefix) {
                 let _ = fs::remove_dir_all(e.path());
             }
         }
     }
-    let tmp = p.root.join(format!(".tine-rebase.new-{}", std::process::id()));
+    let tmp = dir.with_file_name(format!("{new_prefix}{}", std::process::id()));
     let _ = fs::remove_dir_all(&tmp);
     fs::create_dir_all(tmp.join("orig"))?;
     let mut ws = BTreeMap::new();
@@ -1277,7 +1233,7 @@ pub fn continue_run(p: &Project, opts: &ContinueOptions, extra: ExtraFiles<'_>, 
     let mut state = read_state(p)?;
     if state.phase == Phase::Commit {
         // The project may be half written: only the new base is needed to finish.
-        let new_base = crate::base::load(&state.onto_base.base(), &p.root, pb)?;
+        let new_base = crate::base::load(&state.onto_base.base(), &p.root, &p.cache_dir, pb)?;
         finish_commit(p, &new_base, &state, pb)?;
         let report: Report = serde_json::from_slice(&fs::read(state_dir(p).join("commit-report.json"))?)?;
         remove_state(p)?;
@@ -1396,9 +1352,9 @@ fn commit(p: &Project, inputs: &Inputs, mut state: RebaseState, plan: &Plan, ext
     json["hunk_stats"] = serde_json::to_value(stats).expect("serialises");
     let mut json_bytes = serde_json::to_vec_pretty(&json).expect("serialises");
     json_bytes.push(b'\n');
-    files.insert(format!("docs/bumps/{label}.json"), Some(json_bytes));
-    files.insert(format!("docs/bumps/{label}.md"), Some(render_markdown(&plan.report, &stats).into_bytes()));
-    for (path, bytes) in extra(p, &inputs.registry, &reg, &new_series)? {
+    files.insert(rel(p.bumps_dir().join(format!("{label}.json"))), Some(json_bytes));
+    files.insert(rel(p.bumps_dir().join(format!("{label}.md"))), Some(render_markdown(&plan.report, &stats).into_bytes()));
+    for (path, bytes) in extra(p, &inputs.registry, &reg, &new_series).map_err(|e| anyhow::anyhow!(e))? {
         files.insert(path, Some(bytes));
     }
     let dir = state_dir(p).join("commit");
@@ -1467,7 +1423,7 @@ fn finish_commit(p: &Project, new_base: &Tree, state: &RebaseState, pb: &indicat
 
 fn remove_state(p: &Project) -> anyhow::Result<()> {
     // Rename first, so a crash never leaves a half-deleted state that looks like a run.
-    let dead = p.root.join(format!(".tine-rebase.done-{}", std::process::id()));
+    let dead = state_dir(p).with_file_name(format!("{}{}", sibling(p, "done"), std::process::id()));
     fs::rename(state_dir(p), &dead)?;
     fs::remove_dir_all(&dead)?;
     Ok(())
@@ -1497,14 +1453,4 @@ pub fn abort(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
         fs::remove_dir_all(p.upstream_dir())?;
     }
     remove_state(p)
-}
-
-/// A short description of a run in progress, for `status`.
-pub fn describe_in_progress(p: &Project) -> Option<String> {
-    let s = read_state(p).ok()?;
-    Some(match (&s.phase, &s.stopped) {
-        (Phase::Commit, _) => format!("rebase {} -> {}: interrupted while writing the result; `cargo xtask rebase --continue` finishes it", s.from, s.onto),
-        (_, Some(st)) => format!("rebase {} -> {}: stopped at patch {} ({}); resolve, then `cargo xtask rebase --continue`, or `--abort`", s.from, s.onto, st.id, st.kind),
-        _ => format!("rebase {} -> {}: interrupted; `cargo xtask rebase --continue` resumes it", s.from, s.onto),
-    })
 }

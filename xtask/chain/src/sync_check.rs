@@ -3,15 +3,16 @@
 use std::collections::BTreeSet;
 use std::fs;
 
-use crate::chain::Project;
-use crate::gate;
+use crate::extension::Extension;
 use crate::patch;
+use crate::project::Project;
 use crate::registry::{self, Registry};
 use crate::tree;
 
-/// Every disagreement, one line each; empty means in sync.
-pub fn sync_check(p: &Project, reg: &Registry) -> Vec<String> {
-    let mut problems = registry::lint(reg);
+/// Every disagreement, one line each; empty means in sync. `ext` checks gate names, adds its
+/// own checks of each patch, and names the generated files that must be up to date.
+pub fn sync_check(p: &Project, ext: &dyn Extension, reg: &Registry) -> Vec<String> {
+    let mut problems = registry::lint(reg, &|r, e, g| ext.check_gate(r, e, g));
     let mut series = Vec::new();
     let listed: BTreeSet<&str> = reg.patches.iter().map(|e| e.file.as_str()).collect();
     if let Ok(dir) = fs::read_dir(p.patches_dir()) {
@@ -51,14 +52,7 @@ pub fn sync_check(p: &Project, reg: &Registry) -> Vec<String> {
             problems.push(format!("{who}: patches/{} holds no file changes", e.file));
         }
         series.push(parsed.clone());
-        let have = gate::patch_test_files_of_series(&series.iter().collect::<Vec<_>>());
-        for g in &e.gates {
-            if let Some(t) = gate::Gate::parse(g).ok().as_ref().and_then(|g| g.patch_test().map(str::to_owned)) {
-                if !have.contains_key(&t) {
-                    problems.push(format!("{who}: gate {g:?} runs test file {t}.rs, which no patch up to this one adds under <crate>/tests/"));
-                }
-            }
-        }
+        problems.extend(ext.patch_problems(p, reg, e, &series.iter().collect::<Vec<_>>()));
         let trailers = parsed.trailers();
         let trailer_hooks: BTreeSet<&str> = trailers.iter().filter(|(k, _)| k == "Tine-Hook").map(|(_, v)| v.as_str()).collect();
         let declared: BTreeSet<&str> = e.hooks.iter().map(|s| s.as_str()).collect();
@@ -82,10 +76,8 @@ pub fn sync_check(p: &Project, reg: &Registry) -> Vec<String> {
             }
         }
     }
-    if p.root.join("engine/crates").is_dir() {
-        let path = gate::harness_manifest_path(p);
-        let want = gate::harness_manifest(&gate::patch_test_files_of_series(&series.iter().collect::<Vec<_>>()));
-        if fs::read_to_string(&path).ok().as_deref() != Some(want.as_str()) {
+    for (path, want) in ext.generated_files(p, reg, &series.iter().collect::<Vec<_>>()) {
+        if fs::read(&path).ok().as_deref() != Some(want.as_slice()) {
             problems.push(format!("{} is stale or missing: run `cargo xtask bless` and commit", p.rel(&path)));
         }
     }

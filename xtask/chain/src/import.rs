@@ -13,9 +13,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use crate::apply::{self, ApplyError};
-use crate::chain::{self, Live, LoadedPatch, Project};
+use crate::chain::{self, Live, LoadedPatch};
 use crate::export;
+use crate::extension::Extension;
 use crate::patch::{self, ParseError};
+use crate::project::Project;
 use crate::registry::{self, PatchEntry};
 use crate::sync_check;
 use crate::tree::{self, Tree};
@@ -86,10 +88,18 @@ pub enum ImportError {
     Internal(String),
     #[error("the import was written but sync-check then found problems, so every file was put back:\n  {}", .0.join("\n  "))]
     Unverified(Vec<String>),
+    #[error("the chain up to {after} does not apply: {error} (run `cargo xtask verify`)")]
+    ChainBroken { after: String, error: Box<ApplyError> },
     #[error(transparent)]
     Write(#[from] tree::WriteError),
     #[error(transparent)]
-    Project(#[from] anyhow::Error),
+    Load(#[from] chain::LoadAllError),
+    #[error(transparent)]
+    Resolve(#[from] chain::ResolveError),
+    #[error(transparent)]
+    Live(#[from] chain::LiveError),
+    #[error(transparent)]
+    Bless(#[from] chain::BlessError),
 }
 
 fn unchecked_note(unchecked: &[String]) -> String {
@@ -303,16 +313,20 @@ impl Undo {
     fn restore(self) {
         for (path, old) in self.0 {
             // Best effort: the first error is what the caller reports.
-            let _ = match old {
-                Some(bytes) => tree::write_file_atomically(&path, &bytes).map_err(|e| e.to_string()),
-                None => fs::remove_file(&path).or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { Ok(()) } else { Err(e) }).map_err(|e| e.to_string()),
-            };
+            match old {
+                Some(bytes) => {
+                    let _ = tree::write_file_atomically(&path, &bytes);
+                }
+                None => {
+                    let _ = fs::remove_file(&path);
+                }
+            }
         }
     }
 }
 
 /// Imports `o.file` into the series after `o.after`.
-pub fn import(p: &Project, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -> Result<Imported, ImportError> {
+pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -> Result<Imported, ImportError> {
     let path = o.file.to_owned();
     let bytes = fs::read(&path).map_err(|source| ImportError::Read { path: path.clone(), source })?;
     let incoming = patch::parse(&bytes).map_err(|source| ImportError::Parse { path: path.clone(), source })?;
@@ -354,7 +368,7 @@ pub fn import(p: &Project, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -
     }
 
     pb.set_message("applying the chain");
-    let before = chain::build(&l.base, &l.patches[..k]).map_err(|e| ImportError::Project(anyhow::anyhow!("the chain up to {prev} does not apply: {e} (run `cargo xtask verify`)")))?;
+    let before = chain::build(&l.base, &l.patches[..k]).map_err(|e| ImportError::ChainBroken { after: prev.clone(), error: Box::new(e) })?;
     let mut after = before.clone();
     let shown = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.display().to_string());
     apply::apply(&mut after, &incoming, &shown).map_err(|source| ImportError::DoesNotApply { path: path.clone(), after: prev.clone(), source: Box::new(source) })?;
@@ -432,16 +446,17 @@ pub fn import(p: &Project, o: &ImportOptions<'_>, pb: &indicatif::ProgressBar) -
     };
 
     // Write, and put everything back if any step fails.
-    let touched = [patch_path.clone(), p.registry_path(), p.sync_doc_path(), p.patched_manifest_path(), crate::gate::harness_manifest_path(p)];
+    let mut touched = vec![patch_path.clone(), p.registry_path(), p.sync_doc_path(), p.patched_manifest_path()];
+    touched.extend(ext.generated_files(p, &l.registry, &series.iter().map(|lp| &lp.parsed).collect::<Vec<_>>()).into_iter().map(|(path, _)| path));
     let undo = Undo::snapshot(&touched);
-    let problems_before: BTreeSet<String> = sync_check::sync_check(p, &l.registry).into_iter().collect();
+    let problems_before: BTreeSet<String> = sync_check::sync_check(p, ext, &l.registry).into_iter().collect();
     let result = (|| -> Result<(), ImportError> {
         tree::write_file_atomically(&patch_path, &out)?;
         l.registry.patches.insert(pos, entry);
-        if let Err(e) = chain::bless(p, &mut l.registry, &l.base, false)? {
+        if let Err(e) = chain::bless(p, ext, &mut l.registry, &l.base, false)? {
             return Err(ImportError::Internal(format!("the new chain does not apply: {e}")));
         }
-        let new: Vec<String> = sync_check::sync_check(p, &l.registry).into_iter().filter(|pr| !problems_before.contains(pr)).collect();
+        let new: Vec<String> = sync_check::sync_check(p, ext, &l.registry).into_iter().filter(|pr| !problems_before.contains(pr)).collect();
         if !new.is_empty() {
             return Err(ImportError::Unverified(new));
         }

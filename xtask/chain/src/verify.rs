@@ -6,9 +6,36 @@ use std::path::Path;
 use std::process::Command;
 
 use crate::apply;
-use crate::chain::{self, Live, Project};
-use crate::registry::{Base, Registry};
+use crate::base::BaseError;
+use crate::chain::{self, Live};
+use crate::error::Causes;
+use crate::project::Project;
+use crate::registry::{Base, LoadError, Registry};
 use crate::tree::{self, Tree};
+
+/// What keeps `verify` from running its checks at all (a failed check is a step of the report).
+#[derive(Debug, thiserror::Error)]
+pub enum VerifyError {
+    #[error(transparent)]
+    Registry(#[from] LoadError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+}
+
+/// Why step 7 could not ask cargo.
+#[derive(Debug, thiserror::Error)]
+pub enum CargoCheckError {
+    #[error("there is no Cargo.lock, so cargo would write one: run `cargo generate-lockfile` at the project root and commit it")]
+    NoLock,
+    #[error("running `cargo metadata`: {0}")]
+    Run(std::io::Error),
+    #[error("Cargo.lock is out of date with the workspace's manifests (cargo would rewrite it; verify leaves it alone): run `cargo update --workspace` at the project root, review the Cargo.lock diff and commit it\ncargo said: {stderr}")]
+    StaleLock { stderr: String },
+    #[error("`cargo metadata` failed:\n{stderr}")]
+    Failed { stderr: String },
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Outcome {
@@ -62,20 +89,20 @@ const T6: &str = "each declared hook appears with its patch, not before";
 const T7: &str = "cargo resolves every base crate to engine/upstream/";
 
 /// Runs every check it can; a failed step skips only the steps that depend on it.
-pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<Report> {
+pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> Result<Report, VerifyError> {
     let mut r = Report::default();
     let reg = chain::load_registry(p)?;
     pb.set_message("loading the base");
-    let base = crate::base::load(&reg.base, &p.root, pb)?;
+    let base = crate::base::load(&reg.base, &p.root, &p.cache_dir, pb)?;
     match chain::check_pristine(p, &base) {
         Ok(()) => r.push(1, T1, Outcome::Pass(format!("{} files", base.len()))),
-        Err(e) => r.push(1, T1, Outcome::Fail(format!("{e:#}"))),
+        Err(e) => r.push(1, T1, Outcome::Fail(Causes(&e).to_string())),
     }
     pb.set_message("applying the chain");
     let patches = match chain::load_patches(p, &reg) {
         Ok(ps) => Some(ps),
         Err(e) => {
-            r.push(2, T2, Outcome::Fail(format!("{e:#}")));
+            r.push(2, T2, Outcome::Fail(Causes(&e).to_string()));
             None
         }
     };
@@ -130,7 +157,11 @@ pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<Report
     match &expected {
         Some(t) => {
             let path = p.patched_manifest_path();
-            match fs::read_to_string(&path).map_err(anyhow::Error::from).and_then(|s| Ok(tree::parse_manifest(&s, &path)?)) {
+            let recorded = match fs::read_to_string(&path) {
+                Ok(s) => tree::parse_manifest(&s, &path).map_err(|e| Causes(&e).to_string()),
+                Err(e) => Err(Causes(&e).to_string()),
+            };
+            match recorded {
                 Ok(recorded) => {
                     let d = tree::diff_manifests(&recorded, &tree::manifest_of(t));
                     if d.is_empty() {
@@ -139,7 +170,7 @@ pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<Report
                         r.push(3, T3, Outcome::Fail(format!("the chain's result differs from {} (a patch changed without `cargo xtask bless`?):\n{}", p.rel(&path), d.describe(20))));
                     }
                 }
-                Err(e) => r.push(3, T3, Outcome::Fail(format!("cannot read {}: {e:#} (record it with `cargo xtask bless`)", p.rel(&path)))),
+                Err(e) => r.push(3, T3, Outcome::Fail(format!("cannot read {}: {e} (record it with `cargo xtask bless`)", p.rel(&path)))),
             }
             pb.set_message("reverse-applying the chain");
             let patches = patches.as_ref().expect("expected implies patches");
@@ -187,7 +218,7 @@ fn check_live(p: &Project, expected: Option<&Tree>, patches: Option<&[chain::Loa
     let live = match Live::read(p) {
         Ok(Some(l)) => l,
         Ok(None) => return Outcome::Skipped("engine/upstream/ is absent (`cargo xtask apply-chain` creates it)".into()),
-        Err(e) => return Outcome::Fail(format!("{e:#}")),
+        Err(e) => return Outcome::Fail(Causes(&e).to_string()),
     };
     let Some(state) = &live.state else {
         return Outcome::Fail("engine/upstream/ has no chain state; it was not written by `cargo xtask apply-chain` (back it up, remove it, apply again)".into());
@@ -227,10 +258,10 @@ pub fn check_cargo(p: &Project, reg: &Registry) -> Outcome {
     if !p.upstream_dir().exists() {
         return Outcome::Fail("engine/upstream/ is absent, so the engine workspace cannot resolve: run `cargo xtask apply-chain`".into());
     }
-    match metadata_problems(&p.root, &manifest, crates.iter().map(|c| c.name.as_str())) {
+    match metadata_problems(&p.root, &p.upstream_dir(), &manifest, crates.iter().map(|c| c.name.as_str())) {
         Ok(problems) if problems.is_empty() => Outcome::Pass(format!("{} crate(s) from engine/upstream/", crates.len())),
         Ok(problems) => Outcome::Fail(problems.join("\n")),
-        Err(e) => Outcome::Fail(format!("{e:#}")),
+        Err(e) => Outcome::Fail(Causes(&e).to_string()),
     }
 }
 
@@ -239,10 +270,10 @@ fn lock_is_stale(stderr: &str) -> bool {
     stderr.contains("--locked was passed")
 }
 
-fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item = &'a str>) -> anyhow::Result<Vec<String>> {
+fn metadata_problems<'a>(root: &Path, upstream: &Path, manifest: &Path, names: impl Iterator<Item = &'a str>) -> Result<Vec<String>, CargoCheckError> {
     let lock = root.join("Cargo.lock");
     if !lock.exists() {
-        anyhow::bail!("there is no Cargo.lock, so cargo would write one: run `cargo generate-lockfile` at the project root and commit it");
+        return Err(CargoCheckError::NoLock);
     }
     // A check must not modify the project: `--locked` makes cargo fail instead of rewriting
     // Cargo.lock. `--offline` first, so the check does not reach the network; only when cargo's
@@ -255,7 +286,7 @@ fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item
             .arg(manifest)
             .current_dir(root)
             .output()
-            .map_err(|e| anyhow::anyhow!("running `cargo metadata`: {e}"))
+            .map_err(CargoCheckError::Run)
     };
     let mut out = run(true)?;
     if !out.status.success() && !lock_is_stale(&String::from_utf8_lossy(&out.stderr)) {
@@ -264,18 +295,15 @@ fn metadata_problems<'a>(root: &Path, manifest: &Path, names: impl Iterator<Item
     let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
         if lock_is_stale(&stderr) {
-            anyhow::bail!(
-                "Cargo.lock is out of date with the workspace's manifests (cargo would rewrite it; verify leaves it alone): run `cargo update --workspace` at the project root, review the Cargo.lock diff and commit it\ncargo said: {}",
-                stderr.trim()
-            );
+            return Err(CargoCheckError::StaleLock { stderr: stderr.trim().to_owned() });
         }
-        anyhow::bail!("`cargo metadata` failed:\n{}", stderr.trim());
+        return Err(CargoCheckError::Failed { stderr: stderr.trim().to_owned() });
     }
     let mut problems: Vec<String> = stderr.lines().filter(|l| l.contains("was not used in the crate graph")).map(|l| format!("cargo: {}", l.trim())).collect();
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     let packages = meta["packages"].as_array().cloned().unwrap_or_default();
     for name in names {
-        let want = root.join("engine/upstream").join(name).join("Cargo.toml");
+        let want = upstream.join(name).join("Cargo.toml");
         let found: Vec<&serde_json::Value> = packages.iter().filter(|p| p["name"] == name).collect();
         if found.is_empty() {
             problems.push(format!("{name}: not in the engine workspace's crate graph; a [patch] entry nothing uses is ignored (depend on it from an engine crate)"));

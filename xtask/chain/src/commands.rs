@@ -6,16 +6,15 @@ use std::io::Read as _;
 use anyhow::{bail, Context as _};
 
 use crate::apply;
-use crate::chain::{self, build, live_state_without_edits, load_all, resolve_to, Live, LoadedPatch, Project, State};
+pub use crate::chain::Refused;
+use crate::chain::{self, build, live_state_without_edits, load_all, resolve_to, Live, LoadedPatch, State};
+use crate::error::Causes;
 use crate::export;
+use crate::extension::Extension;
 use crate::patch;
+use crate::project::Project;
 use crate::registry::{self, PatchEntry};
 use crate::tree::{self, Tree};
-
-/// A refusal that protects a maintainer's work (exit code 3).
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct Refused(pub String);
 
 fn say(msg: impl AsRef<str>) {
     eprintln!("{}", msg.as_ref());
@@ -24,7 +23,7 @@ fn say(msg: impl AsRef<str>) {
 pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let l = load_all(p, pb)?;
     let n = resolve_to(&l.patches, to)?;
-    let live = live_state_without_edits(p, &l.base, &l.patches, "apply-chain").map_err(|e| Refused(format!("{e:#}")))?;
+    let live = live_state_without_edits(p, &l.base, &l.patches, "apply-chain").map_err(|e| Refused(Causes(&e).to_string()))?;
     let mut t = l.base.clone();
     for lp in &l.patches[..n] {
         apply::apply(&mut t, &lp.parsed, lp.name())?;
@@ -49,7 +48,7 @@ pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -
 pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let l = load_all(p, pb)?;
     let n = resolve_to(&l.patches, Some(to.unwrap_or("0000")))?;
-    let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(format!("{e:#}")))? else {
+    let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(Causes(&e).to_string()))? else {
         bail!("engine/upstream/ does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)");
     };
     if n > k {
@@ -124,9 +123,9 @@ fn reapply_later<'a>(t: &mut Tree, later: &'a [LoadedPatch]) -> Result<(), (Box<
 
 /// Records the new patch (sha256s, docs, manifest.patched when the chain applies) and the live
 /// tree's new state; then names every later patch that no longer applies.
-fn finish_bless(p: &Project, reg: &mut registry::Registry, base: &Tree, live: &Tree, new_state: &State) -> anyhow::Result<()> {
+fn finish_bless(p: &Project, ext: &dyn Extension, reg: &mut registry::Registry, base: &Tree, live: &Tree, new_state: &State) -> anyhow::Result<()> {
     // A chain that no longer applies is reported below, patch by patch.
-    let _ = chain::bless(p, reg, base, false)?;
+    let _ = chain::bless(p, ext, reg, base, false)?;
     tree::write_file_atomically(&p.upstream_dir().join(tree::STATE_FILE), &new_state.to_bytes())?;
     let patches = chain::load_patches(p, reg)?;
     let mut t = live.clone();
@@ -142,7 +141,7 @@ fn finish_bless(p: &Project, reg: &mut registry::Registry, base: &Tree, live: &T
     Ok(())
 }
 
-pub fn refresh(p: &Project, id: &str, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+pub fn refresh(p: &Project, ext: &dyn Extension, id: &str, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let mut l = load_all(p, pb)?;
     let idx = resolve_to(&l.patches, Some(id))?;
     if idx == 0 {
@@ -173,7 +172,7 @@ pub fn refresh(p: &Project, id: &str, pb: &indicatif::ProgressBar) -> anyhow::Re
     let reloaded = chain::load_patches(p, &l.registry)?;
     let new_state = State::new(&reloaded[..idx], &live.tree);
     say(if unchanged { format!("{} is unchanged", lp.name()) } else { format!("refreshed {}", lp.name()) });
-    finish_bless(p, &mut l.registry, &l.base, &live.tree, &new_state)
+    finish_bless(p, ext, &mut l.registry, &l.base, &live.tree, &new_state)
 }
 
 pub struct CaptureOptions<'a> {
@@ -184,7 +183,7 @@ pub struct CaptureOptions<'a> {
     pub upstream_status: &'a str,
 }
 
-pub fn capture(p: &Project, o: &CaptureOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let mut l = load_all(p, pb)?;
     let name = o.name.trim_end_matches(".patch");
     let (id, slug) = name
@@ -241,7 +240,7 @@ pub fn capture(p: &Project, o: &CaptureOptions<'_>, pb: &indicatif::ProgressBar)
     let patches = chain::load_patches(p, &l.registry)?;
     let new_state = State::new(&patches[..k + 1], &live.tree);
     say(format!("captured {file} ({} hook(s): {})", hooks.len(), hooks.join(", ")));
-    finish_bless(p, &mut l.registry, &l.base, &live.tree, &new_state)
+    finish_bless(p, ext, &mut l.registry, &l.base, &live.tree, &new_state)
 }
 
 fn timestamp() -> String {
@@ -383,13 +382,13 @@ pub fn status(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn bless(p: &Project, with_base: bool, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+pub fn bless(p: &Project, ext: &dyn Extension, with_base: bool, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     let mut reg = chain::load_registry(p)?;
-    let base = crate::base::load(&reg.base, &p.root, pb)?;
+    let base = crate::base::load(&reg.base, &p.root, &p.cache_dir, pb)?;
     if !with_base {
         chain::check_pristine(p, &base)?;
     }
-    let outcome = chain::bless(p, &mut reg, &base, with_base)?;
+    let outcome = chain::bless(p, ext, &mut reg, &base, with_base)?;
     pb.finish_and_clear();
     if let Err(e) = outcome {
         bail!("recorded sha256s and docs, but the chain does not apply, so manifest.patched was not written:\n  {e}");
@@ -399,9 +398,9 @@ pub fn bless(p: &Project, with_base: bool, pb: &indicatif::ProgressBar) -> anyho
 }
 
 /// `cargo xtask import`: [`crate::import::import`], its refusal to strand edits as exit code 3.
-pub fn import(p: &Project, o: &crate::import::ImportOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+pub fn import(p: &Project, ext: &dyn Extension, o: &crate::import::ImportOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     use crate::import::ImportError;
-    let done = match crate::import::import(p, o, pb) {
+    let done = match crate::import::import(p, ext, o, pb) {
         Ok(done) => done,
         Err(e @ ImportError::LiveEdits(_)) => return Err(Refused(e.to_string()).into()),
         Err(e) => return Err(e.into()),

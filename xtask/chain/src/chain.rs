@@ -1,0 +1,364 @@
+//! The chain: base + patches in series order, and the live `engine/upstream/` tree.
+//!
+//! Invariant: `engine/upstream/` is only ever written whole and atomically, together with a state
+//! file that records which patches it holds and the manifest it was written with. Anything in the
+//! live tree that differs from that manifest is a maintainer's edit, and no command discards it.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::apply;
+use crate::base::BaseError;
+use crate::extension::Extension;
+use crate::patch::{self, ParseError, PatchSet};
+use crate::project::Project;
+use crate::registry::{self, LoadError, PatchEntry, Registry};
+use crate::tree::{self, ManifestParseError, ReadTreeError, Tree, WriteError};
+
+/// Reading the series' patch files.
+#[derive(Debug, thiserror::Error)]
+pub enum PatchLoadError {
+    #[error("patch {id}: cannot read {shown} (the registry lists it; is the file missing?)")]
+    Read {
+        id: String,
+        path: PathBuf,
+        shown: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("patch {id}: {shown} is malformed")]
+    Parse {
+        id: String,
+        path: PathBuf,
+        shown: String,
+        #[source]
+        source: ParseError,
+    },
+}
+
+/// A `--to NNNN` that names no patch of the series.
+#[derive(Debug, thiserror::Error)]
+#[error("no patch {id:?} in the series (known: 0000, {})", .known.join(", "))]
+pub struct ResolveError {
+    pub id: String,
+    pub known: Vec<String>,
+}
+
+/// Reading the live tree and its state file.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveError {
+    #[error(transparent)]
+    Read(#[from] ReadTreeError),
+    #[error("{shown} is corrupt; `cargo xtask backup` then delete it to adopt the tree")]
+    CorruptState {
+        path: PathBuf,
+        shown: String,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Why a command may not replace the live tree: it holds something no patch carries.
+#[derive(Debug, thiserror::Error)]
+pub enum LiveEditsError {
+    #[error(transparent)]
+    Live(#[from] LiveError),
+    #[error(
+        "engine/upstream/ holds edits that no patch carries, so `{verb}` would lose them:\n{drift}\n\
+         keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/; then `cargo xtask restore` brings it back)"
+    )]
+    Edits {
+        verb: String,
+        /// The drifted files, described.
+        drift: String,
+        top: String,
+    },
+    #[error("engine/upstream/ holds patches {applied:?}, which is not a prefix of the series {series:?}; `cargo xtask backup`, then remove engine/upstream/ and apply again")]
+    NotAPrefix { applied: Vec<String>, series: Vec<String> },
+    #[error(
+        "engine/upstream/ has no chain state and matches no prefix of the chain, so `{verb}` would lose whatever it holds;\n\
+         keep it with `cargo xtask backup`, then remove engine/upstream/ and run `cargo xtask apply-chain`"
+    )]
+    Unknown { verb: String },
+}
+
+/// Step 1 of verify: the base against `manifest.pristine`.
+#[derive(Debug, thiserror::Error)]
+pub enum PristineError {
+    #[error("cannot read {shown} (record it once with `cargo xtask bless --base`)")]
+    Read {
+        shown: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Parse(#[from] ManifestParseError),
+    #[error("the pristine base does not match {shown} (a corrupted cache or a changed base):\n{drift}")]
+    Differs { shown: String, drift: String },
+}
+
+/// Loading registry, base and series.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadAllError {
+    #[error("{0}\n(the chain commands wait until the rebase is finished or aborted)")]
+    RebaseInProgress(String),
+    #[error(transparent)]
+    Registry(#[from] LoadError),
+    #[error(transparent)]
+    Base(#[from] BaseError),
+    #[error(transparent)]
+    Pristine(#[from] PristineError),
+    #[error(transparent)]
+    Patches(#[from] PatchLoadError),
+}
+
+/// Recording sha256s, manifests, docs and generated files.
+#[derive(Debug, thiserror::Error)]
+pub enum BlessError {
+    #[error("reading {shown}")]
+    Read {
+        shown: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Write(#[from] WriteError),
+    #[error(transparent)]
+    Patches(#[from] PatchLoadError),
+}
+
+/// A refusal that protects a maintainer's work: edits in the live tree that no patch carries
+/// (the CLI's exit code 3).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Refused(pub String);
+
+/// One patch of the series, read and parsed.
+#[derive(Clone, Debug)]
+pub struct LoadedPatch {
+    pub entry: PatchEntry,
+    pub bytes: Vec<u8>,
+    pub parsed: PatchSet,
+}
+
+impl LoadedPatch {
+    pub fn name(&self) -> &str {
+        &self.entry.file
+    }
+}
+
+pub fn load_registry(p: &Project) -> Result<Registry, LoadError> {
+    registry::load(&p.registry_path())
+}
+
+/// Reads and parses every applied patch of the series.
+pub fn load_patches(p: &Project, reg: &Registry) -> Result<Vec<LoadedPatch>, PatchLoadError> {
+    reg.patches
+        .iter()
+        .filter(|e| e.is_applied())
+        .map(|entry| {
+            let path = p.patches_dir().join(&entry.file);
+            let shown = p.rel(&path).into_owned();
+            let bytes = match fs::read(&path) {
+                Ok(b) => b,
+                Err(source) => return Err(PatchLoadError::Read { id: entry.id.clone(), path, shown, source }),
+            };
+            let parsed = match patch::parse(&bytes) {
+                Ok(ps) => ps,
+                Err(source) => return Err(PatchLoadError::Parse { id: entry.id.clone(), path, shown, source }),
+            };
+            Ok(LoadedPatch { entry: entry.clone(), bytes, parsed })
+        })
+        .collect()
+}
+
+/// Index into `patches` after which to stop: `--to NNNN` (`0000` = none).
+pub fn resolve_to(patches: &[LoadedPatch], to: Option<&str>) -> Result<usize, ResolveError> {
+    match to {
+        None => Ok(patches.len()),
+        Some("0000") | Some("0") => Ok(0),
+        Some(id) => {
+            let id = id.trim_end_matches(".patch");
+            match patches.iter().position(|p| p.entry.id == id || p.entry.file.trim_end_matches(".patch") == id) {
+                Some(i) => Ok(i + 1),
+                None => Err(ResolveError { id: id.to_owned(), known: patches.iter().map(|p| p.entry.id.clone()).collect() }),
+            }
+        }
+    }
+}
+
+/// Applies `patches` strictly, in order, to `base`.
+pub fn build(base: &Tree, patches: &[LoadedPatch]) -> Result<Tree, apply::ApplyError> {
+    let mut t = base.clone();
+    for p in patches {
+        apply::apply(&mut t, &p.parsed, p.name())?;
+    }
+    Ok(t)
+}
+
+/// What `apply-chain` wrote into `engine/upstream/`, kept inside it.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct State {
+    /// Ids of the applied patches, in order.
+    pub applied: Vec<String>,
+    /// sha256 of each applied patch file when it was applied.
+    pub patch_sha256: Vec<String>,
+    /// `path -> [sha256, mode]` of the tree as written.
+    pub manifest: BTreeMap<String, (String, u32)>,
+}
+
+impl State {
+    pub fn new(patches: &[LoadedPatch], tree: &Tree) -> State {
+        State { applied: patches.iter().map(|p| p.entry.id.clone()).collect(), patch_sha256: patches.iter().map(|p| tree::sha256_hex(&p.bytes)).collect(), manifest: tree::manifest_of(tree) }
+    }
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut v = serde_json::to_vec_pretty(self).expect("state serialises");
+        v.push(b'\n');
+        v
+    }
+    pub fn top(&self) -> &str {
+        self.applied.last().map(|s| s.as_str()).unwrap_or("0000")
+    }
+}
+
+/// The live tree and what we know about it.
+pub struct Live {
+    pub tree: Tree,
+    pub state: Option<State>,
+}
+
+impl Live {
+    pub fn read(p: &Project) -> Result<Option<Live>, LiveError> {
+        let dir = p.upstream_dir();
+        if !dir.exists() {
+            return Ok(None);
+        }
+        let tree = tree::read_tree(&dir)?;
+        let state_path = dir.join(tree::STATE_FILE);
+        let state = match fs::read(&state_path) {
+            Ok(b) => Some(serde_json::from_slice(&b).map_err(|source| LiveError::CorruptState { shown: p.rel(&state_path).into_owned(), path: state_path.clone(), source })?),
+            Err(_) => None,
+        };
+        Ok(Some(Live { tree, state }))
+    }
+
+    /// Edits in the live tree that the tool did not write.
+    pub fn drift(&self) -> Option<tree::ManifestDiff> {
+        let state = self.state.as_ref()?;
+        let d = tree::diff_manifests(&state.manifest, &tree::manifest_of(&self.tree));
+        Some(d)
+    }
+}
+
+/// The live tree, checked for maintainer edits. Returns the state (applied prefix) it holds.
+/// A live tree without a state file is adopted when it equals some prefix of the chain.
+pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch], verb: &str) -> Result<Option<(Live, usize)>, LiveEditsError> {
+    let Some(live) = Live::read(p)? else {
+        return Ok(None);
+    };
+    match &live.state {
+        Some(state) => {
+            let drift = live.drift().expect("state is present");
+            if !drift.is_empty() {
+                return Err(LiveEditsError::Edits { verb: verb.to_owned(), drift: drift.describe(20), top: state.top().to_owned() });
+            }
+            // The applied prefix must still be a prefix of the series (by id).
+            let n = state.applied.len();
+            let ids: Vec<&str> = patches.iter().map(|p| p.entry.id.as_str()).collect();
+            if n > ids.len() || state.applied.iter().zip(&ids).any(|(a, b)| a != b) {
+                return Err(LiveEditsError::NotAPrefix { applied: state.applied.clone(), series: ids.iter().map(|s| (*s).to_owned()).collect() });
+            }
+            Ok(Some((live, n)))
+        }
+        None => {
+            let mut t = base.clone();
+            let live_manifest = tree::manifest_of(&live.tree);
+            if tree::manifest_of(&t) == live_manifest {
+                return Ok(Some((live, 0)));
+            }
+            for (i, lp) in patches.iter().enumerate() {
+                if apply::apply(&mut t, &lp.parsed, lp.name()).is_err() {
+                    break;
+                }
+                if tree::manifest_of(&t) == live_manifest {
+                    return Ok(Some((live, i + 1)));
+                }
+            }
+            Err(LiveEditsError::Unknown { verb: verb.to_owned() })
+        }
+    }
+}
+
+/// Writes `tree` as the live tree holding `patches`, atomically.
+pub fn write_live(p: &Project, tree: &Tree, patches: &[LoadedPatch], progress: &indicatif::ProgressBar) -> Result<(), WriteError> {
+    let state = State::new(patches, tree);
+    let bytes = state.to_bytes();
+    tree::write_tree_atomically(&p.upstream_dir(), tree, &[(tree::STATE_FILE, &bytes)], progress)
+}
+
+/// Loads base and series, and checks the base against its recorded manifest.
+pub struct Loaded {
+    pub registry: Registry,
+    pub base: Tree,
+    pub patches: Vec<LoadedPatch>,
+}
+
+pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> Result<Loaded, LoadAllError> {
+    if let Some(what) = crate::rebase_state::describe_in_progress(p) {
+        return Err(LoadAllError::RebaseInProgress(what));
+    }
+    let registry = load_registry(p)?;
+    let base = crate::base::load(&registry.base, &p.root, &p.cache_dir, progress)?;
+    check_pristine(p, &base)?;
+    let patches = load_patches(p, &registry)?;
+    Ok(Loaded { registry, base, patches })
+}
+
+/// Step 1 of verify: the base equals `manifest.pristine`.
+pub fn check_pristine(p: &Project, base: &Tree) -> Result<(), PristineError> {
+    let path = p.pristine_manifest_path();
+    let text = fs::read_to_string(&path).map_err(|source| PristineError::Read { shown: p.rel(&path).into_owned(), source })?;
+    let recorded = tree::parse_manifest(&text, &path)?;
+    let d = tree::diff_manifests(&recorded, &tree::manifest_of(base));
+    if !d.is_empty() {
+        return Err(PristineError::Differs { shown: p.rel(&path).into_owned(), drift: d.describe(20) });
+    }
+    Ok(())
+}
+
+/// The hooks a patch introduces: markers in its added lines that the tree before it lacks.
+pub fn hooks_added(before: &Tree, after: &Tree) -> Vec<String> {
+    let b = tree::hooks_of_tree(before);
+    tree::hooks_of_tree(after).into_keys().filter(|h| !b.contains_key(h)).collect()
+}
+
+/// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies),
+/// `docs/UPSTREAM_SYNC.md` and the extension's generated files from the files on disk.
+pub fn bless(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool) -> Result<Result<(), apply::ApplyError>, BlessError> {
+    for e in &mut reg.patches {
+        if e.is_applied() {
+            let path = p.patches_dir().join(&e.file);
+            let bytes = fs::read(&path).map_err(|source| BlessError::Read { shown: p.rel(&path).into_owned(), source })?;
+            e.sha256 = tree::sha256_hex(&bytes);
+        }
+    }
+    tree::write_file_atomically(&p.registry_path(), registry::render(reg).as_bytes())?;
+    tree::write_file_atomically(&p.sync_doc_path(), registry::render_markdown(reg).as_bytes())?;
+    if with_base {
+        tree::write_file_atomically(&p.pristine_manifest_path(), tree::render_manifest(&tree::manifest_of(base)).as_bytes())?;
+    }
+    let patches = load_patches(p, reg)?;
+    for (path, bytes) in ext.generated_files(p, reg, &patches.iter().map(|l| &l.parsed).collect::<Vec<_>>()) {
+        tree::write_file_atomically(&path, &bytes)?;
+    }
+    match build(base, &patches) {
+        Ok(full) => {
+            tree::write_file_atomically(&p.patched_manifest_path(), tree::render_manifest(&tree::manifest_of(&full)).as_bytes())?;
+            Ok(Ok(()))
+        }
+        Err(e) => Ok(Err(e)),
+    }
+}
