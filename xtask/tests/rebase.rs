@@ -783,14 +783,14 @@ fn test_modules(path: &str, text: &str) -> Vec<String> {
 /// they include, because the shared Gemma 3 fixture lives in tine-test-support, not in 0002.
 #[test]
 fn a_base_with_upstreams_gelu_fix_retires_0002_and_leaves_every_other_patchs_tests_whole() {
-    let p = Project::discover();
+    let p = xtask::project();
     let reg = registry::load(&p.registry_path()).expect("registry");
-    let base = xtask::base::load(&reg.base, &p.root, &pb()).expect("the pinned base (cargo xtask apply-chain fetches it)");
-    let patches = xtask::chain::load_patches(&p, &reg).expect("patches");
+    let base = patchchain::base::load(&reg.base, &p.root, &p.cache_dir, &pb()).expect("the pinned base (cargo xtask apply-chain fetches it)");
+    let patches = patchchain::chain::load_patches(&p, &reg).expect("patches");
     let gelu = patches.iter().find(|l| l.entry.id == "0002").expect("patch 0002");
     let src = "candle-transformers/src/models/quantized_gemma3.rs";
     let mut fixed = base.clone();
-    xtask::apply::apply(&mut fixed, &gelu.parsed, gelu.name()).expect("0002 applies to the base");
+    patchchain::apply::apply(&mut fixed, &gelu.parsed, gelu.name()).expect("0002 applies to the base");
     let dir = tempfile::tempdir().expect("tempdir");
     for (path, e) in &base {
         let data = if path == src { &fixed[src].data } else { &e.data };
@@ -810,7 +810,7 @@ fn a_base_with_upstreams_gelu_fix_retires_0002_and_leaves_every_other_patchs_tes
     assert!(!plan.new_tree.contains_key("candle-transformers/tests/quantized_gemma3_gelu.rs"), "0002's own test leaves with it");
     let mut checked = 0;
     for lp in inputs.patches.iter().filter(|l| l.entry.id != "0002") {
-        for f in lp.parsed.files.iter().filter(|f| f.op == xtask::patch::Op::Create) {
+        for f in lp.parsed.files.iter().filter(|f| f.op == patchchain::patch::Op::Create) {
             let path = f.new_path.as_deref().expect("created");
             if !path.contains("/tests/") || !path.ends_with(".rs") {
                 continue;
