@@ -825,3 +825,52 @@ fn a_base_with_upstreams_gelu_fix_retires_0002_and_leaves_every_other_patchs_tes
     }
     assert!(checked >= 9, "the patches' tests include the shared fixture ({checked} includes checked)");
 }
+
+#[test]
+fn a_merely_similar_new_upstream_file_is_not_taken_for_a_rename() {
+    let header = "// Licensed under the same terms.\n// See LICENSE.\nuse std::io;\nuse std::fmt;\n";
+    let gone = format!("{header}fn old_a() {{}}\nfn old_b() {{}}\nfn old_c() {{}}\n");
+    let fx = Fx::new(&[("src/gone.rs", gone.as_bytes())]);
+    fx.patch("0001-io", &[("src/gone.rs", Some(gone.replace("use std::io;", "use std::io::Write;").as_bytes()))]);
+    let fresh = format!("{header}fn new_x() {{}}\nfn new_y() {{}}\n");
+    let r = fx.dry(&fx.onto(&[("src/gone.rs", None), ("src/brand_new.rs", Some(fresh.as_bytes()))]));
+    let h = hunk(&r, "0001", "src/gone.rs", 1);
+    assert_eq!(h.class, Class::Conflict, "{}", rebase::render_table(&r));
+    assert!(h.reason.as_deref().unwrap_or("").starts_with("modify/delete"), "{h:?}");
+}
+
+#[test]
+fn lines_upstream_inserts_right_before_a_hunk_give_its_offset() {
+    let f = numbered("line ", 20);
+    let fx = Fx::new(&[("f.txt", f.as_bytes())]);
+    fx.patch("0001-change", &[("f.txt", Some(set_line(&f, 10, "LINE TEN").as_bytes()))]);
+    // The hunk's first context line is line 7; upstream inserts five lines just before it.
+    let up = f.replace("line 7\n", &format!("{}line 7\n", numbered("new ", 5)));
+    let r = fx.dry(&fx.onto(&[("f.txt", Some(up.as_bytes()))]));
+    let h = hunk(&r, "0001", "f.txt", 1);
+    assert_eq!((h.class, h.offset, h.new_line), (Class::Offset, Some(5), Some(12)), "{h:?}");
+}
+
+#[test]
+fn an_upstreamed_change_keeps_its_patch_when_upstream_lacks_the_mode_change() {
+    let fx = Fx::new(&[("run.sh", b"#!/bin/sh\necho 1\n")]);
+    commands::apply_chain(&fx.p, None, &pb()).expect("apply");
+    write_file(&fx.p.upstream_dir().join("run.sh"), b"#!/bin/sh\necho 2\n", MODE_EXEC);
+    commands::capture(&fx.p, &Tine, &CaptureOptions { name: "0001-exec", after: None, title: None, area: "other", upstream_status: "Pending" }, &pb()).expect("capture");
+    let onto = fx.onto(&[("run.sh", Some(b"#!/bin/sh\necho 2\n"))]);
+    let r = fx.dry(&onto);
+    assert_eq!(verdict(&r, "0001"), Verdict::PartialUpstream, "{}", rebase::render_table(&r));
+    done(fx.run(&onto));
+    assert_eq!(fx.live()["run.sh"].mode, MODE_EXEC);
+    fx.assert_sound();
+}
+
+#[test]
+fn hook_trailers_are_rewritten_in_the_header_even_when_the_message_mentions_diff_git() {
+    let bytes = b"Subject: [PATCH] x\n\nThe message quotes `diff --git a/x b/x`.\n\nTine-Hook: old\nUpstream-Status: Pending\n---\ndiff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1 +1 @@\n-a\n+b\n";
+    let out = rebase::with_hook_trailers(bytes, &["new".to_owned()].into_iter().collect());
+    let text = String::from_utf8(out.clone()).expect("utf8");
+    assert!(text.contains("quotes `diff --git a/x b/x`.\n\nTine-Hook: new\nUpstream-Status"), "{text}");
+    assert!(!text.contains("Tine-Hook: old"));
+    patchchain::patch::parse(&out).expect("still a patch");
+}

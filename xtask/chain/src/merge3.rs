@@ -187,17 +187,28 @@ pub fn render(chunks: &[Chunk], base: &[&[u8]], ours: &[&[u8]], theirs: &[&[u8]]
 }
 
 /// 1-based lines of `data` that are conflict markers (`<<<<<<< `, `||||||| `, `=======`, `>>>>>>> `).
+/// A `=======` line counts only inside an open `<<<<<<< ` block, so a Markdown heading rule
+/// is not mistaken for one.
 pub fn marker_lines(data: &[u8]) -> Vec<usize> {
-    crate::patch::split_lines(data)
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| {
-            let l = l.strip_suffix(b"\n").unwrap_or(l);
-            let l = l.strip_suffix(b"\r").unwrap_or(l);
-            l.starts_with(MARKER_OURS) || l.starts_with(MARKER_BASE) || l.starts_with(MARKER_THEIRS) || l == MARKER_SEP
-        })
-        .map(|(i, _)| i + 1)
-        .collect()
+    let mut open = false;
+    let mut out = Vec::new();
+    for (i, l) in crate::patch::split_lines(data).iter().enumerate() {
+        let l = l.strip_suffix(b"\n").unwrap_or(l);
+        let l = l.strip_suffix(b"\r").unwrap_or(l);
+        let hit = if l.starts_with(MARKER_OURS) {
+            open = true;
+            true
+        } else if l.starts_with(MARKER_THEIRS) {
+            open = false;
+            true
+        } else {
+            l.starts_with(MARKER_BASE) || (open && l == MARKER_SEP)
+        };
+        if hit {
+            out.push(i + 1);
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -248,5 +259,6 @@ mod tests {
         let (out, _) = m("a", "b", "c");
         assert_eq!(out, "<<<<<<< ours\nb\n||||||| base\na\n=======\nc\n>>>>>>> theirs\n");
         assert_eq!(marker_lines(out.as_bytes()), vec![1, 3, 5, 7]);
+        assert!(marker_lines(b"Title\n=======\ntext\n").is_empty(), "a heading rule is not a marker");
     }
 }

@@ -87,7 +87,7 @@ pub fn base_label(b: &Base) -> String {
             let name = Path::new(path).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "dir".into());
             format!("dir-{}", name.replace(|c: char| !c.is_ascii_alphanumeric() && c != '.' && c != '-' && c != '_', "_"))
         }
-        Base::Git { commit, .. } => format!("git-{}", &commit[..12.min(commit.len())]),
+        Base::Git { commit, .. } => format!("git-{}", commit.chars().take(12).collect::<String>()),
     }
 }
 
@@ -287,19 +287,24 @@ fn similarity(a: &[u8], b: &[u8]) -> f64 {
     same as f64 / la.len().max(lb.len()) as f64
 }
 
-/// Where a file that upstream removed went: the most similar file upstream added (≥ 50%).
+/// Where a file that upstream removed went: the one file upstream added that keeps at least
+/// 80% of its lines, with no rival within 10 points (a shared licence header is not a rename).
 fn follow_rename(path: &str, data: &[u8], old_prev: &Tree, new_prev: &Tree) -> Option<String> {
-    let mut best: Option<(f64, &String)> = None;
+    let mut scored: Vec<(f64, &String)> = Vec::new();
     for (cand, e) in new_prev {
         if old_prev.contains_key(cand) || cand == path {
             continue;
         }
         let s = if e.data == data { 1.0 } else { similarity(data, &e.data) };
-        if s >= 0.5 && best.is_none_or(|(b, _)| s > b) {
-            best = Some((s, cand));
+        if s >= 0.5 {
+            scored.push((s, cand));
         }
     }
-    best.map(|(_, p)| p.clone())
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0));
+    match scored.as_slice() {
+        [(best, p), rest @ ..] if *best >= 0.8 && rest.first().is_none_or(|(s, _)| best - s >= 0.1) => Some((*p).clone()),
+        _ => None,
+    }
 }
 
 fn file_level(file: &str, class: Class, reason: Option<String>) -> HunkReport {
@@ -313,8 +318,13 @@ fn hunk_range(h: &Hunk) -> (usize, usize) {
 }
 
 /// Where ancestor line `idx` is in theirs.
-fn to_theirs(chunks: &[merge3::Chunk], idx: usize) -> usize {
+fn to_theirs(chunks: &[merge3::Chunk], idx: usize, insertion: bool) -> usize {
     for c in chunks {
+        // An existing line sits after anything upstream inserted before it; an insertion point
+        // sits before it.
+        if c.base.is_empty() && !insertion {
+            continue;
+        }
         if idx < c.base.end || (idx == c.base.start && c.base.is_empty()) {
             if idx < c.base.start {
                 continue;
@@ -354,7 +364,7 @@ fn classify_hunks(file: &str, hunks: &[Hunk], chunks: &[merge3::Chunk], renamed_
         } else if !ours.is_empty() && ours.iter().all(|c| c.change == Some(Side::Same)) {
             r.class = Class::Upstream;
         } else {
-            let t = to_theirs(chunks, hs);
+            let t = to_theirs(chunks, hs, h.old_count == 0);
             r.new_line = Some(if h.old_count == 0 { t } else { t + 1 });
             let offset = t as i64 - hs as i64;
             if let Some(c) = ours.iter().find(|c| c.change == Some(Side::Both)) {
@@ -406,7 +416,17 @@ pub fn carry(lp: &LoadedPatch, old_prev: &Tree, new_prev: &Tree, mode: Mode<'_>)
     for fp in &lp.parsed.files {
         carry_file(fp, old_prev, new_prev, &ours_overlay, mode, &mut merged, &mut hunks, &mut conflicts);
     }
-    let verdict = if hunks.iter().any(|h| h.class == Class::Conflict) {
+    // A conflict the merge found outside every hunk's lines (its own diff placed the change
+    // elsewhere) still stops the patch: name it on the file's nearest hunk.
+    for c in &conflicts {
+        if !hunks.iter().any(|h| h.file == c.path && h.class == Class::Conflict) {
+            if let Some(h) = hunks.iter_mut().find(|h| h.file == c.path) {
+                h.class = Class::Conflict;
+                h.reason = Some(format!("{}: the merge conflicts near this hunk", c.reason));
+            }
+        }
+    }
+    let verdict = if hunks.iter().any(|h| h.class == Class::Conflict) || !conflicts.is_empty() {
         Verdict::Conflict
     } else if hunks.iter().all(|h| h.class == Class::Upstream) {
         Verdict::Upstream
@@ -419,12 +439,18 @@ pub fn carry(lp: &LoadedPatch, old_prev: &Tree, new_prev: &Tree, mode: Mode<'_>)
     };
     // A hunk-level "upstream" can leave nothing to carry at all.
     let no_change = merged.iter().all(|(p, e)| new_prev.get(p) == e.as_ref());
-    let verdict = if no_change && verdict != Verdict::Conflict { Verdict::Upstream } else { verdict };
+    let verdict = match verdict {
+        v if no_change && v != Verdict::Conflict => Verdict::Upstream,
+        // Every hunk is upstream but a mode change or a rename is not.
+        Verdict::Upstream if !no_change => Verdict::PartialUpstream,
+        v => v,
+    };
     // A patch's own new test files never land upstream byte for byte: when every other change
     // is upstream, the patch is upstream and its tests leave with it.
     let own_tests: BTreeSet<&str> = lp.parsed.files.iter().filter(|f| f.op == Op::Create).filter_map(|f| f.new_path.as_deref()).filter(|p| is_test_path(p)).collect();
     let mut notes = Vec::new();
-    let verdict = if verdict == Verdict::PartialUpstream && hunks.iter().all(|h| h.class == Class::Upstream || own_tests.contains(h.file.as_str())) {
+    let rest_upstream = merged.iter().all(|(p, e)| own_tests.contains(p.as_str()) || new_prev.get(p) == e.as_ref());
+    let verdict = if verdict == Verdict::PartialUpstream && !own_tests.is_empty() && rest_upstream && hunks.iter().all(|h| h.class == Class::Upstream || own_tests.contains(h.file.as_str())) {
         notes.push(format!("every change but its own test files is upstream; they leave with it: {}", own_tests.iter().cloned().collect::<Vec<_>>().join(", ")));
         merged.clear();
         Verdict::Upstream
@@ -509,7 +535,7 @@ fn carry_file(fp: &FilePatch, old_prev: &Tree, new_prev: &Tree, ours_overlay: &O
                     }
                 },
             };
-            let t = new_prev.get(&t_path).expect("looked up above");
+            let t = get(new_prev, merged, &t_path).expect("looked up above");
             // Where the result goes: the patch's own rename wins; else follow upstream's.
             let target = if src != dst { dst.to_owned() } else { t_path.clone() };
             let mut file_conflict: Option<String> = None;
@@ -608,6 +634,13 @@ pub fn export_carried(header: &[u8], new_prev: &Tree, merged: &Overlay, name: &s
             None => check.remove(&p),
         };
     }
+    // A merge never hands conflict markers to a patch: they come only from a stop.
+    for (path, e) in &new {
+        let ours_marker = |d: &[u8]| patch::split_lines(d).iter().filter(|l| l.starts_with(b"<<<<<<< ours: patch ")).count();
+        if ours_marker(&e.data) > old.get(path).map(|o| ours_marker(&o.data)).unwrap_or(0) {
+            return Err(ExportError::Markers(name.to_owned(), path.clone()));
+        }
+    }
     if check != new {
         return Err(ExportError::NotReproduced(name.to_owned()));
     }
@@ -637,6 +670,8 @@ pub enum ExportError {
     DoesNotApply(String, Box<apply::ApplyError>),
     #[error("internal error: the re-exported {0} does not reproduce the merged tree")]
     NotReproduced(String),
+    #[error("internal error: the re-exported {0} would carry conflict markers into {1}")]
+    Markers(String, String),
 }
 
 fn apply_overlay(tree: &mut Tree, overlay: &Overlay) {
@@ -804,7 +839,9 @@ pub fn plan(old_base: &Tree, new_base: &Tree, patches: &[LoadedPatch], from: &st
 /// `bytes` with its header's `Tine-Hook:` trailers replaced by `hooks` (placed where the old
 /// ones were, else before `Upstream-Status:`, else at the end of the header).
 pub fn with_hook_trailers(bytes: &[u8], hooks: &BTreeSet<String>) -> Vec<u8> {
-    let start = tree::find(bytes, b"diff --git ").unwrap_or(bytes.len());
+    // The header ends where the parser says the first file section starts (a `diff --git` at
+    // the start of a line), never at a mention of one in the message.
+    let start = patch::parse(bytes).map(|ps| ps.header.len()).unwrap_or(bytes.len());
     let header = String::from_utf8_lossy(&bytes[..start]).into_owned();
     let mut out = String::new();
     let mut placed = false;

@@ -123,9 +123,19 @@ pub fn write_state(p: &Project, s: &RebaseState) -> Result<(), tree::WriteError>
 
 /// A short description of a run in progress, for `status`.
 pub fn describe_in_progress(p: &Project) -> Option<String> {
-    let s = read_state(p).ok()?;
+    if !state_dir(p).join("state.json").exists() {
+        return None;
+    }
+    let s = match read_state(p) {
+        Ok(s) => s,
+        // An unreadable state still means a run is under way: nothing else may touch the chain.
+        Err(e) => return Some(format!("a rebase is in progress but its state is unreadable ({e:#}); `cargo xtask rebase --abort` puts the project back")),
+    };
     Some(match (&s.phase, &s.stopped) {
         (Phase::Commit, _) => format!("rebase {} -> {}: interrupted while writing the result; `cargo xtask rebase --continue` finishes it", s.from, s.onto),
+        (_, Some(st)) if st.kind == "decide" => {
+            format!("rebase {} -> {}: stopped at patch {}, which the new base already has; `cargo xtask rebase --continue --retire`, or `--abort`", s.from, s.onto, st.id)
+        }
         (_, Some(st)) => format!("rebase {} -> {}: stopped at patch {} ({}); resolve, then `cargo xtask rebase --continue`, or `--abort`", s.from, s.onto, st.id, st.kind),
         _ => format!("rebase {} -> {}: interrupted; `cargo xtask rebase --continue` resumes it", s.from, s.onto),
     })
