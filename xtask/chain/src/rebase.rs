@@ -937,8 +937,8 @@ pub fn summary(r: &Report) -> String {
 }
 
 /// `docs/bumps/<from>-to-<onto>.md`.
-pub fn render_markdown(r: &Report, hunk_stats: &HunkStats) -> String {
-    let mut s = format!("# Base bump: {} → {}\n\nWritten by `cargo xtask rebase --onto {}`; the JSON beside this file is the same report.\n\n", r.from, r.onto, r.onto);
+pub fn render_markdown(r: &Report, hunk_stats: &HunkStats, onto_spec: &str) -> String {
+    let mut s = format!("# Base bump: {} → {}\n\nWritten by `cargo xtask rebase --onto {onto_spec}`; the JSON beside this file is the same report.\n\n", r.from, r.onto);
     s.push_str(&format!("{}\n\n", summary(r)));
     s.push_str("| patch | verdict | action | file | hunk | class | detail |\n|---|---|---|---|---|---|---|\n");
     for p in &r.patches {
@@ -1390,7 +1390,7 @@ fn commit(p: &Project, inputs: &Inputs, mut state: RebaseState, plan: &Plan, ext
     let mut json_bytes = serde_json::to_vec_pretty(&json).expect("serialises");
     json_bytes.push(b'\n');
     files.insert(rel(p.bumps_dir().join(format!("{label}.json"))), Some(json_bytes));
-    files.insert(rel(p.bumps_dir().join(format!("{label}.md"))), Some(render_markdown(&plan.report, &stats).into_bytes()));
+    files.insert(rel(p.bumps_dir().join(format!("{label}.md"))), Some(render_markdown(&plan.report, &stats, &base_spec(&inputs.onto_base)).into_bytes()));
     for (path, bytes) in extra(p, &inputs.registry, &reg, &new_series).map_err(|e| anyhow::anyhow!(e))? {
         files.insert(path, Some(bytes));
     }
