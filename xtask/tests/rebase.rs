@@ -874,3 +874,17 @@ fn hook_trailers_are_rewritten_in_the_header_even_when_the_message_mentions_diff
     assert!(!text.contains("Tine-Hook: old"));
     patchchain::patch::parse(&out).expect("still a patch");
 }
+
+#[test]
+fn deleting_a_file_that_upstream_moved_deletes_it_at_its_new_place() {
+    let body = numbered("fn f", 20);
+    let fx = Fx::new(&[("old/a.rs", body.as_bytes()), ("keep.txt", b"k\n")]);
+    fx.patch("0001-drop", &[("old/a.rs", None)]);
+    let onto = fx.onto(&[("old/a.rs", None), ("new/a.rs", Some(body.as_bytes()))]);
+    let r = fx.dry(&onto);
+    let h = hunk(&r, "0001", "new/a.rs", 1);
+    assert_eq!((h.class, h.renamed_from.as_deref()), (Class::Exact, Some("old/a.rs")), "{}", rebase::render_table(&r));
+    done(fx.run(&onto));
+    assert!(!fx.live().contains_key("new/a.rs"));
+    fx.assert_sound();
+}

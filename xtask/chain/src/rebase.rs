@@ -502,7 +502,21 @@ fn carry_file(fp: &FilePatch, old_prev: &Tree, new_prev: &Tree, ours_overlay: &O
         (Op::Delete, Some(a), None) => {
             let path = fp.old_path.as_deref().expect("a deleted file has a path");
             match new_prev.get(path) {
-                None => out.push(file_level(path, Class::Upstream, Some("upstream deleted it too".into()))),
+                // Gone upstream: deleted too, or moved (then the move's target is what to delete).
+                None => match follow_rename(path, &a.data, old_prev, new_prev) {
+                    Some(moved) if new_prev.get(&moved) == Some(a) => {
+                        merged.insert(moved.clone(), None);
+                        out.push(HunkReport { renamed_from: Some(path.to_owned()), ..file_level(&moved, Class::Exact, None) });
+                    }
+                    Some(moved) => {
+                        let reason = format!("modify/delete: the patch deletes this file, upstream moved it to {moved} and modified it");
+                        if matches!(mode, Mode::Classify) {
+                            merged.insert(moved.clone(), None);
+                        }
+                        conflict(out, &moved, vec![file_level(&moved, Class::Conflict, Some(reason.clone()))], reason);
+                    }
+                    None => out.push(file_level(path, Class::Upstream, Some("upstream deleted it too".into()))),
+                },
                 Some(t) if t == a => {
                     merged.insert(path.to_owned(), None);
                     out.push(file_level(path, Class::Exact, None));
