@@ -108,6 +108,7 @@ pub struct RebaseArgs<'a> {
     pub json: Option<&'a Path>,
     pub cont: bool,
     pub retire: bool,
+    pub accept: Vec<String>,
     pub abort: bool,
 }
 
@@ -120,7 +121,7 @@ pub fn rebase(p: &Project, a: &RebaseArgs<'_>, pb: &indicatif::ProgressBar) -> a
         return Ok(ExitCode::SUCCESS);
     }
     let outcome = if a.cont {
-        rebase::continue_run(p, &rebase::ContinueOptions { retire: a.retire }, &extra, pb)?
+        rebase::continue_run(p, &rebase::ContinueOptions { retire: a.retire, accept: a.accept.clone() }, &extra, pb)?
     } else {
         let spec = OntoSpec::parse(a.onto.context("--onto SPEC is required")?)?;
         let reg = chain::load_registry(p)?;

@@ -164,6 +164,10 @@ enum Cmd {
         /// With --continue: retire the patch the run stopped on because the new base already has it.
         #[arg(long, requires = "cont")]
         retire: bool,
+        /// With --continue: take this conflicted file as it stands in engine/upstream/ (for conflicts
+        /// written without markers: binary, mode, modify/delete); repeatable.
+        #[arg(long, value_name = "PATH", requires = "cont")]
+        accept: Vec<String>,
         /// Undo the run: registry, patches, manifests, docs and engine/upstream/ restored byte for byte.
         #[arg(long)]
         abort: bool,
@@ -262,8 +266,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             return bench::run(&p, which);
         }
-        Cmd::Rebase { onto, dry_run, json, cont, retire, abort } => {
-            return bump::rebase(&p, &bump::RebaseArgs { onto: onto.as_deref(), dry_run, json: json.as_deref(), cont, retire, abort }, &pb);
+        Cmd::Rebase { onto, dry_run, json, cont, retire, accept, abort } => {
+            return bump::rebase(&p, &bump::RebaseArgs { onto: onto.as_deref(), dry_run, json: json.as_deref(), cont, retire, accept, abort }, &pb);
         }
         Cmd::Canary { spec, json } => return bump::canary(&p, spec.as_deref(), json.as_deref(), &pb),
         Cmd::Gate { patch, all, list, revert } => return cmd::gate::run(&p, patch.as_deref(), all, list, revert, &pb),

@@ -116,7 +116,7 @@ impl Fx {
     }
 
     fn cont(&self, retire: bool) -> anyhow::Result<Outcome> {
-        rebase::continue_run(&self.p, &ContinueOptions { retire }, &no_extra, &pb())
+        rebase::continue_run(&self.p, &ContinueOptions { retire, accept: Vec::new() }, &no_extra, &pb())
     }
 
     fn set_entry(&self, id: &str, f: impl Fn(&mut registry::PatchEntry)) {
@@ -886,5 +886,19 @@ fn deleting_a_file_that_upstream_moved_deletes_it_at_its_new_place() {
     assert_eq!((h.class, h.renamed_from.as_deref()), (Class::Exact, Some("old/a.rs")), "{}", rebase::render_table(&r));
     done(fx.run(&onto));
     assert!(!fx.live().contains_key("new/a.rs"));
+    fx.assert_sound();
+}
+
+#[test]
+fn a_conflict_without_markers_needs_a_change_or_an_explicit_accept_before_continue() {
+    let fx = Fx::new(&[("blob.bin", &[0u8, 1, 2, 0, 3]), ("t.txt", b"t\n")]);
+    fx.patch("0001-bin", &[("blob.bin", Some(&[0, 1, 2, 0, 4]))]);
+    let onto = fx.onto(&[("blob.bin", Some(&[9, 0, 9]))]);
+    stopped(fx.run(&onto));
+    let err = fx.cont(false).err().expect("a binary conflict left as it was is not a resolution");
+    assert!(format!("{err:#}").contains("engine/upstream/blob.bin: binary"), "{err:#}");
+    let r = rebase::continue_run(&fx.p, &ContinueOptions { retire: false, accept: vec!["blob.bin".into()] }, &no_extra, &pb()).expect("accepted as it is");
+    done(r);
+    assert_eq!(fx.live()["blob.bin"].data, [0, 1, 2, 0, 4], "the patch's side, as the stop wrote it");
     fx.assert_sound();
 }

@@ -1044,6 +1044,8 @@ pub type ExtraFilesResult = Result<Vec<(String, Vec<u8>)>, Box<dyn std::error::E
 pub enum RebaseError {
     #[error("a rebase is already in progress ({0}); finish it with `cargo xtask rebase --continue` or undo it with `cargo xtask rebase --abort`")]
     InProgress(String),
+    #[error("patch {id}: conflicts without markers are still as the stop left them:\n  {}\nedit or delete each file to resolve it, or keep it as it is with `cargo xtask rebase --continue --accept PATH`", files.join("\n  "))]
+    Unresolved { id: String, files: Vec<String> },
     #[error("patch {id}: conflict markers remain in engine/upstream/:\n  {}\nresolve them, then `cargo xtask rebase --continue`", lines.join("\n  "))]
     MarkersRemain { id: String, lines: Vec<String> },
     #[error("patch {id} is already upstream and its bump policy is {bump:?}: a person decides. Retire it with `cargo xtask rebase --continue --retire`, or `cargo xtask rebase --abort`")]
@@ -1245,7 +1247,13 @@ fn proceed(p: &Project, inputs: &Inputs, mut state: RebaseState, extra: ExtraFil
             StopKind::Conflict => "conflict",
             StopKind::Decide => "decide",
         };
-        state.stopped = Some(Stopped { id: lp.entry.id.clone(), kind: kind.into(), files: stop.conflicts.clone(), tree_sha256: manifest_sha(&t) });
+        let unmarked = stop
+            .conflicts
+            .iter()
+            .filter(|c| t.get(&c.path).is_none_or(|e| merge3::marker_lines(&e.data).is_empty()))
+            .map(|c| (c.path.clone(), t.get(&c.path).map(|e| tree::sha256_hex(&e.data))))
+            .collect();
+        state.stopped = Some(Stopped { id: lp.entry.id.clone(), kind: kind.into(), files: stop.conflicts.clone(), tree_sha256: manifest_sha(&t), unmarked });
         write_state(p, &state)?;
         crash_point("after-stop-state");
         write_stop_tree(p, &t, &inputs.patches[..stop.index])?;
@@ -1278,6 +1286,8 @@ fn write_stop_tree(p: &Project, t: &Tree, before: &[LoadedPatch]) -> anyhow::Res
 pub struct ContinueOptions {
     /// Retire the patch the run stopped on (its change is already upstream).
     pub retire: bool,
+    /// Conflicted files without markers to take as they are in engine/upstream/.
+    pub accept: Vec<String>,
 }
 
 pub fn continue_run(p: &Project, opts: &ContinueOptions, extra: ExtraFiles<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<Outcome> {
@@ -1318,6 +1328,18 @@ pub fn continue_run(p: &Project, opts: &ContinueOptions, extra: ExtraFiles<'_>, 
             }
             if !left.is_empty() {
                 return Err(RebaseError::MarkersRemain { id: stopped.id.clone(), lines: left }.into());
+            }
+            // A conflict without markers is resolved by changing the file, or by saying it stays.
+            let untouched: Vec<String> = stopped
+                .unmarked
+                .iter()
+                .filter(|(path, sha)| {
+                    live.tree.get(path.as_str()).map(|e| tree::sha256_hex(&e.data)) == **sha && !opts.accept.iter().any(|a| a == *path || a.strip_prefix("engine/upstream/") == Some(path.as_str()))
+                })
+                .map(|(path, _)| format!("engine/upstream/{path}: {}", stopped.files.iter().find(|f| &f.path == path).map(|f| f.reason.as_str()).unwrap_or("conflict")))
+                .collect();
+            if !untouched.is_empty() {
+                return Err(RebaseError::Unresolved { id: stopped.id.clone(), files: untouched }.into());
             }
             // The resolution: the tree as the maintainer left it, against the new chain before the patch.
             let before = plan(&inputs.old_base, &inputs.new_base, &inputs.patches[..idx], &inputs.from, &inputs.onto, &state.resolutions, Some(&state_dir(p).join("resolved")), false)?;

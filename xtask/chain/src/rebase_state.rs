@@ -53,6 +53,11 @@ pub struct Stopped {
     pub files: Vec<ConflictFile>,
     /// The manifest of the tree written into engine/upstream/ for the maintainer.
     pub tree_sha256: String,
+    /// Conflicted files written without markers (binary, mode, modify/delete, add/add of equal
+    /// text): path -> sha256 of what was written (`None`: not written). `--continue` wants them
+    /// changed, or named with `--accept`.
+    #[serde(default)]
+    pub unmarked: std::collections::BTreeMap<String, Option<String>>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
