@@ -1,7 +1,6 @@
 //! The chain commands: apply-chain, unapply, refresh, capture, backup, restore, status, bless.
 
 use std::fs;
-use std::io::Read as _;
 
 use anyhow::{bail, Context as _};
 
@@ -219,18 +218,7 @@ pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &in
     let file = format!("{name}.patch");
     let bytes = export_checked(header.as_bytes(), &old, &live.tree, &file)?;
     tree::write_file_atomically(&p.patches_dir().join(&file), &bytes)?;
-    let entry = PatchEntry {
-        id: id.to_owned(),
-        file: file.clone(),
-        sha256: tree::sha256_hex(&bytes),
-        title,
-        area: o.area.to_owned(),
-        hooks: hooks.clone(),
-        status: "carried".into(),
-        upstream: String::new(),
-        bump: "reapply".into(),
-        gates: vec!["apply".into()],
-    };
+    let entry = PatchEntry::carried(id, &file, &bytes, title, o.area, hooks.clone());
     // Insert after the registry entry of the top applied patch (retired entries keep their places).
     let pos = match l.registry.patches.iter().position(|e| e.id == prev) {
         Some(i) => i + 1,
@@ -270,22 +258,8 @@ pub fn backup(p: &Project, name: Option<&str>) -> anyhow::Result<String> {
     if archive_path.exists() {
         bail!("backup {name} already exists ({}); pick another name", p.rel(&archive_path));
     }
-    let mut builder = tar::Builder::new(Vec::new());
-    let mut add = |path: &str, data: &[u8], mode: u32| -> std::io::Result<()> {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(mode & 0o777);
-        h.set_mtime(0);
-        h.set_cksum();
-        builder.append_data(&mut h, path, data)
-    };
-    for (path, e) in &live.tree {
-        add(path, &e.data, e.mode)?;
-    }
-    if let Some(s) = &live.state {
-        add(tree::STATE_FILE, &s.to_bytes(), 0o644)?;
-    }
-    let bytes = builder.into_inner()?;
+    let state = live.state.as_ref().map(|s| s.to_bytes());
+    let bytes = tree::tar_tree(&live.tree, state.as_deref())?;
     let manifest = tree::render_manifest(&tree::manifest_of(&live.tree));
     tree::write_file_atomically(&dir.join(format!("{name}.manifest")), manifest.as_bytes())?;
     tree::write_file_atomically(&archive_path, &bytes)?;
@@ -306,21 +280,7 @@ pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> 
     };
     let archive_path = dir.join(format!("{name}.tar"));
     let bytes = fs::read(&archive_path).with_context(|| format!("no backup {name} ({})", p.rel(&archive_path)))?;
-    let mut t = Tree::new();
-    let mut state_bytes = None;
-    let mut archive = tar::Archive::new(&bytes[..]);
-    for entry in archive.entries()? {
-        let mut entry = entry?;
-        let path = entry.path()?.to_string_lossy().into_owned();
-        let mode = if entry.header().mode()? & 0o111 != 0 { tree::MODE_EXEC } else { tree::MODE_FILE };
-        let mut data = Vec::new();
-        entry.read_to_end(&mut data)?;
-        if path == tree::STATE_FILE {
-            state_bytes = Some(data);
-        } else {
-            t.insert(path, tree::Entry { mode, data });
-        }
-    }
+    let (t, state_bytes) = tree::untar_tree(&bytes)?;
     let manifest_path = dir.join(format!("{name}.manifest"));
     let recorded = tree::parse_manifest(&fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", p.rel(&manifest_path)))?, &manifest_path)?;
     if recorded != tree::manifest_of(&t) {

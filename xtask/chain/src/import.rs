@@ -392,18 +392,7 @@ pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indi
         return Err(ImportError::Internal(format!("the re-exported {file} does not reproduce the imported tree")));
     }
 
-    let entry = PatchEntry {
-        id: id.clone(),
-        file: file.clone(),
-        sha256: tree::sha256_hex(&out),
-        title,
-        area: o.area.to_owned(),
-        hooks: hooks.clone(),
-        status: "carried".into(),
-        upstream: String::new(),
-        bump: "reapply".into(),
-        gates: vec!["apply".into()],
-    };
+    let entry = PatchEntry::carried(&id, &file, &out, title, o.area, hooks.clone());
     let new_patch = LoadedPatch { entry: entry.clone(), bytes: out.clone(), parsed };
     let mut series: Vec<LoadedPatch> = l.patches[..k].to_vec();
     series.push(new_patch);

@@ -27,7 +27,7 @@
 //! 6. [`apply`]: the strict placer (`delta`, `patch`, `tree`).
 //! 7. [`export`]: deterministic diffs of two trees (`apply`, `base85`, `patch`, `tree`).
 //! 8. [`merge3`]: line-based three-way merge (`patch`).
-//! 9. [`registry`]: the registry's data model, canonical rendering, lint.
+//! 9. [`registry`]: the registry's data model, canonical rendering, lint (`tree`).
 //! 10. [`base`]: obtains the pristine tree (`registry`, `tree`).
 //! 11. [`project`]: a project's paths.
 //! 12. [`extension`]: the hooks a project adds (`patch`, `project`, `registry`).

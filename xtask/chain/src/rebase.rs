@@ -1167,7 +1167,7 @@ pub fn start(p: &Project, inputs: &Inputs, extra_paths: &[String], extra: ExtraF
     let had_upstream = live.is_some();
     if let Some((live, _)) = &live {
         let raw = fs::read(p.upstream_dir().join(tree::STATE_FILE)).ok();
-        fs::write(tmp.join("orig-upstream.tar"), snapshot(live, raw.as_deref())?)?;
+        fs::write(tmp.join("orig-upstream.tar"), tree::tar_tree(&live.tree, raw.as_deref())?)?;
     }
     let state = RebaseState {
         from: inputs.from.clone(),
@@ -1188,46 +1188,6 @@ pub fn start(p: &Project, inputs: &Inputs, extra_paths: &[String], extra: ExtraF
     fs::rename(&tmp, &dir)?;
     crash_point("after-start");
     proceed(p, inputs, state, extra, pb)
-}
-
-/// The live tree and its state file, byte for byte.
-fn snapshot(live: &chain::Live, state_bytes: Option<&[u8]>) -> anyhow::Result<Vec<u8>> {
-    let mut builder = tar::Builder::new(Vec::new());
-    let mut add = |path: &str, data: &[u8], mode: u32| -> std::io::Result<()> {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(mode & 0o777);
-        h.set_mtime(0);
-        h.set_cksum();
-        builder.append_data(&mut h, path, data)
-    };
-    for (path, e) in &live.tree {
-        add(path, &e.data, e.mode)?;
-    }
-    if let Some(s) = state_bytes {
-        add(tree::STATE_FILE, s, 0o644)?;
-    }
-    Ok(builder.into_inner()?)
-}
-
-fn unsnapshot(bytes: &[u8]) -> anyhow::Result<(Tree, Option<Vec<u8>>)> {
-    use std::io::Read as _;
-    let mut t = Tree::new();
-    let mut state = None;
-    let mut archive = tar::Archive::new(bytes);
-    for entry in archive.entries()? {
-        let mut entry = entry?;
-        let path = entry.path()?.to_string_lossy().into_owned();
-        let mode = if entry.header().mode()? & 0o111 != 0 { tree::MODE_EXEC } else { tree::MODE_FILE };
-        let mut data = Vec::new();
-        entry.read_to_end(&mut data)?;
-        if path == tree::STATE_FILE {
-            state = Some(data);
-        } else {
-            t.insert(path, Entry { mode, data });
-        }
-    }
-    Ok((t, state))
 }
 
 fn manifest_sha(t: &Tree) -> String {
@@ -1519,7 +1479,7 @@ pub fn abort(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     }
     crash_point("mid-abort");
     if state.had_upstream {
-        let (t, st) = unsnapshot(&fs::read(dir.join("orig-upstream.tar"))?)?;
+        let (t, st) = tree::untar_tree(&fs::read(dir.join("orig-upstream.tar"))?)?;
         let extra: Vec<(&str, &[u8])> = st.as_deref().map(|s| vec![(tree::STATE_FILE, s)]).unwrap_or_default();
         tree::write_tree_atomically(&p.upstream_dir(), &t, &extra, pb)?;
     } else if p.upstream_dir().exists() {

@@ -80,6 +80,23 @@ pub struct PatchEntry {
 }
 
 impl PatchEntry {
+    /// A new patch's entry, as `capture` and `import` record it: carried, reapplied at a bump,
+    /// gated by `apply` until someone adds its own suite.
+    pub fn carried(id: &str, file: &str, bytes: &[u8], title: String, area: &str, hooks: Vec<String>) -> PatchEntry {
+        PatchEntry {
+            id: id.to_owned(),
+            file: file.to_owned(),
+            sha256: crate::tree::sha256_hex(bytes),
+            title,
+            area: area.to_owned(),
+            hooks,
+            status: "carried".into(),
+            upstream: String::new(),
+            bump: "reapply".into(),
+            gates: vec!["apply".into()],
+        }
+    }
+
     /// Retired patches stay in the registry as history but are not part of the chain.
     pub fn is_applied(&self) -> bool {
         self.status != "retired"

@@ -384,6 +384,47 @@ fn exchange(_: &Path, _: &Path) -> io::Result<()> {
     Err(io::Error::other("no atomic exchange on this platform"))
 }
 
+/// A tree and its chain state file as an uncompressed tar (modes kept, mtimes zeroed): the
+/// format of `backup` and of the snapshot a rebase keeps of the live tree.
+pub fn tar_tree(tree: &Tree, state: Option<&[u8]>) -> io::Result<Vec<u8>> {
+    let mut builder = tar::Builder::new(Vec::new());
+    let mut add = |path: &str, data: &[u8], mode: u32| -> io::Result<()> {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(mode & 0o777);
+        h.set_mtime(0);
+        h.set_cksum();
+        builder.append_data(&mut h, path, data)
+    };
+    for (path, e) in tree {
+        add(path, &e.data, e.mode)?;
+    }
+    if let Some(s) = state {
+        add(STATE_FILE, s, 0o644)?;
+    }
+    builder.into_inner()
+}
+
+/// The inverse of [`tar_tree`]: the tree and the state file's bytes, if it was archived.
+pub fn untar_tree(bytes: &[u8]) -> io::Result<(Tree, Option<Vec<u8>>)> {
+    use std::io::Read as _;
+    let mut t = Tree::new();
+    let mut state = None;
+    for entry in tar::Archive::new(bytes).entries()? {
+        let mut entry = entry?;
+        let path = entry.path()?.to_string_lossy().into_owned();
+        let mode = if entry.header().mode()? & 0o111 != 0 { MODE_EXEC } else { MODE_FILE };
+        let mut data = Vec::new();
+        entry.read_to_end(&mut data)?;
+        if path == STATE_FILE {
+            state = Some(data);
+        } else {
+            t.insert(path, Entry { mode, data });
+        }
+    }
+    Ok((t, state))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
