@@ -348,7 +348,10 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
     let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| model.tokenizer.encode(p, true, true)).collect();
     eprintln!("plain greedy decoding of {} prompts x {} tokens ...", encoded.len(), a.n_predict);
     let plain: Vec<_> = encoded.iter().map(|p| greedy_run(&model, p, a.n_predict, None, true)).collect::<anyhow::Result<_>>()?;
-    println!("{:<16} {:>5} {:>9} {:>10} {:>9} {:>15} {:>13} {:>15} {:>6} {:>6}", "spec type", "depth", "positions", "real_frac", "frac_full", "mean_top1_mae", "max |Δlogit|", "greedy ident.", "accept", "tau");
+    println!(
+        "{:<16} {:>5} {:>9} {:>10} {:>9} {:>15} {:>13} {:>15} {:>6} {:>6}",
+        "spec type", "depth", "positions", "real_frac", "frac_full", "mean_top1_mae", "max |Δlogit|", "greedy ident.", "accept", "tau"
+    );
     let mut all_exact = true;
     let mut results = Vec::new();
     for cfg in configs {
@@ -377,7 +380,17 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
             all_exact &= total.is_exact();
             println!(
                 "{:<16} {:>5} {:>9} {:>10.4} {:>9.4} {:>15.6} {:>13.3e} {:>9}/{:<5} {:>6.3} {:>6.2}",
-                cfg.spec_type.as_str(), depth, total.positions, total.real_frac, total.frac_full_agree, total.mean_top1_mae, total.max_abs_logit_diff, identical, encoded.len(), stats.accept_rate(), stats.tau()
+                cfg.spec_type.as_str(),
+                depth,
+                total.positions,
+                total.real_frac,
+                total.frac_full_agree,
+                total.mean_top1_mae,
+                total.max_abs_logit_diff,
+                identical,
+                encoded.len(),
+                stats.accept_rate(),
+                stats.tau()
             );
             results.push(serde_json::json!({
                 "spec_type": cfg.spec_type.as_str(), "depth": depth, "positions": total.positions,

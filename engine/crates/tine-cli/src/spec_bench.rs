@@ -49,7 +49,11 @@ const MTP9: &str = include_str!("../../../../bench/prompts/mtp9.json");
 /// (set, name, user message) in the seeds' order.
 fn prompts() -> Vec<(&'static str, String, String)> {
     let mut v = vec![
-        ("copy", "code_edit".to_owned(), format!("Rewrite this Python code with the variable `records` renamed to `rows`. Change nothing else and print the whole code.\n\n```python\n{PYTHON_SNIPPET}```")),
+        (
+            "copy",
+            "code_edit".to_owned(),
+            format!("Rewrite this Python code with the variable `records` renamed to `rows`. Change nothing else and print the whole code.\n\n```python\n{PYTHON_SNIPPET}```"),
+        ),
         ("copy", "summarize_quotes".to_owned(), format!("{PASSAGE}\n\nSummarize the passage above in three sentences, quoting its two quotations word for word.")),
     ];
     let set: serde_json::Value = serde_json::from_str(MTP9).expect("bench/prompts/mtp9.json is valid JSON");
@@ -79,7 +83,11 @@ struct Config {
 
 impl Config {
     fn label(&self) -> String {
-        if self.kind == "plain" { "plain".into() } else { format!("{} d{}", self.kind, self.depth) }
+        if self.kind == "plain" {
+            "plain".into()
+        } else {
+            format!("{} d{}", self.kind, self.depth)
+        }
     }
 }
 
@@ -93,7 +101,13 @@ struct Sample {
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() { 0.0 } else if v.len() % 2 == 1 { v[v.len() / 2] } else { (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0 }
+    if v.is_empty() {
+        0.0
+    } else if v.len() % 2 == 1 {
+        v[v.len() / 2]
+    } else {
+        (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0
+    }
 }
 
 pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
@@ -101,10 +115,8 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
     let model = crate::load(&a.model)?;
     let prompts: Vec<_> = prompts().into_iter().filter(|p| a.sets.iter().any(|s| s == p.0)).collect();
-    let encoded: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| Ok(model.tokenizer.encode(&render_gemma(&[Message { role: "user".into(), content: p.2.clone() }], true)?, false, true)))
-        .collect::<anyhow::Result<_>>()?;
+    let encoded: Vec<Vec<u32>> =
+        prompts.iter().map(|p| Ok(model.tokenizer.encode(&render_gemma(&[Message { role: "user".into(), content: p.2.clone() }], true)?, false, true))).collect::<anyhow::Result<_>>()?;
     let mut factories: BTreeMap<String, SpecFactory> = BTreeMap::new();
     for t in &a.types {
         if t == "reject" {
@@ -158,10 +170,17 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
         let idx: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].0 == set).collect();
         // Per round: total tokens / total time over the set's prompts; then the median over rounds.
         let tps = |c: &Config| -> f64 {
-            median((0..a.rounds).map(|r| {
-                let (tok, ms) = idx.iter().fold((0usize, 0f64), |acc, &i| { let s = &samples[&(c.clone(), i)][r]; (acc.0 + s.tokens, acc.1 + s.ms) });
-                tok as f64 * 1000.0 / ms
-            }).collect())
+            median(
+                (0..a.rounds)
+                    .map(|r| {
+                        let (tok, ms) = idx.iter().fold((0usize, 0f64), |acc, &i| {
+                            let s = &samples[&(c.clone(), i)][r];
+                            (acc.0 + s.tokens, acc.1 + s.ms)
+                        });
+                        tok as f64 * 1000.0 / ms
+                    })
+                    .collect(),
+            )
         };
         let plain_tps = tps(&configs[0]);
         writeln!(md, "### Prompt set `{set}` ({} prompts)\n", idx.len())?;
@@ -193,7 +212,11 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
             for c in &configs {
                 let s = &samples[&(c.clone(), i)];
                 let v = median(s.iter().map(|x| x.tokens as f64 * 1000.0 / x.ms).collect());
-                if c.kind == "plain" { write!(md, " {v:.1} |")?; } else { write!(md, " {v:.1} ({:.2}) |", s[0].stats.accept_rate())?; }
+                if c.kind == "plain" {
+                    write!(md, " {v:.1} |")?;
+                } else {
+                    write!(md, " {v:.1} ({:.2}) |", s[0].stats.accept_rate())?;
+                }
             }
             writeln!(md)?;
         }

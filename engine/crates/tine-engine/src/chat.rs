@@ -71,10 +71,7 @@ mod tests {
     #[test]
     fn renders_gemma_turns_with_system_folded_into_the_first_user_turn() {
         let got = render_gemma(&[m("system", "Be brief."), m("user", " Hi! "), m("assistant", "Hello."), m("user", "Bye")], true).expect("valid");
-        assert_eq!(
-            got,
-            "<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
-        );
+        assert_eq!(got, "<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n");
         assert_eq!(render_gemma(&[m("tool", "x")], true), Err(ChatError::UnknownRole("tool".into())));
     }
 }

@@ -186,7 +186,22 @@ impl Generation {
         let timings = Timings { prompt_n: req.prompt.len() - keep, prompt_ms: t0.elapsed().as_secs_f64() * 1e3, cached_n: keep, ..Timings::default() };
         let sampler = Sampler::new(req.sampling.clone());
         let stops = StopMatcher::new(req.stop.clone());
-        Ok(Generation { req, sampler, stops, logits, generated: Vec::new(), bytes: Vec::new(), text: String::new(), sent: 0, finished: None, stopping_word: String::new(), timings, decided: VecDeque::new(), record_logits: false, recorded: Vec::new() })
+        Ok(Generation {
+            req,
+            sampler,
+            stops,
+            logits,
+            generated: Vec::new(),
+            bytes: Vec::new(),
+            text: String::new(),
+            sent: 0,
+            finished: None,
+            stopping_word: String::new(),
+            timings,
+            decided: VecDeque::new(),
+            record_logits: false,
+            recorded: Vec::new(),
+        })
     }
 
     pub fn is_finished(&self) -> bool {

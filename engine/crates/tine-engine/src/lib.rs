@@ -9,5 +9,5 @@ pub mod chat;
 mod generate;
 mod stop;
 
-pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, TokenProb, Timings};
+pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, Timings, TokenProb};
 pub use stop::StopMatcher;

@@ -63,7 +63,13 @@ fn assert_verify_batches_equal_decode(model: &Model, toks: &[u32], start: usize,
         for i in 0..chunk.len() {
             let (a, b) = (logits.row(i), &decoded[row]);
             let differing = a.iter().zip(b).filter(|(x, y)| x.to_bits() != y.to_bits()).count();
-            assert_eq!(differing, 0, "batch {batch}, position {}: {differing} logits differ from the one-token decode (max |diff| {})", start + row, a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max));
+            assert_eq!(
+                differing,
+                0,
+                "batch {batch}, position {}: {differing} logits differ from the one-token decode (max |diff| {})",
+                start + row,
+                a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
+            );
             row += 1;
         }
     }

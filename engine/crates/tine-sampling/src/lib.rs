@@ -57,7 +57,14 @@ impl SamplingParams {
     }
 
     pub fn validate(&self) -> Result<(), ParamsError> {
-        for (name, value) in [("temperature", self.temperature), ("top_p", self.top_p), ("min_p", self.min_p), ("repeat_penalty", self.repeat_penalty), ("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, value) in [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("min_p", self.min_p),
+            ("repeat_penalty", self.repeat_penalty),
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if !value.is_finite() {
                 return Err(ParamsError::NotFinite { name, value });
             }

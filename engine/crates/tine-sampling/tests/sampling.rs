@@ -13,8 +13,14 @@ fn greedy_takes_the_argmax_and_the_lowest_id_on_ties() {
 fn a_fixed_seed_repeats_the_stream() {
     let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
     let params = SamplingParams { seed: Some(42), top_k: 0, top_p: 1.0, min_p: 0.0, temperature: 1.0, ..Default::default() };
-    let a: Vec<u32> = { let mut s = Sampler::new(params.clone()); (0..20).map(|_| s.sample(&logits, &[])).collect() };
-    let b: Vec<u32> = { let mut s = Sampler::new(params); (0..20).map(|_| s.sample(&logits, &[])).collect() };
+    let a: Vec<u32> = {
+        let mut s = Sampler::new(params.clone());
+        (0..20).map(|_| s.sample(&logits, &[])).collect()
+    };
+    let b: Vec<u32> = {
+        let mut s = Sampler::new(params);
+        (0..20).map(|_| s.sample(&logits, &[])).collect()
+    };
     assert_eq!(a, b);
 }
 

@@ -195,9 +195,7 @@ async fn detokenize(State(st): State<Shared>, body: Bytes) -> Result<Json<Value>
 
 fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {
     let vocab = st.model.info.vocab_size as i64;
-    ids.iter()
-        .map(|&t| if (0..vocab).contains(&t) { Ok(t as u32) } else { Err(ApiError::bad(format!("token id {t} is outside the vocabulary (0..{vocab})"))) })
-        .collect()
+    ids.iter().map(|&t| if (0..vocab).contains(&t) { Ok(t as u32) } else { Err(ApiError::bad(format!("token id {t} is outside the vocabulary (0..{vocab})"))) }).collect()
 }
 
 // ---- generation requests ----

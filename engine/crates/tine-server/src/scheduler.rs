@@ -17,7 +17,11 @@ use tokio::sync::mpsc::UnboundedSender;
 #[derive(Debug, Clone)]
 pub enum Event {
     /// A generated token and the text it made safe to show.
-    Token { id: u32, text: String, prob: Option<TokenProb> },
+    Token {
+        id: u32,
+        text: String,
+        prob: Option<TokenProb>,
+    },
     Done(Box<Summary>),
     Error(String),
 }
@@ -58,10 +62,7 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn start(model: Arc<Model>, slots: usize, ctx_size: usize, spec: Option<Arc<SpecFactory>>) -> Scheduler {
         let (tx, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name("tine-engine".into())
-            .spawn(move || run(model, slots, ctx_size, spec, rx))
-            .expect("spawning the engine thread");
+        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, slots, ctx_size, spec, rx)).expect("spawning the engine thread");
         Scheduler { jobs: tx, slots }
     }
 

@@ -118,10 +118,13 @@ fn concurrent_clients_get_the_same_output_as_alone() {
     let prompts = ["hello world", "the world", "an hello", "in the hell", "world world"];
     let alone: Vec<Value> = prompts.iter().map(|p| post(srv.addr, "/completion", greedy(p, 10)).1).collect();
     let addr = srv.addr;
-    let handles: Vec<_> = (0..3).flat_map(|_| prompts.iter()).map(|p| {
-        let p = p.to_string();
-        std::thread::spawn(move || (p.clone(), post(addr, "/completion", greedy(&p, 10)).1))
-    }).collect();
+    let handles: Vec<_> = (0..3)
+        .flat_map(|_| prompts.iter())
+        .map(|p| {
+            let p = p.to_string();
+            std::thread::spawn(move || (p.clone(), post(addr, "/completion", greedy(&p, 10)).1))
+        })
+        .collect();
     for h in handles {
         let (p, got) = h.join().expect("client thread");
         let want = &alone[prompts.iter().position(|x| *x == p).expect("known prompt")];
@@ -214,7 +217,11 @@ fn openai_shapes_and_tokenize_round_trip() {
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 3);
-    let (_, c) = post(srv.addr, "/v1/chat/completions", json!({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hello"}]}], "max_tokens": 3, "temperature": 0}));
+    let (_, c) = post(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hello"}]}], "max_tokens": 3, "temperature": 0}),
+    );
     assert_eq!(c["object"], "chat.completion");
     assert_eq!(c["choices"][0]["message"]["role"], "assistant");
     let (_, t) = post(srv.addr, "/tokenize", json!({"content": "hello world", "add_special": true}));

@@ -162,11 +162,19 @@ pub struct SpecStats {
 
 impl SpecStats {
     pub fn accept_rate(&self) -> f64 {
-        if self.draft_n == 0 { 0.0 } else { self.draft_n_accepted as f64 / self.draft_n as f64 }
+        if self.draft_n == 0 {
+            0.0
+        } else {
+            self.draft_n_accepted as f64 / self.draft_n as f64
+        }
     }
     /// Mean tokens decided per verify step: `1 + accepted / steps`.
     pub fn tau(&self) -> f64 {
-        if self.draft_verify_steps == 0 { 1.0 } else { 1.0 + self.draft_n_accepted as f64 / self.draft_verify_steps as f64 }
+        if self.draft_verify_steps == 0 {
+            1.0
+        } else {
+            1.0 + self.draft_n_accepted as f64 / self.draft_verify_steps as f64
+        }
     }
     pub fn add(&mut self, o: &SpecStats) {
         self.draft_n += o.draft_n;
@@ -242,15 +250,7 @@ impl Speculator {
     ///
     /// `prepare` edits each logit row before a decision (for example to ban end-of-generation
     /// tokens), exactly as plain decoding edits its logits.
-    pub fn round(
-        &mut self,
-        model: &Model,
-        seq: &mut Sequence,
-        pending: u32,
-        sampler: &mut Sampler,
-        max_new: usize,
-        prepare: &dyn Fn(&mut [f32]),
-    ) -> Result<Round, SpecError> {
+    pub fn round(&mut self, model: &Model, seq: &mut Sequence, pending: u32, sampler: &mut Sampler, max_new: usize, prepare: &dyn Fn(&mut [f32])) -> Result<Round, SpecError> {
         let n = seq.len();
         // Plain decoding stops once the sequence is one short of the context, so the last row
         // it ever computes is at position `context - 2`: a round must not decide past it.
@@ -258,15 +258,7 @@ impl Speculator {
         let k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room);
         let consulted = k_max > 0;
         let mut drafts = if consulted {
-            let input = DraftInput {
-                model,
-                target: seq,
-                pending,
-                hidden: self.hidden.as_ref(),
-                hidden_start: self.hidden_start,
-                n_max: k_max,
-                p_min: self.params.p_min,
-            };
+            let input = DraftInput { model, target: seq, pending, hidden: self.hidden.as_ref(), hidden_start: self.hidden_start, n_max: k_max, p_min: self.params.p_min };
             let mut d = self.drafter.draft(&input)?;
             d.truncate(k_max);
             d

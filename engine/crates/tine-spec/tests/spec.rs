@@ -143,7 +143,11 @@ impl Drafter for Scripted {
         Ok((0..input.n_max)
             .map(|i| {
                 let t = self.truth.get(g + 1 + i).copied().unwrap_or(0);
-                if i < self.correct { t } else { (t + 1) % self.vocab }
+                if i < self.correct {
+                    t
+                } else {
+                    (t + 1) % self.vocab
+                }
             })
             .collect())
     }
@@ -356,7 +360,8 @@ fn real_model() -> &'static Arc<Model> {
 #[test]
 fn real_model_drafting_with_itself_accepts_every_token_and_ngram_accepts_most_of_a_copy() {
     let model = real_model();
-    let prompt = model.tokenizer.encode("Copy this line exactly, three times:\nThe quick brown fox jumps over the lazy dog.\nThe quick brown fox jumps over the lazy dog.\nThe quick brown fox", true, true);
+    let prompt =
+        model.tokenizer.encode("Copy this line exactly, three times:\nThe quick brown fox jumps over the lazy dog.\nThe quick brown fox jumps over the lazy dog.\nThe quick brown fox", true, true);
     let n = 32;
     let mut seq = model.new_sequence(256);
     let want = {

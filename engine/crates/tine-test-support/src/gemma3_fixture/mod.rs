@@ -46,7 +46,10 @@ impl Default for TinyGemma3 {
 /// Control tokens first (ids as in Gemma: 0 pad, 1 eos, 2 bos, 3 unk), then byte tokens, then pieces.
 pub const CONTROL: [&str; 6] = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"];
 /// Scored pieces (higher score merges first).
-pub const PIECES: &[&str] = &["▁", "h", "e", "l", "o", "w", "r", "d", "t", "a", "n", "s", "i", "\n", "he", "ll", "hell", "hello", "▁w", "or", "▁wor", "▁world", "▁the", "th", "▁t", "an", "▁an", "in", "▁in", "é", "▁▁", "user", "model", "ld"];
+pub const PIECES: &[&str] = &[
+    "▁", "h", "e", "l", "o", "w", "r", "d", "t", "a", "n", "s", "i", "\n", "he", "ll", "hell", "hello", "▁w", "or", "▁wor", "▁world", "▁the", "th", "▁t", "an", "▁an", "in", "▁in", "é", "▁▁", "user",
+    "model", "ld",
+];
 
 /// Deterministic pseudo-random numbers (xorshift), so fixtures need no RNG crate.
 struct Rng(u64);
