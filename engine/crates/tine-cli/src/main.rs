@@ -65,6 +65,21 @@ struct ServeArgs {
     /// Slots: requests served concurrently, each with its own KV cache (and reused prompt prefix).
     #[arg(short = 'n', long = "parallel", alias = "np", default_value_t = 1)]
     parallel: usize,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health (comma-separated keys; repeatable).
+    #[arg(long = "api-key", value_name = "KEY", value_delimiter = ',')]
+    api_key: Vec<String>,
+    /// Read API keys from a file, one per line (added to --api-key).
+    #[arg(long = "api-key-file", value_name = "FILE")]
+    api_key_file: Option<std::path::PathBuf>,
+    /// Prompt tokens evaluated per engine step: a long prompt stalls the other slots for one such chunk at most.
+    #[arg(long = "ubatch-size", default_value_t = tine_runtime::PREFILL_CHUNK)]
+    ubatch: usize,
+    /// Requests allowed to wait for a slot; beyond this the server answers 503 (with Retry-After).
+    #[arg(long = "max-queue", default_value_t = tine_server::DEFAULT_MAX_QUEUE)]
+    max_queue: usize,
+    /// Largest request body in bytes (413 above it).
+    #[arg(long = "max-body-bytes", default_value_t = tine_server::DEFAULT_MAX_BODY_BYTES)]
+    max_body_bytes: usize,
     #[command(flatten)]
     spec: SpecArgs,
 }
@@ -438,12 +453,29 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let ctx = a.model.ctx_size.min(model.info.context_length);
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
     let spec = a.spec.load(&model)?.map(std::sync::Arc::new);
-    let config = tine_server::ServerConfig { parallel: a.parallel.max(1), ctx_size: ctx, spec };
+    let mut keys = a.api_key.clone();
+    if let Some(f) = &a.api_key_file {
+        let text = std::fs::read_to_string(f).with_context(|| format!("reading --api-key-file {}", f.display()))?;
+        keys.extend(text.lines().map(str::to_owned));
+    }
+    let api_keys = tine_server::ApiKeys::new(keys);
+    if a.api_key_file.is_some() && api_keys.is_empty() {
+        anyhow::bail!("--api-key-file holds no key");
+    }
+    let config = tine_server::ServerConfig {
+        spec,
+        api_keys,
+        ubatch: a.ubatch.max(1),
+        max_queue: a.max_queue,
+        max_body_bytes: a.max_body_bytes,
+        ..tine_server::ServerConfig::new(a.parallel.max(1), ctx)
+    };
     let spec_note = match &config.spec {
         Some(f) => format!(", speculative {} n_max {}", f.config.spec_type, f.config.params.n_max),
         None => String::new(),
     };
-    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each{spec_note})", config.parallel);
+    let auth_note = if config.api_keys.is_empty() { "" } else { ", API key required" };
+    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each{spec_note}{auth_note})", config.parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(tine_server::serve(model, config, addr)).with_context(|| format!("serving on {addr}"))?;
     Ok(())
@@ -455,6 +487,7 @@ fn llama_style_args() -> Vec<std::ffi::OsString> {
         .map(|a| match a.to_str() {
             Some("-md") => "--model-draft".into(),
             Some("-ngld") => "--n-gpu-layers-draft".into(),
+            Some("-ub") => "--ubatch-size".into(),
             _ => a,
         })
         .collect()

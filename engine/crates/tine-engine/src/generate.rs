@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use std::collections::VecDeque;
 
-use tine_runtime::{Model, Sequence, StepError};
+use tine_runtime::{Model, Sequence, StepError, PREFILL_CHUNK};
 use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
 use tine_spec::{SpecError, SpecStats, Speculator};
 
@@ -128,6 +128,10 @@ pub struct Generation {
     sampler: Sampler,
     stops: StopMatcher,
     logits: Vec<f32>,
+    /// The next prompt position to evaluate, while the prompt is not all in.
+    prefill_at: Option<usize>,
+    /// Prompt tokens per prefill step.
+    chunk: usize,
     generated: Vec<u32>,
     bytes: Vec<u8>,
     text: String,
@@ -156,6 +160,19 @@ impl Generation {
     /// [`Generation::start`] with an optional speculator for this sequence (then pass it to
     /// [`Generation::step_with`] on every step).
     pub fn start_with(model: &Model, seq: &mut Sequence, req: GenerateRequest, spec: Option<&mut Speculator>) -> Result<Generation, GenerateError> {
+        let mut spec = spec;
+        let mut g = Self::begin_with(seq, req, spec.as_deref_mut(), PREFILL_CHUNK)?;
+        while g.is_prefilling() {
+            g.prefill_step(model, seq, spec.as_deref_mut())?;
+        }
+        Ok(g)
+    }
+
+    /// Validates the request and rolls `seq` back to the prefix it can reuse, without
+    /// evaluating anything: the prompt is then evaluated `chunk` tokens per
+    /// [`Generation::step_with`] call (each returns an empty event until it is done), so a
+    /// scheduler can interleave a long prompt with other sequences' decode steps.
+    pub fn begin_with(seq: &mut Sequence, req: GenerateRequest, spec: Option<&mut Speculator>, chunk: usize) -> Result<Generation, GenerateError> {
         if req.prompt.is_empty() {
             return Err(GenerateError::EmptyPrompt);
         }
@@ -169,28 +186,24 @@ impl Generation {
         let common = if req.cache_prompt { common_prefix(seq.tokens(), &req.prompt) } else { 0 };
         // The last prompt token is always evaluated: its logits start the generation.
         let mut keep = common.min(req.prompt.len() - 1);
-        let mut spec = spec;
-        if let (Some(spec), Some(params)) = (spec.as_deref_mut(), req.speculative) {
-            spec.params = params;
-        }
-        if let Some(spec) = spec.as_deref() {
+        if let Some(spec) = spec {
+            if let Some(params) = req.speculative {
+                spec.params = params;
+            }
             // A drafter with per-position state only covers part of what the target holds.
             keep = keep.min(spec.reusable(&req.prompt));
         }
         seq.rollback(keep)?;
-        let t0 = Instant::now();
-        let logits = match spec {
-            Some(spec) => spec.prefill(model, seq, &req.prompt[keep..])?,
-            None => seq.prefill(model, &req.prompt[keep..])?,
-        };
-        let timings = Timings { prompt_n: req.prompt.len() - keep, prompt_ms: t0.elapsed().as_secs_f64() * 1e3, cached_n: keep, ..Timings::default() };
+        let timings = Timings { cached_n: keep, ..Timings::default() };
         let sampler = Sampler::new(req.sampling.clone());
         let stops = StopMatcher::new(req.stop.clone());
         Ok(Generation {
             req,
             sampler,
             stops,
-            logits,
+            logits: Vec::new(),
+            prefill_at: Some(keep),
+            chunk: chunk.max(1),
             generated: Vec::new(),
             bytes: Vec::new(),
             text: String::new(),
@@ -202,6 +215,34 @@ impl Generation {
             record_logits: false,
             recorded: Vec::new(),
         })
+    }
+
+    /// Whether prompt tokens remain to be evaluated.
+    pub fn is_prefilling(&self) -> bool {
+        self.prefill_at.is_some()
+    }
+
+    /// Evaluates the next chunk of the prompt (a no-op once the prompt is in). Atomic: on
+    /// error the sequence holds what it held before this chunk.
+    pub fn prefill_step(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<(), GenerateError> {
+        let Some(at) = self.prefill_at else { return Ok(()) };
+        let keep = self.timings.cached_n;
+        let end = (at + self.chunk).min(self.req.prompt.len());
+        let tokens = &self.req.prompt[at..end];
+        let t0 = Instant::now();
+        let logits = match spec {
+            Some(spec) => spec.prefill_chunk(model, seq, tokens, at == keep)?,
+            None => seq.prefill(model, tokens)?,
+        };
+        self.timings.prompt_ms += t0.elapsed().as_secs_f64() * 1e3;
+        self.timings.prompt_n += tokens.len();
+        if end == self.req.prompt.len() {
+            self.logits = logits;
+            self.prefill_at = None;
+        } else {
+            self.prefill_at = Some(end);
+        }
+        Ok(())
     }
 
     pub fn is_finished(&self) -> bool {
@@ -251,6 +292,10 @@ impl Generation {
     pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
         if let Some(stop) = self.finished {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
+        }
+        if self.is_prefilling() {
+            self.prefill_step(model, seq, spec)?;
+            return Ok(StepEvent::default());
         }
         let t0 = Instant::now();
         if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {

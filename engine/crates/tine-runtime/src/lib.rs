@@ -9,7 +9,7 @@ mod graft;
 mod model;
 
 pub use graft::{graft_nextn, GraftError, Grafted};
-pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError};
+pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError, PREFILL_CHUNK};
 
 /// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).
 pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";

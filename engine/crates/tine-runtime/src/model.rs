@@ -54,6 +54,9 @@ pub enum StepError {
     RollbackPastEnd { to: usize, len: usize },
     #[error("tensor operation failed")]
     Candle(#[from] candle_core::Error),
+    /// A failure injected by [`Sequence::inject_failure`] (failure-injection tests).
+    #[error("injected failure after the forward's KV writes (failure-injection test)")]
+    Injected,
 }
 
 /// What the GGUF says about the model.
@@ -146,7 +149,7 @@ impl Model {
     pub fn new_sequence(&self, context: usize) -> Sequence {
         let context = context.min(self.info.context_length).max(1);
         // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
-        Sequence { cache: self.weights.new_cache(context.min(4096)), tokens: Vec::new(), context }
+        Sequence { cache: self.weights.new_cache(context.min(4096)), tokens: Vec::new(), context, fail_after: None }
     }
 }
 
@@ -172,10 +175,15 @@ impl Logits {
 /// One sequence's state: the tokens it has seen and their KV cache.
 ///
 /// Invariant: `tokens.len()` equals the positions the cache holds.
+/// Invariant: every step is atomic: a step that returns an error leaves the tokens and the
+/// cache's length exactly as they were (the KV rows it wrote past the old end are dead, as
+/// after a rollback), so a caller may keep using the sequence and its cached prefix.
 pub struct Sequence {
     cache: Cache,
     tokens: Vec<u32>,
     context: usize,
+    /// Forwards left before an injected failure ([`Sequence::inject_failure`]).
+    fail_after: Option<usize>,
 }
 
 /// Prompt tokens per forward during prefill: bounds the attention scratch memory.
@@ -209,17 +217,59 @@ impl Sequence {
         Ok(())
     }
 
+    /// Failure injection: the forward after `forwards` more succeed fails with
+    /// [`StepError::Injected`] once its KV rows are written (the worst moment), to prove that
+    /// steps are atomic. `None` turns it off.
+    #[doc(hidden)]
+    pub fn inject_failure(&mut self, forwards: Option<usize>) {
+        self.fail_after = forwards;
+    }
+
+    /// Called after each forward has written its KV rows.
+    fn injected(&mut self) -> Result<(), StepError> {
+        match self.fail_after {
+            Some(0) => {
+                self.fail_after = None;
+                Err(StepError::Injected)
+            }
+            Some(n) => {
+                self.fail_after = Some(n - 1);
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Runs a step; on error, puts the sequence back to its `len()` before the step.
+    fn atomic<T>(&mut self, step: impl FnOnce(&mut Self) -> Result<T, StepError>) -> Result<T, StepError> {
+        let start = self.tokens.len();
+        let out = step(self);
+        if out.is_err() {
+            self.tokens.truncate(start);
+            // Every layer holds at least `start` positions (a step only appends), so this only
+            // fails on a broken cache; then forget everything rather than keep a mixed state.
+            if self.cache.truncate(start).is_err() {
+                self.reset();
+            }
+        }
+        out
+    }
+
     /// Appends `tokens` (in chunks of [`PREFILL_CHUNK`]) and returns the last position's logits.
+    /// Atomic: on error nothing was appended.
     pub fn prefill(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
         self.check(model, tokens)?;
-        let mut last = Vec::new();
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
-            let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
-            let logits = model.weights.forward_with_cache(&x, &mut self.cache)?;
-            self.tokens.extend_from_slice(chunk);
-            last = logits.squeeze(0)?.to_vec1::<f32>()?;
-        }
-        Ok(last)
+        self.atomic(|seq| {
+            let mut last = Vec::new();
+            for chunk in tokens.chunks(PREFILL_CHUNK) {
+                let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
+                let logits = model.weights.forward_with_cache(&x, &mut seq.cache)?;
+                seq.injected()?;
+                seq.tokens.extend_from_slice(chunk);
+                last = logits.squeeze(0)?.to_vec1::<f32>()?;
+            }
+            Ok(last)
+        })
     }
 
     /// Appends one token and returns its logits.
@@ -228,14 +278,18 @@ impl Sequence {
     }
 
     /// Appends `tokens` in one forward and returns the logits of every one of them (a verify batch).
+    /// Atomic: on error nothing was appended.
     pub fn forward_all(&mut self, model: &Model, tokens: &[u32]) -> Result<Logits, StepError> {
         self.check(model, tokens)?;
-        let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
-        let out = model.weights.forward_all(&x, &mut self.cache, false)?;
-        self.tokens.extend_from_slice(tokens);
-        let logits = out.logits.squeeze(0)?;
-        let vocab = logits.dim(1)?;
-        Ok(Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab })
+        self.atomic(|seq| {
+            let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
+            let out = model.weights.forward_all(&x, &mut seq.cache, false)?;
+            seq.injected()?;
+            seq.tokens.extend_from_slice(tokens);
+            let logits = out.logits.squeeze(0)?;
+            let vocab = logits.dim(1)?;
+            Ok(Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab })
+        })
     }
 
     /// Keeps the first `len` positions (O(1): the cache is truncated, nothing is copied).
@@ -283,28 +337,34 @@ impl Sequence {
     /// [`Sequence::prefill`] that also returns the hidden states of every position it adds.
     pub fn prefill_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
         self.check(model, tokens)?;
-        let mut hidden = Vec::new();
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
-            let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
-            hidden.push(model.weights.forward_hidden(&x, &mut self.cache)?.squeeze(0)?);
-            self.tokens.extend_from_slice(chunk);
-        }
-        let hidden = Tensor::cat(&hidden, 0)?;
-        let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
-        let logits = model.weights.project(&last)?.squeeze(0)?.to_vec1::<f32>()?;
-        Ok((logits, Hidden(hidden)))
+        self.atomic(|seq| {
+            let mut hidden = Vec::new();
+            for chunk in tokens.chunks(PREFILL_CHUNK) {
+                let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
+                hidden.push(model.weights.forward_hidden(&x, &mut seq.cache)?.squeeze(0)?);
+                seq.injected()?;
+                seq.tokens.extend_from_slice(chunk);
+            }
+            let hidden = Tensor::cat(&hidden, 0)?;
+            let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
+            let logits = model.weights.project(&last)?.squeeze(0)?.to_vec1::<f32>()?;
+            Ok((logits, Hidden(hidden)))
+        })
     }
 
     /// [`Sequence::forward_all`] that also returns the hidden states of every position.
     pub fn forward_all_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Logits, Hidden), StepError> {
         self.check(model, tokens)?;
-        let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
-        let out = model.weights.forward_all(&x, &mut self.cache, true)?;
-        self.tokens.extend_from_slice(tokens);
-        let logits = out.logits.squeeze(0)?;
-        let vocab = logits.dim(1)?;
-        let hidden = out.hidden.expect("asked for hidden states").squeeze(0)?;
-        Ok((Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab }, Hidden(hidden)))
+        self.atomic(|seq| {
+            let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
+            let out = model.weights.forward_all(&x, &mut seq.cache, true)?;
+            seq.injected()?;
+            seq.tokens.extend_from_slice(tokens);
+            let logits = out.logits.squeeze(0)?;
+            let vocab = logits.dim(1)?;
+            let hidden = out.hidden.expect("asked for hidden states").squeeze(0)?;
+            Ok((Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab }, Hidden(hidden)))
+        })
     }
 
     /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
@@ -358,14 +418,31 @@ impl NextNState {
         if next_tokens.is_empty() || hidden.positions() != next_tokens.len() {
             return Err(StepError::Empty);
         }
-        if self.tokens.is_empty() {
-            self.tokens.push(first_token);
+        let (len, n_tokens) = (self.cache.len(), self.tokens.len());
+        let out = (|| {
+            let x = Tensor::new(next_tokens, &model.device)?.unsqueeze(0)?;
+            let out = model.weights.nextn_forward(&hidden.0.unsqueeze(0)?, &x, &mut self.cache)?;
+            Ok::<_, StepError>((out.logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(out.hidden.squeeze(0)?)))
+        })();
+        match out {
+            Ok(out) => {
+                if self.tokens.is_empty() {
+                    self.tokens.push(first_token);
+                }
+                self.tokens.truncate(len + 1);
+                self.tokens.extend_from_slice(next_tokens);
+                Ok(out)
+            }
+            Err(e) => {
+                // Atomic like the target's steps: the state is as before.
+                self.tokens.truncate(n_tokens);
+                if self.cache.truncate(len).is_err() {
+                    self.cache.reset();
+                    self.tokens.clear();
+                }
+                Err(e)
+            }
         }
-        let x = Tensor::new(next_tokens, &model.device)?.unsqueeze(0)?;
-        let out = model.weights.nextn_forward(&hidden.0.unsqueeze(0)?, &x, &mut self.cache)?;
-        self.tokens.truncate(self.cache.len() - next_tokens.len() + 1);
-        self.tokens.extend_from_slice(next_tokens);
-        Ok((out.logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(out.hidden.squeeze(0)?)))
     }
 }
 

@@ -2,15 +2,23 @@
 //!
 //! This crate is the only one that knows JSON and HTTP. Requests are parsed and validated at the
 //! edge into `tine_engine::GenerateRequest`; the [`scheduler`] thread does the work. Every error
-//! is a status code with an OpenAI-style JSON body, and the server keeps serving.
+//! is a status code with an OpenAI-style JSON body ([`error`] maps error types to statuses in
+//! one place), and the server keeps serving.
+//!
+//! The edge, in order: `--api-key` ([`auth`]), the body read (a size limit answered 413 and a
+//! time limit answered 408), JSON decoding (400 naming the field), validation (400), admission
+//! (503 once `slots + max_queue` requests are in), then the engine.
 
+pub mod auth;
+pub mod error;
 pub mod scheduler;
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
@@ -26,7 +34,9 @@ use tine_sampling::SamplingParams;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
-use scheduler::{Event, Job, Scheduler, Summary};
+pub use auth::ApiKeys;
+pub use error::ApiError;
+use scheduler::{Admission, EngineConfig, Event, Job, Scheduler, Summary};
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -34,11 +44,46 @@ pub struct ServerConfig {
     pub ctx_size: usize,
     /// Speculative decoding for every slot (each slot keeps its own drafter state).
     pub spec: Option<Arc<tine_spec::SpecFactory>>,
+    /// `--api-key`: when not empty, every endpoint but `/health` needs one of these.
+    pub api_keys: ApiKeys,
+    /// Largest request body accepted (413 above it).
+    pub max_body_bytes: usize,
+    /// Time a client has to send its whole body (408 after it).
+    pub body_timeout: Duration,
+    /// Requests waiting for a slot beyond the busy ones; more are refused with 503.
+    pub max_queue: usize,
+    /// Prompt tokens evaluated per engine step (`--ubatch-size`).
+    pub ubatch: usize,
+    /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]).
+    #[doc(hidden)]
+    pub fault: Option<Arc<AtomicI64>>,
 }
+
+impl ServerConfig {
+    pub fn new(parallel: usize, ctx_size: usize) -> ServerConfig {
+        ServerConfig {
+            parallel,
+            ctx_size,
+            spec: None,
+            api_keys: ApiKeys::default(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            body_timeout: Duration::from_secs(60),
+            max_queue: DEFAULT_MAX_QUEUE,
+            ubatch: tine_runtime::PREFILL_CHUNK,
+            fault: None,
+        }
+    }
+}
+
+/// 16 MiB: a full 128k-token prompt as JSON text fits several times over.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// Queued requests allowed beyond the slots.
+pub const DEFAULT_MAX_QUEUE: usize = 256;
 
 struct AppState {
     model: Arc<Model>,
     scheduler: Scheduler,
+    admission: Admission,
     config: ServerConfig,
     model_id: String,
 }
@@ -47,11 +92,15 @@ type Shared = Arc<AppState>;
 
 /// Builds the router; the engine thread starts here.
 pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
-    let scheduler = Scheduler::start(model.clone(), config.parallel.max(1), config.ctx_size, config.spec.clone());
+    let engine = EngineConfig { slots: config.parallel.max(1), ctx_size: config.ctx_size, spec: config.spec.clone(), ubatch: config.ubatch.max(1), fault: config.fault.clone() };
+    let scheduler = Scheduler::start(model.clone(), engine);
+    let admission = Admission::new(config.parallel.max(1) + config.max_queue);
     let model_id = model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone());
-    let state = Arc::new(AppState { model, scheduler, config, model_id });
+    let keys = config.api_keys.clone();
+    let state = Arc::new(AppState { model, scheduler, admission, config, model_id });
     Router::new()
         .route("/health", get(health))
+        .route("/v1/health", get(health))
         .route("/props", get(props))
         .route("/v1/models", get(models))
         .route("/models", get(models))
@@ -63,7 +112,9 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
+        .layer(axum::middleware::from_fn_with_state(keys, auth::require_key))
 }
 
 /// Serves until the process ends.
@@ -72,37 +123,29 @@ pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) ->
     axum::serve(listener, router(model, config)).await
 }
 
-// ---- errors ----
-
-/// An error answered as `{"error": {"code", "message", "type"}}`.
-#[derive(Debug)]
-pub struct ApiError {
-    status: StatusCode,
-    message: String,
-}
-
-impl ApiError {
-    fn bad(message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::BAD_REQUEST, message: message.into() }
-    }
-    fn internal(message: impl Into<String>) -> ApiError {
-        ApiError { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into() }
-    }
-}
-
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let kind = match self.status {
-            StatusCode::BAD_REQUEST => "invalid_request_error",
-            StatusCode::NOT_FOUND => "not_found_error",
-            _ => "server_error",
-        };
-        (self.status, Json(json!({"error": {"code": self.status.as_u16(), "message": self.message, "type": kind}}))).into_response()
-    }
-}
-
 async fn not_found() -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, message: "no such endpoint".into() }
+    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "this endpoint does not take that method")
+}
+
+/// Reads the whole body within the size and time limits.
+async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    let limit = st.config.max_body_bytes;
+    match tokio::time::timeout(st.config.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, format!("the request body did not arrive within {} s", st.config.body_timeout.as_secs()))),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let too_big = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) || e.to_string().contains("length limit");
+            if too_big {
+                Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than the limit of {limit} bytes")))
+            } else {
+                Err(ApiError::bad(format!("cannot read the request body: {}", error::chain(&e))))
+            }
+        }
+    }
 }
 
 fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
@@ -110,6 +153,10 @@ fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiErro
         return Err(ApiError::bad("the request body is empty; send a JSON object"));
     }
     serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))
+}
+
+async fn json_body<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) -> Result<T, ApiError> {
+    parse_body(&read_body(st, body).await?)
 }
 
 // ---- simple endpoints ----
@@ -172,8 +219,8 @@ fn yes() -> bool {
     true
 }
 
-async fn tokenize(State(st): State<Shared>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let b: TokenizeBody = parse_body(&body)?;
+async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let b: TokenizeBody = json_body(&st, body).await?;
     let ids = st.model.tokenizer.encode(&b.content, b.add_special, b.parse_special);
     if b.with_pieces {
         let pieces: Vec<Value> = ids.iter().map(|&id| json!({"id": id, "piece": String::from_utf8_lossy(&st.model.tokenizer.token_bytes(id, true))})).collect();
@@ -187,8 +234,8 @@ struct DetokenizeBody {
     tokens: Vec<i64>,
 }
 
-async fn detokenize(State(st): State<Shared>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let b: DetokenizeBody = parse_body(&body)?;
+async fn detokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let b: DetokenizeBody = json_body(&st, body).await?;
     let ids = checked_ids(&st, &b.tokens)?;
     Ok(Json(json!({"content": st.model.tokenizer.decode(&ids, true)})))
 }
@@ -377,8 +424,11 @@ fn prob_json(st: &AppState, p: &TokenProb) -> Value {
 
 /// Submits and returns the event stream.
 fn submit(st: &AppState, request: GenerateRequest) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
+    let permit = st.admission.try_admit().ok_or_else(|| {
+        ApiError::unavailable(format!("the server is busy: {} requests are in progress or queued (limit {}); retry later", st.admission.in_flight(), st.admission.limit()))
+    })?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    st.scheduler.submit(Job { request, events: tx }).map_err(|_| ApiError::internal("the engine thread has stopped"))?;
+    st.scheduler.submit(Job { request, events: tx, permit }).map_err(|_| ApiError::unavailable("the engine thread has stopped"))?;
     Ok(rx)
 }
 
@@ -392,18 +442,10 @@ async fn collect(st: &AppState, mut rx: tokio::sync::mpsc::UnboundedReceiver<Eve
                 log_request(st, &s);
                 return Ok((*s, probs));
             }
-            Event::Error(e) => return Err(map_engine_error(e)),
+            Event::Error(e) => return Err(ApiError::from(&e)),
         }
     }
     Err(ApiError::internal("the engine dropped the request"))
-}
-
-fn map_engine_error(e: String) -> ApiError {
-    if e.contains("exceeds the available context") || e.contains("must be") || e.contains("empty") {
-        ApiError::bad(e)
-    } else {
-        ApiError::internal(e)
-    }
 }
 
 fn log_request(st: &AppState, s: &Summary) {
@@ -446,8 +488,8 @@ fn sse_json(v: Value) -> Result<SseEvent, std::convert::Infallible> {
 
 // ---- /completion (llama-server) ----
 
-async fn completion(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    let b: CompletionBody = parse_body(&body)?;
+async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let b: CompletionBody = json_body(&st, body).await?;
     let prompt = prompt_tokens(&st, b.prompt)?;
     let v = validate(&st, prompt, b.gen)?;
     let prompt_text = st.model.tokenizer.decode(&v.request.prompt, true);
@@ -466,7 +508,7 @@ async fn completion(State(st): State<Shared>, body: Bytes) -> Result<Response, A
                 log_request(&st2, &s);
                 sse_json(final_completion_json(&st2, &s, "", &[], false, &prompt_text))
             }
-            Event::Error(e) => sse_json(json!({"error": {"code": 500, "message": e, "type": "server_error"}})),
+            Event::Error(e) => sse_json(ApiError::from(&e).body()),
         });
         return Ok(Sse::new(stream).into_response());
     }
@@ -512,8 +554,8 @@ fn usage(s: &Summary) -> Value {
 
 // ---- /v1/completions (OpenAI) ----
 
-async fn oai_completions(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    let b: CompletionBody = parse_body(&body)?;
+async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let b: CompletionBody = json_body(&st, body).await?;
     let prompt = prompt_tokens(&st, b.prompt)?;
     let v = validate(&st, prompt, b.gen)?;
     let rx = submit(&st, v.request)?;
@@ -528,7 +570,7 @@ async fn oai_completions(State(st): State<Shared>, body: Bytes) -> Result<Respon
                     log_request(&st2, &s);
                     sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
                 }
-                Event::Error(e) => sse_json(json!({"error": {"code": 500, "message": e, "type": "server_error"}})),
+                Event::Error(e) => sse_json(ApiError::from(&e).body()),
             })
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
@@ -544,8 +586,8 @@ async fn oai_completions(State(st): State<Shared>, body: Bytes) -> Result<Respon
 
 // ---- /v1/chat/completions (OpenAI) ----
 
-async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
-    let b: ChatBody = parse_body(&body)?;
+async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let b: ChatBody = json_body(&st, body).await?;
     let messages: Vec<Message> = b
         .messages
         .into_iter()
@@ -574,7 +616,7 @@ async fn chat_completions(State(st): State<Shared>, body: Bytes) -> Result<Respo
                     log_request(&st2, &s);
                     sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
                 }
-                Event::Error(e) => sse_json(json!({"error": {"code": 500, "message": e, "type": "server_error"}})),
+                Event::Error(e) => sse_json(ApiError::from(&e).body()),
             }))
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());

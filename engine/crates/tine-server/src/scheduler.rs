@@ -3,18 +3,25 @@
 //! Invariant: only this thread touches the model and the sequences. Requests arrive over a
 //! channel; each step's output goes back over the request's own channel. A client that goes
 //! away frees its slot at the next step; an error in one request ends only that request.
+//! Invariant: one step of one slot is one prefill chunk (`ubatch` prompt tokens) or one decode
+//! step, so a long prompt never stalls the other slots for more than one chunk.
+//! Invariant: a failed step leaves the slot's sequence as it was (the runtime's steps are
+//! atomic), so the slot keeps its cached prefix; only the drafter state is rebuilt.
+//! Invariant: at most `slots + max_queue` requests are admitted at once ([`Admission`]); each
+//! holds a [`Permit`] until the engine drops it, and the rest are refused at the edge.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use tine_engine::{GenerateRequest, Generation, StopType, Timings, TokenProb};
+use tine_engine::{GenerateError, GenerateRequest, Generation, StopType, Timings, TokenProb};
 use tine_runtime::{Model, Sequence};
 use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
 /// What the engine sends back for a request.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub enum Event {
     /// A generated token and the text it made safe to show.
     Token {
@@ -23,7 +30,8 @@ pub enum Event {
         prob: Option<TokenProb>,
     },
     Done(Box<Summary>),
-    Error(String),
+    /// The request failed; the error keeps its type up to the HTTP edge.
+    Error(GenerateError),
 }
 
 /// The end of a request.
@@ -42,14 +50,68 @@ pub struct Summary {
 pub struct Job {
     pub request: GenerateRequest,
     pub events: UnboundedSender<Event>,
+    /// Held until the engine is done with the request.
+    pub permit: Permit,
+}
+
+/// Counts admitted requests (queued or in a slot) against a limit.
+#[derive(Clone, Debug)]
+pub struct Admission {
+    in_flight: Arc<AtomicUsize>,
+    limit: usize,
+}
+
+/// One admitted request; dropping it frees its place.
+#[derive(Debug)]
+pub struct Permit(Arc<AtomicUsize>);
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl Admission {
+    pub fn new(limit: usize) -> Admission {
+        Admission { in_flight: Arc::new(AtomicUsize::new(0)), limit }
+    }
+    /// A permit, or `None` when `limit` requests are already admitted.
+    pub fn try_admit(&self) -> Option<Permit> {
+        self.in_flight.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.limit).then_some(n + 1)).ok().map(|_| Permit(self.in_flight.clone()))
+    }
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Acquire)
+    }
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+}
+
+struct Active {
+    gen: Generation,
+    events: UnboundedSender<Event>,
+    _permit: Permit,
 }
 
 struct Slot {
     seq: Sequence,
     /// This slot's drafter state (speculative decoding on).
     spec: Option<Speculator>,
-    active: Option<(Generation, UnboundedSender<Event>)>,
+    active: Option<Active>,
     last_used: u64,
+}
+
+/// How the engine thread runs.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub slots: usize,
+    pub ctx_size: usize,
+    pub spec: Option<Arc<SpecFactory>>,
+    /// Prompt tokens evaluated per step of a slot.
+    pub ubatch: usize,
+    /// Failure injection for tests: when set to `n >= 0`, the next admitted request's sequence
+    /// fails its forward after `n` successful ones (then it is reset to -1).
+    pub fault: Option<Arc<AtomicI64>>,
 }
 
 /// A handle to the engine thread.
@@ -60,9 +122,10 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn start(model: Arc<Model>, slots: usize, ctx_size: usize, spec: Option<Arc<SpecFactory>>) -> Scheduler {
+    pub fn start(model: Arc<Model>, config: EngineConfig) -> Scheduler {
         let (tx, rx) = mpsc::channel::<Job>();
-        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, slots, ctx_size, spec, rx)).expect("spawning the engine thread");
+        let slots = config.slots.max(1);
+        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx)).expect("spawning the engine thread");
         Scheduler { jobs: tx, slots }
     }
 
@@ -81,10 +144,11 @@ fn new_speculator(model: &Model, factory: Option<&Arc<SpecFactory>>, seq: &Seque
     factory.map(|f| f.speculator(model, seq.context()).expect("the speculative setup was validated at startup"))
 }
 
-fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, factory: Option<Arc<SpecFactory>>, rx: mpsc::Receiver<Job>) {
-    let mut slots: Vec<Slot> = (0..n_slots)
+fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>) {
+    let factory = config.spec.clone();
+    let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
-            let seq = model.new_sequence(ctx_size);
+            let seq = model.new_sequence(config.ctx_size);
             Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, active: None, last_used: 0 }
         })
         .collect();
@@ -102,12 +166,10 @@ fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, factory: Option<Arc<S
         while let Ok(job) = rx.try_recv() {
             queue.push_back(job);
         }
+        // Clients that went away while queued give their place back now.
+        queue.retain(|job| !job.events.is_closed());
         // Admit queued jobs into free slots: the free slot sharing the longest prompt prefix wins.
         while let Some(job) = queue.front() {
-            if job.events.is_closed() {
-                queue.pop_front();
-                continue;
-            }
             let free = slots.iter().enumerate().filter(|(_, s)| s.active.is_none());
             let best = free
                 .max_by_key(|(_, s)| {
@@ -124,28 +186,32 @@ fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, factory: Option<Arc<S
                 // The server's draft settings unless the request brings its own.
                 spec.params = f.config.params;
             }
-            match Generation::start_with(&model, &mut slot.seq, job.request, slot.spec.as_mut()) {
-                Ok(g) => slot.active = Some((g, job.events)),
+            if let Some(n) = config.fault.as_ref().map(|f| f.swap(-1, Ordering::AcqRel)).filter(|&n| n >= 0) {
+                slot.seq.inject_failure(Some(n as usize));
+            }
+            match Generation::begin_with(&mut slot.seq, job.request, slot.spec.as_mut(), config.ubatch) {
+                Ok(gen) => slot.active = Some(Active { gen, events: job.events, _permit: job.permit }),
                 Err(e) => {
-                    let _ = job.events.send(Event::Error(e.to_string()));
+                    let _ = job.events.send(Event::Error(e));
                 }
             }
         }
         // One step for every active slot.
         for (i, slot) in slots.iter_mut().enumerate() {
-            let Some((g, events)) = slot.active.as_mut() else { continue };
-            if events.is_closed() {
+            let Some(a) = slot.active.as_mut() else { continue };
+            if a.events.is_closed() {
                 slot.active = None; // the client went away
                 continue;
             }
-            match g.step_with(&model, &mut slot.seq, slot.spec.as_mut()) {
+            match a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()) {
                 Ok(ev) => {
                     if let Some(id) = ev.token {
                         if !(ev.stop == Some(StopType::Eos)) || !ev.text.is_empty() {
-                            let _ = events.send(Event::Token { id, text: ev.text, prob: ev.prob });
+                            let _ = a.events.send(Event::Token { id, text: ev.text, prob: ev.prob });
                         }
                     }
                     if let Some(stop) = ev.stop {
+                        let g = &a.gen;
                         let summary = Summary {
                             slot: i,
                             text: g.text().to_owned(),
@@ -156,16 +222,18 @@ fn run(model: Arc<Model>, n_slots: usize, ctx_size: usize, factory: Option<Arc<S
                             prompt_tokens: g.request().prompt.len(),
                             seed: g.seed(),
                         };
-                        let _ = events.send(Event::Done(Box::new(summary)));
+                        let _ = a.events.send(Event::Done(Box::new(summary)));
                         slot.active = None;
+                        slot.seq.inject_failure(None);
                     }
                 }
                 Err(e) => {
-                    let _ = events.send(Event::Error(e.to_string()));
-                    // The sequence may be mid-step: forget it rather than trust it.
-                    slot.seq.reset();
-                    slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
+                    let _ = a.events.send(Event::Error(e));
                     slot.active = None;
+                    // The sequence is as before the failed step (steps are atomic) and keeps
+                    // its prefix; the drafter's own state may be mid-round, so it starts over.
+                    slot.seq.inject_failure(None);
+                    slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
                 }
             }
         }

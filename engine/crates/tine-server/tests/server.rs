@@ -37,7 +37,7 @@ fn start_with(parallel: usize, ctx_size: usize, spec: Option<tine_spec::SpecType
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let app = tine_server::router(model, ServerConfig { parallel, ctx_size, spec });
+    let app = tine_server::router(model, ServerConfig { spec, ..ServerConfig::new(parallel, ctx_size) });
     rt.spawn(async move { axum::serve(listener, app).await.expect("serve") });
     Server { addr, _dir: dir, _rt: rt }
 }

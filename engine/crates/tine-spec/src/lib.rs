@@ -231,13 +231,28 @@ impl Speculator {
     /// Prefills `tokens` after what `seq` holds (a new request) and returns the last logits,
     /// keeping the target's hidden states of those positions when the drafter reads them.
     pub fn prefill(&mut self, model: &Model, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
-        self.hidden_start = seq.len();
+        self.prefill_chunk(model, seq, tokens, true)
+    }
+
+    /// One chunk of a prefill: `first` starts a new request's prompt; later chunks continue
+    /// it (the hidden states of all chunks are kept together). Atomic like the target's steps.
+    pub fn prefill_chunk(&mut self, model: &Model, seq: &mut Sequence, tokens: &[u32], first: bool) -> Result<Vec<f32>, StepError> {
+        if first {
+            self.hidden_start = seq.len();
+            self.hidden = None;
+        }
         if self.drafter.needs_hidden() {
+            let start = seq.len();
             let (logits, hidden) = seq.prefill_hidden(model, tokens)?;
-            self.hidden = Some(hidden);
+            let joined = match &self.hidden {
+                Some(old) => old.concat(&hidden).inspect_err(|_| {
+                    let _ = seq.rollback(start);
+                })?,
+                None => hidden,
+            };
+            self.hidden = Some(joined);
             Ok(logits)
         } else {
-            self.hidden = None;
             seq.prefill(model, tokens)
         }
     }

@@ -1,0 +1,106 @@
+//! Every error the server answers, and the one place that maps an error's type to a status.
+//!
+//! The body is llama-server's (and OpenAI's) shape: `{"error": {"code", "message", "type"}}`.
+//! The message is the whole cause chain (`model step failed: tensor operation failed: ...`),
+//! so a client sees why, not only that, something failed.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use tine_engine::GenerateError;
+use tine_runtime::StepError;
+
+/// An error answered with a status and a JSON body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError { status, message: message.into() }
+    }
+    pub fn bad(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+    pub fn unavailable(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::SERVICE_UNAVAILABLE, message)
+    }
+
+    /// llama-server's `type` for a status.
+    pub fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::NOT_IMPLEMENTED => "not_supported_error",
+            StatusCode::SERVICE_UNAVAILABLE => "unavailable_error",
+            s if s.is_client_error() => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+
+    /// The JSON body (also sent as an SSE event when a stream fails midway).
+    pub fn body(&self) -> Value {
+        json!({"error": {"code": self.status.as_u16(), "message": self.message, "type": self.kind()}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::SERVICE_UNAVAILABLE {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if self.status == StatusCode::UNAUTHORIZED {
+            r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        r
+    }
+}
+
+/// `e` and its sources, joined the way anyhow's `{:#}` does.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
+fn step_status(e: &StepError) -> StatusCode {
+    match e {
+        // What the request asked for does not fit: the client can change it.
+        StepError::ContextFull { .. } | StepError::BadToken { .. } => StatusCode::BAD_REQUEST,
+        StepError::Empty | StepError::RollbackPastEnd { .. } | StepError::Candle(_) | StepError::Injected => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+/// The status of each engine error: the only mapping from error types to HTTP statuses.
+pub fn status_of(e: &GenerateError) -> StatusCode {
+    match e {
+        GenerateError::EmptyPrompt | GenerateError::PromptTooLong { .. } | GenerateError::BadNPredict(_) | GenerateError::Sampling(_) => StatusCode::BAD_REQUEST,
+        GenerateError::Step(s) => step_status(s),
+        // A drafter or verify failure is the server's, whatever the step error says.
+        GenerateError::Spec(_) => StatusCode::INTERNAL_SERVER_ERROR,
+    }
+}
+
+impl From<&GenerateError> for ApiError {
+    fn from(e: &GenerateError) -> ApiError {
+        ApiError::new(status_of(e), chain(e))
+    }
+}
+
+impl From<GenerateError> for ApiError {
+    fn from(e: GenerateError) -> ApiError {
+        ApiError::from(&e)
+    }
+}
