@@ -462,14 +462,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.api_key_file.is_some() && api_keys.is_empty() {
         anyhow::bail!("--api-key-file holds no key");
     }
-    let config = tine_server::ServerConfig {
-        spec,
-        api_keys,
-        ubatch: a.ubatch.max(1),
-        max_queue: a.max_queue,
-        max_body_bytes: a.max_body_bytes,
-        ..tine_server::ServerConfig::new(a.parallel.max(1), ctx)
-    };
+    let config =
+        tine_server::ServerConfig { spec, api_keys, ubatch: a.ubatch.max(1), max_queue: a.max_queue, max_body_bytes: a.max_body_bytes, ..tine_server::ServerConfig::new(a.parallel.max(1), ctx) };
     let spec_note = match &config.spec {
         Some(f) => format!(", speculative {} n_max {}", f.config.spec_type, f.config.params.n_max),
         None => String::new(),

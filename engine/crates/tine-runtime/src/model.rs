@@ -202,6 +202,10 @@ impl Sequence {
     pub fn context(&self) -> usize {
         self.context
     }
+    /// Positions the KV cache holds (equal to `len()`: the invariant tests check).
+    pub fn cache_len(&self) -> usize {
+        self.cache.len()
+    }
 
     fn check(&self, model: &Model, tokens: &[u32]) -> Result<(), StepError> {
         if tokens.is_empty() {

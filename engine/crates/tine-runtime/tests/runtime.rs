@@ -333,3 +333,53 @@ fn grafting_a_nextn_head_gives_the_model_written_with_it_and_refuses_misfits() {
     assert!(misfit.to_string().contains("not in block 5"), "{misfit}");
     assert!(!dir.path().join("misfit.gguf").exists() && !dir.path().join("misfit.gguf.partial").exists(), "nothing is left behind");
 }
+
+/// What a failed step may not change.
+fn state(seq: &tine_runtime::Sequence) -> (Vec<u32>, usize) {
+    assert_eq!(seq.len(), seq.cache_len(), "tokens and KV cache disagree");
+    (seq.tokens().to_vec(), seq.cache_len())
+}
+
+#[test]
+fn a_failed_step_leaves_the_sequence_exactly_as_before() {
+    // Failure injected after the forward wrote its KV rows (the worst moment), in each step of
+    // the API, including the second chunk of a multi-chunk prefill; the sequence must be as
+    // before, and stepping on from there must give the logits of a sequence that never failed.
+    let fx = fixture(TinyGemma3 { context: 1400, ..TinyGemma3::default() });
+    let m = &fx.model;
+    let prompt = tokens(tine_runtime::PREFILL_CHUNK + 40);
+    let mut clean = m.new_sequence(1400);
+    let want_prefill = clean.prefill(m, &prompt).expect("clean prefill");
+    let want_next = clean.forward_all(m, &[9, 10, 11]).expect("clean forward_all");
+
+    type Step = fn(&mut tine_runtime::Sequence, &Model, &[u32]) -> Result<(), tine_runtime::StepError>;
+    let steps: [(&str, Step, usize); 5] = [
+        ("prefill", |s, m, t| s.prefill(m, t).map(drop), 1),
+        ("prefill_hidden", |s, m, t| s.prefill_hidden(m, t).map(drop), 1),
+        ("decode", |s, m, t| s.decode(m, t[0]).map(drop), 0),
+        ("forward_all", |s, m, t| s.forward_all(m, &t[..3]).map(drop), 0),
+        ("forward_all_hidden", |s, m, t| s.forward_all_hidden(m, &t[..3]).map(drop), 0),
+    ];
+    for (name, step, after) in steps {
+        for start in [0usize, 5] {
+            let mut seq = m.new_sequence(1400);
+            seq.prefill(m, &prompt[..start.max(1)]).expect("warm prefix");
+            seq.rollback(start).expect("rollback");
+            let before = state(&seq);
+            seq.inject_failure(Some(after));
+            let err = step(&mut seq, m, &prompt[start..]).expect_err("the injected failure");
+            assert!(matches!(err, tine_runtime::StepError::Injected), "{name}: {err}");
+            assert_eq!(state(&seq), before, "{name} from {start}: a failed step changed the sequence");
+        }
+    }
+    // After a failed multi-chunk prefill the same sequence gives the clean logits bit for bit.
+    let mut seq = m.new_sequence(1400);
+    seq.inject_failure(Some(1));
+    seq.prefill(m, &prompt).expect_err("second chunk fails");
+    assert!(seq.is_empty());
+    assert_eq!(seq.prefill(m, &prompt).expect("retry"), want_prefill);
+    seq.inject_failure(Some(0));
+    seq.forward_all(m, &[9, 10, 11]).expect_err("verify batch fails");
+    assert_eq!(seq.len(), prompt.len());
+    assert_eq!(seq.forward_all(m, &[9, 10, 11]).expect("retry").data, want_next.data);
+}

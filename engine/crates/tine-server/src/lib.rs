@@ -102,6 +102,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/props", get(props))
+        .route("/slots", get(slots))
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/tokenize", post(tokenize))
@@ -191,6 +192,17 @@ async fn props(State(st): State<Shared>) -> Json<Value> {
             "type": f.config.spec_type.as_str(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
         })),
     }))
+}
+
+async fn slots(State(st): State<Shared>) -> Json<Value> {
+    let spec = st.config.spec.is_some();
+    Json(Value::Array(
+        st.scheduler
+            .slot_views()
+            .into_iter()
+            .map(|v| json!({"id": v.id, "id_task": v.id_task, "n_ctx": v.n_ctx, "speculative": spec, "is_processing": v.is_processing, "n_cached": v.n_cached}))
+            .collect(),
+    ))
 }
 
 async fn models(State(st): State<Shared>) -> Json<Value> {
@@ -294,6 +306,8 @@ struct GenFields {
     spec_n_min: Option<usize>,
     #[serde(rename = "speculative.p_min")]
     spec_p_min: Option<f32>,
+    /// OpenAI's choices per request: only 1 is supported, and anything else is refused.
+    n: Option<i64>,
 }
 
 #[derive(Deserialize)]
@@ -340,6 +354,9 @@ struct Validated {
 }
 
 fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, ApiError> {
+    if let Some(n) = g.n.filter(|&n| n != 1) {
+        return Err(ApiError::bad(format!("n: one choice per request is supported, got n = {n}")));
+    }
     let n_predict = g.n_predict.or(g.max_completion_tokens).or(g.max_tokens).unwrap_or(-1);
     if n_predict < -1 {
         return Err(ApiError::bad(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
@@ -424,9 +441,10 @@ fn prob_json(st: &AppState, p: &TokenProb) -> Value {
 
 /// Submits and returns the event stream.
 fn submit(st: &AppState, request: GenerateRequest) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
-    let permit = st.admission.try_admit().ok_or_else(|| {
-        ApiError::unavailable(format!("the server is busy: {} requests are in progress or queued (limit {}); retry later", st.admission.in_flight(), st.admission.limit()))
-    })?;
+    let permit = st
+        .admission
+        .try_admit()
+        .ok_or_else(|| ApiError::unavailable(format!("the server is busy: {} requests are in progress or queued (limit {}); retry later", st.admission.in_flight(), st.admission.limit())))?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     st.scheduler.submit(Job { request, events: tx, permit }).map_err(|_| ApiError::unavailable("the engine thread has stopped"))?;
     Ok(rx)

@@ -13,7 +13,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, GenerateRequest, Generation, StopType, Timings, TokenProb};
 use tine_runtime::{Model, Sequence};
@@ -114,19 +114,40 @@ pub struct EngineConfig {
     pub fault: Option<Arc<AtomicI64>>,
 }
 
+/// What `/slots` shows of one slot; the engine thread updates it on every admit and finish.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlotView {
+    pub id: usize,
+    pub n_ctx: usize,
+    pub is_processing: bool,
+    /// The request running there (-1: none yet), numbered in admission order.
+    pub id_task: i64,
+    /// Positions its KV cache holds (the prefix a new request may reuse).
+    pub n_cached: usize,
+}
+
 /// A handle to the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
     jobs: mpsc::Sender<Job>,
     pub slots: usize,
+    views: Arc<Mutex<Vec<SlotView>>>,
 }
 
 impl Scheduler {
     pub fn start(model: Arc<Model>, config: EngineConfig) -> Scheduler {
         let (tx, rx) = mpsc::channel::<Job>();
         let slots = config.slots.max(1);
-        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx)).expect("spawning the engine thread");
-        Scheduler { jobs: tx, slots }
+        let n_ctx = config.ctx_size.min(model.info.context_length).max(1);
+        let views = Arc::new(Mutex::new((0..slots).map(|id| SlotView { id, n_ctx, id_task: -1, ..SlotView::default() }).collect()));
+        let v = views.clone();
+        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx, v)).expect("spawning the engine thread");
+        Scheduler { jobs: tx, slots, views }
+    }
+
+    /// A snapshot of every slot.
+    pub fn slot_views(&self) -> Vec<SlotView> {
+        self.views.lock().map(|v| v.clone()).unwrap_or_default()
     }
 
     /// Queues a request; events arrive on `events`. Fails only if the engine thread is gone.
@@ -144,7 +165,18 @@ fn new_speculator(model: &Model, factory: Option<&Arc<SpecFactory>>, seq: &Seque
     factory.map(|f| f.speculator(model, seq.context()).expect("the speculative setup was validated at startup"))
 }
 
-fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>) {
+fn publish(views: &Mutex<Vec<SlotView>>, i: usize, slot: &Slot, task: Option<i64>) {
+    if let Ok(mut v) = views.lock() {
+        let view = &mut v[i];
+        view.is_processing = slot.active.is_some();
+        view.n_cached = slot.seq.len();
+        if let Some(t) = task {
+            view.id_task = t;
+        }
+    }
+}
+
+fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>, views: Arc<Mutex<Vec<SlotView>>>) {
     let factory = config.spec.clone();
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
@@ -195,12 +227,14 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>) {
                     let _ = job.events.send(Event::Error(e));
                 }
             }
+            publish(&views, i, slot, Some(clock as i64 - 1));
         }
         // One step for every active slot.
         for (i, slot) in slots.iter_mut().enumerate() {
             let Some(a) = slot.active.as_mut() else { continue };
             if a.events.is_closed() {
                 slot.active = None; // the client went away
+                publish(&views, i, slot, None);
                 continue;
             }
             match a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()) {
@@ -225,6 +259,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>) {
                         let _ = a.events.send(Event::Done(Box::new(summary)));
                         slot.active = None;
                         slot.seq.inject_failure(None);
+                        publish(&views, i, slot, None);
                     }
                 }
                 Err(e) => {
@@ -234,6 +269,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>) {
                     // its prefix; the drafter's own state may be mid-round, so it starts over.
                     slot.seq.inject_failure(None);
                     slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
+                    publish(&views, i, slot, None);
                 }
             }
         }

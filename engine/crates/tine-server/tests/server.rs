@@ -10,6 +10,8 @@ use tine_runtime::Model;
 use tine_server::ServerConfig;
 use tine_test_support::TinyGemma3;
 
+mod hostile;
+
 struct Server {
     addr: SocketAddr,
     _dir: tempfile::TempDir,
@@ -21,14 +23,19 @@ fn start(parallel: usize, ctx_size: usize) -> Server {
 }
 
 fn start_with(parallel: usize, ctx_size: usize, spec: Option<tine_spec::SpecType>) -> Server {
+    start_cfg(spec, |c| *c = ServerConfig { spec: None, ..ServerConfig::new(parallel, ctx_size) })
+}
+
+/// A server over the fixture (context 8192), with `edit` setting its configuration.
+fn start_cfg(spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig)) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    let cfg = TinyGemma3 { nextn: spec.is_some(), ..TinyGemma3::default() };
+    let cfg = TinyGemma3 { nextn: spec.is_some(), context: 8192, ..TinyGemma3::default() };
     cfg.write(&path);
     // An assistant head and a draft model beside it, for the spec types that need them.
     let (head, draft) = (dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
     tine_test_support::TinyAssistant::default().write(&cfg, &head);
-    TinyGemma3 { seed: 99, n_layer: 2, ..TinyGemma3::default() }.write(&draft);
+    TinyGemma3 { seed: 99, n_layer: 2, context: 8192, ..TinyGemma3::default() }.write(&draft);
     let model = Arc::new(Model::load(&path).expect("fixture loads"));
     let spec = spec.map(|kind| {
         let config = tine_spec::SpecConfig { ngram_min: 1, mtp_head: Some(head), draft_model: Some(draft), ..tine_spec::SpecConfig::new(kind) };
@@ -37,7 +44,10 @@ fn start_with(parallel: usize, ctx_size: usize, spec: Option<tine_spec::SpecType
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let app = tine_server::router(model, ServerConfig { spec, ..ServerConfig::new(parallel, ctx_size) });
+    let mut config = ServerConfig::new(1, 256);
+    edit(&mut config);
+    config.spec = spec;
+    let app = tine_server::router(model, config);
     rt.spawn(async move { axum::serve(listener, app).await.expect("serve") });
     Server { addr, _dir: dir, _rt: rt }
 }
