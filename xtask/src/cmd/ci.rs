@@ -9,16 +9,27 @@ use crate::tine::Tine;
 
 pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
     let cargo = patchchain::base::cargo_bin();
-    // Set-up first, so the tests that need the live tree and the real model have them.
+    let xtask_manifest = p.root.join("xtask/Cargo.toml");
+    let engine_manifest = p.root.join("Cargo.toml");
+    // Formatting first: it needs no build and fails in a second. (`cargo fmt` finds a
+    // workspace's members from the working directory; `--manifest-path` alone misses them.)
+    step("cargo fmt --check (xtask)", Command::new(&cargo).args(["fmt", "--check"]).current_dir(p.root.join("xtask")))?;
+    // Set-up next, so the tests that need the live tree and the real model have them.
     eprintln!("==> set-up (apply-chain, verify, fetch-model)");
     setup(p)?;
-    step("xtask tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(p.root.join("xtask/Cargo.toml")))?;
+    // The engine workspace's formatting covers the patches' test files (tine-patch-tests builds
+    // them from engine/upstream/), so it needs the chain applied.
+    step("cargo fmt --check (engine)", Command::new(&cargo).args(["fmt", "--check"]).current_dir(&p.root))?;
+    step("cargo clippy (xtask)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--manifest-path"]).arg(&xtask_manifest).args(["--", "-D", "warnings"]))?;
+    step("xtask tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(&xtask_manifest))?;
     eprintln!("==> sync-check");
     let problems = sync_check::sync_check(p, &Tine, &chain::load_registry(p)?);
     if !problems.is_empty() {
         anyhow::bail!("sync-check: {}", problems.join("\n  "));
     }
-    step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(p.root.join("Cargo.toml")))?;
+    step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(&engine_manifest))?;
+    // Our crates only (`--no-deps`): candle's own code is upstream's, linted by upstream.
+    step("cargo clippy (engine)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--no-deps", "--manifest-path"]).arg(&engine_manifest).args(["--", "-D", "warnings"]))?;
     eprintln!("ci: all green");
     Ok(ExitCode::SUCCESS)
 }

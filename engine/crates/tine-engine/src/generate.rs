@@ -343,9 +343,7 @@ impl Generation {
                 self.stopping_word = word.to_owned();
                 self.text.truncate(pos);
                 self.finish(StopType::Word, Some(token), prob)
-            } else if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
-                self.finish(StopType::Limit, Some(token), prob)
-            } else if self.decided.is_empty() && seq.len() + 1 >= seq.context() {
+            } else if (self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize) || (self.decided.is_empty() && seq.len() + 1 >= seq.context()) {
                 self.finish(StopType::Limit, Some(token), prob)
             } else {
                 if !self.decided.is_empty() {

@@ -256,13 +256,13 @@ fn against_a_float64_reference_tine_is_as_close_as_llama_cpp() {
             let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             row.iter().map(|l| (l - m).exp()).sum::<f64>().ln() + m
         };
-        for i in 0..POSITIONS {
+        for (i, alts) in top.iter().enumerate().take(POSITIONS) {
             let p = prompt.len() - 1 + i;
             let r = &ref_rows[p];
             let r_lse = lse64(r);
             let ours: Vec<f64> = logits.row(p).iter().map(|&x| x as f64).collect();
             let o_lse = lse64(&ours);
-            for alt in top[i].as_array().expect("alts") {
+            for alt in alts.as_array().expect("alts") {
                 let id = alt[0].as_u64().expect("id") as usize;
                 let truth = r[id] - r_lse;
                 tine_err += (ours[id] - o_lse - truth).abs();
@@ -325,11 +325,11 @@ fn grafting_a_nextn_head_gives_the_model_written_with_it_and_refuses_misfits() {
     let (nb, _) = b.new_nextn_state(64).expect("head").forward(&b, p[0], &hb, &next).expect("nextn");
     assert_eq!(na, nb, "the grafted head drafts as the head it was cut from");
 
-    let again = tine_runtime::graft_nextn(&out, &head, &dir.path().join("twice.gguf")).err().expect("a second head is refused");
+    let again = tine_runtime::graft_nextn(&out, &head, &dir.path().join("twice.gguf")).map(drop).expect_err("a second head is refused");
     assert!(again.to_string().contains("already has a NextN head"), "{again}");
     let short = dir.path().join("short.gguf");
     TinyGemma3 { n_layer: 5, ..cfg.clone() }.write(&short);
-    let misfit = tine_runtime::graft_nextn(&short, &head, &dir.path().join("misfit.gguf")).err().expect("a head for another depth is refused");
+    let misfit = tine_runtime::graft_nextn(&short, &head, &dir.path().join("misfit.gguf")).map(drop).expect_err("a head for another depth is refused");
     assert!(misfit.to_string().contains("not in block 5"), "{misfit}");
     assert!(!dir.path().join("misfit.gguf").exists() && !dir.path().join("misfit.gguf.partial").exists(), "nothing is left behind");
 }

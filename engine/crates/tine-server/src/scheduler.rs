@@ -126,6 +126,11 @@ pub struct SlotView {
     pub n_cached: usize,
 }
 
+/// The engine thread has stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the engine thread has stopped")]
+pub struct EngineGone;
+
 /// A handle to the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
@@ -151,8 +156,8 @@ impl Scheduler {
     }
 
     /// Queues a request; events arrive on `events`. Fails only if the engine thread is gone.
-    pub fn submit(&self, job: Job) -> Result<(), Job> {
-        self.jobs.send(job).map_err(|e| e.0)
+    pub fn submit(&self, job: Job) -> Result<(), EngineGone> {
+        self.jobs.send(job).map_err(|_| EngineGone)
     }
 }
 

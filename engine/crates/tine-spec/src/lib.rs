@@ -391,7 +391,7 @@ pub enum SetupError {
     Load {
         what: &'static str,
         #[source]
-        source: tine_runtime::LoadError,
+        source: Box<tine_runtime::LoadError>,
     },
     #[error(transparent)]
     Spec(#[from] SpecError),
@@ -446,12 +446,12 @@ impl SpecFactory {
             SpecType::DraftMtp => {}
             SpecType::DraftAssistant => {
                 let path = config.mtp_head.as_ref().ok_or(SetupError::MissingHead)?;
-                let head = tine_runtime::Assistant::load(path, target).map_err(|source| SetupError::Load { what: "the assistant head", source })?;
+                let head = tine_runtime::Assistant::load(path, target).map_err(|source| SetupError::Load { what: "the assistant head", source: Box::new(source) })?;
                 assistant = Some(std::sync::Arc::new(head));
             }
             SpecType::Draft => {
                 let path = config.draft_model.as_ref().ok_or(SetupError::MissingDraftModel)?;
-                let model = Model::load(path).map_err(|source| SetupError::Load { what: "the draft model", source })?;
+                let model = Model::load(path).map_err(|source| SetupError::Load { what: "the draft model", source: Box::new(source) })?;
                 if model.info.vocab_size != target.info.vocab_size {
                     return Err(SpecError::VocabMismatch { draft: model.info.vocab_size, target: target.info.vocab_size }.into());
                 }
