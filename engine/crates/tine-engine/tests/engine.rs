@@ -70,3 +70,40 @@ fn speculation_stops_at_the_context_limit_exactly_where_plain_decoding_does() {
         }
     }
 }
+
+#[test]
+fn a_prompt_begun_in_ubatches_is_evaluated_one_chunk_per_step_and_generates_the_same() {
+    // The scheduler's path (begin_with + step_with) against start_with, plain and with each
+    // drafter that keeps per-position state (the NextN head reads every prompt position).
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3 { nextn: true, seed: 5, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello world the world an hello in the hell world world", true, true);
+    let req = GenerateRequest { n_predict: 12, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) };
+    for kind in [None, Some(SpecType::DraftMtp), Some(SpecType::Ngram)] {
+        let factory = kind.map(|k| SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(k) }, &model).expect("setup"));
+        let want = run(&model, req.clone(), factory.as_ref());
+        for ubatch in [1, 3, 7, prompt.len()] {
+            let mut seq = model.new_sequence(256);
+            let mut spec = factory.as_ref().map(|f| f.speculator(&model, 256).expect("speculator"));
+            let mut g = Generation::begin_with(&mut seq, req.clone(), spec.as_mut(), ubatch).expect("begin");
+            assert!(seq.is_empty(), "begin_with evaluates nothing");
+            let mut prefill_steps = 0;
+            while g.is_prefilling() {
+                let before = seq.len();
+                let ev = g.step_with(&model, &mut seq, spec.as_mut()).expect("prefill step");
+                assert!(ev.token.is_none() && ev.stop.is_none() && ev.text.is_empty(), "a prefill step emits nothing");
+                assert!(seq.len() - before <= ubatch, "at most one ubatch per step");
+                prefill_steps += 1;
+            }
+            assert_eq!(prefill_steps, prompt.len().div_ceil(ubatch), "{kind:?} ubatch {ubatch}");
+            let mut tokens = Vec::new();
+            while !g.is_finished() {
+                tokens.extend(g.step_with(&model, &mut seq, spec.as_mut()).expect("step").token);
+            }
+            assert_eq!(tokens, want.0, "{kind:?} ubatch {ubatch}: greedy output differs from start_with's");
+            assert_eq!(g.timings().prompt_n, prompt.len());
+        }
+    }
+}
