@@ -217,6 +217,7 @@ async fn models(State(st): State<Shared>) -> Json<Value> {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct TokenizeBody {
     content: String,
     #[serde(default)]
@@ -242,6 +243,7 @@ async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, A
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object with `tokens`")]
 struct DetokenizeBody {
     tokens: Vec<i64>,
 }
@@ -261,6 +263,7 @@ fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {
 
 #[derive(Deserialize)]
 #[serde(untagged)]
+#[serde(expecting = "`prompt` as a string, a list of token ids or a list of one string")]
 enum PromptInput {
     Text(String),
     Tokens(Vec<i64>),
@@ -270,6 +273,7 @@ enum PromptInput {
 
 #[derive(Deserialize)]
 #[serde(untagged)]
+#[serde(expecting = "`stop` as a string or a list of strings")]
 enum StopInput {
     One(String),
     Many(Vec<String>),
@@ -311,6 +315,7 @@ struct GenFields {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object")]
 struct CompletionBody {
     prompt: Option<PromptInput>,
     #[serde(flatten)]
@@ -319,6 +324,7 @@ struct CompletionBody {
 
 #[derive(Deserialize)]
 #[serde(untagged)]
+#[serde(expecting = "`content` as a string or a list of content parts")]
 enum ContentInput {
     Text(String),
     Parts(Vec<ContentPart>),
@@ -339,6 +345,7 @@ struct ChatMessage {
 }
 
 #[derive(Deserialize)]
+#[serde(expecting = "a JSON object with `messages`")]
 struct ChatBody {
     messages: Vec<ChatMessage>,
     #[serde(flatten)]

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Two measurements of `tine serve` on the real model, on loopback.
+
+stall: one client streams a greedy generation while a second client sends a long prompt; the
+       first client's inter-token latency (p50, p99, max) before and during that prefill, for
+       each --ubatch-size given (a size >= the prompt is the old one-step prefill).
+load:  N concurrent connections against --parallel P (--max-queue Q): answers by status, errors,
+       wall time, and the server's peak RSS (VmHWM) before and after.
+
+    python3 bench/serve_load.py --tine target/release/tine --model M.gguf stall --ubatch 4096,512,128
+    python3 bench/serve_load.py --tine target/release/tine --model M.gguf load --connections 1000
+"""
+import argparse
+import http.client
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    p = s.getsockname()[1]
+    s.close()
+    return p
+
+
+class Server:
+    def __init__(self, tine, model, args):
+        self.port = free_port()
+        cmd = [tine, "serve", "-m", model, "--host", "127.0.0.1", "--port", str(self.port)] + args
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        t0 = time.time()
+        while True:
+            try:
+                c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                c.request("GET", "/health")
+                if c.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() - t0 > 120 or self.proc.poll() is not None:
+                raise SystemExit("the server did not start: " + " ".join(cmd))
+            time.sleep(0.2)
+
+    def rss_kib(self, key="VmHWM"):
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+        return 0
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def post(port, path, body, timeout=600):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    c.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    return r.status, r.read()
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def stall(a):
+    long_prompt = ("The quick brown fox jumps over the lazy dog while the band plays on. " * 200)
+    rows = []
+    for ub in [int(x) for x in a.ubatch.split(",")]:
+        srv = Server(a.tine, a.model, ["--parallel", "2", "--ctx-size", "4096", "--ubatch-size", str(ub)])
+        try:
+            # Warm up both slots.
+            post(srv.port, "/completion", {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+            n_tok = len(json.loads(post(srv.port, "/tokenize", {"content": long_prompt[:a.prompt_chars]})[1])["tokens"])
+            arrivals = []
+            window = {}
+
+            def streamer():
+                c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=600)
+                body = {"prompt": "Once upon a time", "n_predict": a.tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+                c.request("POST", "/completion", json.dumps(body), {"Content-Type": "application/json"})
+                r = c.getresponse()
+                while True:
+                    line = r.fp.readline()
+                    if not line:
+                        break
+                    if line.startswith(b"data: "):
+                        ev = json.loads(line[6:])
+                        arrivals.append(time.perf_counter())
+                        if ev.get("stop"):
+                            break
+
+            def long_client():
+                while len(arrivals) < a.tokens // 4:
+                    time.sleep(0.005)
+                window["start"] = time.perf_counter()
+                post(srv.port, "/completion", {"prompt": long_prompt[:a.prompt_chars], "n_predict": 1, "temperature": 0, "cache_prompt": False})
+                window["end"] = time.perf_counter()
+
+            t1, t2 = threading.Thread(target=streamer), threading.Thread(target=long_client)
+            t1.start(), t2.start()
+            t1.join(), t2.join()
+            gaps = [(arrivals[i], arrivals[i] - arrivals[i - 1]) for i in range(1, len(arrivals))]
+            before = [g * 1e3 for t, g in gaps if t < window["start"]]
+            during = [g * 1e3 for t, g in gaps if window["start"] <= t <= window["end"] + 0.001]
+            # The gap that straddles the end of the prefill belongs to it too.
+            after_end = [g * 1e3 for t, g in gaps if t > window["end"] + 0.001]
+            if after_end:
+                during.append(after_end[0])
+            rows.append((ub, n_tok, before, during, (window["end"] - window["start"]) * 1e3))
+        finally:
+            srv.stop()
+    print(f"stall: a streamed greedy generation of {a.tokens} tokens on slot A; a {rows[0][1]}-token prompt arrives on slot B after {a.tokens // 4} tokens")
+    print("| --ubatch-size | ITL before p50 / p99 (ms) | ITL during B's prefill p50 / p99 / max (ms) | B's prefill + 1 token (ms) |")
+    print("|---:|---:|---:|---:|")
+    for ub, n, before, during, b_ms in rows:
+        print(f"| {ub} | {statistics.median(before):.1f} / {pct(before, 0.99):.1f} | {statistics.median(during):.1f} / {pct(during, 0.99):.1f} / {max(during):.1f} | {b_ms:.0f} |")
+
+
+def load(a):
+    srv = Server(a.tine, a.model, ["--parallel", str(a.parallel), "--max-queue", str(a.max_queue), "--ctx-size", "1024"])
+    try:
+        post(srv.port, "/completion", {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+        rss0 = srv.rss_kib()
+        results = []
+        lock = threading.Lock()
+        barrier = threading.Barrier(a.connections)
+
+        def client(i):
+            body = {"prompt": f"Question {i}: what is {i} + {i}?", "n_predict": a.n_predict, "temperature": 0, "stream": i % 2 == 0}
+            try:
+                barrier.wait()
+                s, raw = post(srv.port, "/completion", body, timeout=900)
+                ok_json = True
+                if s != 200:
+                    ok_json = json.loads(raw).get("error", {}).get("code") == s
+                out = (s, ok_json)
+            except Exception as e:  # noqa: BLE001 - a failed connection is a result here
+                out = (type(e).__name__, False)
+            with lock:
+                results.append(out)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(a.connections)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        rss1 = srv.rss_kib()
+        by = {}
+        for s, _ in results:
+            by[s] = by.get(s, 0) + 1
+        bad_bodies = sum(1 for s, ok in results if not ok)
+        st, _ = post(srv.port, "/completion", {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+        print(f"load: {a.connections} concurrent connections, --parallel {a.parallel} --max-queue {a.max_queue}, n_predict {a.n_predict}")
+        print(f"answers by status: {json.dumps(by, sort_keys=True)}; error answers without a JSON error body: {bad_bodies}")
+        print(f"wall {wall:.1f} s; server peak RSS {rss0 / 1024:.0f} MiB before, {rss1 / 1024:.0f} MiB after; still serving: {srv.alive() and st == 200}")
+    finally:
+        srv.stop()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tine", default="target/release/tine")
+    p.add_argument("--model", default=os.path.expanduser("~/.cache/tine/models/gemma-3-270m-q4_k_m.gguf"))
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stall")
+    s.add_argument("--ubatch", default="4096,512,128")
+    s.add_argument("--tokens", type=int, default=160)
+    s.add_argument("--prompt-chars", type=int, default=8000)
+    l = sub.add_parser("load")
+    l.add_argument("--connections", type=int, default=1000)
+    l.add_argument("--parallel", type=int, default=4)
+    l.add_argument("--max-queue", type=int, default=256)
+    l.add_argument("--n-predict", type=int, default=8)
+    a = p.parse_args()
+    {"stall": stall, "load": load}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
