@@ -99,6 +99,13 @@ impl From<&GenerateError> for ApiError {
     }
 }
 
+/// A request the client must change.
+impl From<tine_api::RequestError> for ApiError {
+    fn from(e: tine_api::RequestError) -> ApiError {
+        ApiError::bad(e.0)
+    }
+}
+
 impl From<GenerateError> for ApiError {
     fn from(e: GenerateError) -> ApiError {
         ApiError::from(&e)

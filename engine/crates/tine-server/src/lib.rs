@@ -25,8 +25,8 @@ use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::Deserialize;
 use serde_json::{json, Value};
+use tine_api::{ChatBody, CompletionBody, DetokenizeBody, GenFields, Prompt, TokenizeBody};
 use tine_engine::chat::{render_gemma, Message};
 use tine_engine::{GenerateRequest, StopType, Timings, TokenProb};
 use tine_runtime::Model;
@@ -149,15 +149,8 @@ async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
     }
 }
 
-fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
-    if body.iter().all(|b| b.is_ascii_whitespace()) {
-        return Err(ApiError::bad("the request body is empty; send a JSON object"));
-    }
-    serde_json::from_slice(body).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))
-}
-
 async fn json_body<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) -> Result<T, ApiError> {
-    parse_body(&read_body(st, body).await?)
+    Ok(tine_api::decode(&read_body(st, body).await?)?)
 }
 
 // ---- simple endpoints ----
@@ -216,22 +209,6 @@ async fn models(State(st): State<Shared>) -> Json<Value> {
     }))
 }
 
-#[derive(Deserialize)]
-#[serde(expecting = "a JSON object")]
-struct TokenizeBody {
-    content: String,
-    #[serde(default)]
-    add_special: bool,
-    #[serde(default = "yes")]
-    parse_special: bool,
-    #[serde(default)]
-    with_pieces: bool,
-}
-
-fn yes() -> bool {
-    true
-}
-
 async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
     let b: TokenizeBody = json_body(&st, body).await?;
     let ids = st.model.tokenizer.encode(&b.content, b.add_special, b.parse_special);
@@ -242,12 +219,6 @@ async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, A
     Ok(Json(json!({"tokens": ids})))
 }
 
-#[derive(Deserialize)]
-#[serde(expecting = "a JSON object with `tokens`")]
-struct DetokenizeBody {
-    tokens: Vec<i64>,
-}
-
 async fn detokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
     let b: DetokenizeBody = json_body(&st, body).await?;
     let ids = checked_ids(&st, &b.tokens)?;
@@ -255,102 +226,10 @@ async fn detokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>,
 }
 
 fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {
-    let vocab = st.model.info.vocab_size as i64;
-    ids.iter().map(|&t| if (0..vocab).contains(&t) { Ok(t as u32) } else { Err(ApiError::bad(format!("token id {t} is outside the vocabulary (0..{vocab})"))) }).collect()
+    Ok(tine_api::check_ids(ids, st.model.info.vocab_size)?)
 }
 
 // ---- generation requests ----
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-#[serde(expecting = "`prompt` as a string, a list of token ids or a list of one string")]
-enum PromptInput {
-    Text(String),
-    Tokens(Vec<i64>),
-    /// OpenAI allows a list of prompts; we take exactly one.
-    Texts(Vec<String>),
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-#[serde(expecting = "`stop` as a string or a list of strings")]
-enum StopInput {
-    One(String),
-    Many(Vec<String>),
-}
-
-/// The sampling and limit fields shared by every generation endpoint.
-#[derive(Deserialize, Default)]
-struct GenFields {
-    n_predict: Option<i64>,
-    max_tokens: Option<i64>,
-    max_completion_tokens: Option<i64>,
-    temperature: Option<f32>,
-    top_k: Option<i32>,
-    top_p: Option<f32>,
-    min_p: Option<f32>,
-    repeat_penalty: Option<f32>,
-    repeat_last_n: Option<i32>,
-    presence_penalty: Option<f32>,
-    frequency_penalty: Option<f32>,
-    seed: Option<i64>,
-    stop: Option<StopInput>,
-    #[serde(default)]
-    stream: bool,
-    #[serde(default)]
-    ignore_eos: bool,
-    #[serde(default)]
-    n_probs: usize,
-    cache_prompt: Option<bool>,
-    #[serde(default)]
-    return_tokens: bool,
-    #[serde(rename = "speculative.n_max")]
-    spec_n_max: Option<usize>,
-    #[serde(rename = "speculative.n_min")]
-    spec_n_min: Option<usize>,
-    #[serde(rename = "speculative.p_min")]
-    spec_p_min: Option<f32>,
-    /// OpenAI's choices per request: only 1 is supported, and anything else is refused.
-    n: Option<i64>,
-}
-
-#[derive(Deserialize)]
-#[serde(expecting = "a JSON object")]
-struct CompletionBody {
-    prompt: Option<PromptInput>,
-    #[serde(flatten)]
-    gen: GenFields,
-}
-
-#[derive(Deserialize)]
-#[serde(untagged)]
-#[serde(expecting = "`content` as a string or a list of content parts")]
-enum ContentInput {
-    Text(String),
-    Parts(Vec<ContentPart>),
-}
-
-#[derive(Deserialize)]
-struct ContentPart {
-    #[serde(rename = "type")]
-    kind: String,
-    #[serde(default)]
-    text: String,
-}
-
-#[derive(Deserialize)]
-struct ChatMessage {
-    role: String,
-    content: Option<ContentInput>,
-}
-
-#[derive(Deserialize)]
-#[serde(expecting = "a JSON object with `messages`")]
-struct ChatBody {
-    messages: Vec<ChatMessage>,
-    #[serde(flatten)]
-    gen: GenFields,
-}
 
 /// Request fields after validation.
 struct Validated {
@@ -361,42 +240,15 @@ struct Validated {
 }
 
 fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, ApiError> {
-    if let Some(n) = g.n.filter(|&n| n != 1) {
-        return Err(ApiError::bad(format!("n: one choice per request is supported, got n = {n}")));
-    }
-    let n_predict = g.n_predict.or(g.max_completion_tokens).or(g.max_tokens).unwrap_or(-1);
-    if n_predict < -1 {
-        return Err(ApiError::bad(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
-    }
+    let l = g.limits()?;
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty"));
     }
     if prompt.len() >= st.config.ctx_size {
         return Err(ApiError::bad(format!("the request exceeds the available context size: the prompt has {} tokens, the context holds {}", prompt.len(), st.config.ctx_size)));
     }
-    let d = SamplingParams::default();
-    let sampling = SamplingParams {
-        temperature: g.temperature.unwrap_or(d.temperature),
-        top_k: g.top_k.unwrap_or(d.top_k),
-        top_p: g.top_p.unwrap_or(d.top_p),
-        min_p: g.min_p.unwrap_or(d.min_p),
-        repeat_penalty: g.repeat_penalty.unwrap_or(d.repeat_penalty),
-        repeat_last_n: g.repeat_last_n.unwrap_or(d.repeat_last_n),
-        presence_penalty: g.presence_penalty.unwrap_or(d.presence_penalty),
-        frequency_penalty: g.frequency_penalty.unwrap_or(d.frequency_penalty),
-        seed: g.seed.filter(|&s| s >= 0).map(|s| s as u64),
-    };
-    sampling.validate().map_err(|e| ApiError::bad(e.to_string()))?;
-    if g.n_probs > 100 {
-        return Err(ApiError::bad(format!("n_probs must be at most 100, got {}", g.n_probs)));
-    }
-    let stop = match g.stop {
-        None => Vec::new(),
-        Some(StopInput::One(s)) => vec![s],
-        Some(StopInput::Many(v)) => v,
-    };
     let speculative = match &st.config.spec {
-        Some(f) if g.spec_n_max.is_some() || g.spec_n_min.is_some() || g.spec_p_min.is_some() => {
+        Some(f) if g.has_spec_override() => {
             let d = f.config.params;
             let p = tine_spec::DraftParams { n_max: g.spec_n_max.unwrap_or(d.n_max), n_min: g.spec_n_min.unwrap_or(d.n_min), p_min: g.spec_p_min.unwrap_or(d.p_min) };
             p.check().map_err(|e| ApiError::bad(format!("speculative: {e}")))?;
@@ -404,26 +256,14 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         }
         _ => None,
     };
-    let request = GenerateRequest {
-        speculative,
-        prompt,
-        n_predict: n_predict.min(i32::MAX as i64) as i32,
-        sampling,
-        stop,
-        ignore_eos: g.ignore_eos,
-        n_probs: g.n_probs,
-        cache_prompt: g.cache_prompt.unwrap_or(true),
-    };
-    Ok(Validated { request, stream: g.stream, return_tokens: g.return_tokens, n_probs: g.n_probs })
+    let request = GenerateRequest { speculative, prompt, n_predict: l.n_predict, sampling: l.sampling, stop: l.stop, ignore_eos: l.ignore_eos, n_probs: l.n_probs, cache_prompt: l.cache_prompt };
+    Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs })
 }
 
-fn prompt_tokens(st: &AppState, p: Option<PromptInput>) -> Result<Vec<u32>, ApiError> {
-    match p {
-        None => Err(ApiError::bad("`prompt` is required")),
-        Some(PromptInput::Text(t)) => Ok(st.model.tokenizer.encode(&t, true, true)),
-        Some(PromptInput::Tokens(ids)) => checked_ids(st, &ids),
-        Some(PromptInput::Texts(v)) if v.len() == 1 => Ok(st.model.tokenizer.encode(&v[0], true, true)),
-        Some(PromptInput::Texts(v)) => Err(ApiError::bad(format!("one prompt per request is supported, got {}", v.len()))),
+fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<u32>, ApiError> {
+    match b.prompt()? {
+        Prompt::Text(t) => Ok(st.model.tokenizer.encode(&t, true, true)),
+        Prompt::Tokens(ids) => checked_ids(st, &ids),
     }
 }
 
@@ -514,8 +354,8 @@ fn sse_json(v: Value) -> Result<SseEvent, std::convert::Infallible> {
 // ---- /completion (llama-server) ----
 
 async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
-    let b: CompletionBody = json_body(&st, body).await?;
-    let prompt = prompt_tokens(&st, b.prompt)?;
+    let mut b: CompletionBody = json_body(&st, body).await?;
+    let prompt = prompt_tokens(&st, &mut b)?;
     let v = validate(&st, prompt, b.gen)?;
     let prompt_text = st.model.tokenizer.decode(&v.request.prompt, true);
     let rx = submit(&st, v.request)?;
@@ -580,8 +420,8 @@ fn usage(s: &Summary) -> Value {
 // ---- /v1/completions (OpenAI) ----
 
 async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
-    let b: CompletionBody = json_body(&st, body).await?;
-    let prompt = prompt_tokens(&st, b.prompt)?;
+    let mut b: CompletionBody = json_body(&st, body).await?;
+    let prompt = prompt_tokens(&st, &mut b)?;
     let v = validate(&st, prompt, b.gen)?;
     let rx = submit(&st, v.request)?;
     let id = format!("cmpl-{}", now());
@@ -613,18 +453,7 @@ async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Respons
 
 async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let b: ChatBody = json_body(&st, body).await?;
-    let messages: Vec<Message> = b
-        .messages
-        .into_iter()
-        .map(|m| {
-            let content = match m.content {
-                None => String::new(),
-                Some(ContentInput::Text(t)) => t,
-                Some(ContentInput::Parts(parts)) => parts.into_iter().filter(|p| p.kind == "text").map(|p| p.text).collect::<Vec<_>>().join(""),
-            };
-            Message { role: m.role, content }
-        })
-        .collect();
+    let messages: Vec<Message> = b.messages.iter().map(|m| Message { role: m.role.clone(), content: m.text() }).collect();
     let text = render_gemma(&messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
     let prompt = st.model.tokenizer.encode(&text, false, true);
     let v = validate(&st, prompt, b.gen)?;

@@ -1,0 +1,290 @@
+//! The request bodies of Tine's HTTP API, and every check that needs no model.
+//!
+//! `tine-server` decodes a body here ([`decode`]), then adds what needs the model (tokenizing
+//! the prompt, its length against the context, the speculative overrides). Nothing here
+//! panics on any input: the `http_request` fuzz target drives [`decode_any`] with arbitrary
+//! bytes. Unknown fields are ignored, as OpenAI's API does.
+
+use serde::Deserialize;
+use tine_sampling::SamplingParams;
+
+/// A request the client must change: the server answers 400 with this message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct RequestError(pub String);
+
+impl RequestError {
+    fn new(m: impl Into<String>) -> RequestError {
+        RequestError(m.into())
+    }
+}
+
+/// Decodes a JSON body; an empty body and JSON errors are [`RequestError`]s naming the field.
+pub fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RequestError> {
+    if body.iter().all(|b| b.is_ascii_whitespace()) {
+        return Err(RequestError::new("the request body is empty; send a JSON object"));
+    }
+    serde_json::from_slice(body).map_err(|e| RequestError(format!("invalid JSON body: {e}")))
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+#[serde(expecting = "`prompt` as a string, a list of token ids or a list of one string")]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<i64>),
+    /// OpenAI allows a list of prompts; one is taken.
+    Texts(Vec<String>),
+}
+
+/// The prompt, before tokenization.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<i64>),
+}
+
+impl PromptInput {
+    pub fn into_prompt(self) -> Result<Prompt, RequestError> {
+        match self {
+            PromptInput::Text(t) => Ok(Prompt::Text(t)),
+            PromptInput::Tokens(ids) => Ok(Prompt::Tokens(ids)),
+            PromptInput::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
+            PromptInput::Texts(v) => Err(RequestError(format!("one prompt per request is supported, got {}", v.len()))),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+#[serde(expecting = "`stop` as a string or a list of strings")]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The sampling and limit fields shared by every generation endpoint.
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct GenFields {
+    pub n_predict: Option<i64>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<i32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i32>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopInput>,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub ignore_eos: bool,
+    #[serde(default)]
+    pub n_probs: usize,
+    pub cache_prompt: Option<bool>,
+    #[serde(default)]
+    pub return_tokens: bool,
+    #[serde(rename = "speculative.n_max")]
+    pub spec_n_max: Option<usize>,
+    #[serde(rename = "speculative.n_min")]
+    pub spec_n_min: Option<usize>,
+    #[serde(rename = "speculative.p_min")]
+    pub spec_p_min: Option<f32>,
+    /// OpenAI's choices per request: only 1 is supported, and anything else is refused.
+    pub n: Option<i64>,
+}
+
+/// Most top log-probabilities a request may ask for per token.
+pub const MAX_N_PROBS: usize = 100;
+
+/// [`GenFields`] checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Limits {
+    /// `-1`: until end of generation or the context is full.
+    pub n_predict: i32,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub n_probs: usize,
+    pub ignore_eos: bool,
+    pub cache_prompt: bool,
+    pub stream: bool,
+    pub return_tokens: bool,
+}
+
+impl GenFields {
+    /// Every check of these fields that needs no model.
+    pub fn limits(&self) -> Result<Limits, RequestError> {
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(RequestError(format!("n: one choice per request is supported, got n = {n}")));
+        }
+        let n_predict = self.n_predict.or(self.max_completion_tokens).or(self.max_tokens).unwrap_or(-1);
+        if n_predict < -1 {
+            return Err(RequestError(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
+        }
+        let d = SamplingParams::default();
+        let sampling = SamplingParams {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
+            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            // llama-server: a negative seed means a random one.
+            seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
+        };
+        sampling.validate().map_err(|e| RequestError(e.to_string()))?;
+        if self.n_probs > MAX_N_PROBS {
+            return Err(RequestError(format!("n_probs must be at most {MAX_N_PROBS}, got {}", self.n_probs)));
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopInput::One(s)) => vec![s.clone()],
+            Some(StopInput::Many(v)) => v.clone(),
+        };
+        Ok(Limits {
+            n_predict: n_predict.min(i32::MAX as i64) as i32,
+            sampling,
+            stop,
+            n_probs: self.n_probs,
+            ignore_eos: self.ignore_eos,
+            cache_prompt: self.cache_prompt.unwrap_or(true),
+            stream: self.stream,
+            return_tokens: self.return_tokens,
+        })
+    }
+
+    /// Whether the request overrides any speculative setting.
+    pub fn has_spec_override(&self) -> bool {
+        self.spec_n_max.is_some() || self.spec_n_min.is_some() || self.spec_p_min.is_some()
+    }
+}
+
+/// `/completion` (llama-server) and `/v1/completions` (OpenAI).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(expecting = "a JSON object")]
+pub struct CompletionBody {
+    pub prompt: Option<PromptInput>,
+    #[serde(flatten)]
+    pub gen: GenFields,
+}
+
+impl CompletionBody {
+    pub fn prompt(&mut self) -> Result<Prompt, RequestError> {
+        self.prompt.take().ok_or_else(|| RequestError::new("`prompt` is required"))?.into_prompt()
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+#[serde(expecting = "`content` as a string or a list of content parts")]
+pub enum ContentInput {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: Option<ContentInput>,
+}
+
+impl ChatMessage {
+    /// The message's text: a string, or its `text` parts joined.
+    pub fn text(&self) -> String {
+        match &self.content {
+            None => String::new(),
+            Some(ContentInput::Text(t)) => t.clone(),
+            Some(ContentInput::Parts(parts)) => parts.iter().filter(|p| p.kind == "text").map(|p| p.text.as_str()).collect(),
+        }
+    }
+}
+
+/// `/v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(expecting = "a JSON object with `messages`")]
+pub struct ChatBody {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub gen: GenFields,
+}
+
+/// `/tokenize`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(expecting = "a JSON object")]
+pub struct TokenizeBody {
+    pub content: String,
+    #[serde(default)]
+    pub add_special: bool,
+    #[serde(default = "yes")]
+    pub parse_special: bool,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `/detokenize`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(expecting = "a JSON object with `tokens`")]
+pub struct DetokenizeBody {
+    pub tokens: Vec<i64>,
+}
+
+/// Token ids from a client, checked against a vocabulary of `vocab` tokens.
+pub fn check_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, RequestError> {
+    let v = vocab as i64;
+    ids.iter().map(|&t| if (0..v).contains(&t) { Ok(t as u32) } else { Err(RequestError(format!("token id {t} is outside the vocabulary (0..{vocab})"))) }).collect()
+}
+
+/// The endpoints that take a body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completion,
+    Chat,
+    Tokenize,
+    Detokenize,
+}
+
+impl Endpoint {
+    pub const ALL: [Endpoint; 4] = [Endpoint::Completion, Endpoint::Chat, Endpoint::Tokenize, Endpoint::Detokenize];
+}
+
+/// Decodes `body` for `endpoint` and runs every model-free check (what the fuzzer drives).
+/// Returns a short summary of what was accepted.
+pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<String, RequestError> {
+    Ok(match endpoint {
+        Endpoint::Completion => {
+            let mut b: CompletionBody = decode(body)?;
+            let limits = b.gen.limits()?;
+            let prompt = match b.prompt()? {
+                Prompt::Text(t) => t.len(),
+                Prompt::Tokens(ids) => check_ids(&ids, vocab)?.len(),
+            };
+            format!("completion prompt {prompt} n_predict {}", limits.n_predict)
+        }
+        Endpoint::Chat => {
+            let b: ChatBody = decode(body)?;
+            let limits = b.gen.limits()?;
+            let chars: usize = b.messages.iter().map(|m| m.text().len()).sum();
+            format!("chat {} messages {chars} bytes n_predict {}", b.messages.len(), limits.n_predict)
+        }
+        Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.content.len()),
+        Endpoint::Detokenize => format!("detokenize {} ids", check_ids(&decode::<DetokenizeBody>(body)?.tokens, vocab)?.len()),
+    })
+}
