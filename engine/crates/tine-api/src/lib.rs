@@ -96,6 +96,18 @@ pub struct GenFields {
     pub spec_p_min: Option<f32>,
     /// OpenAI's choices per request: only 1 is supported, and anything else is refused.
     pub n: Option<i64>,
+    /// OpenAI's log-probabilities: a count of alternatives (completions) or `true` (chat, with
+    /// `top_logprobs`).
+    pub logprobs: Option<LogprobsInput>,
+    pub top_logprobs: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(untagged)]
+#[serde(expecting = "`logprobs` as a boolean or a count of alternatives")]
+pub enum LogprobsInput {
+    On(bool),
+    Top(i64),
 }
 
 /// Most top log-probabilities a request may ask for per token.
@@ -113,6 +125,8 @@ pub struct Limits {
     pub cache_prompt: bool,
     pub stream: bool,
     pub return_tokens: bool,
+    /// OpenAI log-probabilities asked for, with this many alternatives per token.
+    pub logprobs: Option<usize>,
 }
 
 impl GenFields {
@@ -142,6 +156,19 @@ impl GenFields {
         if self.n_probs > MAX_N_PROBS {
             return Err(RequestError(format!("n_probs must be at most {MAX_N_PROBS}, got {}", self.n_probs)));
         }
+        let in_range = |name: &str, n: i64| -> Result<usize, RequestError> {
+            if (0..=MAX_N_PROBS as i64).contains(&n) {
+                Ok(n as usize)
+            } else {
+                Err(RequestError(format!("{name} must lie in 0..={MAX_N_PROBS}, got {n}")))
+            }
+        };
+        let logprobs = match (self.logprobs, self.top_logprobs) {
+            (None | Some(LogprobsInput::On(false)), None) => None,
+            (None | Some(LogprobsInput::On(false)), Some(_)) => return Err(RequestError::new("top_logprobs needs `logprobs: true`")),
+            (Some(LogprobsInput::On(true)), top) => Some(in_range("top_logprobs", top.unwrap_or(0))?),
+            (Some(LogprobsInput::Top(n)), top) => Some(in_range("top_logprobs", top.unwrap_or(0))?.max(in_range("logprobs", n)?)),
+        };
         let stop = match &self.stop {
             None => Vec::new(),
             Some(StopInput::One(s)) => vec![s.clone()],
@@ -151,11 +178,13 @@ impl GenFields {
             n_predict: n_predict.min(i32::MAX as i64) as i32,
             sampling,
             stop,
-            n_probs: self.n_probs,
+            // The engine computes the sampled token's log-probability only with n_probs > 0.
+            n_probs: self.n_probs.max(logprobs.map_or(0, |t| t.max(1))),
             ignore_eos: self.ignore_eos,
             cache_prompt: self.cache_prompt.unwrap_or(true),
             stream: self.stream,
             return_tokens: self.return_tokens,
+            logprobs,
         })
     }
 
@@ -203,12 +232,19 @@ pub struct ChatMessage {
 }
 
 impl ChatMessage {
-    /// The message's text: a string, or its `text` parts joined.
-    pub fn text(&self) -> String {
+    /// The message's text: a string, or its `text` parts joined. Other parts (`image_url`,
+    /// `input_audio`) are refused: no Tine model reads them, and dropping them would answer a
+    /// question the client did not ask.
+    pub fn text(&self) -> Result<String, RequestError> {
         match &self.content {
-            None => String::new(),
-            Some(ContentInput::Text(t)) => t.clone(),
-            Some(ContentInput::Parts(parts)) => parts.iter().filter(|p| p.kind == "text").map(|p| p.text.as_str()).collect(),
+            None => Ok(String::new()),
+            Some(ContentInput::Text(t)) => Ok(t.clone()),
+            Some(ContentInput::Parts(parts)) => {
+                if let Some(p) = parts.iter().find(|p| p.kind != "text") {
+                    return Err(RequestError(format!("content parts of type `{}` are not supported: this model reads text only", p.kind)));
+                }
+                Ok(parts.iter().map(|p| p.text.as_str()).collect())
+            }
         }
     }
 }
@@ -281,7 +317,7 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
         Endpoint::Chat => {
             let b: ChatBody = decode(body)?;
             let limits = b.gen.limits()?;
-            let chars: usize = b.messages.iter().map(|m| m.text().len()).sum();
+            let chars: usize = b.messages.iter().map(|m| m.text().map(|t| t.len())).sum::<Result<usize, _>>()?;
             format!("chat {} messages {chars} bytes n_predict {}", b.messages.len(), limits.n_predict)
         }
         Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.content.len()),

@@ -19,8 +19,13 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         (Endpoint::Completion, r#"{"prompt": "hi", "stop": 5}"#, Err("`stop` as a string or a list of strings")),
         (Endpoint::Completion, "  ", Err("the request body is empty")),
         (Endpoint::Completion, "[]", Err("expected a JSON object")),
-        (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "image_url"}]}]}"#, Ok("chat 1 messages 2 bytes")),
+        (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}"#, Ok("chat 1 messages 3 bytes")),
+        (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "image_url"}]}]}"#, Err("`image_url` are not supported")),
         (Endpoint::Chat, r#"{"messages": "x"}"#, Err("invalid type")),
+        (Endpoint::Chat, r#"{"messages": [], "top_logprobs": 2}"#, Err("top_logprobs needs `logprobs: true`")),
+        (Endpoint::Chat, r#"{"messages": [], "logprobs": true, "top_logprobs": 101}"#, Err("top_logprobs must lie in 0..=100")),
+        (Endpoint::Completion, r#"{"prompt": "x", "logprobs": -1}"#, Err("logprobs must lie in 0..=100")),
+        (Endpoint::Completion, r#"{"prompt": "x", "logprobs": "yes"}"#, Err("`logprobs` as a boolean or a count")),
         (Endpoint::Chat, r#"{}"#, Err("missing field `messages`")),
         (Endpoint::Tokenize, r#"{"content": "abc"}"#, Ok("tokenize 3 bytes")),
         (Endpoint::Detokenize, r#"{"tokens": [-1]}"#, Err("token id -1 is outside")),
@@ -33,4 +38,17 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
             _ => panic!("{ep:?} {body}: want {want:?}, got {got:?}"),
         }
     }
+}
+
+#[test]
+fn openai_logprobs_ask_the_engine_for_at_least_the_sampled_token() {
+    let l = |body: &str| tine_api::decode::<tine_api::CompletionBody>(body.as_bytes()).expect("decodes").gen.limits().expect("valid");
+    let none = l(r#"{"prompt": "x"}"#);
+    assert_eq!((none.logprobs, none.n_probs), (None, 0));
+    let zero = l(r#"{"prompt": "x", "logprobs": 0}"#);
+    assert_eq!((zero.logprobs, zero.n_probs), (Some(0), 1));
+    let chat = l(r#"{"prompt": "x", "logprobs": true, "top_logprobs": 4}"#);
+    assert_eq!((chat.logprobs, chat.n_probs), (Some(4), 4));
+    let both = l(r#"{"prompt": "x", "logprobs": 2, "n_probs": 7}"#);
+    assert_eq!((both.logprobs, both.n_probs), (Some(2), 7));
 }

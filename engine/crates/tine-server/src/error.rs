@@ -16,11 +16,24 @@ use tine_runtime::StepError;
 pub struct ApiError {
     pub status: StatusCode,
     pub message: String,
+    /// A more precise `type` than the status gives, and fields of its own (llama-server's
+    /// `exceed_context_size_error` carries `n_prompt_tokens` and `n_ctx`).
+    pub detail: Option<(&'static str, serde_json::Map<String, Value>)>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into() }
+        ApiError { status, message: message.into(), detail: None }
+    }
+    /// A prompt that does not fit the context, in llama-server's shape.
+    pub fn exceeds_context(n_prompt: usize, n_ctx: usize) -> ApiError {
+        let mut fields = serde_json::Map::new();
+        fields.insert("n_prompt_tokens".into(), json!(n_prompt));
+        fields.insert("n_ctx".into(), json!(n_ctx));
+        ApiError {
+            detail: Some(("exceed_context_size_error", fields)),
+            ..ApiError::bad(format!("the request exceeds the available context size: the prompt has {n_prompt} tokens, the context holds {n_ctx}"))
+        }
     }
     pub fn bad(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, message)
@@ -34,6 +47,9 @@ impl ApiError {
 
     /// llama-server's `type` for a status.
     pub fn kind(&self) -> &'static str {
+        if let Some((kind, _)) = &self.detail {
+            return kind;
+        }
         match self.status {
             StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::NOT_FOUND => "not_found_error",
@@ -46,7 +62,11 @@ impl ApiError {
 
     /// The JSON body (also sent as an SSE event when a stream fails midway).
     pub fn body(&self) -> Value {
-        json!({"error": {"code": self.status.as_u16(), "message": self.message, "type": self.kind()}})
+        let mut e = json!({"code": self.status.as_u16(), "message": self.message, "type": self.kind()});
+        if let Some((_, fields)) = &self.detail {
+            e.as_object_mut().expect("an object").extend(fields.clone());
+        }
+        json!({ "error": e })
     }
 }
 
@@ -95,7 +115,10 @@ pub fn status_of(e: &GenerateError) -> StatusCode {
 
 impl From<&GenerateError> for ApiError {
     fn from(e: &GenerateError) -> ApiError {
-        ApiError::new(status_of(e), chain(e))
+        match e {
+            GenerateError::PromptTooLong { prompt, context } => ApiError::exceeds_context(*prompt, *context),
+            _ => ApiError::new(status_of(e), chain(e)),
+        }
     }
 }
 

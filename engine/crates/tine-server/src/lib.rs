@@ -237,6 +237,8 @@ struct Validated {
     stream: bool,
     return_tokens: bool,
     n_probs: usize,
+    /// OpenAI log-probabilities, with this many alternatives.
+    logprobs: Option<usize>,
 }
 
 fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, ApiError> {
@@ -245,7 +247,7 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         return Err(ApiError::bad("the prompt is empty"));
     }
     if prompt.len() >= st.config.ctx_size {
-        return Err(ApiError::bad(format!("the request exceeds the available context size: the prompt has {} tokens, the context holds {}", prompt.len(), st.config.ctx_size)));
+        return Err(ApiError::exceeds_context(prompt.len(), st.config.ctx_size));
     }
     let speculative = match &st.config.spec {
         Some(f) if g.has_spec_override() => {
@@ -257,7 +259,7 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         _ => None,
     };
     let request = GenerateRequest { speculative, prompt, n_predict: l.n_predict, sampling: l.sampling, stop: l.stop, ignore_eos: l.ignore_eos, n_probs: l.n_probs, cache_prompt: l.cache_prompt };
-    Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs })
+    Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
 }
 
 fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<u32>, ApiError> {
@@ -397,13 +399,53 @@ fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[Tok
         "generation_settings": {"n_ctx": st.config.ctx_size, "seed": s.seed},
         "prompt": prompt,
         "has_new_line": content.contains('\n'),
-        "truncated": false,
+        "truncated": s.truncated,
         "stop_type": s.stop_type.as_str(),
         "stopping_word": s.stopping_word,
         "tokens_cached": s.timings.cached_n + s.timings.prompt_n + s.timings.predicted_n,
         "timings": timings_json(&s.timings),
         "completion_probabilities": probs.iter().map(|p| prob_json(st, p)).collect::<Vec<_>>(),
     })
+}
+
+fn token_text(st: &AppState, id: u32) -> String {
+    String::from_utf8_lossy(&st.model.tokenizer.token_bytes(id, true)).into_owned()
+}
+
+/// OpenAI completions' `logprobs` over `probs`, whose text starts `offset` characters into
+/// the completion (streamed chunks carry on from the previous one).
+fn completion_logprobs(st: &AppState, probs: &[TokenProb], top: usize, offset: &mut usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut token_logprobs = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    for p in probs {
+        let text = token_text(st, p.id);
+        offsets.push(*offset);
+        *offset += text.chars().count();
+        tokens.push(text);
+        token_logprobs.push(p.logprob);
+        let alts: serde_json::Map<String, Value> = p.top.iter().take(top).map(|&(id, lp)| (token_text(st, id), json!(lp))).collect();
+        tops.push(Value::Object(alts));
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// OpenAI chat's `logprobs` over `probs`.
+fn chat_logprobs(st: &AppState, probs: &[TokenProb], top: usize) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let bytes = st.model.tokenizer.token_bytes(id, true);
+        json!({"token": String::from_utf8_lossy(&bytes), "logprob": lp, "bytes": bytes})
+    };
+    let content: Vec<Value> = probs
+        .iter()
+        .map(|p| {
+            let mut e = entry(p.id, p.logprob);
+            e["top_logprobs"] = Value::Array(p.top.iter().take(top).map(|&(id, lp)| entry(id, lp)).collect());
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
 }
 
 fn finish_reason(s: StopType) -> &'static str {
@@ -414,7 +456,15 @@ fn finish_reason(s: StopType) -> &'static str {
 }
 
 fn usage(s: &Summary) -> Value {
-    json!({"prompt_tokens": s.prompt_tokens, "completion_tokens": s.timings.predicted_n, "total_tokens": s.prompt_tokens + s.timings.predicted_n})
+    json!({
+        "prompt_tokens": s.prompt_tokens, "completion_tokens": s.timings.predicted_n, "total_tokens": s.prompt_tokens + s.timings.predicted_n,
+        "prompt_tokens_details": {"cached_tokens": s.timings.cached_n},
+    })
+}
+
+/// OpenAI's `system_fingerprint`: the build that answered (llama-server sends its build too).
+fn fingerprint() -> String {
+    format!("tine-{}", env!("CARGO_PKG_VERSION"))
 }
 
 // ---- /v1/completions (OpenAI) ----
@@ -426,24 +476,33 @@ async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Respons
     let rx = submit(&st, v.request)?;
     let id = format!("cmpl-{}", now());
     let created = now();
+    let logprobs = v.logprobs;
     if v.stream {
         let (st2, id2) = (st.clone(), id.clone());
+        let mut offset = 0;
         let stream = UnboundedReceiverStream::new(rx)
             .map(move |ev| match ev {
-                Event::Token { text, .. } => sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": null}]})),
+                Event::Token { text, prob, .. } => {
+                    let lp = match (logprobs, prob) {
+                        (Some(top), Some(p)) => completion_logprobs(&st2, &[p], top, &mut offset),
+                        _ => Value::Null,
+                    };
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": null}]}))
+                }
                 Event::Done(s) => {
                     log_request(&st2, &s);
-                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
                 }
                 Event::Error(e) => sse_json(ApiError::from(&e).body()),
             })
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
     }
-    let (s, _) = collect(&st, rx).await?;
+    let (s, probs) = collect(&st, rx).await?;
+    let lp = logprobs.map_or(Value::Null, |top| completion_logprobs(&st, &probs, top, &mut 0));
     Ok(Json(json!({
-        "id": id, "object": "text_completion", "created": created, "model": st.model_id,
-        "choices": [{"text": s.text, "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}],
+        "id": id, "object": "text_completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
+        "choices": [{"text": s.text, "index": 0, "logprobs": lp, "finish_reason": finish_reason(s.stop_type)}],
         "usage": usage(&s), "timings": timings_json(&s.timings),
     }))
     .into_response())
@@ -453,32 +512,46 @@ async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Respons
 
 async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let b: ChatBody = json_body(&st, body).await?;
-    let messages: Vec<Message> = b.messages.iter().map(|m| Message { role: m.role.clone(), content: m.text() }).collect();
+    let messages: Vec<Message> = b.messages.iter().map(|m| Ok(Message { role: m.role.clone(), content: m.text()? })).collect::<Result<_, tine_api::RequestError>>()?;
     let text = render_gemma(&messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
     let prompt = st.model.tokenizer.encode(&text, false, true);
     let v = validate(&st, prompt, b.gen)?;
     let rx = submit(&st, v.request)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();
+    let logprobs = v.logprobs;
     if v.stream {
         let (st2, id2) = (st.clone(), id.clone());
-        let first = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]});
+        // llama-server's first chunk: the role, and no content yet (`null`, never "").
+        let first = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}]});
         let stream = tokio_stream::once(sse_json(first))
-            .chain(UnboundedReceiverStream::new(rx).map(move |ev| match ev {
-                Event::Token { text, .. } => sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]})),
+            .chain(UnboundedReceiverStream::new(rx).filter_map(move |ev| match ev {
+                Event::Token { text, prob, .. } => {
+                    let lp = match (logprobs, prob) {
+                        (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
+                        _ => Value::Null,
+                    };
+                    // Text held back while a stop string may be forming is not an empty delta.
+                    if text.is_empty() && lp.is_null() {
+                        return None;
+                    }
+                    let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
+                    Some(sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]})))
+                }
                 Event::Done(s) => {
                     log_request(&st2, &s);
-                    sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
+                    Some(sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)})))
                 }
-                Event::Error(e) => sse_json(ApiError::from(&e).body()),
+                Event::Error(e) => Some(sse_json(ApiError::from(&e).body())),
             }))
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
     }
-    let (s, _) = collect(&st, rx).await?;
+    let (s, probs) = collect(&st, rx).await?;
+    let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, &probs, top));
     Ok(Json(json!({
-        "id": id, "object": "chat.completion", "created": created, "model": st.model_id,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text}, "finish_reason": finish_reason(s.stop_type)}],
+        "id": id, "object": "chat.completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text}, "logprobs": lp, "finish_reason": finish_reason(s.stop_type)}],
         "usage": usage(&s), "timings": timings_json(&s.timings),
     }))
     .into_response())

@@ -45,6 +45,8 @@ pub struct Summary {
     pub timings: Timings,
     pub prompt_tokens: usize,
     pub seed: u64,
+    /// Generation stopped because the context was full (not at `n_predict`).
+    pub truncated: bool,
 }
 
 pub struct Job {
@@ -260,6 +262,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>, views: 
                             timings: g.timings(),
                             prompt_tokens: g.request().prompt.len(),
                             seed: g.seed(),
+                            truncated: stop == StopType::Limit && !(g.request().n_predict >= 0 && g.tokens().len() >= g.request().n_predict as usize),
                         };
                         let _ = a.events.send(Event::Done(Box::new(summary)));
                         slot.active = None;

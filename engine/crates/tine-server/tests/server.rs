@@ -165,8 +165,13 @@ fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
         assert_eq!(status, 400, "{path} {body}: {text}");
         let v: Value = serde_json::from_str(&text).expect("error body is JSON");
         assert_eq!(v["error"]["code"], 400);
-        assert_eq!(v["error"]["type"], "invalid_request_error");
+        // llama-server's own type (and numbers) for a prompt that does not fit.
+        let want = if needle.contains("context size") { "exceed_context_size_error" } else { "invalid_request_error" };
+        assert_eq!(v["error"]["type"], want, "{path} {body}: {text}");
         assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{path} {body}: {text}");
+        if want == "exceed_context_size_error" {
+            assert!(v["error"]["n_prompt_tokens"].as_u64().expect("n_prompt_tokens") > 32 && v["error"]["n_ctx"] == 32, "{text}");
+        }
     }
     let (status, _) = http(srv.addr, "GET", "/nope", "");
     assert_eq!(status, 404);
@@ -285,4 +290,77 @@ fn a_bad_speculative_override_is_a_400_with_a_json_error() {
     // The server keeps serving.
     let (status, _) = post(server.addr, "/completion", json!({"prompt": "hi", "n_predict": 2}));
     assert_eq!(status, 200);
+}
+
+#[test]
+fn openai_logprobs_come_back_in_openai_shapes_streamed_and_not_and_match_n_probs() {
+    let srv = start(1, 256);
+    // The reference: llama-server's n_probs on /completion (softmax of the logits the sampler
+    // saw, before temperature and top-k, as llama-server computes it by default).
+    let (_, reference) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 5, "temperature": 0, "n_probs": 3}));
+    let want: Vec<f64> = reference["completion_probabilities"].as_array().expect("probs").iter().map(|p| p["logprob"].as_f64().expect("logprob")).collect();
+    assert_eq!(want.len(), 5);
+
+    let (s, c) = post(srv.addr, "/v1/completions", json!({"prompt": "hello world", "max_tokens": 5, "temperature": 0, "logprobs": 2}));
+    assert_eq!(s, 200, "{c}");
+    let lp = &c["choices"][0]["logprobs"];
+    let got: Vec<f64> = lp["token_logprobs"].as_array().expect("token_logprobs").iter().map(|x| x.as_f64().expect("f64")).collect();
+    assert_eq!(got, want, "{lp}");
+    assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(5));
+    assert!(lp["top_logprobs"].as_array().expect("tops").iter().all(|t| t.as_object().is_some_and(|o| !o.is_empty() && o.len() <= 2)), "{lp}");
+    let offsets: Vec<u64> = lp["text_offset"].as_array().expect("offsets").iter().map(|x| x.as_u64().expect("u64")).collect();
+    assert!(offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+    assert_eq!(c["choices"][0]["text"].as_str().expect("text").chars().count() as u64 >= *offsets.last().expect("last"), true);
+
+    let (s, ch) =
+        post(srv.addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0, "logprobs": true, "top_logprobs": 3, "ignore_eos": true}));
+    assert_eq!(s, 200, "{ch}");
+    let content = ch["choices"][0]["logprobs"]["content"].as_array().expect("content");
+    assert_eq!(content.len(), 4, "{ch}");
+    for e in content {
+        assert!(e["token"].is_string() && e["logprob"].as_f64().expect("logprob") <= 0.0 && e["bytes"].is_array(), "{e}");
+        assert_eq!(e["top_logprobs"].as_array().map(Vec::len), Some(3), "{e}");
+    }
+    assert!(ch["system_fingerprint"].is_string());
+    assert!(ch["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+
+    // Streamed chat: the same log-probabilities, one token per chunk, and no empty deltas.
+    let (s, text) = http(
+        srv.addr,
+        "POST",
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0, "logprobs": true, "top_logprobs": 3, "ignore_eos": true, "stream": true}).to_string(),
+    );
+    assert_eq!(s, 200);
+    let events: Vec<Value> = sse_data(&text).iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).expect("json")).collect();
+    assert_eq!(events[0]["choices"][0]["delta"], json!({"role": "assistant", "content": null}), "first chunk: {}", events[0]);
+    let streamed: Vec<&Value> = events.iter().filter_map(|e| e["choices"][0]["logprobs"]["content"].as_array()).flatten().collect();
+    assert_eq!(streamed.len(), 4);
+    for (a, b) in streamed.iter().zip(content) {
+        assert_eq!(a["logprob"], b["logprob"]);
+    }
+    for e in &events {
+        assert_ne!(e["choices"][0]["delta"]["content"], json!(""), "an empty content delta: {e}");
+    }
+}
+
+#[test]
+fn generation_that_fills_the_context_is_reported_truncated() {
+    let srv = start(1, 16);
+    let (_, full) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": -1, "temperature": 0, "ignore_eos": true}));
+    assert_eq!((full["stop_type"].as_str(), full["truncated"].as_bool()), (Some("limit"), Some(true)), "{full}");
+    let (_, limited) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 2, "temperature": 0, "ignore_eos": true}));
+    assert_eq!((limited["stop_type"].as_str(), limited["truncated"].as_bool()), (Some("limit"), Some(false)), "{limited}");
+}
+
+#[test]
+fn non_text_content_parts_are_refused_not_dropped() {
+    let srv = start(1, 64);
+    let (s, v) = post(
+        srv.addr,
+        "/v1/chat/completions",
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
+    );
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"].as_str().expect("message").contains("image_url"), "{v}");
 }
