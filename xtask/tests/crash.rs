@@ -377,7 +377,7 @@ fn random_kill_9_of_apply_chain_and_unapply_never_leaves_a_mixed_tree() {
     let runs: usize = std::env::var("TINE_CRASH_RANDOM_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
     let seed: u64 = std::env::var("TINE_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x7417e);
     // Enough files that writing the tree takes a while, so most kills land in the middle of it.
-    let files: Vec<(String, Vec<u8>)> = (0..1500).map(|i| (format!("d{}/f{i}.txt", i % 20), format!("{}", numbered(&format!("file {i} line "), 20)).into_bytes())).collect();
+    let files: Vec<(String, Vec<u8>)> = (0..1500).map(|i| (format!("d{}/f{i}.txt", i % 20), numbered(&format!("file {i} line "), 20).into_bytes())).collect();
     let fx = Fx::new(&files.iter().map(|(p, d)| (p.as_str(), &d[..])).collect::<Vec<_>>());
     let pristine = live_state(&fx);
     for i in [3usize, 700, 1400] {

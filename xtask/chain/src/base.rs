@@ -62,9 +62,9 @@ pub enum BaseError {
     #[error("{}: sha256 is {found}, the pin says {}", .file.display(), .pin.sha256)]
     CrateChecksum { file: PathBuf, pin: CratePin, found: String },
     #[error("{}: sha256 is {found}, the pin of {}-{} says {} (a truncated or corrupted download; cargo will not fetch it again while it is there): delete it and run again", .file.display(), .pin.name, .pin.version, .pin.sha256)]
-    CorruptCrate { file: PathBuf, pin: CratePin, found: String },
+    CorruptCrate { file: PathBuf, pin: Box<CratePin>, found: String },
     #[error("the cached base {} was modified since it was unpacked, and no pinned {}-{}.crate is at hand to unpack it again:\n{drift}\ndelete {} and run again (cargo fetches the crate)", .dir.display(), .pin.name, .pin.version, .dir.display())]
-    CacheModified { dir: PathBuf, pin: CratePin, drift: String },
+    CacheModified { dir: PathBuf, pin: Box<CratePin>, drift: String },
     #[error("{}: entry {entry:?} lies outside {prefix}", .file.display())]
     OutsidePrefix { file: PathBuf, entry: String, prefix: String },
     #[error("{}: unsafe path {entry:?}", .file.display())]
@@ -148,19 +148,19 @@ fn load_crates(crates: &[CratePin], cache: &Path, progress: &indicatif::Progress
                     install(&files, pin, &dir)?;
                     files
                 }
-                _ => return Err(BaseError::CacheModified { dir, pin: pin.clone(), drift }),
+                _ => return Err(BaseError::CacheModified { dir, pin: Box::new(pin.clone()), drift }),
             },
             Cached::Missing => {
                 let crate_file = match find_crate_file(pin)? {
                     Found { file: Some(f), .. } => f,
-                    Found { corrupt: Some((file, found)), .. } => return Err(BaseError::CorruptCrate { file, pin: pin.clone(), found }),
+                    Found { corrupt: Some((file, found)), .. } => return Err(BaseError::CorruptCrate { file, pin: Box::new(pin.clone()), found }),
                     Found { .. } if !fetched => {
                         fetched = true;
                         progress.set_message("fetching the base crates through cargo");
                         fetch_with_cargo(crates, cache)?;
                         match find_crate_file(pin)? {
                             Found { file: Some(f), .. } => f,
-                            Found { corrupt: Some((file, found)), .. } => return Err(BaseError::CorruptCrate { file, pin: pin.clone(), found }),
+                            Found { corrupt: Some((file, found)), .. } => return Err(BaseError::CorruptCrate { file, pin: Box::new(pin.clone()), found }),
                             _ => return Err(BaseError::NotInCargoCache { pin: pin.clone(), cargo_cache: cargo_home().join("registry/cache") }),
                         }
                     }
