@@ -45,6 +45,9 @@ enum Cmd {
         #[arg(long, value_name = "NNNN")]
         to: Option<String>,
     },
+    /// Finish a chain command that was killed while writing (refresh, capture, bless): its
+    /// journal in .tine-journal/ is written out and removed. Every writing command does this first.
+    Recover,
     /// Reverse-apply the live chain down to --to (default 0000 = pristine).
     Unapply {
         #[arg(long, value_name = "NNNN")]
@@ -249,6 +252,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Restore { name } => commands::restore(&p, name.as_deref(), &pb)?,
         Cmd::Status => commands::status(&p, &pb)?,
+        Cmd::Recover => {
+            pb.finish_and_clear();
+            commands::recover(&p)?;
+        }
         Cmd::SyncCheck => {
             pb.finish_and_clear();
             return cmd::sync_check::run(&p);

@@ -496,9 +496,9 @@ fn xtask(fx: &Fx, args: &[&str], crash: Option<&str>) -> std::process::Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_xtask"));
     c.args(args).env("TINE_PROJECT_ROOT", &fx.p.root);
     if let Some(point) = crash {
-        c.env("TINE_REBASE_CRASH_AT", point);
+        c.env("TINE_CRASH_AT", point);
     } else {
-        c.env_remove("TINE_REBASE_CRASH_AT");
+        c.env_remove("TINE_CRASH_AT");
     }
     c.output().expect("xtask runs")
 }

@@ -61,6 +61,10 @@ pub enum BaseError {
     CargoFailed { verb: String, deps: String, status: ExitStatus, stderr: String },
     #[error("{}: sha256 is {found}, the pin says {}", .file.display(), .pin.sha256)]
     CrateChecksum { file: PathBuf, pin: CratePin, found: String },
+    #[error("{}: sha256 is {found}, the pin of {}-{} says {} (a truncated or corrupted download; cargo will not fetch it again while it is there): delete it and run again", .file.display(), .pin.name, .pin.version, .pin.sha256)]
+    CorruptCrate { file: PathBuf, pin: Box<CratePin>, found: String },
+    #[error("the cached base {} was modified since it was unpacked, and no pinned {}-{}.crate is at hand to unpack it again:\n{drift}\ndelete {} and run again (cargo fetches the crate)", .dir.display(), .pin.name, .pin.version, .dir.display())]
+    CacheModified { dir: PathBuf, pin: Box<CratePin>, drift: String },
     #[error("{}: entry {entry:?} lies outside {prefix}", .file.display())]
     OutsidePrefix { file: PathBuf, entry: String, prefix: String },
     #[error("{}: unsafe path {entry:?}", .file.display())]
@@ -119,46 +123,139 @@ fn load_crates(crates: &[CratePin], cache: &Path, progress: &indicatif::Progress
     let mut fetched = false;
     for pin in crates {
         let dir = cache.join("base").join("crates").join(format!("{}-{}-{}", pin.name, pin.version, &pin.sha256[..16]));
-        if !dir.join(".complete").exists() {
-            let crate_file = match find_crate_file(pin)? {
-                Some(f) => f,
-                None if !fetched => {
-                    fetched = true;
-                    progress.set_message("fetching the base crates through cargo");
-                    fetch_with_cargo(crates, cache)?;
-                    find_crate_file(pin)?.ok_or_else(|| BaseError::NotInCargoCache { pin: pin.clone(), cargo_cache: cargo_home().join("registry/cache") })?
+        let sub = match read_cached(&dir, pin)? {
+            Cached::Good(t) => t,
+            Cached::Unverified(t) => match find_crate_file(pin)? {
+                // A cache unpacked before markers held manifests: checked against the .crate once.
+                Found { file: Some(f), .. } => {
+                    let files = crate_files(&f, pin)?;
+                    if tree::manifest_of(&files) == tree::manifest_of(&t) {
+                        tree::write_file_atomically(&dir.join(".complete"), marker(pin, &files).as_bytes())
+                            .map_err(|e| BaseError::Io { context: format!("recording {}", dir.display()), source: e.source })?;
+                    } else {
+                        eprintln!("note: the cached base {} differs from {}; unpacking it again", dir.display(), f.display());
+                        install(&files, pin, &dir)?;
+                    }
+                    files
                 }
-                None => return Err(BaseError::StillMissing { pin: pin.clone() }),
-            };
-            progress.set_message(format!("unpacking {}-{}", pin.name, pin.version));
-            unpack_crate(&crate_file, pin, &dir)?;
-        }
-        let sub = tree::read_tree(&dir).map_err(|source| BaseError::ReadTree { context: format!("reading the cached base {}", dir.display()), source })?;
-        for (path, entry) in sub {
-            if path == ".complete" {
-                continue;
+                // Only manifest.pristine can tell (every command checks it).
+                _ => t,
+            },
+            Cached::Modified(drift) => match find_crate_file(pin)? {
+                Found { file: Some(f), .. } => {
+                    eprintln!("note: the cached base {} was modified since it was unpacked ({}); unpacking it again from {}", dir.display(), drift.replace('\n', ";"), f.display());
+                    let files = crate_files(&f, pin)?;
+                    install(&files, pin, &dir)?;
+                    files
+                }
+                _ => return Err(BaseError::CacheModified { dir, pin: Box::new(pin.clone()), drift }),
+            },
+            Cached::Missing => {
+                let crate_file = match find_crate_file(pin)? {
+                    Found { file: Some(f), .. } => f,
+                    Found { corrupt: Some((file, found)), .. } => return Err(BaseError::CorruptCrate { file, pin: Box::new(pin.clone()), found }),
+                    Found { .. } if !fetched => {
+                        fetched = true;
+                        progress.set_message("fetching the base crates through cargo");
+                        fetch_with_cargo(crates, cache)?;
+                        match find_crate_file(pin)? {
+                            Found { file: Some(f), .. } => f,
+                            Found { corrupt: Some((file, found)), .. } => return Err(BaseError::CorruptCrate { file, pin: Box::new(pin.clone()), found }),
+                            _ => return Err(BaseError::NotInCargoCache { pin: pin.clone(), cargo_cache: cargo_home().join("registry/cache") }),
+                        }
+                    }
+                    Found { .. } => return Err(BaseError::StillMissing { pin: pin.clone() }),
+                };
+                progress.set_message(format!("unpacking {}-{}", pin.name, pin.version));
+                let files = crate_files(&crate_file, pin)?;
+                install(&files, pin, &dir)?;
+                files
             }
+        };
+        for (path, entry) in sub {
             tree.insert(format!("{}/{}", pin.name, path), entry);
         }
     }
     Ok(tree)
 }
 
-/// The `.crate` in cargo's download cache whose sha256 equals the pin.
-fn find_crate_file(pin: &CratePin) -> Result<Option<PathBuf>, BaseError> {
-    let cache = cargo_home().join("registry").join("cache");
-    let Ok(indexes) = fs::read_dir(&cache) else {
-        return Ok(None);
+/// What the cache holds for one pin.
+enum Cached {
+    /// Unpacked, and equal to the manifest recorded when it was unpacked from the pinned `.crate`.
+    Good(Tree),
+    /// Unpacked by an older version that recorded no manifest.
+    Unverified(Tree),
+    /// Unpacked, but changed since (the drift, described).
+    Modified(String),
+    /// Not (completely) unpacked.
+    Missing,
+}
+
+/// The `.complete` marker: `name sha256`, then the manifest of the unpacked files.
+fn marker(pin: &CratePin, files: &Tree) -> String {
+    format!("{} {}\n{}", pin.name, pin.sha256, tree::render_manifest(&tree::manifest_of(files)))
+}
+
+/// The cached tree of `pin`, checked against the manifest its marker recorded: a cache that was
+/// modified (a file edited, added, removed or its mode changed) is never used as it is.
+pub fn check_cached(dir: &Path, pin: &CratePin) -> Result<Option<Result<Tree, String>>, BaseError> {
+    Ok(match read_cached(dir, pin)? {
+        Cached::Good(t) | Cached::Unverified(t) => Some(Ok(t)),
+        Cached::Modified(d) => Some(Err(d)),
+        Cached::Missing => None,
+    })
+}
+
+fn read_cached(dir: &Path, pin: &CratePin) -> Result<Cached, BaseError> {
+    let marker_path = dir.join(".complete");
+    let Ok(text) = fs::read_to_string(&marker_path) else {
+        return Ok(Cached::Missing);
     };
+    let mut sub = tree::read_tree(dir).map_err(|source| BaseError::ReadTree { context: format!("reading the cached base {}", dir.display()), source })?;
+    sub.remove(".complete");
+    let (first, rest) = text.split_once('\n').unwrap_or((text.as_str(), ""));
+    if first != format!("{} {}", pin.name, pin.sha256) {
+        return Ok(Cached::Modified(format!("  its marker {} names {first:?}", marker_path.display())));
+    }
+    if rest.is_empty() {
+        return Ok(Cached::Unverified(sub));
+    }
+    let recorded = match tree::parse_manifest(rest, &marker_path) {
+        Ok(m) => m,
+        Err(e) => return Ok(Cached::Modified(format!("  {e}"))),
+    };
+    let d = tree::diff_manifests(&recorded, &tree::manifest_of(&sub));
+    Ok(if d.is_empty() { Cached::Good(sub) } else { Cached::Modified(d.describe(20)) })
+}
+
+/// The `.crate` in cargo's download cache whose sha256 equals the pin (`file`), else the first
+/// one of that name and version whose bytes differ (`corrupt`: path and sha256).
+#[derive(Default)]
+struct Found {
+    file: Option<PathBuf>,
+    corrupt: Option<(PathBuf, String)>,
+}
+
+fn find_crate_file(pin: &CratePin) -> Result<Found, BaseError> {
+    let cache = cargo_home().join("registry").join("cache");
+    let mut found = Found::default();
+    let Ok(indexes) = fs::read_dir(&cache) else {
+        return Ok(found);
+    };
+    let mut indexes: Vec<PathBuf> = indexes.map(|e| e.map(|e| e.path())).collect::<Result<_, _>>()?;
+    indexes.sort();
     for index in indexes {
-        let candidate = index?.path().join(format!("{}-{}.crate", pin.name, pin.version));
+        let candidate = index.join(format!("{}-{}.crate", pin.name, pin.version));
         if let Ok(bytes) = fs::read(&candidate) {
-            if tree::sha256_hex(&bytes) == pin.sha256 {
-                return Ok(Some(candidate));
+            let sha = tree::sha256_hex(&bytes);
+            if sha == pin.sha256 {
+                found.file = Some(candidate);
+                return Ok(found);
             }
+            found.corrupt.get_or_insert((candidate, sha));
         }
     }
-    Ok(None)
+    Ok(found)
 }
 
 /// Lets cargo download the pinned crates (honouring source replacement, mirrors and offline
@@ -203,7 +300,7 @@ pub fn resolve_crates(names: &[&str], version: &str, cache: &Path, progress: &in
         let checksum = locked(&lock, name, Some(version)).and_then(|p| p.get("checksum")).and_then(|s| s.as_str()).map(str::to_owned);
         let Some(sha256) = checksum else { return Err(BaseError::NoChecksum { name: (*name).to_owned(), version: version.to_owned() }) };
         let pin = CratePin { name: (*name).to_owned(), version: version.to_owned(), sha256 };
-        if find_crate_file(&pin)?.is_none() {
+        if find_crate_file(&pin)?.file.is_none() {
             return Err(BaseError::FetchedOtherBytes { pin, cargo_cache: cargo_home().join("registry/cache") });
         }
         pins.push(pin);
@@ -249,7 +346,8 @@ fn lock_for(deps: &[(&str, String)], verb: &str, cache: &Path) -> Result<toml::V
     toml::from_str(&lock.map_err(io("reading the resolve Cargo.lock"))?).map_err(toml_err("parsing the resolve Cargo.lock"))
 }
 
-fn unpack_crate(crate_file: &Path, pin: &CratePin, dest: &Path) -> Result<(), BaseError> {
+/// The files of a `.crate`, after checking its sha256 against the pin.
+fn crate_files(crate_file: &Path, pin: &CratePin) -> Result<Tree, BaseError> {
     let bytes = fs::read(crate_file).map_err(io(format!("reading {}", crate_file.display())))?;
     let sha = tree::sha256_hex(&bytes);
     if sha != pin.sha256 {
@@ -265,7 +363,7 @@ fn unpack_crate(crate_file: &Path, pin: &CratePin, dest: &Path) -> Result<(), Ba
         }
         let path = entry.path()?.to_string_lossy().into_owned();
         let rel = path.strip_prefix(&prefix).ok_or_else(|| BaseError::OutsidePrefix { file: crate_file.to_owned(), entry: path.clone(), prefix: prefix.clone() })?.to_owned();
-        if rel.split('/').any(|c| c == ".." || c.is_empty()) {
+        if !tree::is_safe_path(&rel) || rel == ".complete" {
             return Err(BaseError::UnsafePath { file: crate_file.to_owned(), entry: path });
         }
         let mode = if entry.header().mode()? & 0o111 != 0 { MODE_EXEC } else { MODE_FILE };
@@ -273,19 +371,27 @@ fn unpack_crate(crate_file: &Path, pin: &CratePin, dest: &Path) -> Result<(), Ba
         std::io::Read::read_to_end(&mut entry, &mut data)?;
         files.insert(rel, Entry { mode, data });
     }
+    Ok(files)
+}
+
+/// Unpacks `files` read-only at `dest`, with a marker recording their manifest.
+fn install(files: &Tree, pin: &CratePin, dest: &Path) -> Result<(), BaseError> {
     // Unpack beside the destination, then rename: a half-unpacked cache never looks complete.
     let parent = dest.parent().expect("cache directories have parents");
     fs::create_dir_all(parent)?;
     let tmp = parent.join(format!(".unpack-{}-{}", pin.name, std::process::id()));
-    let _ = fs::remove_dir_all(&tmp);
-    for (rel, e) in &files {
+    if tmp.exists() {
+        make_writable(&tmp)?;
+        fs::remove_dir_all(&tmp)?;
+    }
+    for (rel, e) in files {
         let p = tmp.join(rel);
         fs::create_dir_all(p.parent().expect("joined"))?;
         fs::write(&p, &e.data)?;
         // Read-only: the cache is never modified.
         fs::set_permissions(&p, fs::Permissions::from_mode(if e.mode == MODE_EXEC { 0o555 } else { 0o444 }))?;
     }
-    fs::write(tmp.join(".complete"), format!("{} {}\n", pin.name, pin.sha256))?;
+    fs::write(tmp.join(".complete"), marker(pin, files))?;
     if dest.exists() {
         make_writable(dest)?;
         fs::remove_dir_all(dest)?;

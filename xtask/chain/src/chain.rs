@@ -4,7 +4,7 @@
 //! file that records which patches it holds and the manifest it was written with. Anything in the
 //! live tree that differs from that manifest is a maintainer's edit, and no command discards it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::PathBuf;
 
@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::apply;
 use crate::base::BaseError;
 use crate::extension::Extension;
+use crate::journal::{self, JournalError};
 use crate::patch::{self, ParseError, PatchSet};
 use crate::project::Project;
 use crate::registry::{self, LoadError, PatchEntry, Registry};
@@ -29,6 +30,8 @@ pub enum PatchLoadError {
         #[source]
         source: std::io::Error,
     },
+    #[error("patch {id}: the registry's file {file:?} is not a plain file name in patches/ (it would be read or written outside it)")]
+    UnsafeFile { id: String, file: String },
     #[error("patch {id}: {shown} is malformed")]
     Parse {
         id: String,
@@ -106,6 +109,8 @@ pub enum LoadAllError {
     #[error("{0}\n(the chain commands wait until the rebase is finished or aborted)")]
     RebaseInProgress(String),
     #[error(transparent)]
+    Journal(#[from] JournalError),
+    #[error(transparent)]
     Registry(#[from] LoadError),
     #[error(transparent)]
     Base(#[from] BaseError),
@@ -113,6 +118,16 @@ pub enum LoadAllError {
     Pristine(#[from] PristineError),
     #[error(transparent)]
     Patches(#[from] PatchLoadError),
+}
+
+/// A path a patch touches runs through a symbolic link in the live tree.
+#[derive(Debug, thiserror::Error)]
+#[error("patch {patch} touches {path}, but engine/upstream/{link} is a symbolic link (to {target}); the chain never writes through links, and a tree holding one is not the chain's:\nmove it away (keep what it points to), then run again")]
+pub struct LinkError {
+    pub patch: String,
+    pub path: String,
+    pub link: String,
+    pub target: String,
 }
 
 /// Recording sha256s, manifests, docs and generated files.
@@ -126,6 +141,8 @@ pub enum BlessError {
     },
     #[error(transparent)]
     Write(#[from] WriteError),
+    #[error(transparent)]
+    Journal(#[from] JournalError),
     #[error(transparent)]
     Patches(#[from] PatchLoadError),
 }
@@ -156,15 +173,32 @@ pub fn load_registry(p: &Project) -> Result<Registry, LoadError> {
 
 /// Reads and parses every applied patch of the series.
 pub fn load_patches(p: &Project, reg: &Registry) -> Result<Vec<LoadedPatch>, PatchLoadError> {
+    load_patches_with(p, reg, &BTreeMap::new())
+}
+
+/// A registry `file` names a plain file in `patches/`.
+pub fn is_plain_patch_file(file: &str) -> bool {
+    !file.is_empty() && !file.starts_with('.') && !file.contains('/') && !file.contains('\\') && !file.contains('\0')
+}
+
+/// [`load_patches`], with `overrides` (file name -> bytes) read instead of the files on disk:
+/// a change not yet written.
+pub fn load_patches_with(p: &Project, reg: &Registry, overrides: &BTreeMap<String, Vec<u8>>) -> Result<Vec<LoadedPatch>, PatchLoadError> {
     reg.patches
         .iter()
         .filter(|e| e.is_applied())
         .map(|entry| {
+            if !is_plain_patch_file(&entry.file) {
+                return Err(PatchLoadError::UnsafeFile { id: entry.id.clone(), file: entry.file.clone() });
+            }
             let path = p.patches_dir().join(&entry.file);
             let shown = p.rel(&path).into_owned();
-            let bytes = match fs::read(&path) {
-                Ok(b) => b,
-                Err(source) => return Err(PatchLoadError::Read { id: entry.id.clone(), path, shown, source }),
+            let bytes = match overrides.get(&entry.file) {
+                Some(b) => b.clone(),
+                None => match fs::read(&path) {
+                    Ok(b) => b,
+                    Err(source) => return Err(PatchLoadError::Read { id: entry.id.clone(), path, shown, source }),
+                },
             };
             let parsed = match patch::parse(&bytes) {
                 Ok(ps) => ps,
@@ -310,6 +344,7 @@ pub fn load_all(p: &Project, progress: &indicatif::ProgressBar) -> Result<Loaded
     if let Some(what) = crate::rebase_state::describe_in_progress(p) {
         return Err(LoadAllError::RebaseInProgress(what));
     }
+    journal::check_none_pending(p)?;
     let registry = load_registry(p)?;
     let base = crate::base::load(&registry.base, &p.root, &p.cache_dir, progress)?;
     check_pristine(p, &base)?;
@@ -335,30 +370,76 @@ pub fn hooks_added(before: &Tree, after: &Tree) -> Vec<String> {
     tree::hooks_of_tree(after).into_keys().filter(|h| !b.contains_key(h)).collect()
 }
 
-/// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies),
-/// `docs/UPSTREAM_SYNC.md` and the extension's generated files from the files on disk.
-pub fn bless(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool) -> Result<Result<(), apply::ApplyError>, BlessError> {
-    for e in &mut reg.patches {
-        if e.is_applied() {
-            let path = p.patches_dir().join(&e.file);
-            let bytes = fs::read(&path).map_err(|source| BlessError::Read { shown: p.rel(&path).into_owned(), source })?;
-            e.sha256 = tree::sha256_hex(&bytes);
+/// Every path `patches` touch, checked against symbolic links in the live tree (the path
+/// itself or a directory above it), before anything is read or written there.
+pub fn check_no_links(p: &Project, patches: &[LoadedPatch]) -> Result<(), LinkError> {
+    let dir = p.upstream_dir();
+    if !dir.is_dir() {
+        return Ok(());
+    }
+    let mut clean = BTreeSet::new();
+    for lp in patches {
+        for fp in &lp.parsed.files {
+            for path in fp.old_path.iter().chain(&fp.new_path) {
+                let mut prefix = String::new();
+                for comp in path.split('/') {
+                    if !prefix.is_empty() {
+                        prefix.push('/');
+                    }
+                    prefix.push_str(comp);
+                    if clean.contains(&prefix) {
+                        continue;
+                    }
+                    let Ok(meta) = fs::symlink_metadata(dir.join(&prefix)) else {
+                        break;
+                    };
+                    if meta.file_type().is_symlink() {
+                        let target = fs::read_link(dir.join(&prefix)).map(|t| t.display().to_string()).unwrap_or_else(|_| "?".into());
+                        return Err(LinkError { patch: lp.name().to_owned(), path: path.clone(), link: prefix, target });
+                    }
+                    clean.insert(prefix.clone());
+                }
+            }
         }
     }
-    tree::write_file_atomically(&p.registry_path(), registry::render(reg).as_bytes())?;
-    tree::write_file_atomically(&p.sync_doc_path(), registry::render_markdown(reg).as_bytes())?;
-    if with_base {
-        tree::write_file_atomically(&p.pristine_manifest_path(), tree::render_manifest(&tree::manifest_of(base)).as_bytes())?;
+    Ok(())
+}
+
+/// What [`bless`] writes, computed without writing: every file (absolute path, bytes) and
+/// whether the chain applies (else `manifest.patched` is not among them). `overrides` are
+/// patch files (name -> bytes) of the change being recorded, written with the rest.
+pub type BlessFiles = (Vec<(PathBuf, Option<Vec<u8>>)>, Result<(), apply::ApplyError>);
+
+pub fn bless_files(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool, overrides: &BTreeMap<String, Vec<u8>>) -> Result<BlessFiles, BlessError> {
+    let patches = load_patches_with(p, reg, overrides)?;
+    let mut files: Vec<(PathBuf, Option<Vec<u8>>)> = overrides.iter().map(|(f, b)| (p.patches_dir().join(f), Some(b.clone()))).collect();
+    for e in &mut reg.patches {
+        if let Some(lp) = patches.iter().find(|lp| lp.entry.id == e.id && lp.entry.file == e.file) {
+            e.sha256 = tree::sha256_hex(&lp.bytes);
+        }
     }
-    let patches = load_patches(p, reg)?;
+    files.push((p.registry_path(), Some(registry::render(reg).into_bytes())));
+    files.push((p.sync_doc_path(), Some(registry::render_markdown(reg).into_bytes())));
+    if with_base {
+        files.push((p.pristine_manifest_path(), Some(tree::render_manifest(&tree::manifest_of(base)).into_bytes())));
+    }
     for (path, bytes) in ext.generated_files(p, reg, &patches.iter().map(|l| &l.parsed).collect::<Vec<_>>()) {
-        tree::write_file_atomically(&path, &bytes)?;
+        files.push((path, Some(bytes)));
     }
     match build(base, &patches) {
         Ok(full) => {
-            tree::write_file_atomically(&p.patched_manifest_path(), tree::render_manifest(&tree::manifest_of(&full)).as_bytes())?;
-            Ok(Ok(()))
+            files.push((p.patched_manifest_path(), Some(tree::render_manifest(&tree::manifest_of(&full)).into_bytes())));
+            Ok((files, Ok(())))
         }
-        Err(e) => Ok(Err(e)),
+        Err(e) => Ok((files, Err(e))),
     }
+}
+
+/// Rewrites the registry's patch sha256s, `manifest.patched` (when the chain applies),
+/// `docs/UPSTREAM_SYNC.md` and the extension's generated files from the files on disk,
+/// all in one journaled change.
+pub fn bless(p: &Project, ext: &dyn Extension, reg: &mut Registry, base: &Tree, with_base: bool) -> Result<Result<(), apply::ApplyError>, BlessError> {
+    let (files, outcome) = bless_files(p, ext, reg, base, with_base, &BTreeMap::new())?;
+    journal::commit(p, if with_base { "bless --base" } else { "bless" }, &files)?;
+    Ok(outcome)
 }

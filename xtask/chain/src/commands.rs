@@ -1,5 +1,10 @@
-//! The chain commands: apply-chain, unapply, refresh, capture, backup, restore, status, bless.
+//! The chain commands: apply-chain, unapply, refresh, capture, backup, restore, status, bless, recover.
+//!
+//! Every writing command first finishes a change an earlier run was killed in the middle of
+//! (its [`journal`]); then it writes either one atomic swap of the live tree (apply-chain,
+//! unapply, restore) or one journaled set of files (refresh, capture, bless).
 
+use std::collections::BTreeMap;
 use std::fs;
 
 use anyhow::{bail, Context as _};
@@ -10,6 +15,7 @@ use crate::chain::{self, build, live_state_without_edits, load_all, resolve_to, 
 use crate::error::Causes;
 use crate::export;
 use crate::extension::Extension;
+use crate::journal;
 use crate::patch;
 use crate::project::Project;
 use crate::registry::{self, PatchEntry};
@@ -19,9 +25,33 @@ fn say(msg: impl AsRef<str>) {
     eprintln!("{}", msg.as_ref());
 }
 
+/// Finishes a change that a killed run committed but did not write out completely.
+fn finish_interrupted(p: &Project) -> anyhow::Result<()> {
+    if let Some(what) = journal::recover(p)? {
+        say(format!("finished the interrupted `{what}` (its journal {} is written out and removed)", p.rel(&journal::dir(p))));
+    }
+    Ok(())
+}
+
+/// `cargo xtask recover`: finishes an interrupted change, if there is one.
+pub fn recover(p: &Project) -> anyhow::Result<()> {
+    match journal::recover(p)? {
+        Some(what) => say(format!("finished the interrupted `{what}`")),
+        None => say("nothing to recover: no interrupted change is pending"),
+    }
+    Ok(())
+}
+
+/// The paths the series touches may not run through a symbolic link in the live tree.
+fn refuse_links(p: &Project, patches: &[LoadedPatch]) -> anyhow::Result<()> {
+    chain::check_no_links(p, patches).map_err(|e| Refused(e.to_string()).into())
+}
+
 pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    finish_interrupted(p)?;
     let l = load_all(p, pb)?;
     let n = resolve_to(&l.patches, to)?;
+    refuse_links(p, &l.patches)?;
     let live = live_state_without_edits(p, &l.base, &l.patches, "apply-chain").map_err(|e| Refused(Causes(&e).to_string()))?;
     let mut t = l.base.clone();
     for lp in &l.patches[..n] {
@@ -30,6 +60,7 @@ pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -
     let target = State::new(&l.patches[..n], &t);
     if let Some((live, _)) = &live {
         if live.state.as_ref() == Some(&target) {
+            tree::remove_stale_scratch(&p.upstream_dir());
             say(format!("engine/upstream/ already holds the base + {n} patch(es) (up to {}); nothing to do", target.top()));
             return Ok(());
         }
@@ -45,8 +76,10 @@ pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -
 }
 
 pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    finish_interrupted(p)?;
     let l = load_all(p, pb)?;
     let n = resolve_to(&l.patches, Some(to.unwrap_or("0000")))?;
+    refuse_links(p, &l.patches)?;
     let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(Causes(&e).to_string()))? else {
         bail!("engine/upstream/ does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)");
     };
@@ -120,12 +153,15 @@ fn reapply_later<'a>(t: &mut Tree, later: &'a [LoadedPatch]) -> Result<(), (Box<
     Ok(())
 }
 
-/// Records the new patch (sha256s, docs, manifest.patched when the chain applies) and the live
-/// tree's new state; then names every later patch that no longer applies.
-fn finish_bless(p: &Project, ext: &dyn Extension, reg: &mut registry::Registry, base: &Tree, live: &Tree, new_state: &State) -> anyhow::Result<()> {
+/// Records the new patch file (`overrides`), sha256s, docs, manifest.patched when the chain
+/// applies, and the live tree's new state, as one journaled change; then names every later
+/// patch that no longer applies.
+#[allow(clippy::too_many_arguments)]
+fn finish_bless(p: &Project, ext: &dyn Extension, reg: &mut registry::Registry, base: &Tree, live: &Tree, new_state: &State, overrides: &BTreeMap<String, Vec<u8>>, what: &str) -> anyhow::Result<()> {
     // A chain that no longer applies is reported below, patch by patch.
-    let _ = chain::bless(p, ext, reg, base, false)?;
-    tree::write_file_atomically(&p.upstream_dir().join(tree::STATE_FILE), &new_state.to_bytes())?;
+    let (mut files, _) = chain::bless_files(p, ext, reg, base, false, overrides)?;
+    files.push((p.upstream_dir().join(tree::STATE_FILE), Some(new_state.to_bytes())));
+    journal::commit(p, what, &files)?;
     let patches = chain::load_patches(p, reg)?;
     let mut t = live.clone();
     if let Err((e, unchecked)) = reapply_later(&mut t, &patches[new_state.applied.len()..]) {
@@ -141,11 +177,13 @@ fn finish_bless(p: &Project, ext: &dyn Extension, reg: &mut registry::Registry, 
 }
 
 pub fn refresh(p: &Project, ext: &dyn Extension, id: &str, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    finish_interrupted(p)?;
     let mut l = load_all(p, pb)?;
     let idx = resolve_to(&l.patches, Some(id))?;
     if idx == 0 {
         bail!("refresh needs a patch id, not 0000");
     }
+    refuse_links(p, &l.patches)?;
     let (live, state, k) = live_with_state(p, &l.patches)?;
     if k != idx {
         bail!(
@@ -161,17 +199,17 @@ pub fn refresh(p: &Project, ext: &dyn Extension, id: &str, pb: &indicatif::Progr
     }
     let bytes = export_checked(&lp.parsed.header, &old, &live.tree, lp.name())?;
     let unchanged = bytes == lp.bytes;
-    tree::write_file_atomically(&p.patches_dir().join(lp.name()), &bytes)?;
     let declared: std::collections::BTreeSet<_> = lp.entry.hooks.iter().cloned().collect();
     for h in chain::hooks_added(&old, &live.tree) {
         if !declared.contains(&h) {
             say(format!("note: the patch now marks hook {h:?}, which its registry entry does not declare (add it to `hooks`)"));
         }
     }
-    let reloaded = chain::load_patches(p, &l.registry)?;
+    let overrides = BTreeMap::from([(lp.name().to_owned(), bytes)]);
+    let reloaded = chain::load_patches_with(p, &l.registry, &overrides)?;
     let new_state = State::new(&reloaded[..idx], &live.tree);
     say(if unchanged { format!("{} is unchanged", lp.name()) } else { format!("refreshed {}", lp.name()) });
-    finish_bless(p, ext, &mut l.registry, &l.base, &live.tree, &new_state)
+    finish_bless(p, ext, &mut l.registry, &l.base, &live.tree, &new_state, &overrides, &format!("refresh {id}"))
 }
 
 pub struct CaptureOptions<'a> {
@@ -183,12 +221,15 @@ pub struct CaptureOptions<'a> {
 }
 
 pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    finish_interrupted(p)?;
     let mut l = load_all(p, pb)?;
     let name = o.name.trim_end_matches(".patch");
+    // The slug becomes a file name in patches/: lowercase letters, digits and dashes only (as `sync-check` wants).
     let (id, slug) = name
         .split_once('-')
-        .filter(|(id, s)| id.len() == 4 && id.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty())
-        .with_context(|| format!("capture takes NNNN-slug (for example 0002-kv-rollback), not {name:?}"))?;
+        .filter(|(id, s)| id.len() == 4 && id.bytes().all(|b| b.is_ascii_digit()) && !s.is_empty() && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+        .with_context(|| format!("capture takes NNNN-slug with a slug of lowercase letters, digits and dashes (for example 0002-kv-rollback), not {name:?}"))?;
+    refuse_links(p, &l.patches)?;
     if l.registry.patches.iter().any(|e| e.id == id) {
         bail!("patch id {id} is already in the registry");
     }
@@ -217,7 +258,6 @@ pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &in
     header.push_str(&format!("Upstream-Status: {}\n---\n", o.upstream_status));
     let file = format!("{name}.patch");
     let bytes = export_checked(header.as_bytes(), &old, &live.tree, &file)?;
-    tree::write_file_atomically(&p.patches_dir().join(&file), &bytes)?;
     let entry = PatchEntry::carried(id, &file, &bytes, title, o.area, hooks.clone());
     // Insert after the registry entry of the top applied patch (retired entries keep their places).
     let pos = match l.registry.patches.iter().position(|e| e.id == prev) {
@@ -225,10 +265,11 @@ pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &in
         None => 0,
     };
     l.registry.patches.insert(pos, entry);
-    let patches = chain::load_patches(p, &l.registry)?;
+    let overrides = BTreeMap::from([(file.clone(), bytes)]);
+    let patches = chain::load_patches_with(p, &l.registry, &overrides)?;
     let new_state = State::new(&patches[..k + 1], &live.tree);
     say(format!("captured {file} ({} hook(s): {})", hooks.len(), hooks.join(", ")));
-    finish_bless(p, ext, &mut l.registry, &l.base, &live.tree, &new_state)
+    finish_bless(p, ext, &mut l.registry, &l.base, &live.tree, &new_state, &overrides, &format!("capture {name}"))
 }
 
 fn timestamp() -> String {
@@ -247,7 +288,9 @@ fn timestamp() -> String {
     format!("{y:04}{m:02}{d:02}-{:02}{:02}{:02}", rem / 3600, rem % 3600 / 60, rem % 60)
 }
 
+/// The archive and its manifest are written as one journaled change.
 pub fn backup(p: &Project, name: Option<&str>) -> anyhow::Result<String> {
+    finish_interrupted(p)?;
     let live = Live::read(p)?.context("engine/upstream/ does not exist; nothing to back up")?;
     let name = name.map(str::to_owned).unwrap_or_else(timestamp);
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
@@ -261,16 +304,22 @@ pub fn backup(p: &Project, name: Option<&str>) -> anyhow::Result<String> {
     let state = live.state.as_ref().map(|s| s.to_bytes());
     let bytes = tree::tar_tree(&live.tree, state.as_deref())?;
     let manifest = tree::render_manifest(&tree::manifest_of(&live.tree));
-    tree::write_file_atomically(&dir.join(format!("{name}.manifest")), manifest.as_bytes())?;
-    tree::write_file_atomically(&archive_path, &bytes)?;
+    journal::commit(p, &format!("backup {name}"), &[(dir.join(format!("{name}.manifest")), Some(manifest.into_bytes())), (archive_path.clone(), Some(bytes))])?;
     say(format!("backed up engine/upstream/ ({} files) to {}", live.tree.len(), p.rel(&archive_path)));
     Ok(name)
 }
 
 pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    finish_interrupted(p)?;
     let dir = p.backups_dir();
     let name = match name {
-        Some(n) => n.trim_end_matches(".tar").to_owned(),
+        Some(n) => {
+            let n = n.trim_end_matches(".tar");
+            if n.is_empty() || n.contains('/') || n.starts_with('.') {
+                bail!("backup name {n:?} must be a plain file name in {}", p.rel(&dir));
+            }
+            n.to_owned()
+        }
         None => {
             let mut names: Vec<String> =
                 fs::read_dir(&dir).with_context(|| format!("no backups in {}", p.rel(&dir)))?.filter_map(|e| e.ok()?.file_name().to_str()?.strip_suffix(".tar").map(str::to_owned)).collect();
@@ -280,7 +329,7 @@ pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> 
     };
     let archive_path = dir.join(format!("{name}.tar"));
     let bytes = fs::read(&archive_path).with_context(|| format!("no backup {name} ({})", p.rel(&archive_path)))?;
-    let (t, state_bytes) = tree::untar_tree(&bytes)?;
+    let (t, state_bytes) = tree::untar_tree(&bytes).with_context(|| format!("backup {name} ({}) is damaged", p.rel(&archive_path)))?;
     let manifest_path = dir.join(format!("{name}.manifest"));
     let recorded = tree::parse_manifest(&fs::read_to_string(&manifest_path).with_context(|| format!("reading {}", p.rel(&manifest_path)))?, &manifest_path)?;
     if recorded != tree::manifest_of(&t) {
@@ -343,6 +392,7 @@ pub fn status(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
 }
 
 pub fn bless(p: &Project, ext: &dyn Extension, with_base: bool, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
+    finish_interrupted(p)?;
     let mut reg = chain::load_registry(p)?;
     let base = crate::base::load(&reg.base, &p.root, &p.cache_dir, pb)?;
     if !with_base {
@@ -360,6 +410,7 @@ pub fn bless(p: &Project, ext: &dyn Extension, with_base: bool, pb: &indicatif::
 /// `cargo xtask import`: [`crate::import::import`], its refusal to strand edits as exit code 3.
 pub fn import(p: &Project, ext: &dyn Extension, o: &crate::import::ImportOptions<'_>, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
     use crate::import::ImportError;
+    finish_interrupted(p)?;
     let done = match crate::import::import(p, ext, o, pb) {
         Ok(done) => done,
         Err(e @ ImportError::LiveEdits(_)) => return Err(Refused(e.to_string()).into()),

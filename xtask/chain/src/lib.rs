@@ -9,7 +9,7 @@
 //! from the project it was written for: its messages name the command line (`cargo xtask …`)
 //! and the default live tree (`engine/upstream/`), and its on-disk format keeps its names
 //! (`tine-hook:` markers, `Tine-Hook:` trailers, `.tine-chain-state.json`, `.tine-rebase/`,
-//! `TINE_REBASE_CRASH_AT` for the crash tests).
+//! `.tine-journal/`, `TINE_CRASH_AT` for the crash tests).
 //!
 //! Errors are typed, one enum per operation, with the paths, patch ids and hunks they concern
 //! ([`error::Causes`] shows one with its sources). The commands ([`commands`], and
@@ -20,35 +20,38 @@
 //! parentheses (a test checks this list against the sources):
 //!
 //! 1. [`error`]: an error shown with its causes.
-//! 2. [`tree`]: in-memory trees, manifests, hook markers, atomic writes.
-//! 3. [`base85`]: git's base85 (binary literals and deltas).
-//! 4. [`delta`]: git's binary delta format.
-//! 5. [`patch`]: the parser (`base85`, `delta`).
-//! 6. [`apply`]: the strict placer (`delta`, `patch`, `tree`).
-//! 7. [`export`]: deterministic diffs of two trees (`apply`, `base85`, `patch`, `tree`).
-//! 8. [`merge3`]: line-based three-way merge (`patch`).
-//! 9. [`registry`]: the registry's data model, canonical rendering, lint (`tree`).
-//! 10. [`base`]: obtains the pristine tree (`registry`, `tree`).
-//! 11. [`project`]: a project's paths.
-//! 12. [`extension`]: the hooks a project adds (`patch`, `project`, `registry`).
-//! 13. [`rebase_state`]: the on-disk state of a running rebase (`project`, `registry`, `tree`).
-//! 14. [`chain`]: the series, the live tree and its state, bless (`apply`, `base`, `extension`, `patch`, `project`, `rebase_state`, `registry`, `tree`).
-//! 15. [`verify`]: the seven proofs (`apply`, `base`, `chain`, `error`, `project`, `registry`, `tree`).
-//! 16. [`sync_check`]: registry, patch files and generated files agree (`extension`, `patch`, `project`, `registry`, `tree`).
-//! 17. [`import`]: a patch made elsewhere joins the series (`apply`, `chain`, `export`, `extension`, `patch`, `project`, `registry`, `sync_check`, `tree`).
-//! 18. [`rebase`]: `rebase --onto` and its journaled run (`apply`, `base`, `chain`, `error`, `export`, `merge3`, `patch`, `project`, `rebase_state`, `registry`, `tree`).
-//! 19. [`commands`]: apply-chain, unapply, refresh, capture, backup, restore, status, bless, import (`apply`, `base`, `chain`, `error`, `export`, `extension`, `import`, `patch`, `project`, `registry`, `tree`).
-
+//! 2. [`crashpoint`]: test support, named points where `TINE_CRASH_AT` kills a command.
+//! 3. [`tree`]: in-memory trees, manifests, hook markers, atomic writes (`crashpoint`).
+//! 4. [`base85`]: git's base85 (binary literals and deltas).
+//! 5. [`delta`]: git's binary delta format.
+//! 6. [`patch`]: the parser (`base85`, `delta`).
+//! 7. [`apply`]: the strict placer (`delta`, `patch`, `tree`).
+//! 8. [`export`]: deterministic diffs of two trees (`apply`, `base85`, `patch`, `tree`).
+//! 9. [`merge3`]: line-based three-way merge (`patch`).
+//! 10. [`registry`]: the registry's data model, canonical rendering, lint (`tree`).
+//! 11. [`base`]: obtains the pristine tree (`registry`, `tree`).
+//! 12. [`project`]: a project's paths.
+//! 13. [`journal`]: journaled writes of several files, finished after a kill (`crashpoint`, `project`, `tree`).
+//! 14. [`extension`]: the hooks a project adds (`patch`, `project`, `registry`).
+//! 15. [`rebase_state`]: the on-disk state of a running rebase (`project`, `registry`, `tree`).
+//! 16. [`chain`]: the series, the live tree and its state, bless (`apply`, `base`, `extension`, `journal`, `patch`, `project`, `rebase_state`, `registry`, `tree`).
+//! 17. [`verify`]: the seven proofs (`apply`, `base`, `chain`, `error`, `journal`, `project`, `registry`, `tree`).
+//! 18. [`sync_check`]: registry, patch files and generated files agree (`extension`, `journal`, `patch`, `project`, `registry`, `tree`).
+//! 19. [`import`]: a patch made elsewhere joins the series (`apply`, `chain`, `export`, `extension`, `patch`, `project`, `registry`, `sync_check`, `tree`).
+//! 20. [`rebase`]: `rebase --onto` and its journaled run (`apply`, `base`, `chain`, `crashpoint`, `error`, `export`, `journal`, `merge3`, `patch`, `project`, `rebase_state`, `registry`, `tree`).
+//! 21. [`commands`]: apply-chain, unapply, refresh, capture, backup, restore, status, bless, import, recover (`apply`, `base`, `chain`, `error`, `export`, `extension`, `import`, `journal`, `patch`, `project`, `registry`, `tree`).
 pub mod apply;
 pub mod base;
 pub mod base85;
 pub mod chain;
 pub mod commands;
+pub mod crashpoint;
 pub mod delta;
 pub mod error;
 pub mod export;
 pub mod extension;
 pub mod import;
+pub mod journal;
 pub mod merge3;
 pub mod patch;
 pub mod project;

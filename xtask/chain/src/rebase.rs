@@ -1054,11 +1054,9 @@ pub enum RebaseError {
     Crash(&'static str),
 }
 
-/// Test support: `TINE_REBASE_CRASH_AT=<point>` aborts the process there, as a kill -9 would.
+/// Test support: the journal points of a run ([`crate::crashpoint`], `TINE_CRASH_AT=<point>`).
 fn crash_point(name: &'static str) {
-    if std::env::var("TINE_REBASE_CRASH_AT").ok().as_deref() == Some(name) {
-        std::process::abort();
-    }
+    crate::crashpoint::crashpoint(name);
 }
 
 /// The name prefix of a scratch sibling of the state directory (`.tine-rebase.new-<pid>`, `.tine-rebase.done-<pid>`).
@@ -1085,6 +1083,8 @@ pub struct Inputs {
 #[derive(Debug, thiserror::Error)]
 pub enum InputsError {
     #[error(transparent)]
+    Journal(#[from] crate::journal::JournalError),
+    #[error(transparent)]
     Registry(#[from] registry::LoadError),
     #[error(transparent)]
     Base(#[from] BaseError),
@@ -1095,6 +1095,7 @@ pub enum InputsError {
 }
 
 pub fn load_inputs(p: &Project, onto_base: Base, pb: &indicatif::ProgressBar) -> Result<Inputs, InputsError> {
+    crate::journal::check_none_pending(p)?;
     let registry = chain::load_registry(p)?;
     pb.set_message("loading the old base");
     let old_base = crate::base::load(&registry.base, &p.root, &p.cache_dir, pb)?;

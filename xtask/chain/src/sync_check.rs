@@ -4,6 +4,7 @@ use std::collections::BTreeSet;
 use std::fs;
 
 use crate::extension::Extension;
+use crate::journal;
 use crate::patch;
 use crate::project::Project;
 use crate::registry::{self, Registry};
@@ -12,6 +13,9 @@ use crate::tree;
 /// Every disagreement, one line each; empty means in sync. `ext` checks gate names, adds its
 /// own checks of each patch, and names the generated files that must be up to date.
 pub fn sync_check(p: &Project, ext: &dyn Extension, reg: &Registry) -> Vec<String> {
+    if let Some(what) = journal::pending(p) {
+        return vec![format!("an interrupted `{what}` is still pending in {} (its files are half written); run `cargo xtask recover`", p.rel(&journal::dir(p)))];
+    }
     let mut problems = registry::lint(reg, &|r, e, g| ext.check_gate(r, e, g));
     let mut series = Vec::new();
     let listed: BTreeSet<&str> = reg.patches.iter().map(|e| e.file.as_str()).collect();

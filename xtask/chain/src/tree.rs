@@ -12,6 +12,8 @@ use std::path::{Path, PathBuf};
 
 use sha2::{Digest, Sha256};
 
+use crate::crashpoint::crashpoint;
+
 /// Regular file, not executable.
 pub const MODE_FILE: u32 = 0o100644;
 /// Regular file, executable.
@@ -184,7 +186,8 @@ fn read_dir_into(root: &Path, dir: &Path, tree: &mut Tree) -> Result<(), ReadTre
     for entry in entries {
         let path = entry.path();
         let name = entry.file_name();
-        if dir == root && (name == ".git" || name == STATE_FILE) {
+        if dir == root && (name == ".git" || name == STATE_FILE || name.to_str().is_some_and(|n| n.starts_with(&format!(".{STATE_FILE}.tmp-")))) {
+            // The state file is not part of the tree, nor is the temporary of an interrupted write of it.
             continue;
         }
         let meta = fs::symlink_metadata(&path).map_err(io_err(&path))?;
@@ -269,18 +272,29 @@ fn werr(path: &Path) -> impl FnOnce(io::Error) -> WriteError + '_ {
     move |source| WriteError { path: path.to_owned(), source }
 }
 
-/// Writes `data` to `path` atomically: a temporary sibling, fsync, rename.
+/// Writes `data` to `path` atomically: a temporary sibling, fsync, rename. Temporaries that
+/// interrupted writes of the same file left behind (their process is gone) are removed first.
 pub fn write_file_atomically(path: &Path, data: &[u8]) -> Result<(), WriteError> {
     let dir = path.parent().expect("a file path has a parent directory");
     fs::create_dir_all(dir).map_err(werr(dir))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", path.file_name().expect("a file path has a name").to_string_lossy(), std::process::id()));
+    let name = path.file_name().expect("a file path has a name").to_string_lossy().into_owned();
+    remove_stale(dir, &format!(".{name}.tmp-"));
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
     {
         use std::io::Write;
         let mut f = fs::File::create(&tmp).map_err(werr(&tmp))?;
         f.write_all(data).map_err(werr(&tmp))?;
         f.sync_all().map_err(werr(&tmp))?;
     }
-    fs::rename(&tmp, path).map_err(werr(path))
+    crashpoint("file-tmp-written");
+    fs::rename(&tmp, path).map_err(werr(path))?;
+    crashpoint("file-renamed");
+    Ok(())
+}
+
+/// A path a tree may hold: relative, `/`-separated, without empty, `.` or `..` components.
+pub fn is_safe_path(path: &str) -> bool {
+    !path.is_empty() && !path.starts_with('/') && !path.contains('\0') && path.split('/').all(|c| !c.is_empty() && c != "." && c != "..")
 }
 
 /// Materialises `tree` at `dest` atomically: the tree (plus `extra` files such as the state
@@ -293,11 +307,16 @@ pub fn write_tree_atomically(dest: &Path, tree: &Tree, extra: &[(&str, &[u8])], 
     fs::create_dir_all(parent).map_err(werr(parent))?;
     let name = dest.file_name().expect("destination has a name").to_string_lossy().into_owned();
     let scratch = parent.join(format!(".{name}.new-{}", std::process::id()));
-    remove_stale_scratch(parent, &name);
+    // Nothing is written outside `dest`, whatever the tree holds (a damaged backup, say).
+    if let Some(bad) = tree.keys().map(String::as_str).chain(extra.iter().map(|(r, _)| *r)).find(|r| !is_safe_path(r)) {
+        return Err(WriteError { path: dest.join(bad), source: io::Error::new(io::ErrorKind::InvalidInput, format!("path {bad:?} is absolute or leaves the tree")) });
+    }
+    remove_stale(parent, &format!(".{name}.new-"));
     let result = (|| {
         fs::create_dir_all(&scratch).map_err(werr(&scratch))?;
         progress.set_length(tree.len() as u64);
-        for (rel, entry) in tree {
+        let half = tree.len() / 2;
+        for (i, (rel, entry)) in tree.iter().enumerate() {
             let path = scratch.join(rel);
             fs::create_dir_all(path.parent().expect("joined path has a parent")).map_err(werr(&path))?;
             fs::write(&path, &entry.data).map_err(werr(&path))?;
@@ -314,10 +333,14 @@ pub fn write_tree_atomically(dest: &Path, tree: &Tree, extra: &[(&str, &[u8])], 
                 }
             }
             progress.inc(1);
+            if i == half {
+                crashpoint("tree-scratch-partial");
+            }
         }
         for (rel, data) in extra {
             fs::write(scratch.join(rel), data).map_err(werr(&scratch.join(rel)))?;
         }
+        crashpoint("tree-scratch-written");
         if FAIL_BEFORE_SWAP.with(|f| f.replace(false)) {
             return Err(WriteError { path: scratch.clone(), source: io::Error::other("simulated interruption before the swap") });
         }
@@ -329,19 +352,29 @@ pub fn write_tree_atomically(dest: &Path, tree: &Tree, extra: &[(&str, &[u8])], 
     result
 }
 
-/// Scratch trees left by interrupted runs (their process is gone) are removed; a live run's are kept.
-fn remove_stale_scratch(parent: &Path, name: &str) {
+/// Removes the scratch trees that killed writes of `dest` left beside it (their process is
+/// gone): a write that has nothing to do still cleans up after the one before it.
+pub fn remove_stale_scratch(dest: &Path) {
+    if let (Some(parent), Some(name)) = (dest.parent(), dest.file_name()) {
+        remove_stale(parent, &format!(".{}.new-", name.to_string_lossy()));
+    }
+}
+
+/// Scratch trees and temporaries (`<prefix><pid>`) left by interrupted runs (their process is
+/// gone) are removed; a live run's are kept.
+fn remove_stale(parent: &Path, prefix: &str) {
     let Ok(entries) = fs::read_dir(parent) else {
         return;
     };
     for e in entries.flatten() {
         let file_name = e.file_name();
-        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(&format!(".{name}.new-"))) else {
+        let Some(pid) = file_name.to_str().and_then(|n| n.strip_prefix(prefix)) else {
             continue;
         };
         let mine = pid == std::process::id().to_string();
         if mine || !Path::new("/proc").join(pid).exists() {
-            let _ = fs::remove_dir_all(e.path());
+            let path = e.path();
+            let _ = if path.is_dir() { fs::remove_dir_all(&path) } else { fs::remove_file(&path) };
         }
     }
 }
@@ -349,7 +382,8 @@ fn remove_stale_scratch(parent: &Path, name: &str) {
 fn swap_into_place(new: &Path, dest: &Path) -> Result<(), WriteError> {
     if dest.exists() {
         if exchange(new, dest).is_ok() {
-            // `new` now holds the old tree.
+            // `new` now holds the old tree (removed as a stale scratch if we die here).
+            crashpoint("tree-swapped");
             return fs::remove_dir_all(new).map_err(werr(new));
         }
         let old = dest.with_file_name(format!(".{}.old-{}", dest.file_name().expect("named").to_string_lossy(), std::process::id()));
@@ -413,6 +447,12 @@ pub fn untar_tree(bytes: &[u8]) -> io::Result<(Tree, Option<Vec<u8>>)> {
     for entry in tar::Archive::new(bytes).entries()? {
         let mut entry = entry?;
         let path = entry.path()?.to_string_lossy().into_owned();
+        if !entry.header().entry_type().is_file() {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("entry {path:?} is not a regular file")));
+        }
+        if !is_safe_path(&path) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("entry {path:?} is absolute or leaves the tree")));
+        }
         let mode = if entry.header().mode()? & 0o111 != 0 { MODE_EXEC } else { MODE_FILE };
         let mut data = Vec::new();
         entry.read_to_end(&mut data)?;

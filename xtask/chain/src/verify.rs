@@ -9,6 +9,7 @@ use crate::apply;
 use crate::base::BaseError;
 use crate::chain::{self, Live};
 use crate::error::Causes;
+use crate::journal::{self, JournalError};
 use crate::project::Project;
 use crate::registry::{Base, LoadError, Registry};
 use crate::tree::{self, Tree};
@@ -16,6 +17,8 @@ use crate::tree::{self, Tree};
 /// What keeps `verify` from running its checks at all (a failed check is a step of the report).
 #[derive(Debug, thiserror::Error)]
 pub enum VerifyError {
+    #[error(transparent)]
+    Journal(#[from] JournalError),
     #[error(transparent)]
     Registry(#[from] LoadError),
     #[error(transparent)]
@@ -91,6 +94,8 @@ const T7: &str = "cargo resolves every base crate to engine/upstream/";
 /// Runs every check it can; a failed step skips only the steps that depend on it.
 pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> Result<Report, VerifyError> {
     let mut r = Report::default();
+    // A change half written by a killed run is neither the old project nor the new one.
+    journal::check_none_pending(p)?;
     let reg = chain::load_registry(p)?;
     pb.set_message("loading the base");
     let base = crate::base::load(&reg.base, &p.root, &p.cache_dir, pb)?;
