@@ -310,7 +310,7 @@ fn openai_logprobs_come_back_in_openai_shapes_streamed_and_not_and_match_n_probs
     assert!(lp["top_logprobs"].as_array().expect("tops").iter().all(|t| t.as_object().is_some_and(|o| !o.is_empty() && o.len() <= 2)), "{lp}");
     let offsets: Vec<u64> = lp["text_offset"].as_array().expect("offsets").iter().map(|x| x.as_u64().expect("u64")).collect();
     assert!(offsets[0] == 0 && offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
-    assert_eq!(c["choices"][0]["text"].as_str().expect("text").chars().count() as u64 >= *offsets.last().expect("last"), true);
+    assert!(c["choices"][0]["text"].as_str().expect("text").chars().count() as u64 >= *offsets.last().expect("last"));
 
     let (s, ch) =
         post(srv.addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0, "logprobs": true, "top_logprobs": 3, "ignore_eos": true}));
