@@ -129,17 +129,36 @@ pub struct Limits {
     pub logprobs: Option<usize>,
 }
 
+/// What a request gets for a field it leaves out (the server's `--temp`, `--n-predict`, ...).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Defaults {
+    pub sampling: SamplingParams,
+    /// `-1`: no limit.
+    pub n_predict: i64,
+}
+
+impl Default for Defaults {
+    fn default() -> Self {
+        Defaults { sampling: SamplingParams::default(), n_predict: -1 }
+    }
+}
+
 impl GenFields {
-    /// Every check of these fields that needs no model.
+    /// Every check of these fields that needs no model, with the built-in defaults.
     pub fn limits(&self) -> Result<Limits, RequestError> {
+        self.limits_with(&Defaults::default())
+    }
+
+    /// Every check of these fields that needs no model; `defaults` fills what is left out.
+    pub fn limits_with(&self, defaults: &Defaults) -> Result<Limits, RequestError> {
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return Err(RequestError(format!("n: one choice per request is supported, got n = {n}")));
         }
-        let n_predict = self.n_predict.or(self.max_completion_tokens).or(self.max_tokens).unwrap_or(-1);
+        let n_predict = self.n_predict.or(self.max_completion_tokens).or(self.max_tokens).unwrap_or(defaults.n_predict);
         if n_predict < -1 {
             return Err(RequestError(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
         }
-        let d = SamplingParams::default();
+        let d = &defaults.sampling;
         let sampling = SamplingParams {
             temperature: self.temperature.unwrap_or(d.temperature),
             top_k: self.top_k.unwrap_or(d.top_k),
@@ -150,7 +169,11 @@ impl GenFields {
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
             // llama-server: a negative seed means a random one.
-            seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
+            seed: match self.seed {
+                Some(s) if s >= 0 => Some(s as u64),
+                Some(_) => None,
+                None => d.seed,
+            },
         };
         sampling.validate().map_err(|e| RequestError(e.to_string()))?;
         if self.n_probs > MAX_N_PROBS {

@@ -62,9 +62,21 @@ struct ServeArgs {
     host: String,
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Slots: requests served concurrently, each with its own KV cache (and reused prompt prefix).
-    #[arg(short = 'n', long = "parallel", alias = "np", default_value_t = 1)]
+    /// Slots: requests served concurrently, each with its own KV cache (and reused prompt prefix);
+    /// --ctx-size is split between them, as llama-server does (also `-np`).
+    #[arg(long = "parallel", alias = "np", default_value_t = 1)]
     parallel: usize,
+    /// The model's id in /v1/models and in responses (default: the GGUF's file name).
+    #[arg(short = 'a', long = "alias")]
+    alias: Option<String>,
+    /// Turn /slots off (it answers 501).
+    #[arg(long = "no-slots")]
+    no_slots: bool,
+    /// Serve Prometheus metrics at /metrics.
+    #[arg(long = "metrics")]
+    metrics: bool,
+    #[command(flatten)]
+    defaults: ServeSampling,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (comma-separated keys; repeatable).
     #[arg(long = "api-key", value_name = "KEY", value_delimiter = ',')]
     api_key: Vec<String>,
@@ -82,6 +94,63 @@ struct ServeArgs {
     max_body_bytes: usize,
     #[command(flatten)]
     spec: SpecArgs,
+}
+
+/// Server-wide defaults for the fields a request leaves out (llama-server's flags).
+#[derive(Args, Clone)]
+struct ServeSampling {
+    /// Tokens to generate when a request does not say (-1: until end of generation or the context is full).
+    #[arg(short = 'n', long = "n-predict", alias = "predict", default_value_t = -1, allow_negative_numbers = true)]
+    n_predict: i64,
+    /// Sampling temperature (<= 0: greedy).
+    #[arg(long = "temp", alias = "temperature", allow_negative_numbers = true)]
+    temperature: Option<f32>,
+    /// Keep the k most likely tokens (<= 0: all).
+    #[arg(long = "top-k", allow_negative_numbers = true)]
+    top_k: Option<i32>,
+    /// Nucleus sampling: keep the smallest set with this total probability (1: all).
+    #[arg(long = "top-p")]
+    top_p: Option<f32>,
+    /// Drop tokens below this fraction of the top probability (0: none).
+    #[arg(long = "min-p")]
+    min_p: Option<f32>,
+    /// Penalty on recently seen tokens (1: off).
+    #[arg(long = "repeat-penalty")]
+    repeat_penalty: Option<f32>,
+    /// Recent tokens the penalties look at (-1: all, 0: off).
+    #[arg(long = "repeat-last-n", allow_negative_numbers = true)]
+    repeat_last_n: Option<i32>,
+    /// Subtracted from a seen token's logit (0: off).
+    #[arg(long = "presence-penalty")]
+    presence_penalty: Option<f32>,
+    /// Subtracted per occurrence of a seen token (0: off).
+    #[arg(long = "frequency-penalty")]
+    frequency_penalty: Option<f32>,
+    /// Seed for requests that bring none (-1: a random one per request).
+    #[arg(short = 's', long = "seed", allow_negative_numbers = true)]
+    seed: Option<i64>,
+}
+
+impl ServeSampling {
+    fn defaults(&self) -> anyhow::Result<tine_api::Defaults> {
+        let d = tine_sampling::SamplingParams::default();
+        let sampling = tine_sampling::SamplingParams {
+            temperature: self.temperature.unwrap_or(d.temperature),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
+            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
+        };
+        sampling.validate().context("the sampling flags")?;
+        if self.n_predict < -1 {
+            anyhow::bail!("--n-predict must be -1 or >= 0, got {}", self.n_predict);
+        }
+        Ok(tine_api::Defaults { sampling, n_predict: self.n_predict })
+    }
 }
 
 /// Speculative decoding (llama.cpp's flags where they overlap).
@@ -450,7 +519,13 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let model = std::sync::Arc::new(load(&a.model)?);
-    let ctx = a.model.ctx_size.min(model.info.context_length);
+    let parallel = a.parallel.max(1);
+    // llama-server's rule: --ctx-size is the total, each slot gets an equal share.
+    let total = a.model.ctx_size.min(model.info.context_length * parallel);
+    let ctx = (total / parallel).min(model.info.context_length);
+    if ctx < 2 {
+        anyhow::bail!("--ctx-size {} split over {parallel} slots leaves {ctx} tokens per slot", a.model.ctx_size);
+    }
     let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
     let spec = a.spec.load(&model)?.map(std::sync::Arc::new);
     let mut keys = a.api_key.clone();
@@ -462,8 +537,18 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.api_key_file.is_some() && api_keys.is_empty() {
         anyhow::bail!("--api-key-file holds no key");
     }
-    let config =
-        tine_server::ServerConfig { spec, api_keys, ubatch: a.ubatch.max(1), max_queue: a.max_queue, max_body_bytes: a.max_body_bytes, ..tine_server::ServerConfig::new(a.parallel.max(1), ctx) };
+    let config = tine_server::ServerConfig {
+        spec,
+        api_keys,
+        ubatch: a.ubatch.max(1),
+        max_queue: a.max_queue,
+        max_body_bytes: a.max_body_bytes,
+        defaults: a.defaults.defaults()?,
+        alias: a.alias.clone(),
+        slots_endpoint: !a.no_slots,
+        metrics: a.metrics,
+        ..tine_server::ServerConfig::new(parallel, ctx)
+    };
     let spec_note = match &config.spec {
         Some(f) => format!(", speculative {} n_max {}", f.config.spec_type, f.config.params.n_max),
         None => String::new(),
@@ -482,6 +567,7 @@ fn llama_style_args() -> Vec<std::ffi::OsString> {
             Some("-md") => "--model-draft".into(),
             Some("-ngld") => "--n-gpu-layers-draft".into(),
             Some("-ub") => "--ubatch-size".into(),
+            Some("-np") => "--parallel".into(),
             _ => a,
         })
         .collect()

@@ -10,7 +10,9 @@
 //! (503 once `slots + max_queue` requests are in), then the engine.
 
 pub mod auth;
+pub mod cors;
 pub mod error;
+pub mod metrics;
 pub mod scheduler;
 
 use std::net::SocketAddr;
@@ -30,7 +32,6 @@ use tine_api::{ChatBody, CompletionBody, DetokenizeBody, GenFields, Prompt, Toke
 use tine_engine::chat::{render_gemma, Message};
 use tine_engine::{GenerateRequest, StopType, Timings, TokenProb};
 use tine_runtime::Model;
-use tine_sampling::SamplingParams;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
@@ -54,6 +55,14 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// Prompt tokens evaluated per engine step (`--ubatch-size`).
     pub ubatch: usize,
+    /// What a request gets for the fields it leaves out (`--temp`, `--n-predict`, ...).
+    pub defaults: tine_api::Defaults,
+    /// `--alias`: the model id in `/v1/models` and responses (default: the file name).
+    pub alias: Option<String>,
+    /// `/slots` answers (llama-server's default; `--no-slots` turns it off).
+    pub slots_endpoint: bool,
+    /// `/metrics` answers (`--metrics`, off by default as in llama-server).
+    pub metrics: bool,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]).
     #[doc(hidden)]
     pub fault: Option<Arc<AtomicI64>>,
@@ -70,6 +79,10 @@ impl ServerConfig {
             body_timeout: Duration::from_secs(60),
             max_queue: DEFAULT_MAX_QUEUE,
             ubatch: tine_runtime::PREFILL_CHUNK,
+            defaults: tine_api::Defaults::default(),
+            alias: None,
+            slots_endpoint: true,
+            metrics: false,
             fault: None,
         }
     }
@@ -86,6 +99,7 @@ struct AppState {
     admission: Admission,
     config: ServerConfig,
     model_id: String,
+    metrics: metrics::Metrics,
 }
 
 type Shared = Arc<AppState>;
@@ -95,14 +109,15 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
     let engine = EngineConfig { slots: config.parallel.max(1), ctx_size: config.ctx_size, spec: config.spec.clone(), ubatch: config.ubatch.max(1), fault: config.fault.clone() };
     let scheduler = Scheduler::start(model.clone(), engine);
     let admission = Admission::new(config.parallel.max(1) + config.max_queue);
-    let model_id = model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone());
+    let model_id = config.alias.clone().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
     let keys = config.api_keys.clone();
-    let state = Arc::new(AppState { model, scheduler, admission, config, model_id });
+    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default() });
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/props", get(props))
         .route("/slots", get(slots))
+        .route("/metrics", get(metrics_text))
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/tokenize", post(tokenize))
@@ -116,6 +131,8 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(keys, auth::require_key))
+        // Outermost: preflights need no key, and a 401 still carries the CORS headers.
+        .layer(axum::middleware::from_fn(cors::cors))
 }
 
 /// Serves until the process ends.
@@ -160,13 +177,16 @@ async fn health() -> Json<Value> {
 }
 
 fn default_settings(st: &AppState) -> Value {
-    let d = SamplingParams::default();
+    let d = &st.config.defaults.sampling;
+    // llama-server reports the default seed as 4294967295 (LLAMA_DEFAULT_SEED: a random one).
+    let seed = d.seed.map_or(json!(u32::MAX), |s| json!(s));
     json!({
         "n_ctx": st.config.ctx_size,
+        "seed": seed,
         "params": {
-            "n_predict": -1, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+            "n_predict": st.config.defaults.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
             "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n, "presence_penalty": d.presence_penalty,
-            "frequency_penalty": d.frequency_penalty, "seed": -1, "n_probs": 0, "ignore_eos": false, "stop": [], "cache_prompt": true
+            "frequency_penalty": d.frequency_penalty, "seed": seed, "n_probs": 0, "ignore_eos": false, "stop": [], "cache_prompt": true
         }
     })
 }
@@ -175,6 +195,9 @@ async fn props(State(st): State<Shared>) -> Json<Value> {
     Json(json!({
         "default_generation_settings": default_settings(&st),
         "total_slots": st.scheduler.slots,
+        "model_alias": st.model_id,
+        "endpoint_slots": st.config.slots_endpoint,
+        "endpoint_metrics": st.config.metrics,
         "model_path": st.model.info.path.display().to_string(),
         "modalities": {"vision": false, "audio": false},
         "chat_template": "gemma",
@@ -187,15 +210,28 @@ async fn props(State(st): State<Shared>) -> Json<Value> {
     }))
 }
 
-async fn slots(State(st): State<Shared>) -> Json<Value> {
+async fn metrics_text(State(st): State<Shared>) -> Result<Response, ApiError> {
+    if !st.config.metrics {
+        return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support metrics endpoint. Start it with `--metrics`"));
+    }
+    let views = st.scheduler.slot_views();
+    let busy = views.iter().filter(|v| v.is_processing).count();
+    let load = metrics::Load { slots: views.len(), busy, queued: st.admission.in_flight().saturating_sub(busy) };
+    Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(&load)).into_response())
+}
+
+async fn slots(State(st): State<Shared>) -> Result<Json<Value>, ApiError> {
+    if !st.config.slots_endpoint {
+        return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support slots endpoint. Start it without `--no-slots`"));
+    }
     let spec = st.config.spec.is_some();
-    Json(Value::Array(
+    Ok(Json(Value::Array(
         st.scheduler
             .slot_views()
             .into_iter()
             .map(|v| json!({"id": v.id, "id_task": v.id_task, "n_ctx": v.n_ctx, "speculative": spec, "is_processing": v.is_processing, "n_cached": v.n_cached}))
             .collect(),
-    ))
+    )))
 }
 
 async fn models(State(st): State<Shared>) -> Json<Value> {
@@ -242,7 +278,7 @@ struct Validated {
 }
 
 fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, ApiError> {
-    let l = g.limits()?;
+    let l = g.limits_with(&st.config.defaults)?;
     if prompt.is_empty() {
         return Err(ApiError::bad("the prompt is empty"));
     }
@@ -309,13 +345,17 @@ async fn collect(st: &AppState, mut rx: tokio::sync::mpsc::UnboundedReceiver<Eve
                 log_request(st, &s);
                 return Ok((*s, probs));
             }
-            Event::Error(e) => return Err(ApiError::from(&e)),
+            Event::Error(e) => {
+                st.metrics.failed();
+                return Err(ApiError::from(&e));
+            }
         }
     }
     Err(ApiError::internal("the engine dropped the request"))
 }
 
 fn log_request(st: &AppState, s: &Summary) {
+    st.metrics.finished(s);
     let t = &s.timings;
     eprintln!(
         "slot {} | {}: prompt {} tok ({} cached) {:.1} ms, {:.1} tok/s | gen {} tok {:.1} ms, {:.1} tok/s | stop {}",
@@ -375,7 +415,10 @@ async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, Ap
                 log_request(&st2, &s);
                 sse_json(final_completion_json(&st2, &s, "", &[], false, &prompt_text))
             }
-            Event::Error(e) => sse_json(ApiError::from(&e).body()),
+            Event::Error(e) => {
+                st2.metrics.failed();
+                sse_json(ApiError::from(&e).body())
+            }
         });
         return Ok(Sse::new(stream).into_response());
     }
@@ -493,7 +536,10 @@ async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Respons
                     log_request(&st2, &s);
                     sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
                 }
-                Event::Error(e) => sse_json(ApiError::from(&e).body()),
+                Event::Error(e) => {
+                    st2.metrics.failed();
+                    sse_json(ApiError::from(&e).body())
+                }
             })
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
@@ -542,7 +588,10 @@ async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Respon
                     log_request(&st2, &s);
                     Some(sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)})))
                 }
-                Event::Error(e) => Some(sse_json(ApiError::from(&e).body())),
+                Event::Error(e) => {
+                    st2.metrics.failed();
+                    Some(sse_json(ApiError::from(&e).body()))
+                }
             }))
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());

@@ -364,3 +364,68 @@ fn non_text_content_parts_are_refused_not_dropped() {
     assert_eq!(s, 400, "{v}");
     assert!(v["error"]["message"].as_str().expect("message").contains("image_url"), "{v}");
 }
+
+#[test]
+fn metrics_are_prometheus_text_behind_the_flag_and_count_requests() {
+    let off = start(1, 64);
+    let (s, _) = http(off.addr, "GET", "/metrics", "");
+    assert_eq!(s, 501, "off unless --metrics, as llama-server");
+    let srv = start_cfg(None, |c| c.metrics = true);
+    post(srv.addr, "/completion", greedy("hello world", 4));
+    post(srv.addr, "/completion", greedy("hello world", 4));
+    let (s, text) = http(srv.addr, "GET", "/metrics", "");
+    assert_eq!(s, 200);
+    let value =
+        |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
+    assert_eq!(value("llamacpp:tokens_predicted_total"), 8.0);
+    assert_eq!(value("tine:requests_finished_total"), 2.0);
+    assert!(value("llamacpp:prompt_tokens_total") >= 1.0 && value("tine:prompt_tokens_cached_total") >= 1.0);
+    assert_eq!(value("llamacpp:requests_processing"), 0.0);
+    for l in text.lines().filter(|l| !l.starts_with('#')) {
+        let (name, v) = l.split_once(' ').expect("name value");
+        assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') && v.parse::<f64>().is_ok(), "not Prometheus text: {l}");
+    }
+}
+
+#[test]
+fn localhost_origins_get_cors_headers_and_preflights_an_answer() {
+    let srv = start_cfg(None, |c| c.api_keys = tine_server::ApiKeys::new(["k".to_owned()]));
+    let send = |req: String| {
+        let mut s = TcpStream::connect(srv.addr).expect("connect");
+        s.write_all(req.as_bytes()).expect("send");
+        let mut out = String::new();
+        s.read_to_string(&mut out).expect("read");
+        out.to_ascii_lowercase()
+    };
+    let pre = send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:5173\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization, content-type\r\nConnection: close\r\n\r\n".into());
+    assert!(pre.starts_with("http/1.1 204"), "{pre}");
+    assert!(pre.contains("access-control-allow-origin: http://localhost:5173") && pre.contains("access-control-allow-headers: authorization, content-type"), "{pre}");
+    // A request without its key is still refused, and the browser can read why.
+    let denied = send("GET /props HTTP/1.1\r\nHost: x\r\nOrigin: http://127.0.0.1:3000\r\nConnection: close\r\n\r\n".into());
+    assert!(denied.starts_with("http/1.1 401") && denied.contains("access-control-allow-origin: http://127.0.0.1:3000"), "{denied}");
+    let foreign = send("GET /props HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\nAuthorization: Bearer k\r\nConnection: close\r\n\r\n".into());
+    assert!(foreign.starts_with("http/1.1 200") && !foreign.contains("access-control-allow-origin"), "{foreign}");
+}
+
+#[test]
+fn server_defaults_alias_and_no_slots_follow_the_flags() {
+    let mut defaults = tine_api::Defaults { n_predict: 3, ..tine_api::Defaults::default() };
+    defaults.sampling.temperature = 0.0;
+    defaults.sampling.seed = Some(42);
+    let srv = start_cfg(None, move |c| {
+        c.defaults = defaults;
+        c.alias = Some("my-model".into());
+        c.slots_endpoint = false;
+    });
+    let (_, a) = post(srv.addr, "/completion", json!({"prompt": "hello world"}));
+    assert_eq!(a["tokens_predicted"], 3, "--n-predict is the default: {a}");
+    assert_eq!(a["generation_settings"]["seed"], 42);
+    let (_, b) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 5}));
+    assert_eq!(b["tokens_predicted"], 5, "a request's own value wins");
+    let (_, m) = http(srv.addr, "GET", "/v1/models", "");
+    assert_eq!(serde_json::from_str::<Value>(&m).expect("json")["data"][0]["id"], "my-model");
+    let (_, p) = http(srv.addr, "GET", "/props", "");
+    let p: Value = serde_json::from_str(&p).expect("json");
+    assert_eq!((p["default_generation_settings"]["params"]["n_predict"].as_i64(), p["default_generation_settings"]["seed"].as_u64()), (Some(3), Some(42)));
+    assert_eq!(http(srv.addr, "GET", "/slots", "").0, 501);
+}

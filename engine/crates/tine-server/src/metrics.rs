@@ -1,0 +1,89 @@
+//! `/metrics` (with `--metrics`): Prometheus text, llama-server's metric names where they
+//! overlap (dashboards built for it keep working), Tine's own for the rest.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::scheduler::Summary;
+
+/// Counters since the server started; updated once per finished or failed request.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    requests_ok: AtomicU64,
+    requests_failed: AtomicU64,
+    requests_refused: AtomicU64,
+    prompt_tokens: AtomicU64,
+    prompt_us: AtomicU64,
+    predicted_tokens: AtomicU64,
+    predicted_us: AtomicU64,
+    cached_tokens: AtomicU64,
+    draft_tokens: AtomicU64,
+    draft_accepted: AtomicU64,
+    draft_verify_steps: AtomicU64,
+}
+
+/// What the scheduler holds right now.
+pub struct Load {
+    pub slots: usize,
+    pub busy: usize,
+    pub queued: usize,
+}
+
+impl Metrics {
+    pub fn finished(&self, s: &Summary) {
+        let t = &s.timings;
+        self.requests_ok.fetch_add(1, Ordering::Relaxed);
+        self.prompt_tokens.fetch_add(t.prompt_n as u64, Ordering::Relaxed);
+        self.prompt_us.fetch_add((t.prompt_ms * 1e3) as u64, Ordering::Relaxed);
+        self.predicted_tokens.fetch_add(t.predicted_n as u64, Ordering::Relaxed);
+        self.predicted_us.fetch_add((t.predicted_ms * 1e3) as u64, Ordering::Relaxed);
+        self.cached_tokens.fetch_add(t.cached_n as u64, Ordering::Relaxed);
+        self.draft_tokens.fetch_add(t.draft.draft_n as u64, Ordering::Relaxed);
+        self.draft_accepted.fetch_add(t.draft.draft_n_accepted as u64, Ordering::Relaxed);
+        self.draft_verify_steps.fetch_add(t.draft.draft_verify_steps as u64, Ordering::Relaxed);
+    }
+
+    pub fn failed(&self) {
+        self.requests_failed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request turned away at admission (503).
+    pub fn refused(&self) {
+        self.requests_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self, load: &Load) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let rate = |n: u64, us: u64| if us > 0 { n as f64 * 1e6 / us as f64 } else { 0.0 };
+        let accept = if g(&self.draft_tokens) > 0 { g(&self.draft_accepted) as f64 / g(&self.draft_tokens) as f64 } else { 0.0 };
+        let rows: [(&str, &str, &str, String); 16] = [
+            ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens evaluated (not reused from a slot's cache).", g(&self.prompt_tokens).to_string()),
+            ("llamacpp:prompt_seconds_total", "counter", "Time spent evaluating prompts.", (g(&self.prompt_us) as f64 / 1e6).to_string()),
+            ("llamacpp:tokens_predicted_total", "counter", "Tokens generated.", g(&self.predicted_tokens).to_string()),
+            ("llamacpp:tokens_predicted_seconds_total", "counter", "Time spent generating.", (g(&self.predicted_us) as f64 / 1e6).to_string()),
+            ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.", rate(g(&self.prompt_tokens), g(&self.prompt_us)).to_string()),
+            ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.", rate(g(&self.predicted_tokens), g(&self.predicted_us)).to_string()),
+            ("llamacpp:requests_processing", "gauge", "Requests in a slot.", load.busy.to_string()),
+            ("llamacpp:requests_deferred", "gauge", "Requests waiting for a slot.", load.queued.to_string()),
+            ("tine:slots", "gauge", "Slots.", load.slots.to_string()),
+            ("tine:requests_finished_total", "counter", "Requests answered in full.", g(&self.requests_ok).to_string()),
+            ("tine:requests_failed_total", "counter", "Requests that ended with an engine error.", g(&self.requests_failed).to_string()),
+            ("tine:requests_refused_total", "counter", "Requests refused because the queue was full (503).", g(&self.requests_refused).to_string()),
+            ("tine:prompt_tokens_cached_total", "counter", "Prompt tokens reused from a slot's cache.", g(&self.cached_tokens).to_string()),
+            ("tine:draft_tokens_total", "counter", "Tokens drafted by speculative decoding.", g(&self.draft_tokens).to_string()),
+            ("tine:draft_tokens_accepted_total", "counter", "Drafted tokens the target kept.", g(&self.draft_accepted).to_string()),
+            ("tine:draft_acceptance_ratio", "gauge", "Accepted over drafted tokens, since start.", accept.to_string()),
+        ];
+        let mut out = String::new();
+        for (name, kind, help, value) in rows {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+        let _ = writeln!(
+            out,
+            "# HELP tine:draft_verify_steps_total Verify forwards that carried drafts.\n# TYPE tine:draft_verify_steps_total counter\ntine:draft_verify_steps_total {}",
+            g(&self.draft_verify_steps)
+        );
+        out
+    }
+}
