@@ -252,6 +252,19 @@ pub struct ContentPart {
 pub struct ChatMessage {
     pub role: String,
     pub content: Option<ContentInput>,
+    /// Everything else the client sent (`tool_calls`, `tool_call_id`, `name`): the template sees it.
+    #[serde(flatten)]
+    pub rest: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ChatMessage {
+    /// The message as a chat template sees it: OpenAI's fields, `content` as text.
+    pub fn to_template_value(&self) -> Result<serde_json::Value, RequestError> {
+        let mut m = self.rest.clone();
+        m.insert("role".into(), self.role.clone().into());
+        m.insert("content".into(), self.text()?.into());
+        Ok(serde_json::Value::Object(m))
+    }
 }
 
 impl ChatMessage {
@@ -272,13 +285,30 @@ impl ChatMessage {
     }
 }
 
-/// `/v1/chat/completions`.
+/// `/v1/chat/completions` (and `/apply-template`).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(expecting = "a JSON object with `messages`")]
 pub struct ChatBody {
     pub messages: Vec<ChatMessage>,
+    /// OpenAI tools, passed to the chat template.
+    pub tools: Option<Vec<serde_json::Value>>,
+    pub tool_choice: Option<serde_json::Value>,
     #[serde(flatten)]
     pub gen: GenFields,
+}
+
+impl ChatBody {
+    /// The tools the template gets: none with `tool_choice: "none"`. Forcing a call
+    /// (`"required"`, a named function) needs constrained decoding, so it is refused.
+    pub fn tools(&self) -> Result<Option<serde_json::Value>, RequestError> {
+        match &self.tool_choice {
+            None => {}
+            Some(serde_json::Value::String(s)) if s == "auto" => {}
+            Some(serde_json::Value::String(s)) if s == "none" => return Ok(None),
+            Some(other) => return Err(RequestError(format!("tool_choice: only \"auto\" and \"none\" are supported, got {other}"))),
+        }
+        Ok(self.tools.as_ref().filter(|t| !t.is_empty()).map(|t| serde_json::Value::Array(t.clone())))
+    }
 }
 
 /// `/tokenize`.

@@ -75,6 +75,12 @@ struct ServeArgs {
     /// Serve Prometheus metrics at /metrics.
     #[arg(long = "metrics")]
     metrics: bool,
+    /// The chat template: `gemma`, `chatml` or a Jinja file (default: the GGUF's tokenizer.chat_template, else gemma).
+    #[arg(long = "chat-template", value_name = "NAME|FILE", alias = "chat-template-file")]
+    chat_template: Option<String>,
+    /// Accepted for llama-server compatibility: Tine always renders the GGUF's Jinja template.
+    #[arg(long = "jinja")]
+    _jinja: bool,
     #[command(flatten)]
     defaults: ServeSampling,
     /// Require `Authorization: Bearer KEY` on every endpoint but /health (comma-separated keys; repeatable).

@@ -8,6 +8,7 @@
 pub mod chat;
 mod generate;
 mod stop;
+pub mod template;
 
 pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, Timings, TokenProb};
 pub use stop::StopMatcher;

@@ -107,3 +107,109 @@ fn a_prompt_begun_in_ubatches_is_evaluated_one_chunk_per_step_and_generates_the_
         }
     }
 }
+
+mod templates {
+    use serde_json::json;
+    use tine_engine::template::{parse_tool_calls, ChatTemplate, RenderInput, TemplateError, ToolCall, ToolSyntax};
+
+    /// A Hermes-style template with tools, in the shape Qwen's and Hermes' GGUFs carry.
+    const HERMES: &str = r#"{%- if tools %}<|im_start|>system
+{{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are helpful.' }}
+
+# Tools
+<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
+{% elif messages[0]['role'] == 'system' %}<|im_start|>system
+{{ messages[0]['content'] }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}{% continue %}{% endif %}
+{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{%- for tc in message.tool_calls %}
+<tool_call>
+{"name": "{{ tc.function.name }}", "arguments": {{ tc.function.arguments }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content | trim }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content.strip() }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"#;
+
+    fn input<'a>(messages: &'a [serde_json::Value], tools: Option<&'a serde_json::Value>) -> RenderInput<'a> {
+        RenderInput { messages, tools, add_generation_prompt: true, bos_token: "<bos>", eos_token: "<eos>" }
+    }
+
+    #[test]
+    fn a_gguf_template_is_rendered_with_python_methods_system_handling_and_tools() {
+        let t = ChatTemplate::from_gguf(Some(HERMES));
+        t.check().expect("parses");
+        assert_eq!(t.tool_syntax(), Some(ToolSyntax::Hermes));
+        let msgs = [json!({"role": "system", "content": "Be brief."}), json!({"role": "user", "content": "  Hi!  "})];
+        assert_eq!(t.render(&input(&msgs, None)).expect("renders"), "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n");
+        let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let history = [
+            json!({"role": "user", "content": "Weather in Paris?"}),
+            json!({"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}),
+            json!({"role": "tool", "tool_call_id": "c1", "content": " 18 C "}),
+        ];
+        let got = t.render(&input(&history, Some(&tools))).expect("renders with tools");
+        // Python's json.dumps separators, keys in the client's order, and trim_blocks as Hugging Face renders.
+        assert!(got.starts_with("<|im_start|>system\nYou are helpful.\n\n# Tools\n<tools>{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""), "{got}");
+        assert!(got.contains("<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call><|im_end|>"), "{got}");
+        assert!(got.contains("<tool_response>\n18 C\n</tool_response>"), "{got}");
+        assert!(got.ends_with("<|im_start|>assistant\n"));
+    }
+
+    #[test]
+    fn the_gemma_fallback_renders_what_gemma_3_expects_and_refuses_tools() {
+        let t = ChatTemplate::from_gguf(None);
+        assert_eq!(t, ChatTemplate::Gemma);
+        let msgs = [json!({"role": "system", "content": "Be brief."}), json!({"role": "user", "content": "Hi"})];
+        assert_eq!(t.render(&input(&msgs, None)).expect("renders"), "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n");
+        assert_eq!(t.render(&input(&msgs, Some(&json!([])))), Err(TemplateError::NoTools));
+        assert_eq!(ChatTemplate::named("chatml").expect("builtin").render(&input(&msgs[1..], None)).expect("chatml"), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn broken_or_hostile_templates_are_errors_not_panics_or_hangs() {
+        for (src, want) in [
+            ("{% for m in messages %}", "does not parse"),
+            ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+            ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "fuel"),
+            ("{{ messages[0].content.no_such_method() }}", "failed"),
+        ] {
+            let t = ChatTemplate::Jinja { name: "t".into(), source: src.into() };
+            let err = t.render(&input(&[json!({"role": "user", "content": "x"})], None)).expect_err(src);
+            assert!(err.to_string().contains(want), "{src}: {err}");
+        }
+    }
+
+    #[test]
+    fn tool_calls_are_parsed_back_for_each_template_family() {
+        let call = |name: &str, args: &str| ToolCall { name: name.into(), arguments: args.into() };
+        assert_eq!(
+            parse_tool_calls(ToolSyntax::Hermes, "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"),
+            Some(("Let me check.".into(), vec![call("get_weather", "{\"city\":\"Paris\"}")]))
+        );
+        assert_eq!(
+            parse_tool_calls(ToolSyntax::Mistral, "[TOOL_CALLS][{\"name\": \"a\", \"arguments\": {}}, {\"name\": \"b\", \"arguments\": {\"x\": 1}}]"),
+            Some((String::new(), vec![call("a", "{}"), call("b", "{\"x\":1}")]))
+        );
+        assert_eq!(parse_tool_calls(ToolSyntax::JsonObject, "<|python_tag|>{\"name\": \"f\", \"parameters\": {\"q\": \"x\"}}"), Some((String::new(), vec![call("f", "{\"q\":\"x\"}")])));
+        for plain in ["just text", "<tool_call>not json</tool_call>", "{\"no_name\": 1}"] {
+            for syntax in [ToolSyntax::Hermes, ToolSyntax::Mistral, ToolSyntax::JsonObject] {
+                assert_eq!(parse_tool_calls(syntax, plain), None, "{syntax:?}: {plain}");
+            }
+        }
+    }
+}

@@ -70,6 +70,8 @@ pub struct ModelInfo {
     pub embedding_length: usize,
     pub block_count: usize,
     pub file_size: u64,
+    /// `tokenizer.chat_template`, when the GGUF carries one.
+    pub chat_template: Option<String>,
 }
 
 /// A loaded model: weights and tokenizer. Shared read-only by all sequences.
@@ -107,6 +109,7 @@ impl Model {
             embedding_length: md_u32(&ct, "gemma3.embedding_length").unwrap_or(0),
             block_count: md_u32(&ct, "gemma3.block_count").unwrap_or(0),
             file_size,
+            chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
         };
         let device = Device::Cpu;
         let weights = ModelWeights::from_gguf(ct, &mut reader, &device).map_err(|source| LoadError::Weights { path: p(), source })?;

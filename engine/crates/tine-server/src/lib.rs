@@ -29,7 +29,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use tine_api::{ChatBody, CompletionBody, DetokenizeBody, GenFields, Prompt, TokenizeBody};
-use tine_engine::chat::{render_gemma, Message};
+use tine_engine::template::{parse_tool_calls, ChatTemplate, RenderInput, TemplateError};
 use tine_engine::{GenerateRequest, StopType, Timings, TokenProb};
 use tine_runtime::Model;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub slots_endpoint: bool,
     /// `/metrics` answers (`--metrics`, off by default as in llama-server).
     pub metrics: bool,
+    /// `--chat-template`: overrides the GGUF's `tokenizer.chat_template`.
+    pub chat_template: Option<ChatTemplate>,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]).
     #[doc(hidden)]
     pub fault: Option<Arc<AtomicI64>>,
@@ -83,6 +85,7 @@ impl ServerConfig {
             alias: None,
             slots_endpoint: true,
             metrics: false,
+            chat_template: None,
             fault: None,
         }
     }
@@ -100,6 +103,7 @@ struct AppState {
     config: ServerConfig,
     model_id: String,
     metrics: metrics::Metrics,
+    template: ChatTemplate,
 }
 
 type Shared = Arc<AppState>;
@@ -111,7 +115,17 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
     let admission = Admission::new(config.parallel.max(1) + config.max_queue);
     let model_id = config.alias.clone().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
     let keys = config.api_keys.clone();
-    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default() });
+    let template = config.chat_template.clone().unwrap_or_else(|| {
+        let t = ChatTemplate::from_gguf(model.info.chat_template.as_deref());
+        match t.check() {
+            Ok(()) => t,
+            Err(e) => {
+                eprintln!("warning: {}: {e}; chat requests use Gemma's turns instead", model.info.path.display());
+                ChatTemplate::Gemma
+            }
+        }
+    });
+    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template });
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
@@ -127,6 +141,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/completions", post(oai_completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
+        .route("/apply-template", post(apply_template))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -200,7 +215,7 @@ async fn props(State(st): State<Shared>) -> Json<Value> {
         "endpoint_metrics": st.config.metrics,
         "model_path": st.model.info.path.display().to_string(),
         "modalities": {"vision": false, "audio": false},
-        "chat_template": "gemma",
+        "chat_template": st.template.source().unwrap_or(st.template.name()),
         "bos_token": st.model.tokenizer.bos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "build_info": format!("tine {}", env!("CARGO_PKG_VERSION")),
@@ -491,6 +506,14 @@ fn chat_logprobs(st: &AppState, probs: &[TokenProb], top: usize) -> Value {
     json!({"content": content, "refusal": null})
 }
 
+/// The assistant message (`content`, or `tool_calls` when the output is a call) and its finish reason.
+fn chat_message(s: &Summary, tool_syntax: Option<tine_engine::template::ToolSyntax>) -> (Value, &'static str) {
+    match tool_syntax.and_then(|syntax| parse_tool_calls(syntax, &s.text)) {
+        Some((content, calls)) => (json!({"content": if content.is_empty() { Value::Null } else { json!(content) }, "tool_calls": tool_calls_json(&calls)}), "tool_calls"),
+        None => (json!({"content": s.text}), finish_reason(s.stop_type)),
+    }
+}
+
 fn finish_reason(s: StopType) -> &'static str {
     match s {
         StopType::Limit => "length",
@@ -556,16 +579,69 @@ async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Respons
 
 // ---- /v1/chat/completions (OpenAI) ----
 
+/// The chat prompt as tokens: the template's text, with BOS in front if it left it out.
+fn chat_prompt(st: &AppState, b: &ChatBody, tools: Option<&Value>) -> Result<(String, Vec<u32>), ApiError> {
+    let messages: Vec<Value> = b.messages.iter().map(|m| m.to_template_value()).collect::<Result<_, _>>()?;
+    let tok = &st.model.tokenizer;
+    let bos = tok.bos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
+    let eos = tok.eos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
+    let input = RenderInput { messages: &messages, tools, add_generation_prompt: true, bos_token: bos, eos_token: eos };
+    let text = st.template.render(&input).map_err(|e| match e {
+        // The server's own template is broken: not the client's fault.
+        TemplateError::Syntax(_) | TemplateError::Read { .. } => ApiError::internal(e.to_string()),
+        _ => ApiError::bad(e.to_string()),
+    })?;
+    let mut ids = tok.encode(&text, false, true);
+    if let Some(b) = tok.bos_token() {
+        if ids.first() != Some(&b) {
+            ids.insert(0, b);
+        }
+    }
+    Ok((text, ids))
+}
+
+/// llama-server's `/apply-template`: the prompt a chat request would run.
+async fn apply_template(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let b: ChatBody = json_body(&st, body).await?;
+    let tools = b.tools()?;
+    let (text, _) = chat_prompt(&st, &b, tools.as_ref())?;
+    Ok(Json(json!({ "prompt": text })))
+}
+
+/// OpenAI's `tool_calls` for parsed calls.
+fn tool_calls_json(calls: &[tine_engine::template::ToolCall]) -> Value {
+    Value::Array(calls.iter().enumerate().map(|(i, c)| json!({"id": format!("call_{i}"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect())
+}
+
 async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let b: ChatBody = json_body(&st, body).await?;
-    let messages: Vec<Message> = b.messages.iter().map(|m| Ok(Message { role: m.role.clone(), content: m.text()? })).collect::<Result<_, tine_api::RequestError>>()?;
-    let text = render_gemma(&messages, true).map_err(|e| ApiError::bad(e.to_string()))?;
-    let prompt = st.model.tokenizer.encode(&text, false, true);
+    let tools = b.tools()?;
+    let (_, prompt) = chat_prompt(&st, &b, tools.as_ref())?;
+    // With tools, the output is parsed for calls in the template family's syntax.
+    let tool_syntax = tools.as_ref().and_then(|_| st.template.tool_syntax());
     let v = validate(&st, prompt, b.gen)?;
     let rx = submit(&st, v.request)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();
     let logprobs = v.logprobs;
+    if v.stream && tool_syntax.is_some() {
+        // A call can only be told from text at the end: the answer comes as one chunk.
+        let (s, probs) = collect(&st, rx).await?;
+        let (message, finish) = chat_message(&s, tool_syntax);
+        let mut delta = message;
+        delta["role"] = json!("assistant");
+        let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, &probs, top));
+        let events = vec![
+            sse_json(
+                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]}),
+            ),
+            sse_json(
+                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage(&s), "timings": timings_json(&s.timings)}),
+            ),
+            Ok(SseEvent::default().data("[DONE]")),
+        ];
+        return Ok(Sse::new(tokio_stream::iter(events)).into_response());
+    }
     if v.stream {
         let (st2, id2) = (st.clone(), id.clone());
         // llama-server's first chunk: the role, and no content yet (`null`, never "").
@@ -598,9 +674,11 @@ async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Respon
     }
     let (s, probs) = collect(&st, rx).await?;
     let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, &probs, top));
+    let (mut message, finish) = chat_message(&s, tool_syntax);
+    message["role"] = json!("assistant");
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": s.text}, "logprobs": lp, "finish_reason": finish_reason(s.stop_type)}],
+        "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
         "usage": usage(&s), "timings": timings_json(&s.timings),
     }))
     .into_response())

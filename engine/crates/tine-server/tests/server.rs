@@ -28,9 +28,12 @@ fn start_with(parallel: usize, ctx_size: usize, spec: Option<tine_spec::SpecType
 
 /// A server over the fixture (context 8192), with `edit` setting its configuration.
 fn start_cfg(spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig)) -> Server {
+    start_model(TinyGemma3 { nextn: spec.is_some(), context: 8192, ..TinyGemma3::default() }, spec, edit)
+}
+
+fn start_model(cfg: TinyGemma3, spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig)) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    let cfg = TinyGemma3 { nextn: spec.is_some(), context: 8192, ..TinyGemma3::default() };
     cfg.write(&path);
     // An assistant head and a draft model beside it, for the spec types that need them.
     let (head, draft) = (dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
@@ -428,4 +431,41 @@ fn server_defaults_alias_and_no_slots_follow_the_flags() {
     let p: Value = serde_json::from_str(&p).expect("json");
     assert_eq!((p["default_generation_settings"]["params"]["n_predict"].as_i64(), p["default_generation_settings"]["seed"].as_u64()), (Some(3), Some(42)));
     assert_eq!(http(srv.addr, "GET", "/slots", "").0, 501);
+}
+
+/// A ChatML template with Hermes tool calls, as Qwen-style GGUFs carry.
+const TOOL_TEMPLATE: &str = "{%- if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+#[test]
+fn the_gguf_chat_template_renders_the_prompt_and_tools_reach_it() {
+    let srv = start_model(TinyGemma3 { chat_template: Some(TOOL_TEMPLATE.into()), ..TinyGemma3::default() }, None, |_| {});
+    let msgs = json!([{"role": "user", "content": "hello"}]);
+    let (s, v) = post(srv.addr, "/apply-template", json!({"messages": msgs}));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["prompt"], "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n");
+    let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let (_, v) = post(srv.addr, "/apply-template", json!({"messages": msgs, "tools": tools}));
+    assert!(v["prompt"].as_str().expect("prompt").starts_with("<|im_start|>system\nTools: [{\"type\": \"function\""), "{v}");
+    let (_, v) = post(srv.addr, "/apply-template", json!({"messages": msgs, "tools": tools, "tool_choice": "none"}));
+    assert!(v["prompt"].as_str().expect("prompt").starts_with("<|im_start|>user"), "{v}");
+    let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": tools, "tool_choice": "required"}));
+    assert_eq!(s, 400, "{v}");
+    // A chat request runs the rendered prompt (with <bos> in front: the template has none).
+    let (s, chat) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "max_tokens": 4, "temperature": 0, "tools": tools}));
+    assert_eq!(s, 200, "{chat}");
+    let (_, ids) = post(srv.addr, "/tokenize", json!({"content": "<bos><|im_start|>system", "parse_special": true}));
+    assert!(ids["tokens"].as_array().is_some_and(|t| !t.is_empty()));
+    assert_eq!(
+        chat["usage"]["prompt_tokens"].as_u64(),
+        post(srv.addr, "/tokenize", json!({"content": format!("<bos>{}", v_prompt(&srv, &msgs, &tools)), "parse_special": true})).1["tokens"].as_array().map(|t| t.len() as u64)
+    );
+    // The Gemma fallback refuses tools: this template family defines none.
+    let plain = start(1, 64);
+    let (s, v) = post(plain.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": tools}));
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"].as_str().expect("message").contains("does not take tools"), "{v}");
+}
+
+fn v_prompt(srv: &Server, msgs: &Value, tools: &Value) -> String {
+    post(srv.addr, "/apply-template", json!({"messages": msgs, "tools": tools})).1["prompt"].as_str().expect("prompt").to_owned()
 }

@@ -35,11 +35,13 @@ pub struct TinyGemma3 {
     /// Append a NextN head (`nextn_predict_layers = 1`, one more block with `blk.L.nextn.*`).
     /// Its weights are drawn after the trunk's, so the trunk is the same with or without it.
     pub nextn: bool,
+    /// `tokenizer.chat_template`, if any.
+    pub chat_template: Option<String>,
 }
 
 impl Default for TinyGemma3 {
     fn default() -> Self {
-        TinyGemma3 { n_embd: 32, n_head: 4, n_kv_head: 1, head_dim: 16, n_ff: 64, n_layer: 6, window: 4, context: 256, seed: 7, q8_embedding: false, nextn: false }
+        TinyGemma3 { n_embd: 32, n_head: 4, n_kv_head: 1, head_dim: 16, n_ff: 64, n_layer: 6, window: 4, context: 256, seed: 7, q8_embedding: false, nextn: false, chat_template: None }
     }
 }
 
@@ -197,6 +199,10 @@ impl TinyGemma3 {
             ("tokenizer.ggml.add_eos_token", V::Bool(false)),
             ("tokenizer.ggml.add_space_prefix", V::Bool(false)),
         ];
+        let mut md = md;
+        if let Some(t) = &self.chat_template {
+            md.push(("tokenizer.chat_template", V::String(t.clone())));
+        }
         let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (*k, v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
         gguf_file::write(w, &md_refs, &t_refs).expect("write fixture GGUF");
@@ -403,6 +409,7 @@ impl Weights {
             seed: 0,
             q8_embedding: true,
             nextn: false,
+            chat_template: None,
         };
         let embd = get("token_embd.weight");
         let vocab = embd.len() / cfg.n_embd;

@@ -1,0 +1,272 @@
+//! Chat templates: the GGUF's `tokenizer.chat_template` rendered with a Jinja engine built for
+//! it (minijinja, with Python string methods), or Gemma's turns when a model has none.
+//!
+//! A template comes from a file a user was handed, so rendering is bounded (minijinja's fuel)
+//! and every failure is an error, never a panic. Tool calls: the template gets `tools`; the
+//! output is parsed back for the families whose templates define a tool-call syntax.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use minijinja::{Environment, Error as JinjaError, ErrorKind};
+use serde_json::{json, Value};
+
+use crate::chat::{render_gemma, ChatError, Message};
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum TemplateError {
+    #[error("the chat template does not parse: {0}")]
+    Syntax(String),
+    #[error("the chat template failed: {0}")]
+    Render(String),
+    #[error(transparent)]
+    Chat(#[from] ChatError),
+    #[error("cannot read the chat template {path}: {message}")]
+    Read { path: String, message: String },
+    #[error("this model's chat template does not take tools (it never mentions `tools`)")]
+    NoTools,
+}
+
+/// How a template family writes a tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen).
+    Hermes,
+    /// `[TOOL_CALLS][{"name": …, "arguments": …}]` (Mistral).
+    Mistral,
+    /// A bare JSON object `{"name": …, "parameters": …}`, maybe after `<|python_tag|>` (Llama 3.x).
+    JsonObject,
+}
+
+/// A chat template.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChatTemplate {
+    /// Gemma 3's turns, in Rust (the fallback for a GGUF without a template).
+    Gemma,
+    Jinja {
+        name: String,
+        source: String,
+    },
+}
+
+/// ChatML, for `--chat-template chatml`.
+pub const CHATML: &str = "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}";
+
+/// Template instructions a render may execute: far beyond any real template, and a bound on a
+/// hostile one.
+const FUEL: u64 = 5_000_000;
+
+/// What a template is rendered with.
+pub struct RenderInput<'a> {
+    /// OpenAI messages (`role`, `content` as text, and whatever else the client sent:
+    /// `tool_calls`, `tool_call_id`, `name`).
+    pub messages: &'a [Value],
+    pub tools: Option<&'a Value>,
+    pub add_generation_prompt: bool,
+    pub bos_token: &'a str,
+    pub eos_token: &'a str,
+}
+
+impl ChatTemplate {
+    /// The model's own template, else Gemma's turns.
+    pub fn from_gguf(source: Option<&str>) -> ChatTemplate {
+        match source {
+            Some(s) if !s.trim().is_empty() => ChatTemplate::Jinja { name: "the model's (tokenizer.chat_template)".into(), source: s.to_owned() },
+            _ => ChatTemplate::Gemma,
+        }
+    }
+
+    /// `--chat-template NAME|FILE`: `gemma`, `chatml`, or a Jinja file.
+    pub fn named(spec: &str) -> Result<ChatTemplate, TemplateError> {
+        let t = match spec {
+            "gemma" | "gemma3" => ChatTemplate::Gemma,
+            "chatml" => ChatTemplate::Jinja { name: "chatml".into(), source: CHATML.into() },
+            path => {
+                let source = std::fs::read_to_string(path).map_err(|e| TemplateError::Read { path: path.into(), message: e.to_string() })?;
+                ChatTemplate::Jinja { name: path.into(), source }
+            }
+        };
+        t.check()?;
+        Ok(t)
+    }
+
+    /// Parses the template (a broken one is refused at start-up, not per request).
+    pub fn check(&self) -> Result<(), TemplateError> {
+        if let ChatTemplate::Jinja { source, .. } = self {
+            environment().template_from_str(source).map_err(|e| TemplateError::Syntax(describe(&e)))?;
+        }
+        Ok(())
+    }
+
+    pub fn name(&self) -> &str {
+        match self {
+            ChatTemplate::Gemma => "gemma",
+            ChatTemplate::Jinja { name, .. } => name,
+        }
+    }
+
+    pub fn source(&self) -> Option<&str> {
+        match self {
+            ChatTemplate::Gemma => None,
+            ChatTemplate::Jinja { source, .. } => Some(source),
+        }
+    }
+
+    /// The tool-call syntax of this template's family, if it takes tools.
+    pub fn tool_syntax(&self) -> Option<ToolSyntax> {
+        let src = self.source()?;
+        if !src.contains("tools") {
+            return None;
+        }
+        Some(if src.contains("<tool_call>") {
+            ToolSyntax::Hermes
+        } else if src.contains("[TOOL_CALLS]") {
+            ToolSyntax::Mistral
+        } else {
+            ToolSyntax::JsonObject
+        })
+    }
+
+    pub fn render(&self, input: &RenderInput) -> Result<String, TemplateError> {
+        match self {
+            ChatTemplate::Gemma => {
+                if input.tools.is_some() {
+                    return Err(TemplateError::NoTools);
+                }
+                let messages: Vec<Message> =
+                    input.messages.iter().map(|m| Message { role: m["role"].as_str().unwrap_or_default().to_owned(), content: m["content"].as_str().unwrap_or_default().to_owned() }).collect();
+                Ok(render_gemma(&messages, input.add_generation_prompt)?)
+            }
+            ChatTemplate::Jinja { source, .. } => {
+                if input.tools.is_some() && self.tool_syntax().is_none() {
+                    return Err(TemplateError::NoTools);
+                }
+                let env = environment();
+                let t = env.template_from_str(source).map_err(|e| TemplateError::Syntax(describe(&e)))?;
+                let ctx = json!({
+                    "messages": input.messages,
+                    "tools": input.tools,
+                    "add_generation_prompt": input.add_generation_prompt,
+                    "bos_token": input.bos_token,
+                    "eos_token": input.eos_token,
+                });
+                t.render(minijinja::Value::from(minijinja::value::Serde(&ctx))).map_err(|e| TemplateError::Render(describe(&e)))
+            }
+        }
+    }
+}
+
+fn describe(e: &JinjaError) -> String {
+    let mut s = e.to_string();
+    let mut cur = std::error::Error::source(e);
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    // As Hugging Face renders chat templates.
+    env.set_syntax(minijinja::syntax::SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().expect("the default delimiters are valid"));
+    env.set_fuel(Some(FUEL));
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<String, JinjaError> { Err(JinjaError::new(ErrorKind::InvalidOperation, msg)) });
+    env.add_function("strftime_now", |fmt: String| strftime_now(&fmt));
+    env
+}
+
+/// `strftime_now(fmt)` (Llama 3 templates print today's date) for the codes templates use.
+fn strftime_now(fmt: &str) -> String {
+    let days = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() / 86_400).unwrap_or(0) as i64;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{d:02}")),
+            Some('m') => out.push_str(&format!("{m:02}")),
+            Some('Y') => out.push_str(&y.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", y % 100)),
+            Some('B') => out.push_str(month),
+            Some('b') => out.push_str(&month[..3]),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+/// A tool call parsed from the model's output, in OpenAI's shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    /// The arguments as a JSON text (OpenAI sends a string).
+    pub arguments: String,
+}
+
+fn call_from(v: &Value) -> Option<ToolCall> {
+    let name = v.get("name")?.as_str()?.to_owned();
+    let args = v.get("arguments").or_else(|| v.get("parameters")).cloned().unwrap_or(json!({}));
+    let arguments = match args {
+        Value::String(s) => s,
+        other => other.to_string(),
+    };
+    Some(ToolCall { name, arguments })
+}
+
+/// Splits generated text into its content and the tool calls `syntax` writes. `None` when the
+/// text holds no well-formed call (it is then plain content).
+pub fn parse_tool_calls(syntax: ToolSyntax, text: &str) -> Option<(String, Vec<ToolCall>)> {
+    match syntax {
+        ToolSyntax::Hermes => {
+            let mut calls = Vec::new();
+            let mut content = String::new();
+            let mut rest = text;
+            while let Some(start) = rest.find("<tool_call>") {
+                content.push_str(&rest[..start]);
+                let after = &rest[start + "<tool_call>".len()..];
+                let end = after.find("</tool_call>").unwrap_or(after.len());
+                calls.push(call_from(&serde_json::from_str(after[..end].trim()).ok()?)?);
+                rest = after.get(end + "</tool_call>".len()..).unwrap_or("");
+            }
+            content.push_str(rest);
+            (!calls.is_empty()).then(|| (content.trim().to_owned(), calls))
+        }
+        ToolSyntax::Mistral => {
+            let (before, after) = text.split_once("[TOOL_CALLS]")?;
+            let v: Value = serde_json::from_str(after.trim()).ok()?;
+            let calls: Vec<ToolCall> = match &v {
+                Value::Array(items) => items.iter().map(call_from).collect::<Option<_>>()?,
+                obj => vec![call_from(obj)?],
+            };
+            (!calls.is_empty()).then(|| (before.trim().to_owned(), calls))
+        }
+        ToolSyntax::JsonObject => {
+            let body = text.trim();
+            let body = body.strip_prefix("<|python_tag|>").unwrap_or(body).trim();
+            let v: Value = serde_json::from_str(body).ok()?;
+            Some((String::new(), vec![call_from(&v)?]))
+        }
+    }
+}
