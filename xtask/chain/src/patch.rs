@@ -351,6 +351,12 @@ fn parse_file(lines: &[&[u8]], start: usize) -> Result<(FilePatch, usize), Parse
 
 fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
     let bad = |msg: &str| Err(perr(fp.patch_line, ParseErrorKind::Inconsistent(format!("{}: {msg}", fp.display_path()))));
+    // git writes two names only with `rename`/`copy` headers (git apply refuses the rest: "lacks
+    // filename information"); taken as a modification, it would create the second path and keep
+    // the first, which does not reverse.
+    if fp.op == Op::Modify && fp.old_path != fp.new_path {
+        return bad("a modified file names two different paths without rename or copy headers");
+    }
     if let Content::Text(hunks) = &fp.content {
         match fp.op {
             Op::Create if hunks.len() != 1 || hunks[0].old_count != 0 => return bad("a created file needs exactly one hunk from -0,0"),
