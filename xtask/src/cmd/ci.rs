@@ -13,6 +13,10 @@ pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
     eprintln!("==> set-up (apply-chain, verify, fetch-model)");
     setup(p)?;
     step("xtask tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(p.root.join("xtask/Cargo.toml")))?;
+    // After the set-up: the gguf and tokenizer targets build the patched candle in engine/upstream/.
+    if super::fuzz::run(p, &[], super::fuzz::DEFAULT_SECONDS)? != ExitCode::SUCCESS {
+        anyhow::bail!("fuzz found a crash (artifact above)");
+    }
     eprintln!("==> sync-check");
     let problems = sync_check::sync_check(p, &Tine, &chain::load_registry(p)?);
     if !problems.is_empty() {
