@@ -364,6 +364,11 @@ fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
             _ => {}
         }
         let mut last_end = 0;
+        // Lines added minus lines removed by the hunks before: each hunk's new position must be
+        // its old one shifted by that, as every diff writes it. Forward placement reads the old
+        // positions, reverse the new ones, so a patch whose headers disagree could apply and then
+        // not reverse.
+        let mut delta: i128 = 0;
         for h in hunks {
             if h.old_start < last_end {
                 return bad("hunks overlap or are out of order");
@@ -371,6 +376,11 @@ fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
             // parse_hunk refuses ranges that overflow; hunks built in code may not have been through it.
             let Some(end) = h.old_start.checked_add(h.old_count) else { return bad("a hunk's range overflows") };
             last_end = end;
+            let at = |start: usize, count: usize| if count == 0 { start as i128 } else { start as i128 - 1 };
+            if at(h.new_start, h.new_count) != at(h.old_start, h.old_count) + delta {
+                return bad("a hunk's new position disagrees with its old position and the hunks before it");
+            }
+            delta += h.new_count as i128 - h.old_count as i128;
         }
     }
     Ok(())

@@ -379,7 +379,7 @@ fn a_hunk_start_near_u64_max_is_an_error_not_a_panic() {
         let got = apply::plan(&t, &ps, reverse).expect_err("refused");
         assert!(matches!(got.kind, ApplyErrorKind::AtOffset { .. }), "{got}");
     }
-    let ps = patch::parse(format!("{hdr}@@ -18446744073709551610,0 +18446744073709551610,1 @@\n+x\n").as_bytes()).expect("fits");
+    let ps = patch::parse(format!("{hdr}@@ -18446744073709551610,0 +18446744073709551611,1 @@\n+x\n").as_bytes()).expect("fits");
     for reverse in [false, true] {
         let got = apply::plan(&t, &ps, reverse).expect_err("refused");
         assert!(matches!(got.kind, ApplyErrorKind::AtOffset { .. } | ApplyErrorKind::PastEnd { .. }), "{got}");
@@ -680,4 +680,17 @@ fn exported_hunk_headers_count_the_lines_of_their_bodies() {
     // The case the fuzzer found, against git's own diff.
     let bytes = patchchain::export::diff_trees(&one_file("f", b"b\na\n"), &one_file("f", b"a\na\na\n"));
     assert!(String::from_utf8_lossy(&bytes).contains("@@ -1,2 +1,3 @@"), "{}", String::from_utf8_lossy(&bytes));
+}
+
+// Found by `cargo xtask fuzz --target patch_parse` (fuzz/corpus/patch_parse/hunk-new-start-off-by-one.patch):
+// patch 0005 with one hunk's new start changed (`+140` -> `+139`) applied forward (placed by the old
+// positions) but not in reverse (placed by the new ones). Headers that disagree are a parse error.
+#[test]
+fn a_hunk_whose_new_start_disagrees_with_the_hunks_before_it_is_a_parse_error() {
+    let good = b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1,2 +1 @@\n-a\n b\n@@ -5,0 +5,1 @@\n+x\n";
+    patch::parse(good).expect("consistent headers parse");
+    for bad in [&b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1,2 +1 @@\n-a\n b\n@@ -5,0 +6,1 @@\n+x\n"[..], b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -3,2 +2,2 @@\n-a\n+b\n c\n"] {
+        let err = patch::parse(bad).expect_err("refused");
+        assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
+    }
 }
