@@ -189,7 +189,22 @@ enum Cmd {
         #[command(subcommand)]
         which: BenchCmd,
     },
-    /// Run every test: xtask's unit and integration tests, the main job, sync-check, the engine workspace's tests.
+    /// Coverage-guided fuzzing on the stable toolchain: build fuzz/ with libFuzzer and the
+    /// sanitizer-coverage flags (target/fuzz/), run each target for --seconds on its seed corpus
+    /// fuzz/corpus/<target>/ (new entries go to a scratch dir), with -rss_limit_mb=2048
+    /// -malloc_limit_mb=1024 -timeout=10. Prints executions, coverage and new units per target;
+    /// exits 1 on a crash, naming the target and its artifact under target/fuzz/artifacts/.
+    /// Needs engine/upstream/ (apply-chain first).
+    Fuzz {
+        /// Only this target (repeatable): patch_parse, patch_roundtrip, registry_load, gguf_read, tokenizer_roundtrip.
+        #[arg(long, value_name = "NAME")]
+        target: Vec<String>,
+        /// Seconds per target.
+        #[arg(long, default_value_t = cmd::fuzz::DEFAULT_SECONDS)]
+        seconds: u64,
+    },
+    /// Run every test: the set-up (apply-chain, verify, fetch-model), xtask's unit and integration
+    /// tests, every fuzz target for 20 s, sync-check, the engine workspace's tests.
     Ci,
 }
 
@@ -261,6 +276,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             return cmd::sync_check::run(&p);
         }
         Cmd::Bless { base } => commands::bless(&p, &Tine, base, &pb)?,
+        Cmd::Fuzz { target, seconds } => {
+            pb.finish_and_clear();
+            return cmd::fuzz::run(&p, &target, seconds);
+        }
         Cmd::Ci => {
             pb.finish_and_clear();
             return cmd::ci::run(&p);

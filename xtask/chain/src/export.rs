@@ -126,11 +126,23 @@ pub fn hunks(old: &[u8], new: &[u8]) -> Vec<u8> {
     let b = split_lines(new);
     let ops = similar::capture_diff_slices(similar::Algorithm::Myers, &a, &b);
     let mut out = Vec::new();
+    // Lines added minus lines removed by the groups so far: before a group, old line `i` is new
+    // line `i + delta`. The header is computed from the ranges that hold lines only: similar's
+    // empty side of a `Delete` (its `new_index`) or `Insert` (its `old_index`) can point past the
+    // group's start (`b a` -> `a a a` gave `@@ -1 +2,2 @@` for a hunk of -1,2 +1,3).
+    let mut delta: isize = 0;
     for group in similar::group_diff_ops(ops, 3) {
-        let (first, last) = (group.first().expect("groups are non-empty"), group.last().expect("groups are non-empty"));
-        let (os, oe) = (first.old_range().start, last.old_range().end);
-        let (ns, ne) = (first.new_range().start, last.new_range().end);
-        out.extend_from_slice(format!("@@ -{} +{} @@\n", range(os, oe - os), range(ns, ne - ns)).as_bytes());
+        let old_len: usize = group.iter().map(|op| op.old_range().len()).sum();
+        let new_len: usize = group.iter().map(|op| op.new_range().len()).sum();
+        let old_start = group.iter().map(|op| op.old_range()).filter(|r| !r.is_empty()).map(|r| r.start).min();
+        let new_start = group.iter().map(|op| op.new_range()).filter(|r| !r.is_empty()).map(|r| r.start).min();
+        let (os, ns) = match (old_start, new_start) {
+            (Some(o), _) => (o, o.checked_add_signed(delta).expect("the new side is aligned")),
+            (None, Some(n)) => (n.checked_add_signed(-delta).expect("the old side is aligned"), n),
+            (None, None) => continue,
+        };
+        delta += new_len as isize - old_len as isize;
+        out.extend_from_slice(format!("@@ -{} +{} @@\n", range(os, old_len), range(ns, new_len)).as_bytes());
         for op in &group {
             for change in op.iter_changes(&a, &b) {
                 let sign = match change.tag() {

@@ -351,6 +351,12 @@ fn parse_file(lines: &[&[u8]], start: usize) -> Result<(FilePatch, usize), Parse
 
 fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
     let bad = |msg: &str| Err(perr(fp.patch_line, ParseErrorKind::Inconsistent(format!("{}: {msg}", fp.display_path()))));
+    // git writes two names only with `rename`/`copy` headers (git apply refuses the rest: "lacks
+    // filename information"); taken as a modification, it would create the second path and keep
+    // the first, which does not reverse.
+    if fp.op == Op::Modify && fp.old_path != fp.new_path {
+        return bad("a modified file names two different paths without rename or copy headers");
+    }
     if let Content::Text(hunks) = &fp.content {
         match fp.op {
             Op::Create if hunks.len() != 1 || hunks[0].old_count != 0 => return bad("a created file needs exactly one hunk from -0,0"),
@@ -358,6 +364,11 @@ fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
             _ => {}
         }
         let mut last_end = 0;
+        // Lines added minus lines removed by the hunks before: each hunk's new position must be
+        // its old one shifted by that, as every diff writes it. Forward placement reads the old
+        // positions, reverse the new ones, so a patch whose headers disagree could apply and then
+        // not reverse.
+        let mut delta: i128 = 0;
         for h in hunks {
             if h.old_start < last_end {
                 return bad("hunks overlap or are out of order");
@@ -365,6 +376,11 @@ fn check_consistency(fp: &FilePatch) -> Result<(), ParseError> {
             // parse_hunk refuses ranges that overflow; hunks built in code may not have been through it.
             let Some(end) = h.old_start.checked_add(h.old_count) else { return bad("a hunk's range overflows") };
             last_end = end;
+            let at = |start: usize, count: usize| if count == 0 { start as i128 } else { start as i128 - 1 };
+            if at(h.new_start, h.new_count) != at(h.old_start, h.old_count) + delta {
+                return bad("a hunk's new position disagrees with its old position and the hunks before it");
+            }
+            delta += h.new_count as i128 - h.old_count as i128;
         }
     }
     Ok(())

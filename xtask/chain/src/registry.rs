@@ -121,12 +121,18 @@ pub enum LoadError {
 
 pub fn load(path: &Path) -> Result<Registry, LoadError> {
     let text = std::fs::read_to_string(path).map_err(|source| LoadError::Io { path: path.to_owned(), source })?;
-    toml::from_str(&text).map_err(|source| LoadError::Toml { path: path.to_owned(), source })
+    parse(&text).map_err(|source| LoadError::Toml { path: path.to_owned(), source })
+}
+
+/// The registry in `text` (what [`load`] reads from a file).
+pub fn parse(text: &str) -> Result<Registry, toml::de::Error> {
+    toml::from_str(text)
 }
 
 fn q(s: &str) -> String {
-    // TOML basic strings share JSON's escapes for everything we write.
-    serde_json::to_string(s).expect("strings serialise")
+    // TOML basic strings share JSON's escapes, except DEL (U+007F): JSON leaves it raw, TOML
+    // forbids it raw in a basic string, so a registry holding one would render unloadable.
+    serde_json::to_string(s).expect("strings serialise").replace('\u{7f}', "\\u007F")
 }
 
 fn list(items: &[String]) -> String {

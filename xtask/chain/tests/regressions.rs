@@ -379,7 +379,7 @@ fn a_hunk_start_near_u64_max_is_an_error_not_a_panic() {
         let got = apply::plan(&t, &ps, reverse).expect_err("refused");
         assert!(matches!(got.kind, ApplyErrorKind::AtOffset { .. }), "{got}");
     }
-    let ps = patch::parse(format!("{hdr}@@ -18446744073709551610,0 +18446744073709551610,1 @@\n+x\n").as_bytes()).expect("fits");
+    let ps = patch::parse(format!("{hdr}@@ -18446744073709551610,0 +18446744073709551611,1 @@\n+x\n").as_bytes()).expect("fits");
     for reverse in [false, true] {
         let got = apply::plan(&t, &ps, reverse).expect_err("refused");
         assert!(matches!(got.kind, ApplyErrorKind::AtOffset { .. } | ApplyErrorKind::PastEnd { .. }), "{got}");
@@ -615,4 +615,82 @@ fn import_refuses_a_patch_that_does_not_apply_or_breaks_a_later_one_and_writes_n
         .expect_err("no id fits");
     assert!(matches!(err, ImportError::NoFreeId { .. }), "{err}");
     assert_eq!(fx.snapshot(), after_one);
+}
+
+// Found by `cargo xtask fuzz --target registry_load` (fuzz/corpus/registry_load/del-in-title.toml):
+// a title holding DEL (U+007F, written `\u007f`) loaded, but `render` wrote it raw, as JSON does,
+// and TOML forbids a raw DEL in a basic string, so the next tool to read the registry failed.
+#[test]
+fn a_registry_string_holding_del_renders_escaped_and_loads_back() {
+    let text = "[base]\nkind = \"dir\"\npath = \"up\\u007fstream\"\n\n[[patch]]\nid = \"0001\"\nfile = \"0001-x.patch\"\nsha256 = \"\"\ntitle = \"a\\u007ftitle\"\narea = \"other\"\nhooks = [\"h\\u007f\"]\nstatus = \"carried\"\nupstream = \"\"\nbump = \"reapply\"\ngates = [\"apply\"]\n";
+    let reg = registry::parse(text).expect("the registry loads");
+    assert_eq!(reg.patches[0].title, "a\u{7f}title");
+    let rendered = registry::render(&reg);
+    assert!(!rendered.contains('\u{7f}'), "DEL written raw:\n{rendered}");
+    let again = registry::parse(&rendered).expect("the canonical rendering loads");
+    assert_eq!(again, reg);
+    assert_eq!(registry::render(&again), rendered);
+}
+
+// Found by `cargo xtask fuzz --target patch_parse` (fuzz/corpus/patch_parse/two-names-modify.patch):
+// `diff --git a/run.sh b/other` with only mode lines parsed as a modification of two paths; the
+// placer then created `other` and kept `run.sh`, which does not reverse-apply. git apply refuses it.
+#[test]
+fn a_modification_naming_two_paths_without_rename_headers_is_a_parse_error() {
+    let p = b"diff --git a/run.sh b/other\nold mode 100644\nnew mode 100755\n";
+    let err = patch::parse(p).expect_err("refused");
+    assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
+    // With its rename headers it is a rename (and reverses).
+    let renamed = b"diff --git a/run.sh b/other\nold mode 100644\nnew mode 100755\nrename from run.sh\nrename to other\n";
+    let ps = patch::parse(renamed).expect("a rename parses");
+    let base = one_file("run.sh", b"x\n");
+    let mut t = base.clone();
+    apply::apply(&mut t, &ps, "p").expect("applies");
+    assert!(t.contains_key("other") && !t.contains_key("run.sh"));
+    apply::unapply(&mut t, &ps, "p").expect("reverses");
+    assert_eq!(t, base);
+}
+
+// Found by `cargo xtask fuzz --target patch_roundtrip`: the exporter took a hunk's header from
+// the first and last diff ops, and similar's empty side of a Delete can point past the group's
+// start, so `b a` -> `a a a` exported `@@ -1 +2,2 @@` over a body of -1,2 +1,3, which does not
+// parse. Every pair of small files of two lines' kinds must export, parse and apply both ways.
+#[test]
+fn exported_hunk_headers_count_the_lines_of_their_bodies() {
+    let mk = |len: u32, bits: u32| (0..len).map(|i| if bits >> i & 1 == 1 { "b\n" } else { "a\n" }).collect::<String>();
+    for lo in 0..6u32 {
+        for ln in 0..7u32 {
+            for mo in 0..(1u32 << lo) {
+                for mn in 0..(1u32 << ln) {
+                    let (old, new) = (one_file("f", mk(lo, mo).as_bytes()), one_file("f", mk(ln, mn).as_bytes()));
+                    if old == new {
+                        continue;
+                    }
+                    let bytes = patchchain::export::diff_trees(&old, &new);
+                    let ps = patch::parse(&bytes).unwrap_or_else(|e| panic!("{e}\n{}", String::from_utf8_lossy(&bytes)));
+                    let mut t = old.clone();
+                    apply::apply(&mut t, &ps, "p").unwrap_or_else(|e| panic!("{e}\n{}", String::from_utf8_lossy(&bytes)));
+                    assert_eq!(t, new, "{}", String::from_utf8_lossy(&bytes));
+                    apply::unapply(&mut t, &ps, "p").expect("reverses");
+                    assert_eq!(t, old);
+                }
+            }
+        }
+    }
+    // The case the fuzzer found, against git's own diff.
+    let bytes = patchchain::export::diff_trees(&one_file("f", b"b\na\n"), &one_file("f", b"a\na\na\n"));
+    assert!(String::from_utf8_lossy(&bytes).contains("@@ -1,2 +1,3 @@"), "{}", String::from_utf8_lossy(&bytes));
+}
+
+// Found by `cargo xtask fuzz --target patch_parse` (fuzz/corpus/patch_parse/hunk-new-start-off-by-one.patch):
+// patch 0005 with one hunk's new start changed (`+140` -> `+139`) applied forward (placed by the old
+// positions) but not in reverse (placed by the new ones). Headers that disagree are a parse error.
+#[test]
+fn a_hunk_whose_new_start_disagrees_with_the_hunks_before_it_is_a_parse_error() {
+    let good = b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1,2 +1 @@\n-a\n b\n@@ -5,0 +5,1 @@\n+x\n";
+    patch::parse(good).expect("consistent headers parse");
+    for bad in [&b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1,2 +1 @@\n-a\n b\n@@ -5,0 +6,1 @@\n+x\n"[..], b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -3,2 +2,2 @@\n-a\n+b\n c\n"] {
+        let err = patch::parse(bad).expect_err("refused");
+        assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
+    }
 }

@@ -30,6 +30,11 @@ pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
     step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(&engine_manifest))?;
     // Our crates only (`--no-deps`): candle's own code is upstream's, linted by upstream.
     step("cargo clippy (engine)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--no-deps", "--manifest-path"]).arg(&engine_manifest).args(["--", "-D", "warnings"]))?;
+    // Last, as the longest step: an instrumented build of the fuzz workspace, then every target
+    // for a bounded time; the gguf and tokenizer targets build the patched candle in engine/upstream/.
+    if super::fuzz::run(p, &[], super::fuzz::DEFAULT_SECONDS)? != ExitCode::SUCCESS {
+        anyhow::bail!("fuzz found a crash (artifact above)");
+    }
     eprintln!("ci: all green");
     Ok(ExitCode::SUCCESS)
 }

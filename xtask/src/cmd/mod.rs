@@ -8,6 +8,7 @@ use patchchain::{commands, Project};
 
 pub mod bench;
 pub mod ci;
+pub mod fuzz;
 pub mod gate;
 pub mod sync_check;
 pub mod up;
