@@ -19,7 +19,7 @@ use anyhow::Context as _;
 use patchchain::Project;
 
 /// Every target of `fuzz/Cargo.toml`, in the order they run.
-pub const TARGETS: &[&str] = &["patch_parse", "patch_roundtrip", "registry_load", "gguf_read", "tokenizer_roundtrip"];
+pub const TARGETS: &[&str] = &["patch_parse", "patch_roundtrip", "registry_load", "gguf_read", "tokenizer_roundtrip", "http_request"];
 
 /// Seconds per target when `--seconds` is not given (what `cargo xtask ci` runs).
 pub const DEFAULT_SECONDS: u64 = 20;
