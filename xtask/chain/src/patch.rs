@@ -181,6 +181,17 @@ pub enum ParseErrorKind {
     PathMismatch(String),
     #[error("hunks of a file that is created, deleted or binary do not fit: {0}")]
     Inconsistent(String),
+    #[error("the `index` line's object id {0:?} is not 4 to 64 hexadecimal digits")]
+    BadObjectId(String),
+}
+
+/// git's object ids on an `index` line: abbreviated (at least 4) or full hex, SHA-1 or SHA-256.
+fn object_id(id: &str, line: usize) -> Result<String, ParseError> {
+    if (4..=64).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_hexdigit()) {
+        Ok(id.to_ascii_lowercase())
+    } else {
+        Err(perr(line, ParseErrorKind::BadObjectId(id.to_owned())))
+    }
 }
 
 fn perr(line: usize, kind: ParseErrorKind) -> ParseError {
@@ -277,8 +288,8 @@ fn parse_file(lines: &[&[u8]], start: usize) -> Result<(FilePatch, usize), Parse
         } else if let Some(rest) = s.strip_prefix("index ") {
             let ids = rest.split(' ').next().unwrap_or("");
             let (o, n) = ids.split_once("..").ok_or_else(|| perr(ln, ParseErrorKind::BadDiffGitLine(s.to_string())))?;
-            fp.old_id = Some(o.to_owned());
-            fp.new_id = Some(n.to_owned());
+            fp.old_id = Some(object_id(o, ln)?);
+            fp.new_id = Some(object_id(n, ln)?);
             if let Some(mode) = rest.split(' ').nth(1) {
                 let m = parse_mode(mode, ln)?;
                 fp.old_mode.get_or_insert(m);

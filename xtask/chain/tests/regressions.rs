@@ -694,3 +694,18 @@ fn a_hunk_whose_new_start_disagrees_with_the_hunks_before_it_is_a_parse_error() 
         assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
     }
 }
+
+// Found by `cargo xtask fuzz --target patch_parse` (in CI's first run on main): an `index` line
+// whose old id was 40 characters but held a control byte was taken as an id; the new file applied
+// forward, and reverse-applying it then compared the removed content against that "id" and failed.
+// An object id is now 4 to 64 hex digits, or the patch does not parse.
+#[test]
+fn an_index_line_with_a_non_hex_object_id_is_a_parse_error() {
+    let with = |ids: &str| format!("diff --git a/f b/f\nnew file mode 100644\nindex {ids}\n--- /dev/null\n+++ b/f\n@@ -0,0 +1 @@\n+x\n").into_bytes();
+    patch::parse(&with("0000000..587be6b")).expect("abbreviated ids parse");
+    patch::parse(&with("0000000000000000000000000000000000000000..587be6b6d4e4c8a0b5c9f1b0d2c4a6e8f0a1b2c3")).expect("full ids parse");
+    for bad in ["00000000000\u{10}0000000000000000000000000000..587be6b", "0000000..58", "xyz0000..587be6b", "..587be6b"] {
+        let err = patch::parse(&with(bad)).expect_err(bad);
+        assert!(matches!(err.kind, ParseErrorKind::BadObjectId(_)), "{bad:?}: {err}");
+    }
+}
