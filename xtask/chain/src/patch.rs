@@ -311,6 +311,11 @@ fn parse_file(lines: &[&[u8]], start: usize) -> Result<(FilePatch, usize), Parse
     match fp.op {
         Op::Create => fp.old_path = None,
         Op::Delete => fp.new_path = None,
+        // A mode change names both modes (git writes `old mode` and `new mode`): with one
+        // alone, reverse-applying it could not restore the mode it replaced.
+        _ if fp.old_mode.is_some() != fp.new_mode.is_some() => {
+            return Err(perr(lno, ParseErrorKind::Inconsistent("a mode change needs both `old mode` and `new mode`".into())));
+        }
         _ => {}
     }
     if let Some(m) = minus {

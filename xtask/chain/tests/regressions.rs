@@ -709,3 +709,16 @@ fn an_index_line_with_a_non_hex_object_id_is_a_parse_error() {
         assert!(matches!(err.kind, ParseErrorKind::BadObjectId(_)), "{bad:?}: {err}");
     }
 }
+
+// Found by `cargo xtask fuzz --target patch_parse`: `new mode 100755` without an `old mode`
+// line applied forward (the mode set) but reverse-applying kept 100755, so forward then reverse
+// did not give back the tree. git always writes both lines; one alone is a parse error.
+#[test]
+fn a_mode_change_without_its_old_mode_is_a_parse_error() {
+    let both = b"diff --git a/f b/f\nold mode 100644\nnew mode 100755\n";
+    patch::parse(both).expect("a mode change parses");
+    for bad in [&b"diff --git a/f b/f\nnew mode 100755\n"[..], b"diff --git a/f b/f\nold mode 100644\n", b"diff --git a/f b/f\nindex 1234567..89abcde\nnew mode 100755\n"] {
+        let err = patch::parse(bad).expect_err("refused");
+        assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
+    }
+}
