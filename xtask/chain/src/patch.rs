@@ -308,6 +308,11 @@ fn parse_file(lines: &[&[u8]], start: usize) -> Result<(FilePatch, usize), Parse
         }
         i += 1;
     }
+    // The side a creation or deletion does not have is git's null id (all zeros).
+    let null = |id: &Option<String>| id.as_ref().is_none_or(|id| id.bytes().all(|b| b == b'0'));
+    if (fp.op == Op::Create && !null(&fp.old_id)) || (fp.op == Op::Delete && !null(&fp.new_id)) {
+        return Err(perr(lno, ParseErrorKind::Inconsistent("the `index` line of a created or deleted file must have the null id on its missing side".into())));
+    }
     match fp.op {
         Op::Create => fp.old_path = None,
         Op::Delete => fp.new_path = None,

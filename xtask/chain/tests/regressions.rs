@@ -722,3 +722,18 @@ fn a_mode_change_without_its_old_mode_is_a_parse_error() {
         assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
     }
 }
+
+// Found by `cargo xtask fuzz --target patch_parse`: a created binary file whose `index` line gave
+// a non-null old id (`0000…04000000`) applied forward, but deleting it again checked the removed
+// content against that id and failed. The missing side of a creation or deletion must be null.
+#[test]
+fn a_created_or_deleted_file_with_a_non_null_missing_id_is_a_parse_error() {
+    let create = |old: &str| format!("diff --git a/f b/f\nnew file mode 100644\nindex {old}..587be6b\n--- /dev/null\n+++ b/f\n@@ -0,0 +1 @@\n+x\n").into_bytes();
+    let delete = |new: &str| format!("diff --git a/f b/f\ndeleted file mode 100644\nindex 587be6b..{new}\n--- a/f\n+++ /dev/null\n@@ -1 +0,0 @@\n-x\n").into_bytes();
+    patch::parse(&create("0000000")).expect("null old id");
+    patch::parse(&delete("0000000000000000000000000000000000000000")).expect("null new id");
+    for bad in [create("0000000000000000000000000000000004000000"), delete("1234567")] {
+        let err = patch::parse(&bad).expect_err("refused");
+        assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
+    }
+}
