@@ -248,18 +248,18 @@ fn transform(data: &[u8], fp: &FilePatch, reverse: bool) -> FileResult<Vec<u8>> 
         Content::BinaryWithoutData => Err((None, ApplyErrorKind::BinaryWithoutData)),
         Content::Binary { forward, reverse: back } => {
             let (new, old) = if reverse { (back.as_ref().ok_or((None, ApplyErrorKind::BinaryNotReversible))?, Some(forward)) } else { (forward, back.as_ref()) };
-            // The preimage: the opposite literal when present, else the full blob id.
+            // The preimage: the opposite literal when present, and the index line's id (full or
+            // abbreviated) always, so that a patch whose literal and id disagree is refused in
+            // both directions, not only in the one that checks the id.
             let expected_id = if reverse { &fp.new_id } else { &fp.old_id };
-            match old {
-                Some(BinaryHunk::Literal(d)) if d != data => return Err((None, ApplyErrorKind::BinaryPreimage)),
-                Some(BinaryHunk::Literal(_)) => {}
-                _ => {
-                    if let Some(id) = expected_id.as_ref().filter(|id| id.len() == 40) {
-                        let have = if data.is_empty() && id.bytes().all(|b| b == b'0') { id.clone() } else { git_blob_id(data) };
-                        if &have != id {
-                            return Err((None, ApplyErrorKind::BinaryPreimage));
-                        }
-                    }
+            if let Some(BinaryHunk::Literal(d)) = old {
+                if d != data {
+                    return Err((None, ApplyErrorKind::BinaryPreimage));
+                }
+            }
+            if let Some(id) = expected_id {
+                if !blob_matches(data, id) {
+                    return Err((None, ApplyErrorKind::BinaryPreimage));
                 }
             }
             let result = match new {
@@ -268,15 +268,24 @@ fn transform(data: &[u8], fp: &FilePatch, reverse: bool) -> FileResult<Vec<u8>> 
             };
             // The result must be the blob the index line names (git checks this too).
             let result_id = if reverse { &fp.old_id } else { &fp.new_id };
-            if let Some(id) = result_id.as_ref().filter(|id| id.len() == 40) {
-                let found = if result.is_empty() && id.bytes().all(|b| b == b'0') { id.clone() } else { git_blob_id(&result) };
-                if &found != id {
-                    return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.as_str().into(), found: found.into() }));
+            if let Some(id) = result_id {
+                if !blob_matches(&result, id) {
+                    return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.as_str().into(), found: git_blob_id(&result).into() }));
                 }
             }
             Ok(result)
         }
     }
+}
+
+/// Whether `data` is the blob `id` names: its blob id starts with `id` (git abbreviates), or
+/// `id` is the null id (all zeros) and there is no content.
+fn blob_matches(data: &[u8], id: &str) -> bool {
+    if id.bytes().all(|b| b == b'0') {
+        return data.is_empty();
+    }
+    // A SHA-256 repository's ids (64 digits) cannot be checked with SHA-1 blob ids.
+    id.len() > 40 || git_blob_id(data).starts_with(id)
 }
 
 /// git's blob id: sha1 of `blob <len>\0<data>`.

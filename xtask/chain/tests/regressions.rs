@@ -737,3 +737,26 @@ fn a_created_or_deleted_file_with_a_non_null_missing_id_is_a_parse_error() {
         assert!(matches!(err.kind, ParseErrorKind::Inconsistent(_)), "{err}");
     }
 }
+
+// Found by `cargo xtask fuzz --target patch_parse`: a binary modification whose preimage literal
+// (empty) disagreed with the `index` line's old id applied forward (only the literal was
+// compared) and failed in reverse (where the id was). Both directions now check the literal and
+// the id (full or abbreviated, as git writes them).
+#[test]
+fn a_binary_patch_whose_literal_and_index_id_disagree_is_refused_both_ways() {
+    // `git diff --binary --full-index` of an empty file becoming "\0x".
+    let body = "GIT binary patch\nliteral 2\nJcmZRm0001b0C@la\n\nliteral 0\nHcmV?d00001\n\n";
+    let good = format!("diff --git a/f b/f\nindex e69de29bb2d1d6434b8b29ae775ad8c2e48c5391..718882ce3e4b770a94fed2050e5fb06aac7af37d 100644\n{body}");
+    let ps = patch::parse(good.as_bytes()).expect("parses");
+    let t = one_file("f", b"");
+    let mut t2 = t.clone();
+    apply::apply(&mut t2, &ps, "p").expect("forward");
+    assert_eq!(t2, one_file("f", b"\0x"));
+    apply::unapply(&mut t2, &ps, "p").expect("reverse");
+    assert_eq!(t2, t);
+    // The same literals, but the old id names another blob ("x"), abbreviated as git may write it.
+    let bad = format!("diff --git a/f b/f\nindex c1b0730..718882c 100644\n{body}");
+    let ps = patch::parse(bad.as_bytes()).expect("parses");
+    assert!(apply::plan(&t, &ps, false).is_err(), "forward refuses: the preimage is not the old id's blob");
+    assert!(apply::plan(&one_file("f", b"\0x"), &ps, true).is_err(), "reverse refuses too");
+}
