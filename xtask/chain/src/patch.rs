@@ -464,6 +464,14 @@ fn parse_hunk(lines: &[&[u8]], start: usize) -> Result<(Hunk, usize), ParseError
         strip_last_newline(&mut h);
         i += 1;
     }
+    // Only the last line of each side may lack its newline (`\ No newline at end of file` can
+    // only end a file): anything else would glue two lines together in one direction.
+    for reverse in [false, true] {
+        let side = h.preimage(reverse);
+        if side.iter().rev().skip(1).any(|l| l.last() != Some(&b'\n')) {
+            return Err(perr(ln, ParseErrorKind::BadHunkLine("`\\ No newline at end of file` after a line that is not the last of its side".into())));
+        }
+    }
     Ok((h, i))
 }
 

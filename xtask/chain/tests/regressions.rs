@@ -760,3 +760,16 @@ fn a_binary_patch_whose_literal_and_index_id_disagree_is_refused_both_ways() {
     assert!(apply::plan(&t, &ps, false).is_err(), "forward refuses: the preimage is not the old id's blob");
     assert!(apply::plan(&one_file("f", b"\0x"), &ps, true).is_err(), "reverse refuses too");
 }
+
+// Found by `cargo xtask fuzz --target patch_parse`: `\ No newline at end of file` after a context
+// line that an added line follows. Forward, the added line was glued onto the unterminated one
+// ("tno newlineno newline either"), so the result no longer reverse-applied. Only the last line
+// of each side may lack its newline.
+#[test]
+fn no_newline_at_end_of_file_on_a_line_that_is_not_last_is_a_parse_error() {
+    let ok = b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1,2 +1,2 @@\n a\n-b\n\\ No newline at end of file\n+c\n\\ No newline at end of file\n";
+    patch::parse(ok).expect("the usual last-line change parses");
+    let bad = b"diff --git a/f b/f\n--- a/f\n+++ b/f\n@@ -1,2 +1,3 @@\n a\n b\n\\ No newline at end of file\n+c\n\\ No newline at end of file\n";
+    let err = patch::parse(bad).expect_err("refused");
+    assert!(matches!(err.kind, ParseErrorKind::BadHunkLine(_)), "{err}");
+}
