@@ -466,6 +466,10 @@ fn parse_hunk(lines: &[&[u8]], start: usize) -> Result<(Hunk, usize), ParseError
     }
     // Only the last line of each side may lack its newline (`\ No newline at end of file` can
     // only end a file): anything else would glue two lines together in one direction.
+    // An empty line without its newline is no line at all (a `+` at the very end of a file).
+    if h.lines.iter().any(|l| matches!(l, Line::Context(b) | Line::Remove(b) | Line::Add(b) if b.is_empty())) {
+        return Err(perr(ln, ParseErrorKind::BadHunkLine("a hunk line with neither content nor a newline".into())));
+    }
     for reverse in [false, true] {
         let side = h.preimage(reverse);
         if side.iter().rev().skip(1).any(|l| l.last() != Some(&b'\n')) {

@@ -773,3 +773,13 @@ fn no_newline_at_end_of_file_on_a_line_that_is_not_last_is_a_parse_error() {
     let err = patch::parse(bad).expect_err("refused");
     assert!(matches!(err.kind, ParseErrorKind::BadHunkLine(_)), "{err}");
 }
+
+// Found by `cargo xtask fuzz --target patch_parse`: a patch ending in a bare `+` (no newline)
+// "added" a line of zero bytes, so the created file was empty yet the hunk claimed one line, and
+// deleting it again failed. A hunk line must hold content or its newline.
+#[test]
+fn a_hunk_line_with_neither_content_nor_newline_is_a_parse_error() {
+    patch::parse(b"diff --git a/f b/f\nnew file mode 100644\n--- /dev/null\n+++ b/f\n@@ -0,0 +1 @@\n+\n").expect("an empty line with its newline parses");
+    let err = patch::parse(b"diff --git a/f b/f\nnew file mode 100644\n--- /dev/null\n+++ b/f\n@@ -0,0 +1 @@\n+").expect_err("refused");
+    assert!(matches!(err.kind, ParseErrorKind::BadHunkLine(_)), "{err}");
+}
