@@ -196,15 +196,21 @@ enum Cmd {
     /// exits 1 on a crash, naming the target and its artifact under target/fuzz/artifacts/.
     /// Needs engine/upstream/ (apply-chain first).
     Fuzz {
-        /// Only this target (repeatable): patch_parse, patch_roundtrip, registry_load, gguf_read, tokenizer_roundtrip.
+        /// Only this target (repeatable): patch_parse, patch_roundtrip, registry_load, gguf_read, tokenizer_roundtrip, http_request.
         #[arg(long, value_name = "NAME")]
         target: Vec<String>,
         /// Seconds per target.
         #[arg(long, default_value_t = cmd::fuzz::DEFAULT_SECONDS)]
         seconds: u64,
+        /// libFuzzer's random seed; 0 draws a new one. The default is CI's fixed seed: the
+        /// same binary and corpus then try the same inputs in the same order, so a run of N
+        /// seconds that passes here covers CI's shorter one.
+        #[arg(long, default_value_t = cmd::fuzz::CI_SEED)]
+        seed: u64,
     },
-    /// Run every test: the set-up (apply-chain, verify, fetch-model), xtask's unit and integration
-    /// tests, every fuzz target for 20 s, sync-check, the engine workspace's tests.
+    /// Run every test: fmt --check and clippy -D warnings for both workspaces, the set-up
+    /// (apply-chain, verify, fetch-model), xtask's tests, sync-check, the engine workspace's
+    /// tests, every fuzz target for 20 s.
     Ci,
 }
 
@@ -276,9 +282,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             return cmd::sync_check::run(&p);
         }
         Cmd::Bless { base } => commands::bless(&p, &Tine, base, &pb)?,
-        Cmd::Fuzz { target, seconds } => {
+        Cmd::Fuzz { target, seconds, seed } => {
             pb.finish_and_clear();
-            return cmd::fuzz::run(&p, &target, seconds);
+            return cmd::fuzz::run(&p, &target, seconds, seed);
         }
         Cmd::Ci => {
             pb.finish_and_clear();

@@ -32,7 +32,7 @@ pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
     step("cargo clippy (engine)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--no-deps", "--manifest-path"]).arg(&engine_manifest).args(["--", "-D", "warnings"]))?;
     // Last, as the longest step: an instrumented build of the fuzz workspace, then every target
     // for a bounded time; the gguf and tokenizer targets build the patched candle in engine/upstream/.
-    if super::fuzz::run(p, &[], super::fuzz::DEFAULT_SECONDS)? != ExitCode::SUCCESS {
+    if super::fuzz::run(p, &[], super::fuzz::DEFAULT_SECONDS, super::fuzz::CI_SEED)? != ExitCode::SUCCESS {
         anyhow::bail!("fuzz found a crash (artifact above)");
     }
     eprintln!("ci: all green");

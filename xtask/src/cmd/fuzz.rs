@@ -24,6 +24,9 @@ pub const TARGETS: &[&str] = &["patch_parse", "patch_roundtrip", "registry_load"
 /// Seconds per target when `--seconds` is not given (what `cargo xtask ci` runs).
 pub const DEFAULT_SECONDS: u64 = 20;
 
+/// libFuzzer's seed in CI (and by default): fixed, so CI's run is reproducible.
+pub const CI_SEED: u64 = 7417;
+
 /// What cargo-fuzz passes to rustc (its `src/project.rs`, no sanitizer, default options), all of
 /// them stable: inline 8-bit edge counters with a PC table, comparison tracing for libFuzzer's
 /// value profile and dictionary, no branch folding (more edges), stack-depth tracking, `--cfg
@@ -119,7 +122,7 @@ fn files_in(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Runs one target for `seconds`.
-pub fn run_target(p: &Project, bins: &Path, target: &str, seconds: u64) -> anyhow::Result<Stats> {
+pub fn run_target(p: &Project, bins: &Path, target: &str, seconds: u64, seed: u64) -> anyhow::Result<Stats> {
     let seeds = p.root.join("fuzz/corpus").join(target);
     let artifacts = p.root.join("target/fuzz/artifacts").join(target);
     let logs = p.root.join("target/fuzz/logs");
@@ -134,6 +137,9 @@ pub fn run_target(p: &Project, bins: &Path, target: &str, seconds: u64) -> anyho
     let log_file = std::fs::File::create(&log).with_context(|| format!("cannot create {}", log.display()))?;
     let mut cmd = Command::new(bins.join(target));
     cmd.arg(&scratch).arg(&seeds).arg(format!("-max_total_time={seconds}")).args(LIMITS).arg("-print_final_stats=1").arg(format!("-artifact_prefix={}/", artifacts.display()));
+    if seed != 0 {
+        cmd.arg(format!("-seed={seed}"));
+    }
     let dict = p.root.join("fuzz/dict").join(format!("{target}.dict"));
     if dict.exists() {
         cmd.arg(format!("-dict={}", dict.display()));
@@ -153,7 +159,7 @@ pub fn run_target(p: &Project, bins: &Path, target: &str, seconds: u64) -> anyho
     Ok(Stats { target: target.to_owned(), seconds: elapsed, executions, cov_start, cov_end, new_units, artifact: if status.success() { None } else { artifact }, log })
 }
 
-pub fn run(p: &Project, targets: &[String], seconds: u64) -> anyhow::Result<ExitCode> {
+pub fn run(p: &Project, targets: &[String], seconds: u64, seed: u64) -> anyhow::Result<ExitCode> {
     let chosen: Vec<&str> = if targets.is_empty() { TARGETS.to_vec() } else { targets.iter().map(String::as_str).collect() };
     if let Some(bad) = chosen.iter().find(|t| !TARGETS.contains(t)) {
         anyhow::bail!("no fuzz target `{bad}` (targets: {})", TARGETS.join(", "));
@@ -161,7 +167,7 @@ pub fn run(p: &Project, targets: &[String], seconds: u64) -> anyhow::Result<Exit
     let bins = build(p)?;
     let mut all = Vec::new();
     for t in chosen {
-        let s = run_target(p, &bins, t, seconds)?;
+        let s = run_target(p, &bins, t, seconds, seed)?;
         if let Some(a) = &s.artifact {
             let text = std::fs::read_to_string(&s.log).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(30).collect();
