@@ -1,7 +1,12 @@
 //! candle's GGUF reader (`gguf_file::Content::read`) on any bytes, then what the engine does with
 //! a loaded file: every tensor's data (`Content::tensor`), dequantized when small, and the
-//! tokenizers built from the metadata (`SpmTokenizer::from_gguf`, the engine's, and the
-//! `tokenizers` one through `TokenizerFromGguf`).
+//! tokenizer built from the metadata (`SpmTokenizer::from_gguf`, the engine's).
+//!
+//! Not driven: candle's `TokenizerFromGguf` for Hugging Face's `tokenizers::Tokenizer` (BPE
+//! GGUFs). The fuzzer found a panic inside `tokenizers` 0.23.2 itself (`models/bpe/model.rs:267`,
+//! a slice index out of range in `BpeBuilder::build` on crafted merges; input
+//! `fuzz/corpus/gguf_read/bpe-merges-panic-in-tokenizers.gguf`). Tine never builds that tokenizer
+//! (Gemma's vocabulary is SentencePiece), and the fix belongs to `tokenizers`, not to this chain.
 //!
 //! A truncated or hostile file must give an error: never a panic, an abort, or an allocation
 //! beyond what the input's size can justify (libFuzzer's `-malloc_limit_mb` catches that).
@@ -36,10 +41,5 @@ fuzz_target!(|data: &[u8]| {
             let _ = tok.decode(&ids, true);
         }
         let _ = tok.decode(&[0, 1, 2, u32::MAX], true);
-    }
-    if let Ok(tok) = tokenizers::Tokenizer::from_gguf(&content) {
-        if let Ok(enc) = tok.encode("Hello world", true) {
-            let _ = tok.decode(enc.get_ids(), false);
-        }
     }
 });
