@@ -719,9 +719,11 @@ fn the_committed_report_of_the_real_bump_to_0_11_1_matches_the_registry() {
         assert!(!pr.hunks.is_empty(), "patch {} lists its hunks", pr.id);
         assert!(!matches!(pr.action.as_str(), "stop" | "decide"), "patch {}: a completed bump has no open stops", pr.id);
     }
-    let carried: Vec<&str> = reg.patches.iter().filter(|e| e.is_applied()).map(|e| e.id.as_str()).collect();
+    // Patches captured after the bump (0016 and later) are not in its report; every patch the
+    // bump carried still is, in series order.
     let reported: Vec<&str> = r.patches.iter().filter(|p| p.action != "retire").map(|p| p.id.as_str()).collect();
-    assert_eq!(carried, reported, "every carried patch is in the report, in series order");
+    let carried: Vec<&str> = reg.patches.iter().filter(|e| e.is_applied() && reported.contains(&e.id.as_str())).map(|e| e.id.as_str()).collect();
+    assert_eq!(carried, reported, "every patch the bump carried is still carried, in series order");
 }
 
 #[test]
