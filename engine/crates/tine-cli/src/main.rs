@@ -139,23 +139,22 @@ struct ServeSampling {
 
 impl ServeSampling {
     fn defaults(&self) -> anyhow::Result<tine_api::Defaults> {
-        let d = tine_sampling::SamplingParams::default();
-        let sampling = tine_sampling::SamplingParams {
-            temperature: self.temperature.unwrap_or(d.temperature),
-            top_k: self.top_k.unwrap_or(d.top_k),
-            top_p: self.top_p.unwrap_or(d.top_p),
-            min_p: self.min_p.unwrap_or(d.min_p),
-            repeat_penalty: self.repeat_penalty.unwrap_or(d.repeat_penalty),
-            repeat_last_n: self.repeat_last_n.unwrap_or(d.repeat_last_n),
-            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
-            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
-            seed: self.seed.filter(|&s| s >= 0).map(|s| s as u64),
+        // The flags are checked exactly as a request's own fields are.
+        let fields = tine_api::GenFields {
+            n_predict: Some(self.n_predict),
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed: self.seed,
+            ..tine_api::GenFields::default()
         };
-        sampling.validate().context("the sampling flags")?;
-        if self.n_predict < -1 {
-            anyhow::bail!("--n-predict must be -1 or >= 0, got {}", self.n_predict);
-        }
-        Ok(tine_api::Defaults { sampling, n_predict: self.n_predict })
+        let l = fields.limits().map_err(|e| anyhow::anyhow!("the sampling flags: {e}"))?;
+        Ok(tine_api::Defaults { sampling: l.sampling, n_predict: i64::from(l.n_predict) })
     }
 }
 

@@ -287,15 +287,21 @@ impl Sequence {
     /// Appends `tokens` in one forward and returns the logits of every one of them (a verify batch).
     /// Atomic: on error nothing was appended.
     pub fn forward_all(&mut self, model: &Model, tokens: &[u32]) -> Result<Logits, StepError> {
+        Ok(self.forward_batch(model, tokens, false)?.0)
+    }
+
+    /// One forward over `tokens`, every position's logits and (when asked) hidden states.
+    fn forward_batch(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Logits, Option<Hidden>), StepError> {
         self.check(model, tokens)?;
         self.atomic(|seq| {
             let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
-            let out = model.weights.forward_all(&x, &mut seq.cache, false)?;
+            let out = model.weights.forward_all(&x, &mut seq.cache, hidden)?;
             seq.injected()?;
             seq.tokens.extend_from_slice(tokens);
             let logits = out.logits.squeeze(0)?;
             let vocab = logits.dim(1)?;
-            Ok(Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab })
+            let hidden = out.hidden.map(|h| h.squeeze(0)).transpose()?.map(Hidden);
+            Ok((Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab }, hidden))
         })
     }
 
@@ -361,17 +367,8 @@ impl Sequence {
 
     /// [`Sequence::forward_all`] that also returns the hidden states of every position.
     pub fn forward_all_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Logits, Hidden), StepError> {
-        self.check(model, tokens)?;
-        self.atomic(|seq| {
-            let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
-            let out = model.weights.forward_all(&x, &mut seq.cache, true)?;
-            seq.injected()?;
-            seq.tokens.extend_from_slice(tokens);
-            let logits = out.logits.squeeze(0)?;
-            let vocab = logits.dim(1)?;
-            let hidden = out.hidden.expect("asked for hidden states").squeeze(0)?;
-            Ok((Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab }, Hidden(hidden)))
-        })
+        let (logits, hidden) = self.forward_batch(model, tokens, true)?;
+        Ok((logits, hidden.expect("asked for hidden states")))
     }
 
     /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
