@@ -100,6 +100,62 @@ pub struct GenFields {
     /// `top_logprobs`).
     pub logprobs: Option<LogprobsInput>,
     pub top_logprobs: Option<i64>,
+    /// OpenAI's `{"id": bias}` or llama-server's `[[id or text, bias or false], ...]`.
+    pub logit_bias: Option<LogitBiasInput>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+#[serde(expecting = "`logit_bias` as an object of token ids to biases or a list of [token, bias] pairs")]
+pub enum LogitBiasInput {
+    Map(serde_json::Map<String, serde_json::Value>),
+    Pairs(Vec<(serde_json::Value, serde_json::Value)>),
+}
+
+/// What a bias applies to: a token id, or every token of a text (llama-server's form).
+#[derive(Debug, Clone, PartialEq)]
+pub enum BiasTarget {
+    Id(i64),
+    Text(String),
+}
+
+/// Most a bias may move a logit (OpenAI's range); `false` in llama-server's form bans the token.
+pub const MAX_LOGIT_BIAS: f64 = 100.0;
+
+fn bias_value(v: &serde_json::Value) -> Result<f32, RequestError> {
+    match v {
+        serde_json::Value::Bool(false) => Ok(f32::NEG_INFINITY),
+        serde_json::Value::Number(n) => match n.as_f64() {
+            Some(b) if (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b) => Ok(b as f32),
+            _ => Err(RequestError(format!("logit_bias: a bias must lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {n}"))),
+        },
+        other => Err(RequestError(format!("logit_bias: a bias is a number or false, got {other}"))),
+    }
+}
+
+impl LogitBiasInput {
+    pub fn entries(&self) -> Result<Vec<(BiasTarget, f32)>, RequestError> {
+        match self {
+            LogitBiasInput::Map(m) => m
+                .iter()
+                .map(|(k, v)| {
+                    let id = k.trim().parse::<i64>().map_err(|_| RequestError(format!("logit_bias: key {k:?} is not a token id")))?;
+                    Ok((BiasTarget::Id(id), bias_value(v)?))
+                })
+                .collect(),
+            LogitBiasInput::Pairs(pairs) => pairs
+                .iter()
+                .map(|(t, v)| {
+                    let target = match t {
+                        serde_json::Value::Number(n) => BiasTarget::Id(n.as_i64().ok_or_else(|| RequestError(format!("logit_bias: token {n} is not a token id")))?),
+                        serde_json::Value::String(s) => BiasTarget::Text(s.clone()),
+                        other => return Err(RequestError(format!("logit_bias: a token is an id or a text, got {other}"))),
+                    };
+                    Ok((target, bias_value(v)?))
+                })
+                .collect(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]
@@ -127,6 +183,8 @@ pub struct Limits {
     pub return_tokens: bool,
     /// OpenAI log-probabilities asked for, with this many alternatives per token.
     pub logprobs: Option<usize>,
+    /// Biases still to be resolved against the vocabulary.
+    pub logit_bias: Vec<(BiasTarget, f32)>,
 }
 
 /// What a request gets for a field it leaves out (the server's `--temp`, `--n-predict`, ...).
@@ -208,6 +266,7 @@ impl GenFields {
             stream: self.stream,
             return_tokens: self.return_tokens,
             logprobs,
+            logit_bias: self.logit_bias.as_ref().map(LogitBiasInput::entries).transpose()?.unwrap_or_default(),
         })
     }
 

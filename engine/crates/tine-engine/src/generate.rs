@@ -26,11 +26,14 @@ pub struct GenerateRequest {
     pub cache_prompt: bool,
     /// Per-request draft settings (the speculator's own when `None`).
     pub speculative: Option<tine_spec::DraftParams>,
+    /// Added to a token's logit before every decision (`-inf` bans it), as llama.cpp's
+    /// `logit_bias` sampler does.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl GenerateRequest {
     pub fn new(prompt: Vec<u32>) -> GenerateRequest {
-        GenerateRequest { prompt, n_predict: -1, sampling: SamplingParams::default(), stop: Vec::new(), ignore_eos: false, n_probs: 0, cache_prompt: true, speculative: None }
+        GenerateRequest { prompt, n_predict: -1, sampling: SamplingParams::default(), stop: Vec::new(), ignore_eos: false, n_probs: 0, cache_prompt: true, speculative: None, logit_bias: Vec::new() }
     }
 }
 
@@ -302,7 +305,13 @@ impl Generation {
             return Ok(self.finish(StopType::Limit, None, None));
         }
         let ignore_eos = self.req.ignore_eos;
+        let bias = &self.req.logit_bias;
         let prepare = |row: &mut [f32]| {
+            for &(t, b) in bias {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l += b;
+                }
+            }
             if ignore_eos {
                 for &t in model.end_of_generation_tokens() {
                     if let Some(l) = row.get_mut(t as usize) {

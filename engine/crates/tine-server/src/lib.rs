@@ -309,8 +309,22 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         }
         _ => None,
     };
-    let request = GenerateRequest { speculative, prompt, n_predict: l.n_predict, sampling: l.sampling, stop: l.stop, ignore_eos: l.ignore_eos, n_probs: l.n_probs, cache_prompt: l.cache_prompt };
+    let logit_bias = resolve_bias(st, &l.logit_bias)?;
+    let request =
+        GenerateRequest { speculative, prompt, n_predict: l.n_predict, sampling: l.sampling, stop: l.stop, ignore_eos: l.ignore_eos, n_probs: l.n_probs, cache_prompt: l.cache_prompt, logit_bias };
     Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
+}
+
+/// `logit_bias` against the vocabulary: ids checked, a text biases each of its tokens (llama-server).
+fn resolve_bias(st: &AppState, entries: &[(tine_api::BiasTarget, f32)]) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::new();
+    for (target, bias) in entries {
+        match target {
+            tine_api::BiasTarget::Id(id) => out.extend(tine_api::check_ids(&[*id], st.model.info.vocab_size)?.into_iter().map(|t| (t, *bias))),
+            tine_api::BiasTarget::Text(text) => out.extend(st.model.tokenizer.encode(text, false, false).into_iter().map(|t| (t, *bias))),
+        }
+    }
+    Ok(out)
 }
 
 fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<u32>, ApiError> {

@@ -469,3 +469,32 @@ fn the_gguf_chat_template_renders_the_prompt_and_tools_reach_it() {
 fn v_prompt(srv: &Server, msgs: &Value, tools: &Value) -> String {
     post(srv.addr, "/apply-template", json!({"messages": msgs, "tools": tools})).1["prompt"].as_str().expect("prompt").to_owned()
 }
+
+#[test]
+fn logit_bias_moves_and_bans_tokens_in_both_shapes_and_speculation_keeps_it() {
+    let srv = start(1, 256);
+    let base = json!({"prompt": "hello world", "n_predict": 6, "temperature": 0, "ignore_eos": true, "return_tokens": true});
+    let (_, plain) = post(srv.addr, "/completion", base.clone());
+    let first = plain["tokens"][0].as_u64().expect("a token");
+    let with = |bias: Value| {
+        let mut b = base.clone();
+        b["logit_bias"] = bias;
+        b
+    };
+    let (_, banned) = post(srv.addr, "/completion", with(json!([[first, false]])));
+    assert!(banned["tokens"].as_array().expect("tokens").iter().all(|t| t.as_u64() != Some(first)), "{banned}");
+    for bias in [json!([[7, 100]]), json!({"7": 100})] {
+        let (s, forced) = post(srv.addr, "/completion", with(bias.clone()));
+        assert_eq!(s, 200, "{forced}");
+        assert!(forced["tokens"].as_array().expect("tokens").iter().all(|t| t.as_u64() == Some(7)), "{bias}: {forced}");
+    }
+    for (bad, needle) in [(json!({"x": 1}), "not a token id"), (json!({"7": 1000}), "must lie in"), (json!([[999999, 1]]), "outside the vocabulary"), (json!("nope"), "logit_bias")] {
+        let (s, v) = post(srv.addr, "/completion", with(bad));
+        assert_eq!(s, 400, "{v}");
+        assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{v}");
+    }
+    // A drafted token is judged on the biased logits, so speculation gives plain's biased output.
+    let spec = start_with(1, 256, Some(tine_spec::SpecType::Ngram));
+    let (_, a) = post(spec.addr, "/completion", with(json!([[first, false]])));
+    assert_eq!(a["tokens"], banned["tokens"]);
+}
