@@ -13,6 +13,9 @@ pub enum ChatError {
     UnknownRole(String),
     #[error("no messages")]
     Empty,
+    /// Gemma 3's own template raises this.
+    #[error("conversation roles must alternate user/assistant/user/assistant/... (message {0} breaks it)")]
+    NotAlternating(usize),
 }
 
 /// Renders messages as Gemma 3's template does: the system prompt is prepended to the first
@@ -25,8 +28,21 @@ pub fn render_gemma(messages: &[Message], add_generation_prompt: bool) -> Result
     let mut out = String::from("<bos>");
     let mut system: Option<String> = None;
     let mut first_user = true;
-    for m in messages {
+    // As Gemma 3's template: after the system prompt, turns alternate and the user starts.
+    let mut turn = 0usize;
+    for (i, m) in messages.iter().enumerate() {
         let content = m.content.trim();
+        let is_user = match m.role.as_str() {
+            "user" => Some(true),
+            "assistant" | "model" => Some(false),
+            _ => None,
+        };
+        if let Some(is_user) = is_user {
+            if is_user != turn.is_multiple_of(2) {
+                return Err(ChatError::NotAlternating(i));
+            }
+            turn += 1;
+        }
         match m.role.as_str() {
             "system" => {
                 system = Some(match system {
@@ -73,5 +89,7 @@ mod tests {
         let got = render_gemma(&[m("system", "Be brief."), m("user", " Hi! "), m("assistant", "Hello."), m("user", "Bye")], true).expect("valid");
         assert_eq!(got, "<bos><start_of_turn>user\nBe brief.\n\nHi!<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n");
         assert_eq!(render_gemma(&[m("tool", "x")], true), Err(ChatError::UnknownRole("tool".into())));
+        assert_eq!(render_gemma(&[m("user", "a"), m("assistant", "b"), m("assistant", "c")], true), Err(ChatError::NotAlternating(2)));
+        assert_eq!(render_gemma(&[m("system", "s"), m("assistant", "b")], true), Err(ChatError::NotAlternating(1)));
     }
 }
