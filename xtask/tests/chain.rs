@@ -7,7 +7,7 @@
 
 use std::fs;
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use patchchain::apply::ApplyErrorKind;
 use patchchain::commands::{self, CaptureOptions, Refused};
@@ -16,19 +16,12 @@ use patchchain::verify::{self, Outcome};
 use patchchain::{chain, Project};
 use xtask::Tine;
 
+mod support;
+use support::*;
+
 struct Fx {
     _dir: tempfile::TempDir,
     p: Project,
-}
-
-fn pb() -> indicatif::ProgressBar {
-    indicatif::ProgressBar::hidden()
-}
-
-fn write_file(path: &Path, data: &[u8], mode: u32) {
-    fs::create_dir_all(path.parent().expect("has parent")).expect("mkdir");
-    fs::write(path, data).expect("write");
-    fs::set_permissions(path, fs::Permissions::from_mode(if mode == MODE_EXEC { 0o755 } else { 0o644 })).expect("chmod");
 }
 
 impl Fx {

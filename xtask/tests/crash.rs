@@ -19,27 +19,12 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use patchchain::commands::{self, CaptureOptions};
-use patchchain::tree::{self, MODE_EXEC, MODE_FILE};
+use patchchain::tree::{self, MODE_FILE};
 use patchchain::Project;
 use xtask::Tine;
 
-fn pb() -> indicatif::ProgressBar {
-    indicatif::ProgressBar::hidden()
-}
-
-fn write_file(path: &Path, data: &[u8], mode: u32) {
-    fs::create_dir_all(path.parent().expect("has parent")).expect("mkdir");
-    fs::write(path, data).expect("write");
-    fs::set_permissions(path, fs::Permissions::from_mode(if mode == MODE_EXEC { 0o755 } else { 0o644 })).expect("chmod");
-}
-
-fn numbered(prefix: &str, n: usize) -> String {
-    (1..=n).map(|i| format!("{prefix}{i}\n")).collect()
-}
-
-fn set_line(text: &str, n: usize, new: &str) -> String {
-    text.lines().enumerate().map(|(i, l)| if i + 1 == n { format!("{new}\n") } else { format!("{l}\n") }).collect()
-}
+mod support;
+use support::*;
 
 struct Fx {
     dir: tempfile::TempDir,
@@ -80,15 +65,7 @@ fn walk(root: &Path, dir: &Path, out: &mut Snapshot, leftovers: &mut Vec<String>
 impl Fx {
     /// A project whose `dir:` base holds `files`, with the empty chain applied.
     fn new(files: &[(&str, &[u8])]) -> Fx {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let p = Project::new(dir.path());
-        for (path, data) in files {
-            write_file(&dir.path().join("base").join(path), data, MODE_FILE);
-        }
-        fs::create_dir_all(p.patches_dir()).expect("mkdir patches");
-        write_file(&p.registry_path(), b"[base]\nkind = \"dir\"\npath = \"base\"\n", MODE_FILE);
-        commands::bless(&p, &Tine, true, &pb()).expect("bless the new base");
-        commands::apply_chain(&p, None, &pb()).expect("apply the empty chain");
+        let (dir, p) = support::dir_base_project(files);
         Fx { dir, p }
     }
 
