@@ -523,6 +523,9 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
 }
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    // Flags first: a bad one should not wait for the model to load.
+    let defaults = a.defaults.defaults()?;
+    let chat_template = a.chat_template.as_deref().map(tine_engine::template::ChatTemplate::named).transpose().context("--chat-template")?;
     let model = std::sync::Arc::new(load(&a.model)?);
     let parallel = a.parallel.max(1);
     // llama-server's rule: --ctx-size is the total, each slot gets an equal share.
@@ -548,10 +551,11 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ubatch: a.ubatch.max(1),
         max_queue: a.max_queue,
         max_body_bytes: a.max_body_bytes,
-        defaults: a.defaults.defaults()?,
+        defaults,
         alias: a.alias.clone(),
         slots_endpoint: !a.no_slots,
         metrics: a.metrics,
+        chat_template,
         ..tine_server::ServerConfig::new(parallel, ctx)
     };
     let spec_note = match &config.spec {

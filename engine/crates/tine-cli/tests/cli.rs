@@ -56,3 +56,44 @@ fn logit_equiv_reports_exact_equivalence_for_all_spec_types() {
         assert!(doc.contains(kind), "{kind} missing from {doc}");
     }
 }
+
+/// `tine serve` with llama-server's flags on a free port: the flags must reach the server
+/// (regression: `--chat-template` was parsed and then dropped).
+#[test]
+fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (target, _, _) = fixtures(dir.path());
+    for (flag, value, needle) in [("--temp", "nan", "temperature must be a finite number"), ("--chat-template", "/no/such/template.jinja", "--chat-template")] {
+        let (ok, _, err) = tine(&["serve", "-m", "/no/such/model.gguf", flag, value]);
+        assert!(!ok && err.contains(needle), "{flag} {value}: {err}");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
+        .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start tine serve");
+    let get = |method: &str, path: &str, body: &str| -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    };
+    let t0 = std::time::Instant::now();
+    while get("GET", "/health", "").is_none() {
+        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let props = get("GET", "/props", "").expect("props");
+    let applied = get("POST", "/apply-template", r#"{"messages": [{"role": "user", "content": "hi"}]}"#).expect("apply-template");
+    let done = get("POST", "/completion", r#"{"prompt": "hello"}"#).expect("completion");
+    let metrics = get("GET", "/metrics", "").expect("metrics");
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(props.contains(r#""model_alias":"tiny""#) && props.contains(r#""total_slots":2"#) && props.contains(r#""n_ctx":256"#), "{props}");
+    assert!(applied.contains(r#"<|im_start|>user\nhi<|im_end|>"#), "--chat-template chatml: {applied}");
+    assert!(done.contains(r#""tokens_predicted":3"#), "-n 3: {done}");
+    assert!(metrics.contains("llamacpp:tokens_predicted_total 3"), "{metrics}");
+}
