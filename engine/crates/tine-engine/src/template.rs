@@ -92,7 +92,7 @@ impl ChatTemplate {
     /// Parses the template (a broken one is refused at start-up, not per request).
     pub fn check(&self) -> Result<(), TemplateError> {
         if let ChatTemplate::Jinja { source, .. } = self {
-            environment().template_from_str(source).map_err(|e| TemplateError::Syntax(describe(&e)))?;
+            environment().template_from_str(source).map_err(|e| TemplateError::Syntax(crate::error_chain(&e)))?;
         }
         Ok(())
     }
@@ -141,7 +141,7 @@ impl ChatTemplate {
                     return Err(TemplateError::NoTools);
                 }
                 let env = environment();
-                let t = env.template_from_str(source).map_err(|e| TemplateError::Syntax(describe(&e)))?;
+                let t = env.template_from_str(source).map_err(|e| TemplateError::Syntax(crate::error_chain(&e)))?;
                 let ctx = json!({
                     "messages": input.messages,
                     "tools": input.tools,
@@ -149,21 +149,10 @@ impl ChatTemplate {
                     "bos_token": input.bos_token,
                     "eos_token": input.eos_token,
                 });
-                t.render(minijinja::Value::from(minijinja::value::Serde(&ctx))).map_err(|e| TemplateError::Render(describe(&e)))
+                t.render(minijinja::Value::from(minijinja::value::Serde(&ctx))).map_err(|e| TemplateError::Render(crate::error_chain(&e)))
             }
         }
     }
-}
-
-fn describe(e: &JinjaError) -> String {
-    let mut s = e.to_string();
-    let mut cur = std::error::Error::source(e);
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 fn environment() -> Environment<'static> {

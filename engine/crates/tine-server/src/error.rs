@@ -83,18 +83,6 @@ impl IntoResponse for ApiError {
     }
 }
 
-/// `e` and its sources, joined the way anyhow's `{:#}` does.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
-}
-
 fn step_status(e: &StepError) -> StatusCode {
     match e {
         // What the request asked for does not fit: the client can change it.
@@ -117,7 +105,7 @@ impl From<&GenerateError> for ApiError {
     fn from(e: &GenerateError) -> ApiError {
         match e {
             GenerateError::PromptTooLong { prompt, context } => ApiError::exceeds_context(*prompt, *context),
-            _ => ApiError::new(status_of(e), chain(e)),
+            _ => ApiError::new(status_of(e), tine_engine::error_chain(e)),
         }
     }
 }

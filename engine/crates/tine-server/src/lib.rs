@@ -171,11 +171,11 @@ async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
         Err(_) => Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, format!("the request body did not arrive within {} s", st.config.body_timeout.as_secs()))),
         Ok(Ok(b)) => Ok(b),
         Ok(Err(e)) => {
-            let too_big = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) || e.to_string().contains("length limit");
+            let too_big = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
             if too_big {
                 Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than the limit of {limit} bytes")))
             } else {
-                Err(ApiError::bad(format!("cannot read the request body: {}", error::chain(&e))))
+                Err(ApiError::bad(format!("cannot read the request body: {}", tine_engine::error_chain(&e))))
             }
         }
     }
