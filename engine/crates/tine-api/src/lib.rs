@@ -102,6 +102,57 @@ pub struct GenFields {
     pub top_logprobs: Option<i64>,
     /// OpenAI's `{"id": bias}` or llama-server's `[[id or text, bias or false], ...]`.
     pub logit_bias: Option<LogitBiasInput>,
+    /// OpenAI's `{"type": "text" | "json_object" | "json_schema", ...}`.
+    pub response_format: Option<serde_json::Value>,
+    /// llama-server's JSON schema field.
+    pub json_schema: Option<serde_json::Value>,
+    /// llama-server's GBNF grammar (llguidance's Lark when it starts with `%llguidance`).
+    pub grammar: Option<String>,
+}
+
+/// What the output is constrained to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    JsonSchema(serde_json::Value),
+    Gbnf(String),
+    Lark(String),
+}
+
+impl GenFields {
+    /// The one constraint the request asks for, from whichever field carries it.
+    pub fn constraint(&self) -> Result<Option<(&'static str, Constraint)>, RequestError> {
+        let mut found: Vec<(&str, Constraint)> = Vec::new();
+        if let Some(rf) = &self.response_format {
+            let o = rf.as_object().ok_or_else(|| RequestError::new("response_format must be an object with a `type`"))?;
+            match o.get("type").and_then(|t| t.as_str()) {
+                Some("text") => {}
+                // llama-server takes a `schema` here too.
+                Some("json_object") => found.push(("response_format", Constraint::JsonSchema(o.get("schema").cloned().unwrap_or_else(|| serde_json::json!({"type": "object"}))))),
+                Some("json_schema") => {
+                    let schema = o
+                        .get("json_schema")
+                        .and_then(|j| j.get("schema"))
+                        .or_else(|| o.get("schema"))
+                        .ok_or_else(|| RequestError::new("response_format: `json_schema.schema` is required with type json_schema"))?;
+                    found.push(("response_format", Constraint::JsonSchema(schema.clone())));
+                }
+                Some(other) => return Err(RequestError(format!("response_format.type must be text, json_object or json_schema, got {other:?}"))),
+                None => return Err(RequestError::new("response_format.type is required")),
+            }
+        }
+        if let Some(schema) = &self.json_schema {
+            found.push(("json_schema", Constraint::JsonSchema(schema.clone())));
+        }
+        if let Some(g) = self.grammar.as_deref().filter(|g| !g.trim().is_empty()) {
+            let c = if g.trim_start().starts_with("%llguidance") { Constraint::Lark(g.to_owned()) } else { Constraint::Gbnf(g.to_owned()) };
+            found.push(("grammar", c));
+        }
+        match found.len() {
+            0 => Ok(None),
+            1 => Ok(found.pop()),
+            _ => Err(RequestError(format!("only one of {} may constrain the output", found.iter().map(|f| f.0).collect::<Vec<_>>().join(" and ")))),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -185,6 +236,9 @@ pub struct Limits {
     pub logprobs: Option<usize>,
     /// Biases still to be resolved against the vocabulary.
     pub logit_bias: Vec<(BiasTarget, f32)>,
+    /// A grammar or schema still to be compiled against the vocabulary, with the field it
+    /// came from.
+    pub constraint: Option<(&'static str, Constraint)>,
 }
 
 /// What a request gets for a field it leaves out (the server's `--temp`, `--n-predict`, ...).
@@ -267,6 +321,7 @@ impl GenFields {
             return_tokens: self.return_tokens,
             logprobs,
             logit_bias: self.logit_bias.as_ref().map(LogitBiasInput::entries).transpose()?.unwrap_or_default(),
+            constraint: self.constraint()?,
         })
     }
 
@@ -357,16 +412,52 @@ pub struct ChatBody {
 }
 
 impl ChatBody {
-    /// The tools the template gets: none with `tool_choice: "none"`. Forcing a call
-    /// (`"required"`, a named function) needs constrained decoding, so it is refused.
+    /// The tools the template gets: none with `tool_choice: "none"`.
     pub fn tools(&self) -> Result<Option<serde_json::Value>, RequestError> {
-        match &self.tool_choice {
-            None => {}
-            Some(serde_json::Value::String(s)) if s == "auto" => {}
-            Some(serde_json::Value::String(s)) if s == "none" => return Ok(None),
-            Some(other) => return Err(RequestError(format!("tool_choice: only \"auto\" and \"none\" are supported, got {other}"))),
+        if matches!(&self.tool_choice, Some(serde_json::Value::String(s)) if s == "none") {
+            return Ok(None);
         }
+        self.forced_call()?;
         Ok(self.tools.as_ref().filter(|t| !t.is_empty()).map(|t| serde_json::Value::Array(t.clone())))
+    }
+
+    /// With `tool_choice: "required"` or a named function, the JSON schema the output must
+    /// follow: `{"name": ..., "arguments": {...}}` for one of the allowed tools (the output is
+    /// then read as that call whatever the template's own call syntax).
+    pub fn forced_call(&self) -> Result<Option<serde_json::Value>, RequestError> {
+        use serde_json::{json, Value};
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let name_of = |t: &Value| t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str()).map(str::to_owned);
+        let allowed: Vec<&Value> = match &self.tool_choice {
+            None => return Ok(None),
+            Some(Value::String(s)) if s == "auto" || s == "none" => return Ok(None),
+            Some(Value::String(s)) if s == "required" => tools.iter().collect(),
+            Some(v @ Value::Object(_)) => {
+                let want = v
+                    .get("function")
+                    .and_then(|f| f.get("name"))
+                    .and_then(|n| n.as_str())
+                    .ok_or_else(|| RequestError::new("tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}"))?;
+                let found: Vec<&Value> = tools.iter().filter(|t| name_of(t).as_deref() == Some(want)).collect();
+                if found.is_empty() {
+                    return Err(RequestError(format!("tool_choice: no tool is named {want:?}")));
+                }
+                found
+            }
+            Some(other) => return Err(RequestError(format!("tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {other}"))),
+        };
+        if allowed.is_empty() {
+            return Err(RequestError::new("tool_choice: a call is required but `tools` is empty"));
+        }
+        let alternatives = allowed
+            .iter()
+            .map(|t| {
+                let name = name_of(t).ok_or_else(|| RequestError::new("tools: every tool needs `function.name`"))?;
+                let params = t.get("function").and_then(|f| f.get("parameters")).cloned().unwrap_or_else(|| json!({"type": "object"}));
+                Ok(json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params}, "required": ["name", "arguments"], "additionalProperties": false}))
+            })
+            .collect::<Result<Vec<Value>, RequestError>>()?;
+        Ok(Some(json!({"anyOf": alternatives})))
     }
 }
 

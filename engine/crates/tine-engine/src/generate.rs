@@ -8,6 +8,7 @@ use tine_runtime::{Model, Sequence, StepError, PREFILL_CHUNK};
 use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
 use tine_spec::{SpecError, SpecStats, Speculator};
 
+use crate::grammar::{Grammar, GrammarError};
 use crate::stop::StopMatcher;
 
 /// A validated generation request over token ids.
@@ -29,11 +30,24 @@ pub struct GenerateRequest {
     /// Added to a token's logit before every decision (`-inf` bans it), as llama.cpp's
     /// `logit_bias` sampler does.
     pub logit_bias: Vec<(u32, f32)>,
+    /// A compiled constraint: every token is masked by it before the decision, drafts included.
+    pub grammar: Option<Grammar>,
 }
 
 impl GenerateRequest {
     pub fn new(prompt: Vec<u32>) -> GenerateRequest {
-        GenerateRequest { prompt, n_predict: -1, sampling: SamplingParams::default(), stop: Vec::new(), ignore_eos: false, n_probs: 0, cache_prompt: true, speculative: None, logit_bias: Vec::new() }
+        GenerateRequest {
+            prompt,
+            n_predict: -1,
+            sampling: SamplingParams::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            n_probs: 0,
+            cache_prompt: true,
+            speculative: None,
+            logit_bias: Vec::new(),
+            grammar: None,
+        }
     }
 }
 
@@ -111,6 +125,8 @@ pub enum GenerateError {
     Step(#[from] StepError),
     #[error("speculative decoding failed")]
     Spec(#[from] SpecError),
+    #[error(transparent)]
+    Grammar(#[from] GrammarError),
 }
 
 /// What one step produced.
@@ -304,30 +320,21 @@ impl Generation {
         if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
             return Ok(self.finish(StopType::Limit, None, None));
         }
-        let ignore_eos = self.req.ignore_eos;
-        let bias = &self.req.logit_bias;
-        let prepare = |row: &mut [f32]| {
-            for &(t, b) in bias {
-                if let Some(l) = row.get_mut(t as usize) {
-                    *l += b;
-                }
-            }
-            if ignore_eos {
-                for &t in model.end_of_generation_tokens() {
-                    if let Some(l) = row.get_mut(t as usize) {
-                        *l = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        };
+        let eog = model.end_of_generation_tokens();
+        let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
         let (token, row) = match self.decided.pop_front() {
             Some(decided) => decided,
             None => {
-                prepare(&mut self.logits);
+                filter.apply(&mut self.logits)?;
                 let token = self.sampler.sample(&self.logits, seq.tokens());
                 (token, std::mem::take(&mut self.logits))
             }
         };
+        if !model.is_end_of_generation(token) {
+            if let Some(g) = filter.grammar.as_deref_mut() {
+                g.consume(token)?;
+            }
+        }
         let prob = (self.req.n_probs > 0).then(|| {
             let top = top_logprobs(&row, self.req.n_probs);
             let logprob = top.iter().find(|t| t.0 == token).map(|t| t.1).unwrap_or_else(|| top_logprobs_of(&row, token));
@@ -362,7 +369,14 @@ impl Generation {
                         -1 => usize::MAX,
                         n => (n as usize).saturating_sub(self.generated.len()),
                     };
-                    let round = spec.round(model, seq, token, &mut self.sampler, max_new, &prepare)?;
+                    if let Some(g) = filter.grammar.as_deref_mut() {
+                        g.mark();
+                    }
+                    let round = spec.round(model, seq, token, &mut self.sampler, max_new, &mut filter);
+                    if let Some(g) = filter.grammar.as_deref_mut() {
+                        g.rewind()?;
+                    }
+                    let round = round?;
                     self.timings.draft.add(&round.stats());
                     self.decided.extend(round.tokens.into_iter().zip(round.rows));
                 } else {
@@ -387,6 +401,60 @@ impl Generation {
         let text = if self.text.len() > self.sent { self.text[self.sent..].to_owned() } else { String::new() };
         self.sent = self.text.len();
         StepEvent { token, text, prob, stop: Some(stop) }
+    }
+}
+
+/// What plain decoding and every verify row do to the logits before a decision.
+struct Filter<'a> {
+    bias: &'a [(u32, f32)],
+    ignore_eos: bool,
+    eog: &'a [u32],
+    grammar: Option<&'a mut Grammar>,
+    /// Drafts consumed tentatively by the grammar in this round.
+    fed: usize,
+}
+
+impl Filter<'_> {
+    fn apply(&mut self, row: &mut [f32]) -> Result<(), GrammarError> {
+        for &(t, b) in self.bias {
+            if let Some(l) = row.get_mut(t as usize) {
+                *l += b;
+            }
+        }
+        match self.grammar.as_deref_mut() {
+            Some(g) => g.mask(row, self.eog, self.ignore_eos)?,
+            None if self.ignore_eos => {
+                for &t in self.eog {
+                    if let Some(l) = row.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            None => {}
+        }
+        Ok(())
+    }
+}
+
+impl tine_spec::RowFilter for Filter<'_> {
+    fn admit(&mut self, drafts: &[u32]) -> usize {
+        // An end-of-generation draft is left to the target's own decision.
+        let upto = drafts.iter().position(|t| self.eog.contains(t)).unwrap_or(drafts.len());
+        match self.grammar.as_deref_mut() {
+            Some(g) => g.admissible(&drafts[..upto]),
+            None => upto,
+        }
+    }
+
+    fn prepare(&mut self, i: usize, drafts: &[u32], row: &mut [f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        if let Some(g) = self.grammar.as_deref_mut() {
+            while self.fed < i {
+                g.consume_tentative(drafts[self.fed])?;
+                self.fed += 1;
+            }
+        }
+        self.apply(row)?;
+        Ok(())
     }
 }
 

@@ -7,6 +7,7 @@
 
 pub mod chat;
 mod generate;
+pub mod grammar;
 mod stop;
 pub mod template;
 

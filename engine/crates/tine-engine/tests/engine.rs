@@ -108,6 +108,8 @@ fn a_prompt_begun_in_ubatches_is_evaluated_one_chunk_per_step_and_generates_the_
     }
 }
 
+mod grammar;
+
 mod templates {
     use serde_json::json;
     use tine_engine::template::{parse_tool_calls, ChatTemplate, RenderInput, TemplateError, ToolCall, ToolSyntax};

@@ -98,6 +98,16 @@ pub fn status_of(e: &GenerateError) -> StatusCode {
         GenerateError::Step(s) => step_status(s),
         // A drafter or verify failure is the server's, whatever the step error says.
         GenerateError::Spec(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        GenerateError::Grammar(g) => grammar_status(g),
+    }
+}
+
+/// A grammar the client sent that does not compile is theirs; a parser failure mid-way is ours.
+pub fn grammar_status(e: &tine_engine::grammar::GrammarError) -> StatusCode {
+    use tine_engine::grammar::GrammarError as G;
+    match e {
+        G::Gbnf { .. } | G::Compile(_) => StatusCode::BAD_REQUEST,
+        G::Setup(_) | G::Runtime(_) | G::Dead(_) => StatusCode::INTERNAL_SERVER_ERROR,
     }
 }
 

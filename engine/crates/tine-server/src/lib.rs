@@ -104,6 +104,9 @@ struct AppState {
     model_id: String,
     metrics: metrics::Metrics,
     template: ChatTemplate,
+    /// The vocabulary's token trie for constrained decoding, built on first use (about a
+    /// second for a 262k vocabulary).
+    grammars: std::sync::OnceLock<Result<Arc<tine_engine::grammar::Grammars>, String>>,
 }
 
 type Shared = Arc<AppState>;
@@ -125,7 +128,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
             }
         }
     });
-    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template });
+    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template, grammars: std::sync::OnceLock::new() });
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
@@ -310,9 +313,33 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         _ => None,
     };
     let logit_bias = resolve_bias(st, &l.logit_bias)?;
-    let request =
-        GenerateRequest { speculative, prompt, n_predict: l.n_predict, sampling: l.sampling, stop: l.stop, ignore_eos: l.ignore_eos, n_probs: l.n_probs, cache_prompt: l.cache_prompt, logit_bias };
+    let grammar = l.constraint.as_ref().map(|(field, c)| compile_constraint(st, field, c)).transpose()?;
+    let request = GenerateRequest {
+        speculative,
+        prompt,
+        n_predict: l.n_predict,
+        sampling: l.sampling,
+        stop: l.stop,
+        ignore_eos: l.ignore_eos,
+        n_probs: l.n_probs,
+        cache_prompt: l.cache_prompt,
+        logit_bias,
+        grammar,
+    };
     Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
+}
+
+/// A request's schema or grammar compiled against the vocabulary (400 naming the field when
+/// it does not compile).
+fn compile_constraint(st: &AppState, field: &str, c: &tine_api::Constraint) -> Result<tine_engine::grammar::Grammar, ApiError> {
+    use tine_engine::grammar::{GrammarSpec, Grammars};
+    let grammars = st.grammars.get_or_init(|| Grammars::new(&st.model).map(Arc::new).map_err(|e| e.to_string())).clone().map_err(ApiError::internal)?;
+    let spec = match c {
+        tine_api::Constraint::JsonSchema(v) => GrammarSpec::JsonSchema(v.clone()),
+        tine_api::Constraint::Gbnf(g) => GrammarSpec::Gbnf(g.clone()),
+        tine_api::Constraint::Lark(g) => GrammarSpec::Lark(g.clone()),
+    };
+    grammars.compile(&spec).map_err(|e| ApiError::new(error::grammar_status(&e), format!("{field}: {e}")))
 }
 
 /// `logit_bias` against the vocabulary: ids checked, a text biases each of its tokens (llama-server).
@@ -631,9 +658,21 @@ async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Respon
     let b: ChatBody = json_body(&st, body).await?;
     let tools = b.tools()?;
     let (_, prompt) = chat_prompt(&st, &b, tools.as_ref())?;
-    // With tools, the output is parsed for calls in the template family's syntax.
-    let tool_syntax = tools.as_ref().and_then(|_| st.template.tool_syntax());
-    let v = validate(&st, prompt, b.gen)?;
+    // With tools, the output is parsed for calls in the template family's syntax; a forced
+    // call is constrained to a JSON object naming the tool, and read as one.
+    let forced = b.forced_call()?;
+    let mut gen = b.gen;
+    let tool_syntax = match forced {
+        Some(schema) => {
+            if gen.constraint()?.is_some() {
+                return Err(ApiError::bad("tool_choice: a forced call cannot be combined with response_format, json_schema or grammar"));
+            }
+            gen.json_schema = Some(schema);
+            Some(tine_engine::template::ToolSyntax::JsonObject)
+        }
+        None => tools.as_ref().and_then(|_| st.template.tool_syntax()),
+    };
+    let v = validate(&st, prompt, gen)?;
     let rx = submit(&st, v.request)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();

@@ -438,7 +438,7 @@ const TOOL_TEMPLATE: &str = "{%- if tools %}<|im_start|>system\nTools: {{ tools 
 
 #[test]
 fn the_gguf_chat_template_renders_the_prompt_and_tools_reach_it() {
-    let srv = start_model(TinyGemma3 { chat_template: Some(TOOL_TEMPLATE.into()), ..TinyGemma3::default() }, None, |_| {});
+    let srv = start_model(TinyGemma3 { chat_template: Some(TOOL_TEMPLATE.into()), context: 8192, ..TinyGemma3::default() }, None, |c| c.ctx_size = 2048);
     let msgs = json!([{"role": "user", "content": "hello"}]);
     let (s, v) = post(srv.addr, "/apply-template", json!({"messages": msgs}));
     assert_eq!(s, 200, "{v}");
@@ -448,8 +448,32 @@ fn the_gguf_chat_template_renders_the_prompt_and_tools_reach_it() {
     assert!(v["prompt"].as_str().expect("prompt").starts_with("<|im_start|>system\nTools: [{\"type\": \"function\""), "{v}");
     let (_, v) = post(srv.addr, "/apply-template", json!({"messages": msgs, "tools": tools, "tool_choice": "none"}));
     assert!(v["prompt"].as_str().expect("prompt").starts_with("<|im_start|>user"), "{v}");
-    let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": tools, "tool_choice": "required"}));
-    assert_eq!(s, 400, "{v}");
+    // A forced call is constrained to a JSON object naming one of the allowed tools.
+    let two = json!([
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}}
+    ]);
+    for (choice, names) in [(json!("required"), vec!["f", "g"]), (json!({"type": "function", "function": {"name": "g"}}), vec!["g"])] {
+        for seed in 0..3 {
+            let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": two, "tool_choice": choice, "max_tokens": 200, "temperature": 1.0, "seed": seed}));
+            assert_eq!(s, 200, "{v}");
+            assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+            let call = &v["choices"][0]["message"]["tool_calls"][0]["function"];
+            let name = call["name"].as_str().expect("name");
+            assert!(names.contains(&name), "{choice}: {v}");
+            let args: Value = serde_json::from_str(call["arguments"].as_str().expect("arguments are a JSON string")).expect("arguments parse");
+            if name == "f" {
+                assert!(args["x"] == 1 || args["x"] == 2, "{v}");
+            } else {
+                assert_eq!(args, json!({}), "{v}");
+            }
+        }
+    }
+    for (choice, needle) in [(json!({"type": "function", "function": {"name": "nope"}}), "no tool is named"), (json!("always"), "tool_choice must be")] {
+        let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": two, "tool_choice": choice}));
+        assert_eq!(s, 400, "{v}");
+        assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{v}");
+    }
     // A chat request runs the rendered prompt (with <bos> in front: the template has none).
     let (s, chat) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "max_tokens": 4, "temperature": 0, "tools": tools}));
     assert_eq!(s, 200, "{chat}");
@@ -497,4 +521,77 @@ fn logit_bias_moves_and_bans_tokens_in_both_shapes_and_speculation_keeps_it() {
     let spec = start_with(1, 256, Some(tine_spec::SpecType::Ngram));
     let (_, a) = post(spec.addr, "/completion", with(json!([[first, false]])));
     assert_eq!(a["tokens"], banned["tokens"]);
+}
+
+#[test]
+fn constrained_output_follows_each_field_and_spec_types_give_the_plain_text() {
+    let schema = json!({"type": "object", "properties": {"c": {"enum": ["x", "y"]}, "n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["c", "n"], "additionalProperties": false});
+    let check = |text: &str| {
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?} is not JSON: {e}"));
+        assert!(["x", "y"].contains(&v["c"].as_str().expect("c")) && v["n"].as_u64().expect("n") <= 9 && v.as_object().expect("object").len() == 2, "{text:?}");
+    };
+    let plain = start(1, 256);
+    let spec = start_with(1, 256, Some(tine_spec::SpecType::Ngram));
+    let mtp = start_with(1, 256, Some(tine_spec::SpecType::DraftMtp));
+    let bodies = [
+        ("/completion", json!({"prompt": "hello", "n_predict": 120, "temperature": 0, "json_schema": schema})),
+        (
+            "/v1/completions",
+            json!({"prompt": "hello", "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": true}}}),
+        ),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 120, "temperature": 0, "response_format": {"type": "json_object", "schema": schema}})),
+    ];
+    let text = |path: &str, v: &Value| -> String {
+        match path {
+            "/completion" => v["content"].as_str(),
+            "/v1/completions" => v["choices"][0]["text"].as_str(),
+            _ => v["choices"][0]["message"]["content"].as_str(),
+        }
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_owned()
+    };
+    for (path, body) in &bodies {
+        let (s, want) = post(plain.addr, path, body.clone());
+        assert_eq!(s, 200, "{path}: {want}");
+        check(&text(path, &want));
+        for srv in [&spec, &mtp] {
+            let (s, got) = post(srv.addr, path, body.clone());
+            assert_eq!(s, 200, "{got}");
+            assert_eq!(text(path, &got), text(path, &want), "{path}");
+        }
+        // Sampled: still valid.
+        for seed in 0..3 {
+            let mut b = body.clone();
+            b["temperature"] = json!(1.0);
+            b["seed"] = json!(seed);
+            let (_, v) = post(spec.addr, path, b);
+            check(&text(path, &v));
+        }
+    }
+    // json_object with no schema: any object.
+    let (_, v) = post(plain.addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "temperature": 0, "response_format": {"type": "json_object"}}));
+    let out = text("/v1/chat/completions", &v);
+    assert!(out.trim_start().starts_with('{'), "{out:?}");
+    // GBNF, and llguidance's Lark.
+    let (_, v) = post(plain.addr, "/completion", json!({"prompt": "hello", "n_predict": 30, "temperature": 0, "grammar": "root ::= (\"yes\" | \"no\") \"!\""}));
+    assert!(["yes!", "no!"].contains(&v["content"].as_str().expect("content")), "{v}");
+    assert_eq!(v["stop_type"], "eos", "{v}");
+    let (_, v) = post(plain.addr, "/completion", json!({"prompt": "hello", "n_predict": 30, "temperature": 0, "grammar": "%llguidance {}\nstart: \"a\" /[0-9]/"}));
+    let c = v["content"].as_str().expect("content");
+    assert!(c.len() == 2 && c.starts_with('a') && c.as_bytes()[1].is_ascii_digit(), "{v}");
+    // Refusals name the field.
+    for (body, needle) in [
+        (json!({"prompt": "a", "grammar": "root ::= \"a"}), "grammar: invalid GBNF grammar at line 1"),
+        (json!({"prompt": "a", "json_schema": {"type": "nope"}}), "json_schema: invalid grammar"),
+        (json!({"prompt": "a", "response_format": {"type": "yaml"}}), "response_format.type"),
+        (json!({"prompt": "a", "response_format": {"type": "json_schema"}}), "json_schema.schema"),
+        (json!({"prompt": "a", "grammar": "root ::= \"a\"", "json_schema": {}}), "only one of"),
+    ] {
+        let (s, v) = post(plain.addr, "/v1/completions", body.clone());
+        assert_eq!(s, 400, "{body}: {v}");
+        assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{body}: {v}");
+    }
+    // `response_format: text` is no constraint.
+    let (s, _) = post(plain.addr, "/v1/completions", json!({"prompt": "a", "max_tokens": 2, "response_format": {"type": "text"}}));
+    assert_eq!(s, 200);
 }

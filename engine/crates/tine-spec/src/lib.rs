@@ -102,6 +102,27 @@ pub enum SpecError {
     VocabMismatch { draft: usize, target: usize },
     #[error("{0} needs a target with a NextN head (`nextn_predict_layers` in its GGUF); this one has none")]
     NoNextN(SpecType),
+    #[error("preparing a verify row failed")]
+    Filter(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// Edits the target's logit rows before each decision of a round, exactly as plain decoding
+/// edits its logits (logit bias, banned end-of-generation tokens, a grammar's mask).
+pub trait RowFilter {
+    /// How many leading `drafts` may be verified. A constraint cuts the draft where it leaves
+    /// the grammar, before the verify forward: such a token could never be kept.
+    fn admit(&mut self, drafts: &[u32]) -> usize {
+        drafts.len()
+    }
+    /// Edits row `i`, the decision made after `drafts[..i]` were kept.
+    fn prepare(&mut self, i: usize, drafts: &[u32], row: &mut [f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
+}
+
+impl<F: FnMut(&mut [f32])> RowFilter for F {
+    fn prepare(&mut self, _i: usize, _drafts: &[u32], row: &mut [f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+        self(row);
+        Ok(())
+    }
 }
 
 /// What a drafter sees: the target after its last verify step.
@@ -263,9 +284,9 @@ impl Speculator {
     /// accepted drafts; the returned tokens (accepted drafts, then the decided next token) are
     /// not all fed yet: the last one is the next round's `pending`.
     ///
-    /// `prepare` edits each logit row before a decision (for example to ban end-of-generation
-    /// tokens), exactly as plain decoding edits its logits.
-    pub fn round(&mut self, model: &Model, seq: &mut Sequence, pending: u32, sampler: &mut Sampler, max_new: usize, prepare: &dyn Fn(&mut [f32])) -> Result<Round, SpecError> {
+    /// `filter` edits each logit row before a decision (for example to ban end-of-generation
+    /// tokens), exactly as plain decoding edits its logits, and may cut the draft first.
+    pub fn round(&mut self, model: &Model, seq: &mut Sequence, pending: u32, sampler: &mut Sampler, max_new: usize, filter: &mut dyn RowFilter) -> Result<Round, SpecError> {
         let n = seq.len();
         // Plain decoding stops once the sequence is one short of the context, so the last row
         // it ever computes is at position `context - 2`: a round must not decide past it.
@@ -280,6 +301,8 @@ impl Speculator {
         } else {
             Vec::new()
         };
+        let admitted = filter.admit(&drafts);
+        drafts.truncate(admitted);
         if drafts.len() < self.params.n_min.max(1) {
             drafts.clear();
         }
@@ -303,7 +326,7 @@ impl Speculator {
         let mut accepted = 0;
         for i in 0..=drafts.len() {
             let mut row = logits.row(i).to_vec();
-            prepare(&mut row);
+            filter.prepare(i, &drafts, &mut row).map_err(SpecError::Filter)?;
             // The history a plain decode would have at this position.
             let history = &seq.tokens()[..n + 1 + i];
             let draft = drafts.get(i).copied();

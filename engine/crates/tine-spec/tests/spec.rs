@@ -75,7 +75,7 @@ fn speculate_on(model: &Model, seq: &mut Sequence, spec: &mut Speculator, prompt
     let (mut out, mut rows) = (vec![first], vec![logits]);
     while out.len() < n {
         let pending = *out.last().expect("at least one token");
-        let round = spec.round(model, seq, pending, &mut sampler, n - out.len(), &|_| {}).expect("round");
+        let round = spec.round(model, seq, pending, &mut sampler, n - out.len(), &mut |_: &mut [f32]| {}).expect("round");
         assert!(round.tokens.len() <= n - out.len(), "a round decided more tokens than asked for");
         out.extend(round.tokens);
         rows.extend(round.rows);
@@ -198,7 +198,7 @@ fn concurrent_sequences_with_different_spec_types_stay_independent() {
     while slots.iter().any(|s| s.3.len() < n) {
         for (spec, seq, sampler, out) in slots.iter_mut().filter(|s| s.3.len() < n) {
             let pending = *out.last().expect("token");
-            let round = spec.round(&fx.target, seq, pending, sampler, n - out.len(), &|_| {}).expect("round");
+            let round = spec.round(&fx.target, seq, pending, sampler, n - out.len(), &mut |_: &mut [f32]| {}).expect("round");
             out.extend(round.tokens);
         }
     }
