@@ -98,8 +98,11 @@ impl Timings {
     pub fn prompt_per_second(&self) -> f64 {
         per_second(self.prompt_n, self.prompt_ms)
     }
+    /// Decode speed. The first token was sampled from the prompt pass's logits, so
+    /// `predicted_ms` covers the forwards of the other `predicted_n - 1` (counting it made
+    /// `n_predict: 1` report thousands of tokens per second).
     pub fn predicted_per_second(&self) -> f64 {
-        per_second(self.predicted_n, self.predicted_ms)
+        per_second(self.predicted_n.saturating_sub(1), self.predicted_ms)
     }
 }
 

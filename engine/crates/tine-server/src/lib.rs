@@ -365,7 +365,7 @@ fn timings_json(t: &Timings) -> Value {
     json!({
         "cache_n": t.cached_n,
         "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms, "prompt_per_token_ms": if t.prompt_n > 0 { t.prompt_ms / t.prompt_n as f64 } else { 0.0 }, "prompt_per_second": t.prompt_per_second(),
-        "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms, "predicted_per_token_ms": if t.predicted_n > 0 { t.predicted_ms / t.predicted_n as f64 } else { 0.0 }, "predicted_per_second": t.predicted_per_second(),
+        "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms, "predicted_per_token_ms": if t.predicted_n > 1 { t.predicted_ms / (t.predicted_n - 1) as f64 } else { 0.0 }, "predicted_per_second": t.predicted_per_second(),
         "draft_n": t.draft.draft_n, "draft_n_accepted": t.draft.draft_n_accepted, "draft_verify_steps": t.draft.draft_verify_steps,
     })
 }

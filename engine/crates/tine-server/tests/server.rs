@@ -107,6 +107,14 @@ fn info_endpoints_answer_with_llama_server_shapes() {
 }
 
 #[test]
+fn predicted_per_second_does_not_count_the_token_the_prompt_pass_gave() {
+    let srv = start(1, 128);
+    let (_, v) = post(srv.addr, "/completion", greedy("hello world", 1));
+    assert_eq!(v["timings"]["predicted_n"], 1, "{v}");
+    assert_eq!(v["timings"]["predicted_per_second"], 0.0, "one token is no decode at all: {v}");
+}
+
+#[test]
 fn completion_is_deterministic_and_reports_timings() {
     let srv = start(1, 128);
     let (s, a) = post(srv.addr, "/completion", greedy("hello world", 8));
@@ -121,6 +129,9 @@ fn completion_is_deterministic_and_reports_timings() {
         assert!(a["timings"][k].is_number(), "timings.{k} missing: {a}");
     }
     assert_eq!(a["timings"]["predicted_n"], 8);
+    let t = &a["timings"];
+    let want = 7.0 * 1000.0 / t["predicted_ms"].as_f64().expect("ms");
+    assert!((t["predicted_per_second"].as_f64().expect("rate") - want).abs() < 1e-6 * want, "the first token is the prompt pass's: {t}");
     // The second request reused the cached prompt prefix of the slot.
     assert!(b["timings"]["cache_n"].as_u64().expect("cache_n") >= 2, "{b}");
 }
