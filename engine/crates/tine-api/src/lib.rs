@@ -29,12 +29,21 @@ pub fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RequestE
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-#[serde(expecting = "`prompt` as a string, a list of token ids or a list of one string")]
+#[serde(expecting = "`prompt` as a string, a list of token ids, or a list of prompts (strings or lists of token ids)")]
 pub enum PromptInput {
     Text(String),
     Tokens(Vec<i64>),
-    /// OpenAI allows a list of prompts; one is taken.
-    Texts(Vec<String>),
+    /// Several prompts in one request (OpenAI's list of strings, llama-server's list of token
+    /// lists): one result each.
+    Many(Vec<OnePrompt>),
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+#[serde(expecting = "a prompt as a string or a list of token ids")]
+pub enum OnePrompt {
+    Text(String),
+    Tokens(Vec<i64>),
 }
 
 /// The prompt, before tokenization.
@@ -44,14 +53,29 @@ pub enum Prompt {
     Tokens(Vec<i64>),
 }
 
+/// Most results one request may ask for (prompts times `n`).
+pub const MAX_CHOICES: usize = 16;
+
 impl PromptInput {
-    pub fn into_prompt(self) -> Result<Prompt, RequestError> {
-        match self {
-            PromptInput::Text(t) => Ok(Prompt::Text(t)),
-            PromptInput::Tokens(ids) => Ok(Prompt::Tokens(ids)),
-            PromptInput::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
-            PromptInput::Texts(v) => Err(RequestError(format!("one prompt per request is supported, got {}", v.len()))),
+    pub fn into_prompts(self) -> Result<Vec<Prompt>, RequestError> {
+        let v: Vec<Prompt> = match self {
+            PromptInput::Text(t) => vec![Prompt::Text(t)],
+            PromptInput::Tokens(ids) => vec![Prompt::Tokens(ids)],
+            PromptInput::Many(v) => v
+                .into_iter()
+                .map(|p| match p {
+                    OnePrompt::Text(t) => Prompt::Text(t),
+                    OnePrompt::Tokens(ids) => Prompt::Tokens(ids),
+                })
+                .collect(),
+        };
+        if v.is_empty() {
+            return Err(RequestError::new("`prompt` is an empty list"));
         }
+        if v.len() > MAX_CHOICES {
+            return Err(RequestError(format!("at most {MAX_CHOICES} prompts per request, got {}", v.len())));
+        }
+        Ok(v)
     }
 }
 
@@ -94,7 +118,7 @@ pub struct GenFields {
     pub spec_n_min: Option<usize>,
     #[serde(rename = "speculative.p_min")]
     pub spec_p_min: Option<f32>,
-    /// OpenAI's choices per request: only 1 is supported, and anything else is refused.
+    /// OpenAI's choices per prompt; choice `i` samples with `seed + i`.
     pub n: Option<i64>,
     /// OpenAI's log-probabilities: a count of alternatives (completions) or `true` (chat, with
     /// `top_logprobs`).
@@ -263,9 +287,7 @@ impl GenFields {
 
     /// Every check of these fields that needs no model; `defaults` fills what is left out.
     pub fn limits_with(&self, defaults: &Defaults) -> Result<Limits, RequestError> {
-        if let Some(n) = self.n.filter(|&n| n != 1) {
-            return Err(RequestError(format!("n: one choice per request is supported, got n = {n}")));
-        }
+        self.choices()?;
         let n_predict = self.n_predict.or(self.max_completion_tokens).or(self.max_tokens).unwrap_or(defaults.n_predict);
         if n_predict < -1 {
             return Err(RequestError(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
@@ -325,6 +347,15 @@ impl GenFields {
         })
     }
 
+    /// Choices per prompt (`n`, 1 when absent).
+    pub fn choices(&self) -> Result<usize, RequestError> {
+        match self.n {
+            None => Ok(1),
+            Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
+            Some(n) => Err(RequestError(format!("n must lie in 1..={MAX_CHOICES}, got n = {n}"))),
+        }
+    }
+
     /// Whether the request overrides any speculative setting.
     pub fn has_spec_override(&self) -> bool {
         self.spec_n_max.is_some() || self.spec_n_min.is_some() || self.spec_p_min.is_some()
@@ -341,8 +372,8 @@ pub struct CompletionBody {
 }
 
 impl CompletionBody {
-    pub fn prompt(&mut self) -> Result<Prompt, RequestError> {
-        self.prompt.take().ok_or_else(|| RequestError::new("`prompt` is required"))?.into_prompt()
+    pub fn prompts(&mut self) -> Result<Vec<Prompt>, RequestError> {
+        self.prompt.take().ok_or_else(|| RequestError::new("`prompt` is required"))?.into_prompts()
     }
 }
 
@@ -511,11 +542,15 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
         Endpoint::Completion => {
             let mut b: CompletionBody = decode(body)?;
             let limits = b.gen.limits()?;
-            let prompt = match b.prompt()? {
-                Prompt::Text(t) => t.len(),
-                Prompt::Tokens(ids) => check_ids(&ids, vocab)?.len(),
-            };
-            format!("completion prompt {prompt} n_predict {}", limits.n_predict)
+            let mut sizes = Vec::new();
+            for p in b.prompts()? {
+                sizes.push(match p {
+                    Prompt::Text(t) => t.len(),
+                    Prompt::Tokens(ids) => check_ids(&ids, vocab)?.len(),
+                });
+            }
+            let sizes: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();
+            format!("completion prompt {} n_predict {} n {}", sizes.join("+"), limits.n_predict, b.gen.choices()?)
         }
         Endpoint::Chat => {
             let b: ChatBody = decode(body)?;

@@ -123,13 +123,20 @@ fn bounded_whitespace(schema: &serde_json::Value) -> serde_json::Value {
 }
 
 /// One request's parser state.
-#[derive(Clone)]
 pub struct Grammar {
     matcher: Matcher,
     /// Tokens consumed in all (committed and tentative).
     consumed: usize,
     /// Of those, consumed since [`Grammar::mark`].
     tentative: usize,
+}
+
+/// A clone is independent, lexer cache included (a shallow one would share the cache's lock
+/// between requests running on different threads).
+impl Clone for Grammar {
+    fn clone(&self) -> Self {
+        Grammar { matcher: self.matcher.deep_clone(), consumed: self.consumed, tentative: self.tentative }
+    }
 }
 
 impl std::fmt::Debug for Grammar {

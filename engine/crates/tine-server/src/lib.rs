@@ -354,11 +354,58 @@ fn resolve_bias(st: &AppState, entries: &[(tine_api::BiasTarget, f32)]) -> Resul
     Ok(out)
 }
 
-fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<u32>, ApiError> {
-    match b.prompt()? {
-        Prompt::Text(t) => Ok(st.model.tokenizer.encode(&t, true, true)),
-        Prompt::Tokens(ids) => checked_ids(st, &ids),
+fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<Vec<u32>>, ApiError> {
+    b.prompts()?
+        .into_iter()
+        .map(|p| match p {
+            Prompt::Text(t) => Ok(st.model.tokenizer.encode(&t, true, true)),
+            Prompt::Tokens(ids) => checked_ids(st, &ids),
+        })
+        .collect()
+}
+
+/// Every result a request asks for: each prompt `n` times, choice `i` sampling with `seed + i`
+/// (a request without a seed draws one per choice). Each is validated on its own (a grammar
+/// gets its own parser state).
+fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, g: GenFields) -> Result<Vec<Validated>, ApiError> {
+    let n = g.choices()?;
+    if prompts.len() * n > tine_api::MAX_CHOICES {
+        return Err(ApiError::bad(format!("at most {} results per request (prompts x n), got {} x {n}", tine_api::MAX_CHOICES, prompts.len())));
     }
+    let mut out = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
+        for i in 0..n {
+            let mut v = validate(st, prompt.clone(), g.clone())?;
+            if let Some(seed) = v.request.sampling.seed.as_mut() {
+                *seed = seed.wrapping_add(i as u64);
+            }
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+/// Submits every request; if one is refused, those already in are cancelled (their receivers drop).
+fn submit_all(st: &AppState, vs: &[Validated]) -> Result<Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>, ApiError> {
+    vs.iter().map(|v| submit(st, v.request.clone())).collect()
+}
+
+/// Waits for every generation, in order.
+async fn collect_all(st: &AppState, rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>) -> Result<Vec<(Summary, Vec<TokenProb>)>, ApiError> {
+    let mut out = Vec::with_capacity(rxs.len());
+    for rx in rxs {
+        out.push(collect(st, rx).await?);
+    }
+    Ok(out)
+}
+
+/// The events of several generations as one stream of `(index, event)`.
+fn merged(rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>) -> tokio_stream::StreamMap<usize, UnboundedReceiverStream<Event>> {
+    let mut map = tokio_stream::StreamMap::new();
+    for (i, rx) in rxs.into_iter().enumerate() {
+        map.insert(i, UnboundedReceiverStream::new(rx));
+    }
+    map
 }
 
 fn timings_json(t: &Timings) -> Value {
@@ -453,37 +500,57 @@ fn sse_json(v: Value) -> Result<SseEvent, std::convert::Infallible> {
 
 async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let mut b: CompletionBody = json_body(&st, body).await?;
-    let prompt = prompt_tokens(&st, &mut b)?;
-    let v = validate(&st, prompt, b.gen)?;
-    let prompt_text = st.model.tokenizer.decode(&v.request.prompt, true);
-    let rx = submit(&st, v.request)?;
-    if v.stream {
+    let prompts = prompt_tokens(&st, &mut b)?;
+    let vs = validate_many(&st, prompts, b.gen)?;
+    let single = vs.len() == 1;
+    let (stream, return_tokens, n_probs) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs);
+    let prompt_texts: Vec<String> = vs.iter().map(|v| st.model.tokenizer.decode(&v.request.prompt, true)).collect();
+    let rxs = submit_all(&st, &vs)?;
+    if stream {
         let st2 = st.clone();
-        let stream = UnboundedReceiverStream::new(rx).map(move |ev| match ev {
-            Event::Token { id, text, prob } => {
-                let mut j = json!({"content": text, "stop": false, "tokens": [id]});
-                if let Some(p) = prob {
-                    j["completion_probabilities"] = json!([prob_json(&st2, &p)]);
+        // Several prompts: every chunk carries its result's `index`, as llama-server's do.
+        let stream = merged(rxs).map(move |(i, ev)| {
+            let mut j = match ev {
+                Event::Token { id, text, prob } => {
+                    let mut j = json!({"content": text, "stop": false, "tokens": [id]});
+                    if let Some(p) = prob {
+                        j["completion_probabilities"] = json!([prob_json(&st2, &p)]);
+                    }
+                    j
                 }
-                sse_json(j)
+                Event::Done(s) => {
+                    log_request(&st2, &s);
+                    final_completion_json(&st2, &s, "", &[], false, &prompt_texts[i])
+                }
+                Event::Error(e) => {
+                    st2.metrics.failed();
+                    ApiError::from(&e).body()
+                }
+            };
+            if !single {
+                j["index"] = json!(i);
             }
-            Event::Done(s) => {
-                log_request(&st2, &s);
-                sse_json(final_completion_json(&st2, &s, "", &[], false, &prompt_text))
-            }
-            Event::Error(e) => {
-                st2.metrics.failed();
-                sse_json(ApiError::from(&e).body())
-            }
+            sse_json(j)
         });
         return Ok(Sse::new(stream).into_response());
     }
-    let (s, probs) = collect(&st, rx).await?;
-    let mut j = final_completion_json(&st, &s, &s.text, &probs, v.return_tokens, &prompt_text);
-    if v.n_probs == 0 {
-        j.as_object_mut().expect("object").remove("completion_probabilities");
-    }
-    Ok(Json(j).into_response())
+    let results = collect_all(&st, rxs).await?;
+    let mut out: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (s, probs))| {
+            let mut j = final_completion_json(&st, s, &s.text, probs, return_tokens, &prompt_texts[i]);
+            if n_probs == 0 {
+                j.as_object_mut().expect("object").remove("completion_probabilities");
+            }
+            if !single {
+                j["index"] = json!(i);
+            }
+            j
+        })
+        .collect();
+    // One prompt gets one object; several get an array (llama-server).
+    Ok(Json(if single { out.remove(0) } else { Value::Array(out) }).into_response())
 }
 
 fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[TokenProb], return_tokens: bool, prompt: &str) -> Value {
@@ -563,10 +630,18 @@ fn finish_reason(s: StopType) -> &'static str {
 }
 
 fn usage(s: &Summary) -> Value {
-    json!({
-        "prompt_tokens": s.prompt_tokens, "completion_tokens": s.timings.predicted_n, "total_tokens": s.prompt_tokens + s.timings.predicted_n,
-        "prompt_tokens_details": {"cached_tokens": s.timings.cached_n},
-    })
+    usage_of(std::slice::from_ref(s))
+}
+
+/// Usage over every choice of a request.
+fn usage_of<'a>(all: impl IntoIterator<Item = &'a Summary>) -> Value {
+    let (mut prompt, mut completion, mut cached) = (0, 0, 0);
+    for s in all {
+        prompt += s.prompt_tokens;
+        completion += s.timings.predicted_n;
+        cached += s.timings.cached_n;
+    }
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
 }
 
 /// OpenAI's `system_fingerprint`: the build that answered (llama-server sends its build too).
@@ -578,27 +653,27 @@ fn fingerprint() -> String {
 
 async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let mut b: CompletionBody = json_body(&st, body).await?;
-    let prompt = prompt_tokens(&st, &mut b)?;
-    let v = validate(&st, prompt, b.gen)?;
-    let rx = submit(&st, v.request)?;
+    let prompts = prompt_tokens(&st, &mut b)?;
+    let vs = validate_many(&st, prompts, b.gen)?;
+    let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
+    let rxs = submit_all(&st, &vs)?;
     let id = format!("cmpl-{}", now());
     let created = now();
-    let logprobs = v.logprobs;
-    if v.stream {
+    if stream {
         let (st2, id2) = (st.clone(), id.clone());
-        let mut offset = 0;
-        let stream = UnboundedReceiverStream::new(rx)
-            .map(move |ev| match ev {
+        let mut offsets = vec![0usize; rxs.len()];
+        let stream = merged(rxs)
+            .map(move |(i, ev)| match ev {
                 Event::Token { text, prob, .. } => {
                     let lp = match (logprobs, prob) {
-                        (Some(top), Some(p)) => completion_logprobs(&st2, &[p], top, &mut offset),
+                        (Some(top), Some(p)) => completion_logprobs(&st2, &[p], top, &mut offsets[i]),
                         _ => Value::Null,
                     };
-                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": null}]}))
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": null}]}))
                 }
                 Event::Done(s) => {
                     log_request(&st2, &s);
-                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": 0, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": i, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
                 }
                 Event::Error(e) => {
                     st2.metrics.failed();
@@ -608,12 +683,19 @@ async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Respons
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
     }
-    let (s, probs) = collect(&st, rx).await?;
-    let lp = logprobs.map_or(Value::Null, |top| completion_logprobs(&st, &probs, top, &mut 0));
+    let results = collect_all(&st, rxs).await?;
+    let choices: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (s, probs))| {
+            let lp = logprobs.map_or(Value::Null, |top| completion_logprobs(&st, probs, top, &mut 0));
+            json!({"text": s.text, "index": i, "logprobs": lp, "finish_reason": finish_reason(s.stop_type)})
+        })
+        .collect();
     Ok(Json(json!({
         "id": id, "object": "text_completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
-        "choices": [{"text": s.text, "index": 0, "logprobs": lp, "finish_reason": finish_reason(s.stop_type)}],
-        "usage": usage(&s), "timings": timings_json(&s.timings),
+        "choices": choices,
+        "usage": usage_of(results.iter().map(|r| &r.0)), "timings": timings_json(&results[0].0.timings),
     }))
     .into_response())
 }
@@ -672,67 +754,80 @@ async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Respon
         }
         None => tools.as_ref().and_then(|_| st.template.tool_syntax()),
     };
-    let v = validate(&st, prompt, gen)?;
-    let rx = submit(&st, v.request)?;
+    let vs = validate_many(&st, vec![prompt], gen)?;
+    let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
+    let rxs = submit_all(&st, &vs)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();
-    let logprobs = v.logprobs;
-    if v.stream && tool_syntax.is_some() {
-        // A call can only be told from text at the end: the answer comes as one chunk.
-        let (s, probs) = collect(&st, rx).await?;
-        let (message, finish) = chat_message(&s, tool_syntax);
-        let mut delta = message;
-        delta["role"] = json!("assistant");
-        let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, &probs, top));
-        let events = vec![
-            sse_json(
-                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]}),
-            ),
-            sse_json(
-                json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {}, "finish_reason": finish}], "usage": usage(&s), "timings": timings_json(&s.timings)}),
-            ),
-            Ok(SseEvent::default().data("[DONE]")),
-        ];
+    let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": choices});
+    if stream && tool_syntax.is_some() {
+        // A call can only be told from text at the end: each answer comes as one chunk.
+        let results = collect_all(&st, rxs).await?;
+        let mut events = Vec::new();
+        for (i, (s, probs)) in results.iter().enumerate() {
+            let (mut delta, finish) = chat_message(s, tool_syntax);
+            delta["role"] = json!("assistant");
+            let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
+            events.push(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))));
+            let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish}]));
+            last["usage"] = usage(s);
+            last["timings"] = timings_json(&s.timings);
+            events.push(sse_json(last));
+        }
+        events.push(Ok(SseEvent::default().data("[DONE]")));
         return Ok(Sse::new(tokio_stream::iter(events)).into_response());
     }
-    if v.stream {
+    if stream {
         let (st2, id2) = (st.clone(), id.clone());
         // llama-server's first chunk: the role, and no content yet (`null`, never "").
-        let first = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}]});
-        let stream = tokio_stream::once(sse_json(first))
-            .chain(UnboundedReceiverStream::new(rx).filter_map(move |ev| match ev {
-                Event::Token { text, prob, .. } => {
-                    let lp = match (logprobs, prob) {
-                        (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
-                        _ => Value::Null,
-                    };
-                    // Text held back while a stop string may be forming is not an empty delta.
-                    if text.is_empty() && lp.is_null() {
-                        return None;
+        let firsts: Vec<_> = (0..rxs.len()).map(|i| sse_json(chunk(json!([{"index": i, "delta": {"role": "assistant", "content": null}, "finish_reason": null}])))).collect();
+        let stream = tokio_stream::iter(firsts)
+            .chain(merged(rxs).filter_map(move |(i, ev)| {
+                let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
+                match ev {
+                    Event::Token { text, prob, .. } => {
+                        let lp = match (logprobs, prob) {
+                            (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
+                            _ => Value::Null,
+                        };
+                        // Text held back while a stop string may be forming is not an empty delta.
+                        if text.is_empty() && lp.is_null() {
+                            return None;
+                        }
+                        let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
+                        Some(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))))
                     }
-                    let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-                    Some(sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null}]})))
-                }
-                Event::Done(s) => {
-                    log_request(&st2, &s);
-                    Some(sse_json(json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"index": 0, "delta": {}, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)})))
-                }
-                Event::Error(e) => {
-                    st2.metrics.failed();
-                    Some(sse_json(ApiError::from(&e).body()))
+                    Event::Done(s) => {
+                        log_request(&st2, &s);
+                        let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish_reason(s.stop_type)}]));
+                        last["usage"] = usage(&s);
+                        last["timings"] = timings_json(&s.timings);
+                        Some(sse_json(last))
+                    }
+                    Event::Error(e) => {
+                        st2.metrics.failed();
+                        Some(sse_json(ApiError::from(&e).body()))
+                    }
                 }
             }))
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
     }
-    let (s, probs) = collect(&st, rx).await?;
-    let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, &probs, top));
-    let (mut message, finish) = chat_message(&s, tool_syntax);
-    message["role"] = json!("assistant");
+    let results = collect_all(&st, rxs).await?;
+    let choices: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (s, probs))| {
+            let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
+            let (mut message, finish) = chat_message(s, tool_syntax);
+            message["role"] = json!("assistant");
+            json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+        })
+        .collect();
     Ok(Json(json!({
         "id": id, "object": "chat.completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
-        "choices": [{"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}],
-        "usage": usage(&s), "timings": timings_json(&s.timings),
+        "choices": choices,
+        "usage": usage_of(results.iter().map(|r| &r.0)), "timings": timings_json(&results[0].0.timings),
     }))
     .into_response())
 }

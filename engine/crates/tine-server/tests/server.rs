@@ -606,3 +606,56 @@ fn constrained_output_follows_each_field_and_spec_types_give_the_plain_text() {
     let (s, _) = post(plain.addr, "/v1/completions", json!({"prompt": "a", "max_tokens": 2, "response_format": {"type": "text"}}));
     assert_eq!(s, 200);
 }
+
+#[test]
+fn batch_prompts_and_n_choices_come_back_one_result_each_in_order() {
+    let srv = start(4, 512);
+    let alone = |p: &str| post(srv.addr, "/completion", greedy(p, 5)).1["content"].as_str().expect("content").to_owned();
+    let (a, b) = (alone("hello"), alone("world"));
+    // llama-server: several prompts give an array, each result with its index.
+    let (s, v) = post(srv.addr, "/completion", json!({"prompt": ["hello", "world"], "n_predict": 5, "temperature": 0}));
+    assert_eq!(s, 200, "{v}");
+    let arr = v.as_array().expect("an array for several prompts");
+    assert_eq!((arr[0]["content"].as_str(), arr[1]["content"].as_str()), (Some(a.as_str()), Some(b.as_str())), "{v}");
+    assert_eq!((arr[0]["index"].as_u64(), arr[1]["index"].as_u64()), (Some(0), Some(1)));
+    let ids = post(srv.addr, "/tokenize", json!({"content": "world"})).1["tokens"].clone();
+    let (_, v) = post(srv.addr, "/completion", json!({"prompt": [[2], ids], "n_predict": 5, "temperature": 0}));
+    assert_eq!(v[1]["content"].as_str(), alone_ids(&srv, &ids).as_deref(), "{v}");
+    // OpenAI: choices in prompt order, usage summed.
+    let (_, v) = post(srv.addr, "/v1/completions", json!({"prompt": ["hello", "world"], "max_tokens": 5, "temperature": 0}));
+    assert_eq!(v["choices"][0]["text"].as_str(), Some(a.as_str()), "{v}");
+    assert_eq!(v["choices"][1]["text"].as_str(), Some(b.as_str()), "{v}");
+    assert_eq!(v["choices"][1]["index"], 1);
+    assert_eq!(v["usage"]["completion_tokens"], 10, "{v}");
+    // n choices: seed + i each, so choice i is what a request with that seed alone gives.
+    let sampled = |seed: u64, n: u64| json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": seed, "n": n});
+    let (s, v) = post(srv.addr, "/v1/chat/completions", sampled(7, 3));
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3);
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let (_, one) = post(srv.addr, "/v1/chat/completions", sampled(7 + i as u64, 1));
+        assert_eq!(c["message"]["content"], one["choices"][0]["message"]["content"], "choice {i}");
+    }
+    assert_ne!(choices[0]["message"]["content"], choices[1]["message"]["content"], "distinct seeds give distinct samples here: {v}");
+    // Streamed: every choice's chunks carry its index, and the text per index is the same.
+    let (_, body) = http(srv.addr, "POST", "/v1/completions", &json!({"prompt": ["hello", "world"], "max_tokens": 5, "temperature": 0, "stream": true}).to_string());
+    let mut texts = [String::new(), String::new()];
+    for d in sse_data(&body) {
+        if d == "[DONE]" {
+            continue;
+        }
+        let c: Value = serde_json::from_str(&d).expect("chunk");
+        let i = c["choices"][0]["index"].as_u64().expect("index") as usize;
+        texts[i].push_str(c["choices"][0]["text"].as_str().unwrap_or(""));
+    }
+    assert_eq!(texts, [a.clone(), b.clone()]);
+    let (s, v) = post(srv.addr, "/v1/completions", json!({"prompt": ["a", "b", "c", "d", "e"], "n": 4}));
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"].as_str().expect("message").contains("at most 16 results"), "{v}");
+}
+
+fn alone_ids(srv: &Server, ids: &Value) -> Option<String> {
+    post(srv.addr, "/completion", json!({"prompt": ids, "n_predict": 5, "temperature": 0})).1["content"].as_str().map(str::to_owned)
+}
