@@ -7,6 +7,22 @@ use patchchain::{chain, sync_check, Project};
 use super::{setup, step};
 use crate::tine::Tine;
 
+/// The `openai` release the client test pins (what the users ran).
+const OPENAI_VERSION: &str = "3.57.0";
+
+/// A venv under `target/` with the pinned `openai` package, made once and reused.
+fn openai_venv(p: &Project) -> anyhow::Result<std::path::PathBuf> {
+    let venv = p.root.join("target/openai-venv");
+    let python = venv.join("bin/python");
+    let has_it = || Command::new(&python).args(["-c", &format!("import openai, sys; sys.exit(openai.__version__ != {OPENAI_VERSION:?})")]).status().is_ok_and(|s| s.success());
+    if !has_it() {
+        step("python3 -m venv target/openai-venv", Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+        step(&format!("pip install openai=={OPENAI_VERSION}"), Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", &format!("openai=={OPENAI_VERSION}")]))?;
+        anyhow::ensure!(has_it(), "openai {OPENAI_VERSION} is not importable from {} after installing it", python.display());
+    }
+    Ok(python)
+}
+
 pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
     let cargo = patchchain::base::cargo_bin();
     let xtask_manifest = p.root.join("xtask/Cargo.toml");
@@ -28,6 +44,16 @@ pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
         anyhow::bail!("sync-check: {}", problems.join("\n  "));
     }
     step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(&engine_manifest))?;
+    // The official OpenAI Python client against `tine serve`, from a venv of its own.
+    let python = openai_venv(p)?;
+    step(
+        "openai client (tine-cli's the_official_openai_client_gets_what_it_asks_for)",
+        Command::new(&cargo)
+            .args(["test", "-p", "tine-cli", "--test", "cli", "--manifest-path"])
+            .arg(&engine_manifest)
+            .args(["--", "--ignored", "--exact", "the_official_openai_client_gets_what_it_asks_for"])
+            .env("TINE_OPENAI_PYTHON", &python),
+    )?;
     // Our crates only (`--no-deps`): candle's own code is upstream's, linted by upstream.
     step("cargo clippy (engine)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--no-deps", "--manifest-path"]).arg(&engine_manifest).args(["--", "-D", "warnings"]))?;
     // Last, as the longest step: an instrumented build of the fuzz workspace, then every target

@@ -367,12 +367,26 @@ impl GenFields {
 #[serde(expecting = "a JSON object")]
 pub struct CompletionBody {
     pub prompt: Option<PromptInput>,
+    /// OpenAI fields Tine does not implement; sent with a non-default value they are refused.
+    #[serde(default)]
+    pub echo: bool,
+    pub best_of: Option<i64>,
+    pub suffix: Option<String>,
     #[serde(flatten)]
     pub gen: GenFields,
 }
 
 impl CompletionBody {
     pub fn prompts(&mut self) -> Result<Vec<Prompt>, RequestError> {
+        if self.echo {
+            return Err(RequestError::new("echo: echoing the prompt back is not supported"));
+        }
+        if let Some(b) = self.best_of.filter(|&b| b != 1) {
+            return Err(RequestError(format!("best_of: only 1 is supported, got {b}")));
+        }
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(RequestError::new("suffix: insertion after a suffix is not supported"));
+        }
         self.prompt.take().ok_or_else(|| RequestError::new("`prompt` is required"))?.into_prompts()
     }
 }

@@ -97,3 +97,41 @@ fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
     assert!(done.contains(r#""tokens_predicted":3"#), "-n 3: {done}");
     assert!(metrics.contains("llamacpp:tokens_predicted_total 3"), "{metrics}");
 }
+
+/// The official `openai` Python client against `tine serve` (`tests/openai_client.py`).
+/// `cargo xtask ci` installs the client from PyPI into a venv and runs this with
+/// `TINE_OPENAI_PYTHON` pointing at that venv's python.
+#[test]
+#[ignore = "needs TINE_OPENAI_PYTHON, a python with the openai package (cargo xtask ci sets it up)"]
+fn the_official_openai_client_gets_what_it_asks_for() {
+    let python = std::env::var("TINE_OPENAI_PYTHON").expect("TINE_OPENAI_PYTHON must name a python with the openai package");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = dir.path().join("tiny.gguf");
+    TinyGemma3 { nextn: true, seed: 8, context: 8192, ..TinyGemma3::default() }.write(&model);
+    // A ChatML template with Hermes tool calls, as Qwen-style GGUFs carry.
+    let template = dir.path().join("tools.jinja");
+    std::fs::write(
+        &template,
+        "{%- if tools %}<|im_start|>system\nCall a tool as <tool_call>{...}</tool_call>: {{ tools | tojson }}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    )
+    .expect("write template");
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
+        .args(["serve", "-m", model.to_str().expect("utf-8"), "--port", &port.to_string(), "-c", "4096", "-np", "2", "--alias", "tiny", "--api-key", "sk-test"])
+        .args(["--chat-template", template.to_str().expect("utf-8"), "--spec-type", "ngram"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start tine serve");
+    let t0 = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = Command::new(&python).args([script, &format!("http://127.0.0.1:{port}")]).output().expect("run the openai client script");
+    let _ = child.kill();
+    let _ = child.wait();
+    let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    println!("{report}");
+    assert!(out.status.success(), "the openai client's checks failed:\n{report}");
+}
