@@ -126,6 +126,8 @@ pub struct GenFields {
     pub top_logprobs: Option<i64>,
     /// OpenAI's `{"id": bias}` or llama-server's `[[id or text, bias or false], ...]`.
     pub logit_bias: Option<LogitBiasInput>,
+    /// llama-server's tokens kept at the front by a context shift (`-1`: the whole prompt).
+    pub n_keep: Option<i64>,
     /// OpenAI's `{"type": "text" | "json_object" | "json_schema", ...}`.
     pub response_format: Option<serde_json::Value>,
     /// llama-server's JSON schema field.
@@ -263,6 +265,8 @@ pub struct Limits {
     /// A grammar or schema still to be compiled against the vocabulary, with the field it
     /// came from.
     pub constraint: Option<(&'static str, Constraint)>,
+    /// `-1`: the whole prompt.
+    pub n_keep: i32,
 }
 
 /// What a request gets for a field it leaves out (the server's `--temp`, `--n-predict`, ...).
@@ -271,11 +275,13 @@ pub struct Defaults {
     pub sampling: SamplingParams,
     /// `-1`: no limit.
     pub n_predict: i64,
+    /// Tokens a context shift keeps at the front (`--keep`; `-1`: the whole prompt).
+    pub n_keep: i64,
 }
 
 impl Default for Defaults {
     fn default() -> Self {
-        Defaults { sampling: SamplingParams::default(), n_predict: -1 }
+        Defaults { sampling: SamplingParams::default(), n_predict: -1, n_keep: 0 }
     }
 }
 
@@ -344,6 +350,10 @@ impl GenFields {
             logprobs,
             logit_bias: self.logit_bias.as_ref().map(LogitBiasInput::entries).transpose()?.unwrap_or_default(),
             constraint: self.constraint()?,
+            n_keep: match self.n_keep.unwrap_or(defaults.n_keep) {
+                n @ -1..=0x7fff_ffff => n as i32,
+                n => return Err(RequestError(format!("n_keep must be -1 (the whole prompt) or >= 0, got {n}"))),
+            },
         })
     }
 

@@ -75,6 +75,13 @@ struct ServeArgs {
     /// Serve Prometheus metrics at /metrics.
     #[arg(long = "metrics")]
     metrics: bool,
+    /// When a generation fills its slot's context, drop the oldest half of the tokens after
+    /// --keep and continue (off: it stops there, reported `truncated`).
+    #[arg(long = "context-shift", overrides_with = "no_context_shift")]
+    context_shift: bool,
+    /// Stop at the end of the context (the default).
+    #[arg(long = "no-context-shift")]
+    no_context_shift: bool,
     /// The chat template: `gemma`, `chatml` or a Jinja file (default: the GGUF's tokenizer.chat_template, else gemma).
     #[arg(long = "chat-template", value_name = "NAME|FILE", alias = "chat-template-file")]
     chat_template: Option<String>,
@@ -135,6 +142,9 @@ struct ServeSampling {
     /// Seed for requests that bring none (-1: a random one per request).
     #[arg(short = 's', long = "seed", allow_negative_numbers = true)]
     seed: Option<i64>,
+    /// Tokens a context shift keeps at the front (-1: the whole prompt; the first token is always kept).
+    #[arg(long = "keep", allow_negative_numbers = true, default_value_t = 0)]
+    keep: i64,
 }
 
 impl ServeSampling {
@@ -151,10 +161,11 @@ impl ServeSampling {
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             seed: self.seed,
+            n_keep: Some(self.keep),
             ..tine_api::GenFields::default()
         };
         let l = fields.limits().map_err(|e| anyhow::anyhow!("the sampling flags: {e}"))?;
-        Ok(tine_api::Defaults { sampling: l.sampling, n_predict: i64::from(l.n_predict) })
+        Ok(tine_api::Defaults { sampling: l.sampling, n_predict: i64::from(l.n_predict), n_keep: self.keep })
     }
 }
 
@@ -555,6 +566,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         alias: a.alias.clone(),
         slots_endpoint: !a.no_slots,
         metrics: a.metrics,
+        context_shift: a.context_shift && !a.no_context_shift,
         chat_template,
         ..tine_server::ServerConfig::new(parallel, ctx)
     };

@@ -70,7 +70,7 @@ fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
     }
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-        .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics"])
+        .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics", "--context-shift", "--keep", "-1"])
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start tine serve");
@@ -92,6 +92,7 @@ fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
     let metrics = get("GET", "/metrics", "").expect("metrics");
     let _ = child.kill();
     let _ = child.wait();
+    assert!(props.contains(r#""context_shift":true"#) && props.contains(r#""n_keep":-1"#), "--context-shift --keep -1: {props}");
     assert!(props.contains(r#""model_alias":"tiny""#) && props.contains(r#""total_slots":2"#) && props.contains(r#""n_ctx":256"#), "{props}");
     assert!(applied.contains(r#"<|im_start|>user\nhi<|im_end|>"#), "--chat-template chatml: {applied}");
     assert!(done.contains(r#""tokens_predicted":3"#), "-n 3: {done}");

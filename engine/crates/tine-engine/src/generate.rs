@@ -32,6 +32,11 @@ pub struct GenerateRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// A compiled constraint: every token is masked by it before the decision, drafts included.
     pub grammar: Option<Grammar>,
+    /// When the context is full, drop the oldest half of the tokens after the first `n_keep`
+    /// and continue (llama-server's `--context-shift`); otherwise generation stops there.
+    pub context_shift: bool,
+    /// Leading tokens a shift keeps (`-1`: the whole prompt); the first token is always kept.
+    pub n_keep: i32,
 }
 
 impl GenerateRequest {
@@ -47,6 +52,8 @@ impl GenerateRequest {
             speculative: None,
             logit_bias: Vec::new(),
             grammar: None,
+            context_shift: false,
+            n_keep: 0,
         }
     }
 }
@@ -92,6 +99,8 @@ pub struct Timings {
     pub cached_n: usize,
     /// Speculative decoding figures (zero when it is off).
     pub draft: SpecStats,
+    /// Context shifts done (each dropped the oldest half of the shiftable tokens).
+    pub shifts: usize,
 }
 
 impl Timings {
@@ -311,7 +320,7 @@ impl Generation {
     /// [`Generation::step`] with the speculator given to [`Generation::start_with`]: where plain
     /// decoding feeds one token, a round drafts, verifies and decides several; they are then
     /// handed out one per step.
-    pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
+    pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
         if let Some(stop) = self.finished {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
@@ -323,6 +332,7 @@ impl Generation {
         if self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize {
             return Ok(self.finish(StopType::Limit, None, None));
         }
+        let (keep, shiftable) = (self.keep_len(seq), self.can_shift(seq));
         let eog = model.end_of_generation_tokens();
         let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
         let (token, row) = match self.decided.pop_front() {
@@ -362,9 +372,13 @@ impl Generation {
                 self.stopping_word = word.to_owned();
                 self.text.truncate(pos);
                 self.finish(StopType::Word, Some(token), prob)
-            } else if (self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize) || (self.decided.is_empty() && seq.len() + 1 >= seq.context()) {
+            } else if (self.req.n_predict >= 0 && self.generated.len() >= self.req.n_predict as usize) || (self.decided.is_empty() && seq.len() + 1 >= seq.context() && !shiftable) {
                 self.finish(StopType::Limit, Some(token), prob)
             } else {
+                if self.decided.is_empty() && seq.len() + 1 >= seq.context() {
+                    shift(model, seq, spec.as_deref_mut(), keep, self.chunk)?;
+                    self.timings.shifts += 1;
+                }
                 if !self.decided.is_empty() {
                     // Decided by the last round and already in the sequence.
                 } else if let Some(spec) = spec {
@@ -395,6 +409,17 @@ impl Generation {
         Ok(event)
     }
 
+    /// The tokens a shift keeps at the front: `n_keep` (the prompt for `-1`), at least the first.
+    fn keep_len(&self, seq: &Sequence) -> usize {
+        let n = if self.req.n_keep < 0 { self.req.prompt.len() } else { self.req.n_keep as usize };
+        n.max(1).min(seq.len())
+    }
+
+    fn can_shift(&self, seq: &Sequence) -> bool {
+        // Something must be left to drop: at least two tokens after the kept ones.
+        self.req.context_shift && seq.len() >= self.keep_len(seq) + 2
+    }
+
     fn finish(&mut self, stop: StopType, token: Option<u32>, prob: Option<TokenProb>) -> StepEvent {
         self.finished = Some(stop);
         // Flush: incomplete UTF-8 at the very end is shown lossily; a stop string is cut off.
@@ -405,6 +430,35 @@ impl Generation {
         self.sent = self.text.len();
         StepEvent { token, text, prob, stop: Some(stop) }
     }
+}
+
+/// A context shift: drops the oldest half of the tokens after the first `keep` and evaluates
+/// what is left afresh (positions renumbered from 0, the sliding window as the model defines
+/// it), so the continuation is exactly what a new request holding those tokens computes.
+fn shift(model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, keep: usize, chunk: usize) -> Result<(), GenerateError> {
+    let old = seq.tokens().to_vec();
+    let discard = (old.len() - keep) / 2;
+    let new: Vec<u32> = old[..keep].iter().chain(&old[keep + discard..]).copied().collect();
+    let mut spec = spec;
+    let reuse = match spec.as_deref() {
+        Some(spec) => keep.min(spec.reusable(&new)),
+        None => keep,
+    };
+    seq.rollback(reuse)?;
+    let mut at = reuse;
+    while at < new.len() {
+        let end = (at + chunk).min(new.len());
+        match spec.as_deref_mut() {
+            Some(spec) => {
+                spec.prefill_chunk(model, seq, &new[at..end], at == reuse)?;
+            }
+            None => {
+                seq.prefill(model, &new[at..end])?;
+            }
+        }
+        at = end;
+    }
+    Ok(())
 }
 
 /// What plain decoding and every verify row do to the logits before a decision.

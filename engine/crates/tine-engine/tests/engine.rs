@@ -71,6 +71,52 @@ fn speculation_stops_at_the_context_limit_exactly_where_plain_decoding_does() {
     }
 }
 
+/// Logit agreement between a shifted sequence and a fresh request on the same tokens (f32
+/// sums in a different order: batch prefill against one decode step).
+const SHIFT_TOLERANCE: f32 = 1e-4;
+
+#[test]
+fn a_context_shift_continues_exactly_as_a_fresh_request_on_the_shifted_tokens() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    // The fixture's sliding window (4) is far shorter than the context: the shifted
+    // evaluation must respect it too.
+    TinyGemma3 { nextn: true, seed: 6, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello world hello", true, true);
+    let context = 40;
+    for n_keep in [0, 3, -1] {
+        let base = GenerateRequest { n_predict: 90, sampling: SamplingParams::greedy(), ignore_eos: true, n_keep, ..GenerateRequest::new(prompt.clone()) };
+        let off = run_in(&model, context, base.clone(), None);
+        assert_eq!(off.2, Some(StopType::Limit));
+        let on = run_in(&model, context, GenerateRequest { context_shift: true, ..base.clone() }, None);
+        assert_eq!(on.0.len(), 90, "n_keep {n_keep}: shifting generates past the context");
+        assert!(on.4.shifts >= 2, "{:?}", on.4);
+        // Up to the first shift, the same tokens as without shifting.
+        let before = off.0.len();
+        assert_eq!(on.0[..before], off.0[..], "n_keep {n_keep}");
+        // The first shift: the sequence held prompt + before-1 generated tokens; the last one
+        // was pending. A fresh request on the shifted tokens plus that one continues the same.
+        let held: Vec<u32> = prompt.iter().chain(&off.0[..before - 1]).copied().collect();
+        let keep = if n_keep < 0 { prompt.len() } else { (n_keep as usize).max(1) };
+        let discard = (held.len() - keep) / 2;
+        let mut shifted: Vec<u32> = held[..keep].iter().chain(&held[keep + discard..]).copied().collect();
+        shifted.push(off.0[before - 1]);
+        let until_next = context - 1 - shifted.len();
+        let fresh = run_in(&model, context, GenerateRequest { n_predict: until_next as i32, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(shifted) }, None);
+        assert_eq!(fresh.0[..], on.0[before..before + until_next], "n_keep {n_keep}: the continuation after the shift");
+        // The logits too, not only their argmax (the fresh request evaluates the pending token
+        // in its prompt batch, the shift in a decode step: equal up to summation order).
+        let worst = fresh.3.iter().zip(&on.3[before..]).flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs())).fold(0f32, f32::max);
+        assert!(worst < SHIFT_TOLERANCE, "n_keep {n_keep}: logits after the shift differ by {worst}");
+        for kind in [SpecType::DraftMtp, SpecType::Ngram] {
+            let factory = SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(kind) }, &model).expect("setup");
+            let got = run_in(&model, context, GenerateRequest { context_shift: true, ..base.clone() }, Some(&factory));
+            assert_eq!(got.0, on.0, "{kind}, n_keep {n_keep}: speculation across shifts gives the plain output");
+        }
+    }
+}
+
 #[test]
 fn a_prompt_begun_in_ubatches_is_evaluated_one_chunk_per_step_and_generates_the_same() {
     // The scheduler's path (begin_with + step_with) against start_with, plain and with each

@@ -65,6 +65,9 @@ pub struct ServerConfig {
     pub metrics: bool,
     /// `--chat-template`: overrides the GGUF's `tokenizer.chat_template`.
     pub chat_template: Option<ChatTemplate>,
+    /// `--context-shift`: a generation that fills its context drops the oldest half of the
+    /// tokens after `n_keep` and continues.
+    pub context_shift: bool,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]).
     #[doc(hidden)]
     pub fault: Option<Arc<AtomicI64>>,
@@ -86,6 +89,7 @@ impl ServerConfig {
             slots_endpoint: true,
             metrics: false,
             chat_template: None,
+            context_shift: false,
             fault: None,
         }
     }
@@ -204,7 +208,7 @@ fn default_settings(st: &AppState) -> Value {
         "params": {
             "n_predict": st.config.defaults.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
             "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n, "presence_penalty": d.presence_penalty,
-            "frequency_penalty": d.frequency_penalty, "seed": seed, "n_probs": 0, "ignore_eos": false, "stop": [], "cache_prompt": true
+            "frequency_penalty": d.frequency_penalty, "seed": seed, "n_probs": 0, "ignore_eos": false, "stop": [], "cache_prompt": true, "n_keep": st.config.defaults.n_keep, "context_shift": st.config.context_shift
         }
     })
 }
@@ -325,6 +329,8 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
         cache_prompt: l.cache_prompt,
         logit_bias,
         grammar,
+        context_shift: st.config.context_shift,
+        n_keep: l.n_keep,
     };
     Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
 }

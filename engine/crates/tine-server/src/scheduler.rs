@@ -262,7 +262,8 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>, views: 
                             timings: g.timings(),
                             prompt_tokens: g.request().prompt.len(),
                             seed: g.seed(),
-                            truncated: stop == StopType::Limit && !(g.request().n_predict >= 0 && g.tokens().len() >= g.request().n_predict as usize),
+                            // Stopped by the context, or went on after dropping part of it.
+                            truncated: (stop == StopType::Limit && !(g.request().n_predict >= 0 && g.tokens().len() >= g.request().n_predict as usize)) || g.timings().shifts > 0,
                         };
                         let _ = a.events.send(Event::Done(Box::new(summary)));
                         slot.active = None;

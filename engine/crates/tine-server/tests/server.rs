@@ -659,3 +659,22 @@ fn batch_prompts_and_n_choices_come_back_one_result_each_in_order() {
 fn alone_ids(srv: &Server, ids: &Value) -> Option<String> {
     post(srv.addr, "/completion", json!({"prompt": ids, "n_predict": 5, "temperature": 0})).1["content"].as_str().map(str::to_owned)
 }
+
+#[test]
+fn context_shift_goes_past_the_context_and_off_stops_there_truncated() {
+    let body = json!({"prompt": "hello world", "n_predict": 100, "temperature": 0, "ignore_eos": true, "n_keep": -1});
+    let off = start(1, 48);
+    let (_, v) = post(off.addr, "/completion", body.clone());
+    assert!(v["tokens_predicted"].as_u64().expect("n") < 48 && v["truncated"] == true && v["stop_type"] == "limit", "{v}");
+    for spec in [None, Some(tine_spec::SpecType::Ngram)] {
+        let on = start_cfg(spec, |c| {
+            *c = ServerConfig { context_shift: true, ..ServerConfig::new(1, 48) };
+        });
+        let (_, w) = post(on.addr, "/completion", body.clone());
+        assert_eq!(w["tokens_predicted"], 100, "{w}");
+        assert_eq!(w["truncated"], true, "a shift dropped context: {w}");
+        assert!(w["content"].as_str().expect("content").starts_with(v["content"].as_str().expect("content")), "the same text up to the first shift");
+    }
+    let (s, e) = post(off.addr, "/completion", json!({"prompt": "a", "n_keep": -2}));
+    assert_eq!(s, 400, "{e}");
+}
