@@ -82,6 +82,10 @@ struct ServeArgs {
     /// Stop at the end of the context (the default).
     #[arg(long = "no-context-shift")]
     no_context_shift: bool,
+    /// Directory for slot files: POST /slots/{id}?action=save|restore with {"filename": ...}
+    /// (created if missing; without it those actions answer 501).
+    #[arg(long = "slot-save-path", value_name = "DIR")]
+    slot_save_path: Option<std::path::PathBuf>,
     /// The chat template: `gemma`, `chatml` or a Jinja file (default: the GGUF's tokenizer.chat_template, else gemma).
     #[arg(long = "chat-template", value_name = "NAME|FILE", alias = "chat-template-file")]
     chat_template: Option<String>,
@@ -537,6 +541,9 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // Flags first: a bad one should not wait for the model to load.
     let defaults = a.defaults.defaults()?;
     let chat_template = a.chat_template.as_deref().map(tine_engine::template::ChatTemplate::named).transpose().context("--chat-template")?;
+    if let Some(d) = &a.slot_save_path {
+        std::fs::create_dir_all(d).with_context(|| format!("--slot-save-path {}", d.display()))?;
+    }
     let model = std::sync::Arc::new(load(&a.model)?);
     let parallel = a.parallel.max(1);
     // llama-server's rule: --ctx-size is the total, each slot gets an equal share.
@@ -567,6 +574,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         slots_endpoint: !a.no_slots,
         metrics: a.metrics,
         context_shift: a.context_shift && !a.no_context_shift,
+        slot_save_path: a.slot_save_path.clone(),
         chat_template,
         ..tine_server::ServerConfig::new(parallel, ctx)
     };

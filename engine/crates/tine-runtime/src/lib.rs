@@ -7,9 +7,11 @@
 
 mod graft;
 mod model;
+mod slot_file;
 
 pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError, PREFILL_CHUNK};
+pub use slot_file::{fingerprint, SlotFileError, SlotImage};
 
 /// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).
 pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";

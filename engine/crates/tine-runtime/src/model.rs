@@ -70,6 +70,9 @@ pub struct ModelInfo {
     pub embedding_length: usize,
     pub block_count: usize,
     pub file_size: u64,
+    /// FNV-1a of the file's last 4 MiB (tensor data): tells apart same-shaped models, for the
+    /// slot files' model check.
+    pub tail_hash: u64,
     /// `tokenizer.chat_template`, when the GGUF carries one.
     pub chat_template: Option<String>,
 }
@@ -81,11 +84,21 @@ pub struct Model {
     pub info: ModelInfo,
     /// End-of-generation tokens: EOS and `<end_of_turn>`-like control tokens.
     eog: Vec<u32>,
-    device: Device,
+    pub(crate) device: Device,
 }
 
 fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
     ct.metadata.get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize)
+}
+
+fn tail_hash(mut file: &File, size: u64) -> std::io::Result<u64> {
+    use std::io::{Read, Seek, SeekFrom};
+    let n = size.min(4 << 20);
+    file.seek(SeekFrom::Start(size - n))?;
+    let mut buf = vec![0u8; n as usize];
+    file.read_exact(&mut buf)?;
+    file.seek(SeekFrom::Start(0))?;
+    Ok(buf.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3)))
 }
 
 impl Model {
@@ -93,6 +106,7 @@ impl Model {
         let p = || path.to_owned();
         let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
         let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let tail_hash = tail_hash(&file, file_size).map_err(|source| LoadError::Open { path: p(), source })?;
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
         let arch = ct.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
@@ -109,6 +123,7 @@ impl Model {
             embedding_length: md_u32(&ct, "gemma3.embedding_length").unwrap_or(0),
             block_count: md_u32(&ct, "gemma3.block_count").unwrap_or(0),
             file_size,
+            tail_hash,
             chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
         };
         let device = Device::Cpu;
@@ -151,8 +166,13 @@ impl Model {
     /// A new, empty sequence able to hold `context` positions (capped at the model's context).
     pub fn new_sequence(&self, context: usize) -> Sequence {
         let context = context.min(self.info.context_length).max(1);
+        Sequence { cache: self.new_cache_for(context), tokens: Vec::new(), context, fail_after: None }
+    }
+
+    /// An empty KV cache for a sequence of `context` positions.
+    pub(crate) fn new_cache_for(&self, context: usize) -> Cache {
         // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
-        Sequence { cache: self.weights.new_cache(context.min(4096)), tokens: Vec::new(), context, fail_after: None }
+        self.weights.new_cache(context.min(4096))
     }
 }
 
@@ -182,9 +202,9 @@ impl Logits {
 /// cache's length exactly as they were (the KV rows it wrote past the old end are dead, as
 /// after a rollback), so a caller may keep using the sequence and its cached prefix.
 pub struct Sequence {
-    cache: Cache,
-    tokens: Vec<u32>,
-    context: usize,
+    pub(crate) cache: Cache,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) context: usize,
     /// Forwards left before an injected failure ([`Sequence::inject_failure`]).
     fail_after: Option<usize>,
 }

@@ -383,3 +383,69 @@ fn a_failed_step_leaves_the_sequence_exactly_as_before() {
     assert_eq!(seq.len(), prompt.len());
     assert_eq!(seq.forward_all(m, &[9, 10, 11]).expect("retry").data, want_next.data);
 }
+
+mod slot_file {
+    use tine_runtime::{Model, SlotFileError, SlotImage};
+    use tine_test_support::TinyGemma3;
+
+    fn model(dir: &std::path::Path, seed: u64) -> Model {
+        let path = dir.join(format!("tiny{seed}.gguf"));
+        TinyGemma3 { seed, ..TinyGemma3::default() }.write(&path);
+        Model::load(&path).expect("fixture loads")
+    }
+
+    #[test]
+    fn a_saved_sequence_restored_elsewhere_continues_bit_for_bit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = model(dir.path(), 7);
+        let mut a = m.new_sequence(64);
+        a.prefill(&m, &m.tokenizer.encode("hello world hello", true, true)).expect("prefill");
+        let bytes = a.image(&m).expect("image").to_bytes();
+        let img = SlotImage::from_bytes(&bytes).expect("parses back");
+        let mut b = m.new_sequence(64);
+        b.prefill(&m, &[2, 5, 6]).expect("something to replace");
+        b.restore_image(&m, &img).expect("restore");
+        assert_eq!(b.tokens(), a.tokens());
+        assert_eq!(b.cache_len(), a.len());
+        for t in [40u32, 41, 42, 43, 44, 45] {
+            let (x, y) = (a.decode(&m, t).expect("a"), b.decode(&m, t).expect("b"));
+            assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "token {t}: the restored sequence's logits differ");
+        }
+        // An empty sequence round-trips too.
+        let empty = m.new_sequence(64).image(&m).expect("image");
+        let mut c = m.new_sequence(64);
+        c.restore_image(&m, &SlotImage::from_bytes(&empty.to_bytes()).expect("parses")).expect("restore");
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn a_corrupt_truncated_or_foreign_slot_file_is_refused_and_changes_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let m = model(dir.path(), 7);
+        let other = model(dir.path(), 8);
+        let mut a = m.new_sequence(64);
+        a.prefill(&m, &m.tokenizer.encode("hello world", true, true)).expect("prefill");
+        let bytes = a.image(&m).expect("image").to_bytes();
+        assert!(matches!(SlotImage::from_bytes(b"GGUF...."), Err(SlotFileError::Magic)));
+        assert!(matches!(SlotImage::from_bytes(&bytes[..bytes.len() - 3]), Err(SlotFileError::Checksum | SlotFileError::Length)));
+        let mut flipped = bytes.clone();
+        flipped[bytes.len() / 2] ^= 0x40;
+        assert!(matches!(SlotImage::from_bytes(&flipped), Err(SlotFileError::Checksum)));
+        // Every truncation and a flip at every byte: an error, never a panic or a huge allocation.
+        for cut in 0..bytes.len() {
+            assert!(SlotImage::from_bytes(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let img = SlotImage::from_bytes(&bytes).expect("parses");
+        let mut b = other.new_sequence(64);
+        b.prefill(&other, &[2, 5]).expect("prefill");
+        assert!(matches!(b.restore_image(&other, &img), Err(SlotFileError::OtherModel { .. })), "a slot of another model");
+        assert_eq!(b.tokens(), &[2, 5], "a refused restore leaves the sequence as it was");
+        let mut small = m.new_sequence(a.len() - 1);
+        assert!(matches!(small.restore_image(&m, &img), Err(SlotFileError::TooLong { .. })));
+        let mut bad = img.clone();
+        bad.layers[0].1.truncate(3);
+        let mut c = m.new_sequence(64);
+        assert!(c.restore_image(&m, &bad).is_err(), "K of the wrong size");
+        assert!(c.is_empty());
+    }
+}

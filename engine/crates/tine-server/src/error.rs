@@ -120,6 +120,20 @@ impl From<&GenerateError> for ApiError {
     }
 }
 
+/// The one mapping of slot-action failures.
+impl From<&crate::scheduler::SlotError> for ApiError {
+    fn from(e: &crate::scheduler::SlotError) -> ApiError {
+        use crate::scheduler::SlotError as S;
+        let status = match e {
+            S::NoSuchSlot { .. } => StatusCode::NOT_FOUND,
+            S::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
+            S::File(tine_runtime::SlotFileError::Step(_)) | S::Read(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            S::File(_) => StatusCode::BAD_REQUEST,
+        };
+        ApiError::new(status, tine_engine::error_chain(e))
+    }
+}
+
 /// A request the client must change.
 impl From<tine_api::RequestError> for ApiError {
     fn from(e: tine_api::RequestError) -> ApiError {

@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, GenerateRequest, Generation, StopType, Timings, TokenProb};
-use tine_runtime::{Model, Sequence};
+use tine_runtime::{Model, Sequence, SlotFileError, SlotImage, StepError};
 use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -47,6 +47,47 @@ pub struct Summary {
     pub seed: u64,
     /// Generation stopped because the context was full (not at `n_predict`).
     pub truncated: bool,
+}
+
+/// What a slot action does (llama-server's `/slots/{id}?action=`).
+pub enum SlotAction {
+    /// Hand back the slot's tokens and KV.
+    Save,
+    /// Replace the slot's state with this image.
+    Restore(Box<SlotImage>),
+    /// Forget the slot's tokens and KV.
+    Erase,
+}
+
+#[derive(Debug)]
+pub enum SlotOutcome {
+    Saved(Box<SlotImage>),
+    Restored { n_restored: usize },
+    Erased { n_erased: usize },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SlotError {
+    #[error("there is no slot {id} (the server has {slots})")]
+    NoSuchSlot { id: usize, slots: usize },
+    #[error("slot {0} is processing a request; retry when it is idle")]
+    Busy(usize),
+    #[error("reading the slot's KV failed")]
+    Read(#[source] StepError),
+    #[error("the slot file cannot be restored")]
+    File(#[source] SlotFileError),
+}
+
+pub struct SlotCommand {
+    pub id: usize,
+    pub action: SlotAction,
+    pub reply: tokio::sync::oneshot::Sender<Result<SlotOutcome, SlotError>>,
+}
+
+/// What reaches the engine thread.
+enum Msg {
+    Job(Box<Job>),
+    Slot(SlotCommand),
 }
 
 pub struct Job {
@@ -136,14 +177,14 @@ pub struct EngineGone;
 /// A handle to the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Msg>,
     pub slots: usize,
     views: Arc<Mutex<Vec<SlotView>>>,
 }
 
 impl Scheduler {
     pub fn start(model: Arc<Model>, config: EngineConfig) -> Scheduler {
-        let (tx, rx) = mpsc::channel::<Job>();
+        let (tx, rx) = mpsc::channel::<Msg>();
         let slots = config.slots.max(1);
         let n_ctx = config.ctx_size.min(model.info.context_length).max(1);
         let views = Arc::new(Mutex::new((0..slots).map(|id| SlotView { id, n_ctx, id_task: -1, ..SlotView::default() }).collect()));
@@ -159,7 +200,12 @@ impl Scheduler {
 
     /// Queues a request; events arrive on `events`. Fails only if the engine thread is gone.
     pub fn submit(&self, job: Job) -> Result<(), EngineGone> {
-        self.jobs.send(job).map_err(|_| EngineGone)
+        self.jobs.send(Msg::Job(Box::new(job))).map_err(|_| EngineGone)
+    }
+
+    /// Runs a slot action between two engine steps; the outcome arrives on `cmd.reply`.
+    pub fn slot_action(&self, cmd: SlotCommand) -> Result<(), EngineGone> {
+        self.jobs.send(Msg::Slot(cmd)).map_err(|_| EngineGone)
     }
 }
 
@@ -183,7 +229,31 @@ fn publish(views: &Mutex<Vec<SlotView>>, i: usize, slot: &Slot, task: Option<i64
     }
 }
 
-fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>, views: Arc<Mutex<Vec<SlotView>>>) {
+/// A slot action, on an idle slot only (a request's tokens are not a consistent state to save).
+fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], id: usize, action: SlotAction) -> Result<SlotOutcome, SlotError> {
+    let n = slots.len();
+    let slot = slots.get_mut(id).ok_or(SlotError::NoSuchSlot { id, slots: n })?;
+    if slot.active.is_some() {
+        return Err(SlotError::Busy(id));
+    }
+    match action {
+        SlotAction::Save => Ok(SlotOutcome::Saved(Box::new(slot.seq.image(model).map_err(SlotError::Read)?))),
+        SlotAction::Restore(img) => {
+            slot.seq.restore_image(model, &img).map_err(SlotError::File)?;
+            // The drafter's per-position state described the old tokens.
+            slot.spec = new_speculator(model, factory, &slot.seq);
+            Ok(SlotOutcome::Restored { n_restored: slot.seq.len() })
+        }
+        SlotAction::Erase => {
+            let n_erased = slot.seq.len();
+            slot.seq.reset();
+            slot.spec = new_speculator(model, factory, &slot.seq);
+            Ok(SlotOutcome::Erased { n_erased })
+        }
+    }
+}
+
+fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>) {
     let factory = config.spec.clone();
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
@@ -196,14 +266,27 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Job>, views: 
     loop {
         let busy = slots.iter().any(|s| s.active.is_some());
         // Block only when there is nothing to do.
+        let mut commands = Vec::new();
         if !busy && queue.is_empty() {
             match rx.recv() {
-                Ok(job) => queue.push_back(job),
+                Ok(Msg::Job(job)) => queue.push_back(*job),
+                Ok(Msg::Slot(cmd)) => commands.push(cmd),
                 Err(_) => return,
             }
         }
-        while let Ok(job) = rx.try_recv() {
-            queue.push_back(job);
+        while let Ok(msg) = rx.try_recv() {
+            match msg {
+                Msg::Job(job) => queue.push_back(*job),
+                Msg::Slot(cmd) => commands.push(cmd),
+            }
+        }
+        // Slot actions before admissions: they see the slots as the last step left them.
+        for cmd in commands {
+            let out = slot_action(&model, factory.as_ref(), &mut slots, cmd.id, cmd.action);
+            if let Some(slot) = slots.get(cmd.id) {
+                publish(&views, cmd.id, slot, None);
+            }
+            let _ = cmd.reply.send(out);
         }
         // Clients that went away while queued give their place back now.
         queue.retain(|job| !job.events.is_closed());

@@ -678,3 +678,62 @@ fn context_shift_goes_past_the_context_and_off_stops_there_truncated() {
     let (s, e) = post(off.addr, "/completion", json!({"prompt": "a", "n_keep": -2}));
     assert_eq!(s, 400, "{e}");
 }
+
+#[test]
+fn a_slot_saved_erased_and_restored_continues_as_before_and_bad_actions_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let saves = dir.path().join("slots");
+    std::fs::create_dir_all(&saves).expect("mkdir");
+    let path = saves.clone();
+    for spec in [None, Some(tine_spec::SpecType::DraftMtp)] {
+        let path = path.clone();
+        let srv = start_cfg(spec, move |c| *c = ServerConfig { slot_save_path: Some(path), ..ServerConfig::new(1, 256) });
+        let body = json!({"prompt": "hello world hello world", "n_predict": 6, "temperature": 0, "ignore_eos": true});
+        let (_, first) = post(srv.addr, "/completion", body.clone());
+        let (s, saved) = post(srv.addr, "/slots/0?action=save", json!({"filename": "a.bin"}));
+        assert_eq!(s, 200, "{saved}");
+        let n = saved["n_saved"].as_u64().expect("n_saved");
+        assert!(n > 0 && saved["n_written"].as_u64().expect("bytes") > 0, "{saved}");
+        let (_, erased) = post(srv.addr, "/slots/0?action=erase", json!({}));
+        assert_eq!(erased["n_erased"], n, "{erased}");
+        let (_, slots) = post_get(&srv, "/slots");
+        assert_eq!(slots[0]["n_cached"], 0, "{slots}");
+        let (s, restored) = post(srv.addr, "/slots/0?action=restore", json!({"filename": "a.bin"}));
+        assert_eq!((s, restored["n_restored"].as_u64()), (200, Some(n)), "{restored}");
+        // The restored KV serves the prompt from the cache, with the same output.
+        let (_, again) = post(srv.addr, "/completion", body.clone());
+        assert_eq!(again["content"], first["content"]);
+        if spec.is_none() {
+            assert!(again["timings"]["cache_n"].as_u64().expect("cache_n") > 0, "the restored prefix was reused: {again}");
+        }
+        for (path, body, status, needle) in [
+            ("/slots/0?action=save", json!({"filename": "../x"}), 400, "plain file name"),
+            ("/slots/0?action=save", json!({"filename": ".hidden"}), 400, "plain file name"),
+            ("/slots/0?action=save", json!({}), 400, "`filename` is required"),
+            ("/slots/0?action=restore", json!({"filename": "missing.bin"}), 404, "no slot file"),
+            ("/slots/0?action=fly", json!({}), 400, "action must be"),
+            ("/slots/7?action=erase", json!({}), 404, "there is no slot 7"),
+            ("/slots/x?action=erase", json!({}), 400, "not a number"),
+        ] {
+            let (s, v) = post(srv.addr, path, body.clone());
+            assert_eq!(s, status, "{path} {body}: {v}");
+            assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{path}: {v}");
+        }
+        std::fs::write(saves.join("junk.bin"), b"TINESLOT not really").expect("write");
+        let (s, v) = post(srv.addr, "/slots/0?action=restore", json!({"filename": "junk.bin"}));
+        assert_eq!(s, 400, "{v}");
+        let (_, still) = post(srv.addr, "/completion", body.clone());
+        assert_eq!(still["content"], first["content"], "a refused restore changed nothing");
+    }
+    // Without --slot-save-path, save and restore are not supported (erase is).
+    let srv = start(1, 64);
+    let (s, v) = post(srv.addr, "/slots/0?action=save", json!({"filename": "a.bin"}));
+    assert_eq!(s, 501, "{v}");
+    let (s, _) = post(srv.addr, "/slots/0?action=erase", json!({}));
+    assert_eq!(s, 200);
+}
+
+fn post_get(srv: &Server, path: &str) -> (u16, Value) {
+    let (s, body) = http(srv.addr, "GET", path, "");
+    (s, serde_json::from_str(&body).unwrap_or(Value::Null))
+}

@@ -1,0 +1,190 @@
+//! A sequence saved to bytes and loaded back (llama-server's slot save/restore): its tokens
+//! and every layer's K and V, so a restored sequence continues exactly where it stopped.
+//!
+//! Layout (little endian): `TINESLOT`, version u32, the model fingerprint (u32 length + UTF-8),
+//! token count u32, the tokens (u32 each), layer count u32, then per layer the four dims of K
+//! (u32 each, V has the same) and K's then V's values (f32); last, an FNV-1a 64 checksum of
+//! everything before it. Anything that does not parse, or belongs to another model, is refused.
+
+use candle_core::{DType, Tensor};
+
+use crate::model::{Model, Sequence, StepError};
+
+const MAGIC: &[u8; 8] = b"TINESLOT";
+const VERSION: u32 = 1;
+
+/// A sequence's state outside the engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotImage {
+    /// Which model's KV this is ([`fingerprint`]).
+    pub model: String,
+    pub tokens: Vec<u32>,
+    /// Per layer: dims `(batch, kv_heads, len, head_dim)`, K values, V values.
+    pub layers: Vec<([usize; 4], Vec<f32>, Vec<f32>)>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SlotFileError {
+    #[error("not a Tine slot file (bad magic)")]
+    Magic,
+    #[error("slot file version {0} is not supported (this build reads {VERSION})")]
+    Version(u32),
+    #[error("the slot file is truncated or has trailing bytes")]
+    Length,
+    #[error("the slot file's checksum does not match: it is corrupt")]
+    Checksum,
+    #[error("the slot file is malformed: {0}")]
+    Malformed(String),
+    #[error("the slot was saved from another model ({saved}), this server runs {running}")]
+    OtherModel { saved: String, running: String },
+    #[error("the slot holds {tokens} tokens, the slot's context is {context}")]
+    TooLong { tokens: usize, context: usize },
+    #[error("restoring the KV cache failed")]
+    Step(#[from] StepError),
+}
+
+/// What identifies a model's KV layout and values.
+pub fn fingerprint(model: &Model) -> String {
+    let i = &model.info;
+    format!("{} {:?} vocab {} embd {} blocks {} bytes {} tail {:016x}", i.architecture, i.name, i.vocab_size, i.embedding_length, i.block_count, i.file_size, i.tail_hash)
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
+impl SlotImage {
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let floats: usize = self.layers.iter().map(|l| l.1.len() + l.2.len()).sum();
+        let mut out = Vec::with_capacity(64 + self.model.len() + 4 * self.tokens.len() + 4 * floats);
+        let u32le = |out: &mut Vec<u8>, v: usize| out.extend_from_slice(&(v as u32).to_le_bytes());
+        out.extend_from_slice(MAGIC);
+        u32le(&mut out, VERSION as usize);
+        u32le(&mut out, self.model.len());
+        out.extend_from_slice(self.model.as_bytes());
+        u32le(&mut out, self.tokens.len());
+        for &t in &self.tokens {
+            u32le(&mut out, t as usize);
+        }
+        u32le(&mut out, self.layers.len());
+        for (dims, k, v) in &self.layers {
+            for &d in dims {
+                u32le(&mut out, d);
+            }
+            for x in k.iter().chain(v) {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        let sum = fnv1a(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
+        out
+    }
+
+    pub fn from_bytes(bytes: &[u8]) -> Result<SlotImage, SlotFileError> {
+        if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
+            return Err(SlotFileError::Magic);
+        }
+        if bytes.len() < MAGIC.len() + 4 + 8 {
+            return Err(SlotFileError::Length);
+        }
+        let (body, sum) = bytes.split_at(bytes.len() - 8);
+        let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
+        if version != VERSION {
+            return Err(SlotFileError::Version(version));
+        }
+        if fnv1a(body) != u64::from_le_bytes(sum.try_into().expect("8 bytes")) {
+            return Err(SlotFileError::Checksum);
+        }
+        let mut r = Reader { b: body, at: 12 };
+        let n = r.u32()?;
+        let model = String::from_utf8(r.take(n)?.to_vec()).map_err(|_| SlotFileError::Malformed("the model fingerprint is not UTF-8".into()))?;
+        let n_tokens = r.u32()?;
+        // Bounded by the bytes present before anything is allocated.
+        let tokens = (0..n_tokens).map(|_| r.u32().map(|t| t as u32)).collect::<Result<Vec<_>, _>>()?;
+        let n_layers = r.u32()?;
+        if n_layers > 4096 {
+            return Err(SlotFileError::Malformed(format!("{n_layers} layers")));
+        }
+        let mut layers = Vec::with_capacity(n_layers);
+        for _ in 0..n_layers {
+            let dims = [r.u32()?, r.u32()?, r.u32()?, r.u32()?];
+            let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| SlotFileError::Malformed(format!("dims {dims:?} overflow")))?;
+            if dims[2] != tokens.len() {
+                return Err(SlotFileError::Malformed(format!("a layer holds {} positions for {} tokens", dims[2], tokens.len())));
+            }
+            let k = r.f32s(n)?;
+            let v = r.f32s(n)?;
+            layers.push((dims, k, v));
+        }
+        if r.at != body.len() {
+            return Err(SlotFileError::Length);
+        }
+        Ok(SlotImage { model, tokens, layers })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], SlotFileError> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len()).ok_or(SlotFileError::Length)?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<usize, SlotFileError> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")) as usize)
+    }
+    fn f32s(&mut self, n: usize) -> Result<Vec<f32>, SlotFileError> {
+        let bytes = self.take(n.checked_mul(4).ok_or(SlotFileError::Length)?)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect())
+    }
+}
+
+impl Sequence {
+    /// This sequence's tokens and KV, to save.
+    pub fn image(&self, model: &Model) -> Result<SlotImage, StepError> {
+        let mut layers = Vec::new();
+        for (k, v) in self.cache.snapshot()?.unwrap_or_default() {
+            let d = k.dims();
+            let dims = [d[0], d[1], d[2], d[3]];
+            let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+            layers.push((dims, flat(&k)?, flat(&v)?));
+        }
+        Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers })
+    }
+
+    /// Replaces this sequence's state with `img`. On error the sequence is unchanged.
+    pub fn restore_image(&mut self, model: &Model, img: &SlotImage) -> Result<(), SlotFileError> {
+        let running = fingerprint(model);
+        if img.model != running {
+            return Err(SlotFileError::OtherModel { saved: img.model.clone(), running });
+        }
+        if img.tokens.len() > self.context {
+            return Err(SlotFileError::TooLong { tokens: img.tokens.len(), context: self.context });
+        }
+        if let Some(&t) = img.tokens.iter().find(|&&t| t as usize >= model.info.vocab_size) {
+            return Err(SlotFileError::Malformed(format!("token id {t} is outside the vocabulary")));
+        }
+        let dev = &model.device;
+        let mut kv = Vec::with_capacity(img.layers.len());
+        for (dims, k, v) in &img.layers {
+            let t = |x: &Vec<f32>| Tensor::from_vec(x.clone(), dims.as_slice(), dev);
+            kv.push((t(k).map_err(StepError::from)?, t(v).map_err(StepError::from)?));
+        }
+        // Into a fresh cache first: a refused image leaves this sequence as it was.
+        let mut cache = model.new_cache_for(self.context);
+        if !kv.is_empty() {
+            cache.restore(&kv).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
+        }
+        if cache.len() != img.tokens.len() {
+            return Err(SlotFileError::Malformed(format!("the KV holds {} positions for {} tokens", cache.len(), img.tokens.len())));
+        }
+        self.cache = cache;
+        self.tokens = img.tokens.clone();
+        Ok(())
+    }
+}
