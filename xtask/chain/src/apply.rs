@@ -186,6 +186,10 @@ fn apply_file(st: &mut Staged<'_>, fp: &FilePatch, reverse: bool) -> FileResult<
         // Undo a copy: the copy must hold exactly what the patch made from its source.
         let copy = src.expect("a copy names its destination");
         let orig = dst.expect("a copy names its source");
+        if copy == orig {
+            // Never applied forward (its destination existed): nothing to undo.
+            return Err(nohunk(ApplyErrorKind::FileExists));
+        }
         let made = st.get(copy).cloned().ok_or_else(|| nohunk(ApplyErrorKind::MissingFile))?;
         let source = st.get(orig).cloned().ok_or_else(|| nohunk(ApplyErrorKind::MissingFile))?;
         let back = transform(&made.data, fp, true)?;
@@ -220,7 +224,9 @@ fn apply_file(st: &mut Staged<'_>, fp: &FilePatch, reverse: bool) -> FileResult<
             let dst = dst.expect("a modified file has a path");
             let cur = st.get(src).cloned().ok_or_else(|| nohunk(ApplyErrorKind::MissingFile))?;
             check_mode(src_mode, cur.mode)?;
-            if src != dst && st.get(dst).is_some() {
+            // A copy never writes over an existing file, not even its own source (git refuses
+            // "already exists"; reversing it would delete the source).
+            if (src != dst || op == Op::Copy) && st.get(dst).is_some() {
                 return Err(nohunk(ApplyErrorKind::FileExists));
             }
             let data = transform(&cur.data, fp, reverse)?;

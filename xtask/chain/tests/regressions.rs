@@ -783,3 +783,23 @@ fn a_hunk_line_with_neither_content_nor_newline_is_a_parse_error() {
     let err = patch::parse(b"diff --git a/f b/f\nnew file mode 100644\n--- /dev/null\n+++ b/f\n@@ -0,0 +1 @@\n+").expect_err("refused");
     assert!(matches!(err.kind, ParseErrorKind::BadHunkLine(_)), "{err}");
 }
+
+// Found by `cargo xtask fuzz --target patch_parse`: `copy from copy.txt` / `copy to copy.txt`
+// applied forward as a no-op, but reversing a copy deletes its destination, so forward then
+// reverse lost the file. git refuses it ("already exists in working directory"); so do we. A
+// rename onto itself stays a no-op both ways, as in git.
+#[test]
+fn a_copy_onto_its_own_source_is_refused_as_git_refuses_it() {
+    let t = one_file("copy.txt", b"a\nb\n");
+    let copy = b"diff --git a/copy.txt b/copy.txt\nsimilarity index 100%\ncopy from copy.txt\ncopy to copy.txt\n";
+    assert!(git_apply(&t, copy, false).is_none(), "git refuses the copy");
+    assert_eq!(ours(&t, copy, false), Err(ApplyErrorKind::FileExists));
+    let rename = b"diff --git a/copy.txt b/copy.txt\nsimilarity index 100%\nrename from copy.txt\nrename to copy.txt\n";
+    assert_eq!(git_apply(&t, rename, false).as_ref(), Some(&t), "git takes the rename as a no-op");
+    // A no-op both ways (so `apply` calls it ambiguous: applicable and already applied).
+    let ps = patch::parse(rename).expect("parses");
+    for reverse in [false, true] {
+        let out = apply::plan(&t, &ps, reverse).expect("places");
+        assert!(out.values().all(|e| e.as_ref().is_some_and(|e| e.data == b"a\nb\n")), "{out:?}");
+    }
+}
