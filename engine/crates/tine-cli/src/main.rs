@@ -190,6 +190,10 @@ struct SpecArgs {
     /// A model drafter stops when its top probability falls below this (0 to 1).
     #[arg(long = "spec-draft-p-min", alias = "draft-p-min", default_value_t = 0.0)]
     draft_p_min: f32,
+    /// Choose each round's depth (up to --spec-draft-n-max) from the measured acceptance and
+    /// forward costs, and draft nothing where it does not pay (off: always draft n-max).
+    #[arg(long = "spec-adaptive", value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    adaptive: bool,
     /// An assistant head GGUF (gemma4-assistant layout) for --spec-type draft-assistant.
     #[arg(long = "mtp-head", value_name = "FILE")]
     mtp_head: Option<PathBuf>,
@@ -207,6 +211,14 @@ struct SpecArgs {
     ngram_max: usize,
 }
 
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" | "1" => Ok(true),
+        "off" | "false" | "0" => Ok(false),
+        _ => Err(format!("expected on or off, got {s:?}")),
+    }
+}
+
 impl SpecArgs {
     fn config(&self) -> Option<SpecConfig> {
         let spec_type = self.spec_type.or(if self.mtp_head.is_some() {
@@ -218,7 +230,7 @@ impl SpecArgs {
         })?;
         Some(SpecConfig {
             spec_type,
-            params: DraftParams { n_max: self.draft_n_max, n_min: self.draft_n_min, p_min: self.draft_p_min },
+            params: DraftParams { n_max: self.draft_n_max, n_min: self.draft_n_min, p_min: self.draft_p_min, adaptive: self.adaptive },
             mtp_head: self.mtp_head.clone(),
             draft_model: self.model_draft.clone(),
             ngram_min: self.ngram_min,
@@ -415,9 +427,21 @@ const EQUIV_PROMPTS: [&str; 8] = [
 
 /// A greedy run of `n_predict` tokens (EOS ignored) on a fresh sequence sized for it: the tokens,
 /// their logit rows when `record`, and the timings.
-pub(crate) fn greedy_run(model: &Model, prompt: &[u32], n_predict: i32, mut spec: Option<&mut tine_spec::Speculator>, record: bool) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>, tine_engine::Timings)> {
+pub(crate) fn greedy_run(model: &Model, prompt: &[u32], n_predict: i32, spec: Option<&mut tine_spec::Speculator>, record: bool) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>, tine_engine::Timings)> {
+    sampled_run(model, prompt, n_predict, SamplingParams::greedy(), spec, record)
+}
+
+/// [`greedy_run`] with any sampling settings (a fixed seed makes it repeatable).
+pub(crate) fn sampled_run(
+    model: &Model,
+    prompt: &[u32],
+    n_predict: i32,
+    sampling: SamplingParams,
+    mut spec: Option<&mut tine_spec::Speculator>,
+    record: bool,
+) -> anyhow::Result<(Vec<u32>, Vec<Vec<f32>>, tine_engine::Timings)> {
     let mut seq = model.new_sequence(prompt.len() + n_predict.max(0) as usize + 8);
-    let req = GenerateRequest { n_predict, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.to_vec()) };
+    let req = GenerateRequest { n_predict, sampling, ignore_eos: true, ..GenerateRequest::new(prompt.to_vec()) };
     let mut g = Generation::start_with(model, &mut seq, req, spec.as_deref_mut())?;
     g.record_logits(record);
     while !g.is_finished() {

@@ -21,9 +21,16 @@ pub struct SpecBenchArgs {
     pub types: Vec<String>,
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     pub depths: Vec<usize>,
-    /// Tokens generated per prompt (greedy, EOS ignored).
+    /// Tokens generated per prompt (EOS ignored).
     #[arg(short = 'n', long = "n-predict", default_value_t = 192)]
     pub n_predict: i32,
+    /// Sampling temperatures (0: greedy); above 0 every run uses seed 42 + the prompt's index,
+    /// so plain and speculative runs of a prompt must give the same tokens.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub temperatures: Vec<f32>,
+    /// Depth policies per spec type: `fixed` (always n-max) and/or `adaptive`.
+    #[arg(long, value_delimiter = ',', default_value = "fixed")]
+    pub policies: Vec<String>,
     /// Interleaved rounds; the table reports medians.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
@@ -75,10 +82,12 @@ impl Drafter for RejectDrafter {
     }
 }
 
-#[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Debug)]
+#[derive(Clone, PartialEq, Debug)]
 struct Config {
+    temperature: f32,
     kind: String,
     depth: usize,
+    adaptive: bool,
 }
 
 impl Config {
@@ -86,8 +95,11 @@ impl Config {
         if self.kind == "plain" {
             "plain".into()
         } else {
-            format!("{} d{}", self.kind, self.depth)
+            format!("{} d{}{}", self.kind, self.depth, if self.adaptive { " adaptive" } else { "" })
         }
+    }
+    fn key(&self) -> String {
+        format!("T{} {}", self.temperature, self.label())
     }
 }
 
@@ -126,15 +138,32 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
         let config = SpecConfig { mtp_head: a.mtp_head.clone(), draft_model: a.model_draft.clone(), ..SpecConfig::new(kind) };
         factories.insert(t.clone(), SpecFactory::load(config, &model).with_context(|| format!("setting up {t}"))?);
     }
-    let mut configs = vec![Config { kind: "plain".into(), depth: 0 }];
-    for t in &a.types {
-        for &d in &a.depths {
-            configs.push(Config { kind: t.clone(), depth: d });
+    for p in &a.policies {
+        anyhow::ensure!(p == "fixed" || p == "adaptive", "--policies: fixed or adaptive, got {p:?}");
+    }
+    let mut configs = Vec::new();
+    for &temperature in &a.temperatures {
+        anyhow::ensure!(temperature.is_finite() && temperature >= 0.0, "--temperatures must be >= 0, got {temperature}");
+        configs.push(Config { temperature, kind: "plain".into(), depth: 0, adaptive: false });
+        for t in &a.types {
+            for &d in &a.depths {
+                for p in &a.policies {
+                    configs.push(Config { temperature, kind: t.clone(), depth: d, adaptive: p == "adaptive" });
+                }
+            }
         }
     }
-    // samples[(config, prompt)] = one per round
-    let mut samples: BTreeMap<(Config, usize), Vec<Sample>> = BTreeMap::new();
-    let mut reference: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let sampling = |c: &Config, pi: usize| {
+        if c.temperature == 0.0 {
+            tine_sampling::SamplingParams::greedy()
+        } else {
+            tine_sampling::SamplingParams { temperature: c.temperature, seed: Some(42 + pi as u64), ..tine_sampling::SamplingParams::default() }
+        }
+    };
+    // samples[(config key, prompt)] = one per round
+    let mut samples: BTreeMap<(String, usize), Vec<Sample>> = BTreeMap::new();
+    // The plain tokens per (temperature, prompt): every config at that temperature must match.
+    let mut reference: BTreeMap<(String, usize), Vec<u32>> = BTreeMap::new();
     let total = a.rounds * prompts.len() * configs.len();
     let mut done = 0;
     for round in 0..a.rounds {
@@ -142,21 +171,23 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
             for c in &configs {
                 let mut spec = match c.kind.as_str() {
                     "plain" => None,
-                    "reject" => Some(Speculator::new(Box::new(RejectDrafter), DraftParams { n_max: c.depth, ..DraftParams::default() })),
+                    "reject" => Some(Speculator::new(Box::new(RejectDrafter), DraftParams { n_max: c.depth, adaptive: c.adaptive, ..DraftParams::default() })),
                     k => {
                         let mut s = factories[k].speculator(&model, prompt.len() + a.n_predict as usize + 8)?;
                         s.params.n_max = c.depth;
+                        s.params.adaptive = c.adaptive;
                         Some(s)
                     }
                 };
-                let (tokens, _, t) = crate::greedy_run(&model, prompt, a.n_predict, spec.as_mut(), false)?;
+                let (tokens, _, t) = crate::sampled_run(&model, prompt, a.n_predict, sampling(c, pi), spec.as_mut(), false)?;
+                let tkey = (format!("{}", c.temperature), pi);
                 if c.kind == "plain" && round == 0 {
-                    reference[pi] = tokens.clone();
+                    reference.insert(tkey.clone(), tokens.clone());
                 }
-                let identical = tokens == reference[pi];
-                samples.entry((c.clone(), pi)).or_default().push(Sample { tokens: t.predicted_n, ms: t.predicted_ms, stats: t.draft, identical });
+                let identical = reference.get(&tkey) == Some(&tokens);
+                samples.entry((c.key(), pi)).or_default().push(Sample { tokens: t.predicted_n, ms: t.predicted_ms, stats: t.draft, identical });
                 done += 1;
-                eprint!("\r[{done}/{total}] round {} {:<18} {:<20} {:>6.1} tok/s   ", round + 1, prompts[pi].1, c.label(), t.predicted_per_second());
+                eprint!("\r[{done}/{total}] round {} {:<18} T {} {:<28} {:>6.1} tok/s   ", round + 1, prompts[pi].1, c.temperature, c.label(), t.predicted_per_second());
             }
         }
     }
@@ -164,7 +195,13 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
 
     let mut md = String::new();
     let mut json_rows = Vec::new();
-    writeln!(md, "Model: `{}`; greedy, {} tokens per prompt, EOS ignored; {} interleaved rounds, medians.\n", model.info.path.display(), a.n_predict, a.rounds)?;
+    writeln!(
+        md,
+        "Model: `{}`; {} tokens per prompt, EOS ignored; temperature 0 is greedy, above it llama.cpp's default sampler with seed 42 + prompt index; {} interleaved rounds, medians. \"identical\": the tokens equal plain decoding's at the same temperature and seed.\n",
+        model.info.path.display(),
+        a.n_predict,
+        a.rounds
+    )?;
     let sets: Vec<&str> = ["copy", "mtp9"].into_iter().filter(|s| a.sets.iter().any(|x| x == s)).collect();
     for set in sets {
         let idx: Vec<usize> = (0..prompts.len()).filter(|&i| prompts[i].0 == set).collect();
@@ -174,7 +211,7 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
                 (0..a.rounds)
                     .map(|r| {
                         let (tok, ms) = idx.iter().fold((0usize, 0f64), |acc, &i| {
-                            let s = &samples[&(c.clone(), i)][r];
+                            let s = &samples[&(c.key(), i)][r];
                             (acc.0 + s.tokens, acc.1 + s.ms)
                         });
                         tok as f64 * 1000.0 / ms
@@ -182,35 +219,36 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
                     .collect(),
             )
         };
-        let plain_tps = tps(&configs[0]);
         writeln!(md, "### Prompt set `{set}` ({} prompts)\n", idx.len())?;
-        writeln!(md, "| config | accept | τ (tokens/verify) | decode tok/s | speedup vs plain | greedy identical |")?;
-        writeln!(md, "|---|---|---|---|---|---|")?;
+        writeln!(md, "| temperature | config | accept | τ (tokens/verify) | decode tok/s | speedup vs plain | identical |")?;
+        writeln!(md, "|---|---|---|---|---|---|---|")?;
         for c in &configs {
+            let plain = configs.iter().find(|p| p.kind == "plain" && p.temperature == c.temperature).expect("a plain config per temperature");
+            let plain_tps = tps(plain);
             let mut st = SpecStats::default();
             let mut ident = 0;
             for &i in &idx {
-                let s = &samples[&(c.clone(), i)];
+                let s = &samples[&(c.key(), i)];
                 st.add(&s[0].stats);
                 ident += s.iter().filter(|x| x.identical).count();
             }
             let v = tps(c);
             let (acc, tau) = if c.kind == "plain" { ("-".to_string(), "1".to_string()) } else { (format!("{:.3}", st.accept_rate()), format!("{:.2}", st.tau())) };
-            writeln!(md, "| {} | {acc} | {tau} | {v:.1} | {:.2}x | {ident}/{} |", c.label(), v / plain_tps, idx.len() * a.rounds)?;
-            json_rows.push(serde_json::json!({"set": set, "config": c.label(), "accept": st.accept_rate(), "tau": st.tau(), "tps": v, "speedup": v / plain_tps, "draft_n": st.draft_n, "draft_n_accepted": st.draft_n_accepted, "draft_verify_steps": st.draft_verify_steps, "greedy_identical": ident, "runs": idx.len() * a.rounds}));
+            writeln!(md, "| {} | {} | {acc} | {tau} | {v:.1} | {:.2}x | {ident}/{} |", c.temperature, c.label(), v / plain_tps, idx.len() * a.rounds)?;
+            json_rows.push(serde_json::json!({"set": set, "temperature": c.temperature, "config": c.label(), "adaptive": c.adaptive, "accept": st.accept_rate(), "tau": st.tau(), "tps": v, "speedup": v / plain_tps, "draft_n": st.draft_n, "draft_n_accepted": st.draft_n_accepted, "draft_verify_steps": st.draft_verify_steps, "identical": ident, "runs": idx.len() * a.rounds}));
         }
         writeln!(md)?;
         // Per prompt: the best depth of each type.
         writeln!(md, "Per prompt (decode tok/s, median of rounds; accept rate in parentheses):\n")?;
-        write!(md, "| prompt | plain |")?;
-        for c in configs.iter().skip(1) {
-            write!(md, " {} |", c.label())?;
+        write!(md, "| prompt |")?;
+        for c in &configs {
+            write!(md, " T{} {} |", c.temperature, c.label())?;
         }
-        writeln!(md, "\n|---|---|{}", "---|".repeat(configs.len() - 1))?;
+        writeln!(md, "\n|---|{}", "---|".repeat(configs.len()))?;
         for &i in &idx {
             write!(md, "| {} |", prompts[i].1)?;
             for c in &configs {
-                let s = &samples[&(c.clone(), i)];
+                let s = &samples[&(c.key(), i)];
                 let v = median(s.iter().map(|x| x.tokens as f64 * 1000.0 / x.ms).collect());
                 if c.kind == "plain" {
                     write!(md, " {v:.1} |")?;

@@ -394,7 +394,7 @@ fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields) -> Result<Validated, 
     let speculative = match &st.config.spec {
         Some(f) if g.has_spec_override() => {
             let d = f.config.params;
-            let p = tine_spec::DraftParams { n_max: g.spec_n_max.unwrap_or(d.n_max), n_min: g.spec_n_min.unwrap_or(d.n_min), p_min: g.spec_p_min.unwrap_or(d.p_min) };
+            let p = tine_spec::DraftParams { n_max: g.spec_n_max.unwrap_or(d.n_max), n_min: g.spec_n_min.unwrap_or(d.n_min), p_min: g.spec_p_min.unwrap_or(d.p_min), adaptive: d.adaptive };
             p.check().map_err(|e| ApiError::bad(format!("speculative: {e}")))?;
             Some(p)
         }

@@ -6,10 +6,13 @@
 //! - [`Speculator`] runs a round: draft, verify (`Sequence::forward_all`, batch-invariant on the
 //!   CPU, so each row equals a one-token decode bit for bit), accept, roll the KV cache back
 //!   (O(1) truncate), and counts statistics.
-//! - Greedy: a draft is kept when the target's own choice equals it, so the output is the plain
-//!   greedy output token for token. Sampling: a draft `x` is kept with probability `p(x)` (the
-//!   drafters are argmax drafters, `q` is one-hot, so `min(1, p/q) = p(x)`), and a rejection
-//!   draws from `normalize(max(0, p − q))`; the output distribution is plain sampling's.
+//! - At every temperature, each verify row draws the target's token exactly as plain decoding
+//!   would (same sampler, same history, same position in the random stream) and a draft is
+//!   kept when it equals that token. The output is plain decoding's token for token, for any
+//!   seed; since the drafters are argmax drafters (`q` one-hot), a draft `x` is kept with
+//!   probability `p(x)`, what `min(1, p/q)` gives.
+//! - With [`DraftParams::adaptive`], a [`Policy`] picks each round's depth from the sequence's
+//!   measured acceptance and forward costs, and turns drafting off where it does not pay.
 //!
 //! This crate knows nothing about HTTP, chat templates or stop strings.
 
@@ -82,11 +85,115 @@ pub struct DraftParams {
     pub n_min: usize,
     /// A model drafter stops when its top probability falls below this.
     pub p_min: f32,
+    /// Choose each round's depth (up to `n_max`) from this sequence's measured acceptance and
+    /// forward costs, drafting nothing where no depth beats plain decoding ([`Policy`]).
+    pub adaptive: bool,
 }
 
 impl Default for DraftParams {
     fn default() -> Self {
-        DraftParams { n_max: 3, n_min: 0, p_min: 0.0 }
+        DraftParams { n_max: 3, n_min: 0, p_min: 0.0, adaptive: false }
+    }
+}
+
+/// The adaptive depth: per sequence, what a verify forward of `r` rows costs (moving averages
+/// of measured times), what a drafted token costs, and how often a draft position is kept
+/// (discounted counts, a geometric model: position `i` is judged only if `i - 1` was kept).
+/// Depth `k` is worth `(1 + E[kept | k]) / (T(k + 1) + k * D)` tokens per ms against plain
+/// decoding's `1 / T(1)`; the best wins, and 0 (no drafting) when none beats plain decoding
+/// by [`Policy::MARGIN`]. While off, a short draft is tried every [`Policy::PROBE_EVERY`]
+/// rounds so a sequence whose text turns predictable is noticed.
+#[derive(Debug, Clone, Default)]
+pub struct Policy {
+    /// Moving average of ms per verify forward, indexed by rows.
+    verify_ms: Vec<Option<f64>>,
+    /// Moving average of drafting ms per drafted token.
+    draft_ms: Option<f64>,
+    judged: f64,
+    kept: f64,
+    rounds: u64,
+    idle: u32,
+}
+
+impl Policy {
+    /// Weight of a new timing in its moving average.
+    const EMA: f64 = 0.25;
+    /// Per-round discount of the acceptance history (recent text counts more).
+    const DECAY: f64 = 0.95;
+    /// Rounds at full depth before the figures are trusted.
+    const WARMUP: u64 = 4;
+    /// A depth must beat plain decoding by this factor (timing noise is a few percent).
+    pub const MARGIN: f64 = 1.03;
+    pub const PROBE_EVERY: u32 = 8;
+
+    /// The estimated probability that a draft position is kept (a Beta(1, 1) prior).
+    pub fn accept_rate(&self) -> f64 {
+        (self.kept + 1.0) / (self.judged + 2.0)
+    }
+
+    fn cost(&self, rows: usize) -> Option<f64> {
+        if let Some(Some(t)) = self.verify_ms.get(rows) {
+            return Some(*t);
+        }
+        // Unmeasured: linear between the nearest measured row counts (or from one of them
+        // with the slope of the others, else a quarter of a decode per extra row).
+        let measured: Vec<(usize, f64)> = self.verify_ms.iter().enumerate().filter_map(|(r, t)| t.map(|t| (r, t))).collect();
+        let t1 = measured.iter().find(|m| m.0 == 1).map(|m| m.1)?;
+        let below = measured.iter().rev().find(|m| m.0 < rows);
+        let above = measured.iter().find(|m| m.0 > rows);
+        Some(match (below, above) {
+            (Some(&(r0, t0)), Some(&(r1, tt))) => t0 + (tt - t0) * (rows - r0) as f64 / (r1 - r0) as f64,
+            (Some(&(r0, t0)), None) if r0 > 1 => t0 + (t0 - t1) / (r0 - 1) as f64 * (rows - r0) as f64,
+            _ => t1 * (1.0 + 0.25 * (rows - 1) as f64),
+        })
+    }
+
+    /// The depth for the next round, at most `k_max`.
+    pub fn depth(&mut self, k_max: usize) -> usize {
+        if k_max == 0 {
+            return 0;
+        }
+        let Some(t1) = self.cost(1) else { return k_max };
+        if self.rounds < Self::WARMUP {
+            return k_max;
+        }
+        let a = self.accept_rate();
+        let d = self.draft_ms.unwrap_or(0.0);
+        let (mut best, mut best_k) = (Self::MARGIN / t1, 0);
+        for k in 1..=k_max {
+            let kept = if (1.0 - a).abs() < 1e-9 { k as f64 } else { a * (1.0 - a.powi(k as i32)) / (1.0 - a) };
+            let Some(t) = self.cost(k + 1) else { continue };
+            let rate = (1.0 + kept) / (t + d * k as f64);
+            if rate > best {
+                (best, best_k) = (rate, k);
+            }
+        }
+        if best_k == 0 {
+            self.idle += 1;
+            if self.idle >= Self::PROBE_EVERY {
+                self.idle = 0;
+                return 1;
+            }
+        } else {
+            self.idle = 0;
+        }
+        best_k
+    }
+
+    /// What one round measured: a verify forward of `rows` rows in `verify_ms`, `drafted`
+    /// tokens drafted in `draft_ms`, `kept` of them accepted.
+    pub fn record(&mut self, rows: usize, verify_ms: f64, drafted: usize, draft_ms: f64, kept: usize) {
+        if self.verify_ms.len() <= rows {
+            self.verify_ms.resize(rows + 1, None);
+        }
+        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + Self::EMA * (new - o)));
+        self.verify_ms[rows] = ema(self.verify_ms[rows], verify_ms);
+        if drafted > 0 {
+            self.draft_ms = ema(self.draft_ms, draft_ms / drafted as f64);
+            self.judged = self.judged * Self::DECAY + (kept + usize::from(kept < drafted)) as f64;
+            self.kept = self.kept * Self::DECAY + kept as f64;
+            self.rounds += 1;
+        }
     }
 }
 
@@ -229,11 +336,14 @@ pub struct Speculator {
     /// Target hidden states the drafter has not consumed yet, for positions `hidden_start..`.
     hidden: Option<Hidden>,
     hidden_start: usize,
+    /// This sequence's figures for the adaptive depth (kept across requests: the costs are
+    /// the machine's, the acceptance decays).
+    pub policy: Policy,
 }
 
 impl Speculator {
     pub fn new(drafter: Box<dyn Drafter>, params: DraftParams) -> Speculator {
-        Speculator { drafter, params, stats: SpecStats::default(), hidden: None, hidden_start: 0 }
+        Speculator { drafter, params, stats: SpecStats::default(), hidden: None, hidden_start: 0, policy: Policy::default() }
     }
 
     pub fn spec_type(&self) -> SpecType {
@@ -291,8 +401,12 @@ impl Speculator {
         // Plain decoding stops once the sequence is one short of the context, so the last row
         // it ever computes is at position `context - 2`: a round must not decide past it.
         let room = seq.context().saturating_sub(n + 2);
-        let k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room);
+        let mut k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room);
+        if self.params.adaptive {
+            k_max = self.policy.depth(k_max);
+        }
         let consulted = k_max > 0;
+        let t_draft = std::time::Instant::now();
         let mut drafts = if consulted {
             let input = DraftInput { model, target: seq, pending, hidden: self.hidden.as_ref(), hidden_start: self.hidden_start, n_max: k_max, p_min: self.params.p_min };
             let mut d = self.drafter.draft(&input)?;
@@ -301,6 +415,7 @@ impl Speculator {
         } else {
             Vec::new()
         };
+        let draft_ms = t_draft.elapsed().as_secs_f64() * 1e3;
         let admitted = filter.admit(&drafts);
         drafts.truncate(admitted);
         if drafts.len() < self.params.n_min.max(1) {
@@ -314,12 +429,14 @@ impl Speculator {
         if self.params.n_max == 0 {
             self.hidden = None;
         }
+        let t_verify = std::time::Instant::now();
         let (logits, hidden) = if self.drafter.needs_hidden() && self.params.n_max > 0 {
             let (l, h) = seq.forward_all_hidden(model, &batch).map_err(SpecError::Verify)?;
             (l, Some(h))
         } else {
             (seq.forward_all(model, &batch).map_err(SpecError::Verify)?, None)
         };
+        let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
 
         let mut tokens = Vec::with_capacity(drafts.len() + 1);
         let mut rows = Vec::with_capacity(drafts.len() + 1);
@@ -329,29 +446,13 @@ impl Speculator {
             filter.prepare(i, &drafts, &mut row).map_err(SpecError::Filter)?;
             // The history a plain decode would have at this position.
             let history = &seq.tokens()[..n + 1 + i];
-            let draft = drafts.get(i).copied();
-            let decided = match draft {
-                Some(d) if sampler.params().is_greedy() => {
-                    let t = sampler.sample(&row, history);
-                    if t == d {
-                        None
-                    } else {
-                        Some(t)
-                    }
-                }
-                Some(d) => {
-                    let dist = sampler.distribution(&row, history);
-                    let p = dist.iter().find(|c| c.0 == d).map(|c| c.1).unwrap_or(0.0);
-                    if sampler.uniform() < p {
-                        None
-                    } else {
-                        // normalize(max(0, p - q)) with q one-hot at the draft.
-                        let residual: Vec<(u32, f32)> = dist.into_iter().filter(|c| c.0 != d).collect();
-                        Some(if residual.is_empty() { d } else { sampler.draw(&residual) })
-                    }
-                }
-                None => Some(sampler.sample(&row, history)),
-            };
+            // The target's token, drawn exactly as plain decoding draws it at this position
+            // (same sampler, same history, the same place in the random stream): a draft is
+            // kept when it equals that token. For a one-hot draft this keeps it with
+            // probability p(draft), as min(1, p/q) would, and the output is plain decoding's
+            // token for token, for any seed and temperature.
+            let t = sampler.sample(&row, history);
+            let decided = if drafts.get(i) == Some(&t) { None } else { Some(t) };
             rows.push(row);
             match decided {
                 None => {
@@ -375,6 +476,7 @@ impl Speculator {
             }
             (None, _) => None,
         };
+        self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
         let round = Round { tokens, rows, drafted: drafts.len(), accepted };
         self.stats.add(&round.stats());
         Ok(round)

@@ -112,6 +112,60 @@ fn greedy_output_and_logits_are_bit_identical_to_plain_for_every_spec_type_and_d
 }
 
 #[test]
+fn seeded_sampling_with_speculation_is_plain_sampling_token_for_token_at_every_temperature() {
+    // llama.cpp's server test (test_speculative.py::test_with_and_without_draft: temperature
+    // 0.2, top_k 5, seed 4242) and hotter settings; every spec type and depth, fixed and
+    // adaptive depth.
+    let fx = fixture();
+    let n = 40;
+    let settings = [
+        SamplingParams { temperature: 0.2, top_k: 5, seed: Some(4242), ..SamplingParams::default() },
+        SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::default() },
+        SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(11), ..SamplingParams::default() },
+    ];
+    for params in settings {
+        let want = plain(&fx.target, &prompt(), n, params.clone());
+        let mut kept = 0;
+        for (kind, self_draft) in SpecType::ALL.into_iter().map(|k| (k, false)).chain([(SpecType::Draft, true)]) {
+            for depth in [1, 2, 4] {
+                for adaptive in [false, true] {
+                    let mut spec = Speculator::new(drafter(&fx, kind, self_draft), DraftParams { n_max: depth, adaptive, ..DraftParams::default() });
+                    let got = speculate(&fx.target, &mut spec, &prompt(), n, params.clone());
+                    assert_bit_identical(&format!("{kind} (self {self_draft}) depth {depth} adaptive {adaptive} at T {}", params.temperature), &want, &got);
+                    kept += spec.stats.draft_n_accepted;
+                }
+            }
+        }
+        assert!(kept > 0, "T {}: no draft was ever kept, so nothing was tested", params.temperature);
+    }
+}
+
+#[test]
+fn the_adaptive_depth_drafts_where_it_pays_and_stops_where_it_does_not() {
+    use tine_spec::Policy;
+    // A verify row costs a fifth of a decode: deep drafts pay when most are kept.
+    let mut cheap = Policy::default();
+    for _ in 0..8 {
+        cheap.record(1, 10.0, 0, 0.0, 0);
+        cheap.record(5, 18.0, 4, 0.4, 4);
+    }
+    assert_eq!(cheap.depth(4), 4, "accept rate {}", cheap.accept_rate());
+    // Each row costs a full decode and drafts are mostly rejected: draft nothing...
+    let mut dear = Policy::default();
+    for _ in 0..8 {
+        dear.record(1, 10.0, 0, 0.0, 0);
+        dear.record(4, 40.0, 3, 6.0, 0);
+    }
+    let depths: Vec<usize> = (0..Policy::PROBE_EVERY).map(|_| dear.depth(3)).collect();
+    assert!(depths[..depths.len() - 1].iter().all(|&d| d == 0), "{depths:?}");
+    // ...but probe now and then, so a turn to predictable text is noticed.
+    assert_eq!(depths.last(), Some(&1), "{depths:?}");
+    // Before anything is measured, draft the full depth.
+    assert_eq!(Policy::default().depth(3), 3);
+    assert_eq!(Policy::default().depth(0), 0);
+}
+
+#[test]
 fn drafting_with_the_target_itself_accepts_every_token() {
     let fx = fixture();
     for depth in 1..=3 {
