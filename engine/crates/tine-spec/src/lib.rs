@@ -153,10 +153,12 @@ impl Policy {
         if k_max == 0 {
             return 0;
         }
-        let Some(t1) = self.cost(1) else { return k_max };
         if self.rounds < Self::WARMUP {
             return k_max;
         }
+        // Plain decoding's cost is the yardstick: a drafter that always drafts never shows
+        // it, so one round without drafts measures it.
+        let Some(t1) = self.cost(1) else { return 0 };
         let a = self.accept_rate();
         let d = self.draft_ms.unwrap_or(0.0);
         let (mut best, mut best_k) = (Self::MARGIN / t1, 0);

@@ -160,8 +160,16 @@ fn the_adaptive_depth_drafts_where_it_pays_and_stops_where_it_does_not() {
     assert!(depths[..depths.len() - 1].iter().all(|&d| d == 0), "{depths:?}");
     // ...but probe now and then, so a turn to predictable text is noticed.
     assert_eq!(depths.last(), Some(&1), "{depths:?}");
-    // Before anything is measured, draft the full depth.
+    // Before anything is measured, draft the full depth; once drafts were judged but plain
+    // decoding's cost never measured (a drafter that always drafts), one round measures it.
     assert_eq!(Policy::default().depth(3), 3);
+    let mut unmeasured = Policy::default();
+    for _ in 0..8 {
+        unmeasured.record(4, 40.0, 3, 6.0, 0);
+    }
+    assert_eq!(unmeasured.depth(3), 0);
+    unmeasured.record(1, 10.0, 0, 0.0, 0);
+    assert_eq!(unmeasured.depth(3), 0, "and then it knows drafting does not pay here");
     assert_eq!(Policy::default().depth(0), 0);
 }
 
