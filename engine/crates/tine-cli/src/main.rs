@@ -192,7 +192,7 @@ struct SpecArgs {
     draft_p_min: f32,
     /// Choose each round's depth (up to --spec-draft-n-max) from the measured acceptance and
     /// forward costs, and draft nothing where it does not pay (off: always draft n-max).
-    #[arg(long = "spec-adaptive", value_name = "on|off", default_value = "on", value_parser = parse_on_off)]
+    #[arg(long = "spec-adaptive", value_name = "on|off", default_value = "on", value_parser = parse_on_off, action = clap::ArgAction::Set)]
     adaptive: bool,
     /// An assistant head GGUF (gemma4-assistant layout) for --spec-type draft-assistant.
     #[arg(long = "mtp-head", value_name = "FILE")]

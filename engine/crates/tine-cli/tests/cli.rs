@@ -29,7 +29,13 @@ fn every_spec_type_runs_through_tine_generate_with_plain_output() {
     let (ok, want, err) = tine(&base);
     assert!(ok, "{err}");
     for extra in
-        [vec!["--spec-type", "draft-mtp"], vec!["--spec-type", "draft-assistant", "--mtp-head", &head], vec!["-md", &draft, "-ngld", "99"], vec!["--spec-type", "ngram", "--spec-ngram-min", "1"]]
+        [
+            vec!["--spec-type", "draft-mtp"],
+            vec!["--spec-type", "draft-mtp", "--spec-adaptive", "off"],
+            vec!["--spec-type", "draft-assistant", "--mtp-head", &head],
+            vec!["-md", &draft, "-ngld", "99", "--spec-adaptive", "on"],
+            vec!["--spec-type", "ngram", "--spec-ngram-min", "1"],
+        ]
     {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
         let (ok, got, err) = tine(&args);
@@ -37,6 +43,9 @@ fn every_spec_type_runs_through_tine_generate_with_plain_output() {
         assert_eq!(got, want, "{extra:?}");
         assert!(err.contains("verify steps"), "{extra:?}: no draft statistics in\n{err}");
     }
+    let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "ngram", "--spec-adaptive", "maybe"]).collect();
+    let (ok, _, err) = tine(&args);
+    assert!(!ok && err.contains("expected on or off"), "{err}");
     // A missing head is a clear error, not a panic.
     let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "draft-assistant"]).collect();
     let (ok, _, err) = tine(&args);
