@@ -28,15 +28,13 @@ fn every_spec_type_runs_through_tine_generate_with_plain_output() {
     let base = ["generate", "-m", &target, "-p", "hello world hello", "-n", "24", "--temp", "0", "--ignore-eos"];
     let (ok, want, err) = tine(&base);
     assert!(ok, "{err}");
-    for extra in
-        [
-            vec!["--spec-type", "draft-mtp"],
-            vec!["--spec-type", "draft-mtp", "--spec-adaptive", "off"],
-            vec!["--spec-type", "draft-assistant", "--mtp-head", &head],
-            vec!["-md", &draft, "-ngld", "99", "--spec-adaptive", "on"],
-            vec!["--spec-type", "ngram", "--spec-ngram-min", "1"],
-        ]
-    {
+    for extra in [
+        vec!["--spec-type", "draft-mtp"],
+        vec!["--spec-type", "draft-mtp", "--spec-adaptive", "off"],
+        vec!["--spec-type", "draft-assistant", "--mtp-head", &head],
+        vec!["-md", &draft, "-ngld", "99", "--spec-adaptive", "on"],
+        vec!["--spec-type", "ngram", "--spec-ngram-min", "1"],
+    ] {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
         let (ok, got, err) = tine(&args);
         assert!(ok, "{extra:?}: {err}");

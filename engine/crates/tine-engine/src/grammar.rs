@@ -473,6 +473,17 @@ impl Gbnf {
         Ok(serde_json::to_string(&s).expect("a string serialises"))
     }
 
+    /// One character of a class, escaped or not (the cursor is on it).
+    fn class_char(&mut self) -> Result<char, GrammarError> {
+        let c = self.peek().expect("the caller checked a character is there");
+        self.pos += 1;
+        if c == '\\' {
+            self.escape()
+        } else {
+            Ok(c)
+        }
+    }
+
     fn class(&mut self) -> Result<String, GrammarError> {
         self.pos += 1;
         let mut rx = String::from("/[");
@@ -488,30 +499,16 @@ impl Gbnf {
                     self.pos += 1;
                     break;
                 }
-                Some('\\') => {
-                    self.pos += 1;
-                    self.escape()?
-                }
-                Some(c) => {
-                    self.pos += 1;
-                    c
-                }
+                Some(_) => self.class_char()?,
             };
             any = true;
             rx.push_str(&format!("\\x{{{:x}}}", c as u32));
             if self.peek() == Some('-') && self.chars.get(self.pos + 1).is_some_and(|&n| n != ']') {
                 self.pos += 1;
-                let hi = match self.peek() {
-                    Some('\\') => {
-                        self.pos += 1;
-                        self.escape()?
-                    }
-                    Some(h) => {
-                        self.pos += 1;
-                        h
-                    }
-                    None => return self.fail("unterminated range"),
-                };
+                if self.peek().is_none() {
+                    return self.fail("unterminated range");
+                }
+                let hi = self.class_char()?;
                 if hi < c {
                     return self.fail(format!("empty range {c:?}-{hi:?}"));
                 }
