@@ -41,6 +41,10 @@ pub struct SpecBenchArgs {
     pub model_draft: Option<PathBuf>,
     #[arg(long = "mtp-head", value_name = "FILE")]
     pub mtp_head: Option<PathBuf>,
+    /// Instead of decoding: the cost of one verify forward of each of these row counts (the
+    /// median of 21, after a prompt of 64 tokens), against a one-row decode step.
+    #[arg(long = "forward-rows", value_delimiter = ',', value_name = "ROWS")]
+    pub forward_rows: Vec<usize>,
     /// Write the Markdown report here (and JSON beside it).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -122,10 +126,51 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// `--forward-rows`: ms per `forward_all` of `r` rows (a verify batch) at a fixed position.
+fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathBuf>) -> anyhow::Result<()> {
+    const REPS: usize = 21;
+    let prompt: Vec<u32> = model.tokenizer.encode(PASSAGE, true, false).into_iter().take(64).collect();
+    let mut seq = model.new_sequence(prompt.len() + rows.iter().max().copied().unwrap_or(1) + 8);
+    seq.prefill(model, &prompt)?;
+    let n = seq.len();
+    let batch: Vec<u32> = prompt.iter().rev().copied().take(*rows.iter().max().unwrap_or(&1)).collect();
+    let mut md = String::new();
+    writeln!(md, "Model: `{}`; one `forward_all` of r rows after {n} positions (the verify batch of r - 1 drafts), median of {REPS}, rolled back each time.\n", model.info.path.display())?;
+    writeln!(md, "| rows | ms per forward | vs one row | ms per row |")?;
+    writeln!(md, "|---|---|---|---|")?;
+    let mut one = None;
+    let mut json = Vec::new();
+    for &r in rows {
+        anyhow::ensure!((1..=batch.len()).contains(&r), "--forward-rows: {r} is not in 1..={}", batch.len());
+        let mut times = Vec::with_capacity(REPS);
+        for _ in 0..REPS {
+            let t0 = std::time::Instant::now();
+            seq.forward_all(model, &batch[..r])?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            seq.rollback(n)?;
+        }
+        let ms = median(times);
+        let base = *one.get_or_insert(ms);
+        writeln!(md, "| {r} | {ms:.2} | {:.2}x | {:.2} |", ms / base, ms / r as f64)?;
+        json.push(serde_json::json!({"rows": r, "ms": ms, "vs_one_row": ms / base}));
+    }
+    print!("{md}");
+    if let Some(out) = out {
+        let tmp = out.with_extension("md.tmp");
+        std::fs::write(&tmp, &md).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, out)?;
+        std::fs::write(out.with_extension("json"), serde_json::to_string_pretty(&json)?)?;
+    }
+    Ok(())
+}
+
 pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.n_predict > 0, "--n-predict must be a positive token count, got {}", a.n_predict);
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
     let model = crate::load(&a.model)?;
+    if !a.forward_rows.is_empty() {
+        return forward_costs(&model, &a.forward_rows, a.out.as_ref());
+    }
     let prompts: Vec<_> = prompts().into_iter().filter(|p| a.sets.iter().any(|s| s == p.0)).collect();
     let encoded: Vec<Vec<u32>> =
         prompts.iter().map(|p| Ok(model.tokenizer.encode(&render_gemma(&[Message { role: "user".into(), content: p.2.clone() }], true)?, false, true))).collect::<anyhow::Result<_>>()?;
