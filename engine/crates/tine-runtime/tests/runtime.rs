@@ -449,3 +449,20 @@ mod slot_file {
         assert!(c.is_empty());
     }
 }
+
+#[test]
+fn devices_parse_and_a_cuda_device_without_cuda_is_a_clear_error() {
+    use tine_runtime::{DeviceError, DeviceSpec};
+    for (text, want) in [("cpu", DeviceSpec::Cpu), ("CPU", DeviceSpec::Cpu), ("cuda", DeviceSpec::Cuda(0)), ("cuda:1", DeviceSpec::Cuda(1)), ("gpu:3", DeviceSpec::Cuda(3))] {
+        assert_eq!(text.parse::<DeviceSpec>().expect(text), want, "{text}");
+    }
+    for bad in ["", "cuda:", "cuda:x", "metal", "cuda:-1"] {
+        assert!(matches!(bad.parse::<DeviceSpec>(), Err(DeviceError::Parse(_))), "{bad:?} parsed");
+    }
+    assert_eq!(DeviceSpec::Cuda(2).to_string(), "cuda:2");
+    assert!(DeviceSpec::Cpu.open().expect("the CPU opens").is_cpu());
+    if !tine_runtime::CUDA_COMPILED {
+        let err = DeviceSpec::Cuda(0).open().expect_err("no CUDA in this build");
+        assert!(matches!(err, DeviceError::NotCompiled { .. }) && err.to_string().contains("tools/cuda/build.sh"), "{err}");
+    }
+}
