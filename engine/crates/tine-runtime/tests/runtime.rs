@@ -7,6 +7,11 @@
 use tine_runtime::{LoadError, Model};
 use tine_test_support::{Reference, TinyGemma3, Weights};
 
+// The CUDA path's tests: compiled only with `--features cuda` (run them on a GPU: `runtime cuda::`).
+#[cfg(feature = "cuda")]
+#[path = "cuda.rs"]
+mod cuda;
+
 /// Two f32 paths over the same positions (one-shot, token by token, chunks) may differ only by
 /// reduction order.
 const PATH_TOLERANCE: f32 = 1e-4;
