@@ -5,6 +5,7 @@
 #   tools/cuda/build.sh            # -> target/cuda/release/tine (prints the path on stdout)
 #   tools/cuda/build.sh --tests    # also tine-runtime's test binary with the CUDA tests
 #                                  #   (its path goes to target/cuda/runtime-tests.path)
+#   tools/cuda/build.sh --clippy   # clippy -D warnings on the CUDA build of tine-runtime and tine-cli
 #
 # Environment (all optional):
 #   TINE_CUDA_TOOLKIT   cuda-toolkit wheel version (default 13.0.2: nvcc 13.0, whose PTX ISA 9.0 a
@@ -71,6 +72,9 @@ export NVCC="$cuda/bin/nvcc"
 # RUSTFLAGS replaces .cargo/config.toml's rustflags, so target-cpu is restated here.
 export RUSTFLAGS="-C target-cpu=$target_cpu -C link-arg=-Wl,-rpath,\$ORIGIN:$cuda/lib ${TINE_CUDA_RUSTFLAGS:-}"
 log "nvcc: $(nvcc --version | tail -n2 | head -n1); CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP; target-cpu=$target_cpu; CARGO_TARGET_DIR=$CARGO_TARGET_DIR"
+if [ "${1:-}" = --clippy ]; then
+  exec $nice_cmd cargo clippy --release --locked -p tine-runtime -p tine-cli --features tine-runtime/cuda,tine-cli/cuda --all-targets --no-deps -- -D warnings
+fi
 $nice_cmd cargo build --release --locked -p tine-cli --features cuda >&2
 if [ "${1:-}" = --tests ]; then
   $nice_cmd cargo test --release --locked -p tine-runtime --features cuda --no-run --message-format=json-render-diagnostics \
