@@ -200,7 +200,7 @@ struct SpecArgs {
     /// A draft model GGUF with the target's vocabulary for --spec-type draft (also `-md`).
     #[arg(long = "model-draft", value_name = "FILE")]
     model_draft: Option<PathBuf>,
-    /// Accepted for llama.cpp compatibility (also `-ngld`); Tine runs the draft on the CPU.
+    /// Accepted for llama.cpp compatibility (also `-ngld`); Tine runs the draft on the target's --device.
     #[arg(long = "n-gpu-layers-draft", alias = "gpu-layers-draft", value_name = "N", allow_negative_numbers = true)]
     _n_gpu_layers_draft: Option<String>,
     /// Shortest n-gram the ngram drafter matches.
@@ -268,6 +268,10 @@ pub(crate) struct ModelArgs {
     /// Context size in tokens (default: 4096, capped at the model's).
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     ctx_size: usize,
+    /// Where the model runs: cpu, or cuda / cuda:N (needs a build with the `cuda` feature:
+    /// tools/cuda/build.sh). Draft models and heads run on the same device.
+    #[arg(long, value_name = "cpu|cuda[:N]", default_value = "cpu")]
+    device: tine_runtime::DeviceSpec,
 }
 
 #[derive(Args)]
@@ -303,6 +307,10 @@ struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     ignore_eos: bool,
+    /// Also write the prompt's and the generated token ids, the timings and the first-token
+    /// latency as JSON here (the device comparisons read it).
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
     #[command(flatten)]
     spec: SpecArgs,
 }
@@ -346,8 +354,11 @@ pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
         }
     };
     let t0 = Instant::now();
-    let model = Model::load(&path)?;
-    eprintln!("loaded {} ({}, {} layers, vocab {}) in {:.0} ms", model.info.name, path.display(), model.info.block_count, model.info.vocab_size, t0.elapsed().as_secs_f64() * 1e3);
+    let device = args.device.open()?;
+    let opened_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let model = Model::load_on(&path, &device)?;
+    let on = if args.device.is_cpu() { String::new() } else { format!(" on {} (device opened in {opened_ms:.0} ms)", tine_runtime::describe_device(model.device())) };
+    eprintln!("loaded {} ({}, {} layers, vocab {}) in {:.0} ms{on}", model.info.name, path.display(), model.info.block_count, model.info.vocab_size, t0.elapsed().as_secs_f64() * 1e3);
     Ok(model)
 }
 
@@ -374,7 +385,9 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         None => None,
     };
     let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, min_p: a.min_p, repeat_penalty: a.repeat_penalty, seed: a.seed, ..SamplingParams::default() };
-    let req = GenerateRequest { n_predict: a.n_predict, sampling, ignore_eos: a.ignore_eos, ..GenerateRequest::new(prompt_ids) };
+    let req = GenerateRequest { n_predict: a.n_predict, sampling, ignore_eos: a.ignore_eos, ..GenerateRequest::new(prompt_ids.clone()) };
+    let t0 = Instant::now();
+    let mut first_token_ms = None;
     let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut())?;
     let mut out = std::io::stdout().lock();
     if !a.chat && a.prompt_ids.is_none() {
@@ -382,11 +395,23 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     }
     while !g.is_finished() {
         let ev = g.step_with(&model, &mut seq, spec.as_mut())?;
+        first_token_ms.get_or_insert_with(|| t0.elapsed().as_secs_f64() * 1e3);
         write!(out, "{}", ev.text)?;
         out.flush()?;
     }
     writeln!(out)?;
     let t = g.timings();
+    if let Some(path) = &a.json {
+        let doc = serde_json::json!({
+            "model": model.info.path, "device": tine_runtime::describe_device(model.device()),
+            "prompt_ids": prompt_ids, "ids": g.tokens(), "stop": g.stop_type().map(|s| s.as_str()),
+            "first_token_ms": first_token_ms, "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
+            "prompt_per_second": t.prompt_per_second(), "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms,
+            "predicted_per_second": t.predicted_per_second(),
+            "draft_n": t.draft.draft_n, "draft_n_accepted": t.draft.draft_n_accepted, "draft_verify_steps": t.draft.draft_verify_steps,
+        });
+        std::fs::write(path, serde_json::to_string(&doc)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+    }
     eprintln!(
         "prompt: {} tokens in {:.1} ms ({:.1} tok/s) | generated: {} tokens in {:.1} ms ({:.1} tok/s) | stop: {}",
         t.prompt_n,

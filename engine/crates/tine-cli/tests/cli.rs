@@ -143,3 +143,21 @@ fn the_official_openai_client_gets_what_it_asks_for() {
     println!("{report}");
     assert!(out.status.success(), "the openai client's checks failed:\n{report}");
 }
+
+#[test]
+fn device_flag_runs_on_the_cpu_and_names_a_missing_cuda_build() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (target, _, _) = fixtures(dir.path());
+    let base = ["generate", "-m", &target, "-p", "hello world", "-n", "8", "--temp", "0", "--ignore-eos"];
+    let (ok, want, err) = tine(&base);
+    assert!(ok, "{err}");
+    let with = |extra: &[&'static str]| tine(&base.iter().copied().chain(extra.iter().copied()).collect::<Vec<_>>());
+    let (ok, got, err) = with(&["--device", "cpu"]);
+    assert!(ok && got == want, "{err}");
+    let (ok, _, err) = with(&["--device", "tpu"]);
+    assert!(!ok && err.contains("unknown device `tpu`"), "{err}");
+    if !tine_runtime::CUDA_COMPILED {
+        let (ok, _, err) = with(&["--device", "cuda:0"]);
+        assert!(!ok && err.contains("built without CUDA"), "{err}");
+    }
+}

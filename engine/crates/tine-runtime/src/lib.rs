@@ -5,9 +5,12 @@
 //! driver use: [`Sequence::prefill`], [`Sequence::decode`], [`Sequence::forward_all`],
 //! [`Sequence::rollback`]. The runtime knows nothing about sampling, chat templates or HTTP.
 
+mod device;
 mod graft;
 mod model;
 mod slot_file;
+
+pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 
 pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError, PREFILL_CHUNK};
@@ -34,3 +37,5 @@ pub fn default_model_path() -> std::path::PathBuf {
     cache_root().join("models").join(DEFAULT_MODEL_FILE)
 }
 pub use candle_core::quantized::spm_tokenizer::{SpmTokenizer, TokenType};
+/// candle's device type, so callers need not depend on candle to hold one.
+pub use candle_core::Device;

@@ -102,7 +102,14 @@ fn tail_hash(mut file: &File, size: u64) -> std::io::Result<u64> {
 }
 
 impl Model {
+    /// Loads a GGUF onto the CPU.
     pub fn load(path: &Path) -> Result<Model, LoadError> {
+        Self::load_on(path, &Device::Cpu)
+    }
+
+    /// Loads a GGUF with its weights (and every sequence's KV cache) on `device`
+    /// ([`DeviceSpec::open`] makes one from `--device`).
+    pub fn load_on(path: &Path, device: &Device) -> Result<Model, LoadError> {
         let p = || path.to_owned();
         let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
         let file_size = file.metadata().map(|m| m.len()).unwrap_or(0);
@@ -126,7 +133,7 @@ impl Model {
             tail_hash,
             chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
         };
-        let device = Device::Cpu;
+        let device = device.clone();
         let weights = ModelWeights::from_gguf(ct, &mut reader, &device).map_err(|source| LoadError::Weights { path: p(), source })?;
         let mut eog: Vec<u32> = tokenizer.eos_token().into_iter().collect();
         for text in ["<end_of_turn>", "<eos>", "<|eot_id|>", "<|im_end|>"] {
@@ -136,7 +143,15 @@ impl Model {
                 }
             }
         }
+        // The weights were copied on this thread's stream; a server steps the model on another
+        // thread (candle uses per-thread streams), so the copies must be complete first.
+        device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
         Ok(Model { weights, tokenizer, info, eog, device })
+    }
+
+    /// Where the weights and the sequences' KV caches live.
+    pub fn device(&self) -> &Device {
+        &self.device
     }
 
     /// The token of each NextN logit row, when the head scores a subset of the vocabulary.
@@ -495,6 +510,7 @@ impl Assistant {
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
         let head = AssistantHead::from_gguf(&ct, &mut reader, &target.device, &target.weights).map_err(|source| LoadError::Weights { path: p(), source })?;
+        target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
         Ok(Assistant { head, path: p() })
     }
 }

@@ -7,6 +7,11 @@
 use tine_runtime::{LoadError, Model};
 use tine_test_support::{Reference, TinyGemma3, Weights};
 
+// The CUDA path's tests: compiled only with `--features cuda` (run them on a GPU: `runtime cuda::`).
+#[cfg(feature = "cuda")]
+#[path = "cuda.rs"]
+mod cuda;
+
 /// Two f32 paths over the same positions (one-shot, token by token, chunks) may differ only by
 /// reduction order.
 const PATH_TOLERANCE: f32 = 1e-4;
@@ -447,5 +452,22 @@ mod slot_file {
         let mut c = m.new_sequence(64);
         assert!(c.restore_image(&m, &bad).is_err(), "K of the wrong size");
         assert!(c.is_empty());
+    }
+}
+
+#[test]
+fn devices_parse_and_a_cuda_device_without_cuda_is_a_clear_error() {
+    use tine_runtime::{DeviceError, DeviceSpec};
+    for (text, want) in [("cpu", DeviceSpec::Cpu), ("CPU", DeviceSpec::Cpu), ("cuda", DeviceSpec::Cuda(0)), ("cuda:1", DeviceSpec::Cuda(1)), ("gpu:3", DeviceSpec::Cuda(3))] {
+        assert_eq!(text.parse::<DeviceSpec>().expect(text), want, "{text}");
+    }
+    for bad in ["", "cuda:", "cuda:x", "metal", "cuda:-1"] {
+        assert!(matches!(bad.parse::<DeviceSpec>(), Err(DeviceError::Parse(_))), "{bad:?} parsed");
+    }
+    assert_eq!(DeviceSpec::Cuda(2).to_string(), "cuda:2");
+    assert!(DeviceSpec::Cpu.open().expect("the CPU opens").is_cpu());
+    if !tine_runtime::CUDA_COMPILED {
+        let err = DeviceSpec::Cuda(0).open().expect_err("no CUDA in this build");
+        assert!(matches!(err, DeviceError::NotCompiled { .. }) && err.to_string().contains("tools/cuda/build.sh"), "{err}");
     }
 }

@@ -578,7 +578,7 @@ impl SpecFactory {
             }
             SpecType::Draft => {
                 let path = config.draft_model.as_ref().ok_or(SetupError::MissingDraftModel)?;
-                let model = Model::load(path).map_err(|source| SetupError::Load { what: "the draft model", source: Box::new(source) })?;
+                let model = Model::load_on(path, target.device()).map_err(|source| SetupError::Load { what: "the draft model", source: Box::new(source) })?;
                 if model.info.vocab_size != target.info.vocab_size {
                     return Err(SpecError::VocabMismatch { draft: model.info.vocab_size, target: target.info.vocab_size }.into());
                 }
