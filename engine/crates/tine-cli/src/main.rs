@@ -179,8 +179,8 @@ struct SpecArgs {
     /// draft-mtp (the model's own NextN head), draft-assistant (needs --mtp-head), draft (needs
     /// -md), ngram (prompt lookup); llama.cpp's draft-simple and ngram-simple are accepted too.
     /// Off by default; --mtp-head or -md alone imply their type.
-    #[arg(long = "spec-type", value_name = "TYPE")]
-    spec_type: Option<SpecType>,
+    #[arg(long = "spec-type", value_name = "TYPE[,TYPE]", value_parser = parse_spec_types)]
+    spec_type: Option<(SpecType, bool)>,
     /// Most tokens drafted per verify step (at most 16).
     #[arg(long = "spec-draft-n-max", alias = "draft-max", default_value_t = 3)]
     draft_n_max: usize,
@@ -211,6 +211,17 @@ struct SpecArgs {
     ngram_max: usize,
 }
 
+/// `TYPE` or llama.cpp's chain `ngram,TYPE` (either order): the type and whether n-gram goes first.
+fn parse_spec_types(s: &str) -> Result<(SpecType, bool), String> {
+    let types: Vec<SpecType> = s.split(',').map(|t| t.trim().parse::<SpecType>().map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    match types.as_slice() {
+        [t] => Ok((*t, false)),
+        [SpecType::Ngram, SpecType::Ngram] => Ok((SpecType::Ngram, false)),
+        [SpecType::Ngram, t] | [t, SpecType::Ngram] => Ok((*t, true)),
+        _ => Err(format!("a chain is ngram plus one other type (ngram,draft-mtp), got {s:?}")),
+    }
+}
+
 fn parse_on_off(s: &str) -> Result<bool, String> {
     match s {
         "on" | "true" | "1" => Ok(true),
@@ -221,15 +232,16 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 
 impl SpecArgs {
     fn config(&self) -> Option<SpecConfig> {
-        let spec_type = self.spec_type.or(if self.mtp_head.is_some() {
-            Some(SpecType::DraftAssistant)
+        let (spec_type, ngram_first) = self.spec_type.or(if self.mtp_head.is_some() {
+            Some((SpecType::DraftAssistant, false))
         } else if self.model_draft.is_some() {
-            Some(SpecType::Draft)
+            Some((SpecType::Draft, false))
         } else {
             None
         })?;
         Some(SpecConfig {
             spec_type,
+            ngram_first,
             params: DraftParams { n_max: self.draft_n_max, n_min: self.draft_n_min, p_min: self.draft_p_min, adaptive: self.adaptive },
             mtp_head: self.mtp_head.clone(),
             draft_model: self.model_draft.clone(),
@@ -240,7 +252,7 @@ impl SpecArgs {
 
     fn load(&self, model: &Model) -> anyhow::Result<Option<SpecFactory>> {
         let Some(config) = self.config() else { return Ok(None) };
-        let what = format!("speculative decoding ({})", config.spec_type);
+        let what = format!("speculative decoding ({})", config.label());
         Ok(Some(SpecFactory::load(config, model).context(what)?))
     }
 }
@@ -628,7 +640,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         ..tine_server::ServerConfig::new(parallel, ctx)
     };
     let spec_note = match &config.spec {
-        Some(f) => format!(", speculative {} n_max {}", f.config.spec_type, f.config.params.n_max),
+        Some(f) => format!(", speculative {} n_max {}", f.config.label(), f.config.params.n_max),
         None => String::new(),
     };
     let auth_note = if config.api_keys.is_empty() { "" } else { ", API key required" };

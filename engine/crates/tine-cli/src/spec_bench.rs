@@ -16,7 +16,8 @@ pub struct SpecBenchArgs {
     pub model: crate::ModelArgs,
     /// Spec types to measure: ngram, draft (needs -md; drafting the target with itself if
     /// -md names the same file), draft-mtp, draft-assistant (needs --mtp-head), and `reject`
-    /// (a drafter whose drafts are always rejected: the cost of a verify step that gains nothing).
+    /// (a drafter whose drafts are always rejected: the cost of a verify step that gains nothing),
+    /// and chains `ngram+TYPE` (llama.cpp's `--spec-type ngram,TYPE`).
     #[arg(long, value_delimiter = ',', default_value = "ngram,reject")]
     pub types: Vec<String>,
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
@@ -179,8 +180,13 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
         if t == "reject" {
             continue;
         }
-        let kind: SpecType = t.parse()?;
-        let config = SpecConfig { mtp_head: a.mtp_head.clone(), draft_model: a.model_draft.clone(), ..SpecConfig::new(kind) };
+        // `ngram+TYPE`: llama.cpp's chain `--spec-type ngram,TYPE` (a comma separates types here).
+        let (kind, ngram_first) = match t.split_once('+') {
+            Some(("ngram", other)) => (other.parse::<SpecType>()?, true),
+            Some(_) => anyhow::bail!("--types: a chain is ngram+TYPE, got {t:?}"),
+            None => (t.parse::<SpecType>()?, false),
+        };
+        let config = SpecConfig { mtp_head: a.mtp_head.clone(), draft_model: a.model_draft.clone(), ngram_first, ..SpecConfig::new(kind) };
         factories.insert(t.clone(), SpecFactory::load(config, &model).with_context(|| format!("setting up {t}"))?);
     }
     for p in &a.policies {

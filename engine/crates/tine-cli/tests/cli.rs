@@ -41,6 +41,9 @@ fn every_spec_type_runs_through_tine_generate_with_plain_output() {
         assert_eq!(got, want, "{extra:?}");
         assert!(err.contains("verify steps"), "{extra:?}: no draft statistics in\n{err}");
     }
+    let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "draft-mtp,draft"]).collect();
+    let (ok, _, err) = tine(&args);
+    assert!(!ok && err.contains("a chain is ngram plus one other type"), "{err}");
     let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "ngram", "--spec-adaptive", "maybe"]).collect();
     let (ok, _, err) = tine(&args);
     assert!(!ok && err.contains("expected on or off"), "{err}");

@@ -232,7 +232,7 @@ async fn props(State(st): State<Shared>) -> Json<Value> {
         "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "build_info": format!("tine {}", env!("CARGO_PKG_VERSION")),
         "speculative": st.config.spec.as_ref().map(|f| json!({
-            "type": f.config.spec_type.as_str(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
+            "type": f.config.label(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
         })),
     }))
 }
@@ -568,7 +568,7 @@ fn log_request(st: &AppState, s: &Summary) {
         eprintln!(
             "slot {} | draft {}: {} drafted, {} accepted ({:.1}%), {} verify steps, {:.2} tokens per step",
             s.slot,
-            f.config.spec_type,
+            f.config.label(),
             d.draft_n,
             d.draft_n_accepted,
             d.accept_rate() * 100.0,

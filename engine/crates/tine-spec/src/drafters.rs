@@ -209,3 +209,66 @@ impl Drafter for AssistantDrafter {
         Ok(drafts)
     }
 }
+
+/// llama.cpp's chained spec types (`--spec-type ngram,draft-mtp`): the n-gram proposal where the
+/// context repeats itself, the model drafter elsewhere. A model drafter that reads the target's
+/// hidden states must see every committed position, so while the n-gram drafts, the rows it did
+/// not read are kept here and handed to it, all together, the next time it drafts.
+pub struct ChainDrafter {
+    ngram: NgramDrafter,
+    then: Box<dyn Drafter>,
+    /// Hidden states of committed positions `start..` the second drafter has not read yet.
+    backlog: Option<(usize, Hidden)>,
+}
+
+impl ChainDrafter {
+    pub fn new(ngram: NgramDrafter, then: Box<dyn Drafter>) -> Self {
+        ChainDrafter { ngram, then, backlog: None }
+    }
+}
+
+impl Drafter for ChainDrafter {
+    fn spec_type(&self) -> SpecType {
+        self.then.spec_type()
+    }
+    fn needs_hidden(&self) -> bool {
+        self.then.needs_hidden()
+    }
+    fn reusable(&self, tokens: &[u32]) -> usize {
+        let own = self.then.reusable(tokens);
+        match &self.backlog {
+            Some((start, _)) => own.min(*start),
+            None => own,
+        }
+    }
+
+    fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
+        // A backlog that does not end where the new rows begin belongs to an earlier request.
+        if let (Some((start, h)), Some(_)) = (&self.backlog, input.hidden) {
+            if start + h.positions() != input.hidden_start {
+                self.backlog = None;
+            }
+        }
+        let proposal = self.ngram.draft(input)?;
+        if !proposal.is_empty() {
+            if let Some(h) = input.hidden {
+                self.backlog = Some(match self.backlog.take() {
+                    Some((start, old)) => (start, old.concat(h).map_err(draft_err)?),
+                    None => (input.hidden_start, h.clone()),
+                });
+            }
+            return Ok(proposal);
+        }
+        match self.backlog.take() {
+            Some((start, old)) => {
+                let joined = match input.hidden {
+                    Some(h) => old.concat(h).map_err(draft_err)?,
+                    None => old,
+                };
+                let caught_up = DraftInput { hidden: Some(&joined), hidden_start: start, ..*input };
+                self.then.draft(&caught_up)
+            }
+            None => self.then.draft(input),
+        }
+    }
+}

@@ -24,7 +24,7 @@ use std::str::FromStr;
 use tine_runtime::{Hidden, Model, Sequence, StepError};
 use tine_sampling::Sampler;
 
-pub use drafters::{AssistantDrafter, DraftModelDrafter, MtpDrafter, NgramDrafter};
+pub use drafters::{AssistantDrafter, ChainDrafter, DraftModelDrafter, MtpDrafter, NgramDrafter};
 
 /// The speculative decoding flavours (`--spec-type`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -497,11 +497,23 @@ pub struct SpecConfig {
     /// N-gram sizes tried, longest first (`--spec-ngram-min`, `--spec-ngram-max`).
     pub ngram_min: usize,
     pub ngram_max: usize,
+    /// llama.cpp's `--spec-type ngram,TYPE`: the n-gram proposal first, `spec_type` where it
+    /// has none ([`ChainDrafter`]).
+    pub ngram_first: bool,
 }
 
 impl SpecConfig {
     pub fn new(spec_type: SpecType) -> SpecConfig {
-        SpecConfig { spec_type, params: DraftParams::default(), mtp_head: None, draft_model: None, ngram_min: 2, ngram_max: 4 }
+        SpecConfig { spec_type, params: DraftParams::default(), mtp_head: None, draft_model: None, ngram_min: 2, ngram_max: 4, ngram_first: false }
+    }
+
+    /// The name llama.cpp's `--spec-type` gives this configuration.
+    pub fn label(&self) -> String {
+        if self.ngram_first && self.spec_type != SpecType::Ngram {
+            format!("ngram,{}", self.spec_type)
+        } else {
+            self.spec_type.to_string()
+        }
     }
 }
 
@@ -567,6 +579,9 @@ impl SpecFactory {
     /// Loads what `config` needs and checks it fits `target`.
     pub fn load(config: SpecConfig, target: &Model) -> Result<SpecFactory, SetupError> {
         config.params.check()?;
+        if config.ngram_first && (config.ngram_min == 0 || config.ngram_min > config.ngram_max) {
+            return Err(SetupError::NgramSizes(config.ngram_min, config.ngram_max));
+        }
         let (mut assistant, mut draft) = (None, None);
         match config.spec_type {
             SpecType::DraftMtp if !target.has_nextn() => return Err(SpecError::NoNextN(SpecType::DraftMtp).into()),
@@ -599,6 +614,11 @@ impl SpecFactory {
             SpecType::DraftAssistant => Box::new(AssistantDrafter::new(self.assistant.clone().expect("loaded for draft-assistant"))),
             SpecType::Draft => Box::new(DraftModelDrafter::new(self.draft.clone().expect("loaded for draft"), target, context)?),
             SpecType::Ngram => Box::new(NgramDrafter { n_min: self.config.ngram_min, n_max: self.config.ngram_max }),
+        };
+        let drafter = if self.config.ngram_first && self.config.spec_type != SpecType::Ngram {
+            Box::new(ChainDrafter::new(NgramDrafter { n_min: self.config.ngram_min, n_max: self.config.ngram_max }, drafter))
+        } else {
+            drafter
         };
         Ok(Speculator::new(drafter, self.config.params))
     }

@@ -141,6 +141,31 @@ fn seeded_sampling_with_speculation_is_plain_sampling_token_for_token_at_every_t
 }
 
 #[test]
+fn a_chain_of_ngram_and_a_model_drafter_gives_plain_decodings_tokens() {
+    // A prompt that repeats itself, so the n-gram proposes at times and the model drafter the
+    // rest; the model drafter then has to catch up on the hidden states it did not read.
+    let fx = fixture();
+    let p: Vec<u32> = prompt().into_iter().chain(prompt().into_iter().skip(1)).collect();
+    for params in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(3), ..SamplingParams::default() }] {
+        let want = plain(&fx.target, &p, 48, params.clone());
+        for inner in [SpecType::DraftMtp, SpecType::DraftAssistant, SpecType::Draft] {
+            for depth in [1, 3] {
+                let chain = tine_spec::ChainDrafter::new(NgramDrafter { n_min: 1, n_max: 3 }, drafter(&fx, inner, false));
+                let mut spec = Speculator::new(Box::new(chain), DraftParams { n_max: depth, ..DraftParams::default() });
+                let got = speculate(&fx.target, &mut spec, &p, 48, params.clone());
+                assert_bit_identical(&format!("ngram,{inner} depth {depth} T {}", params.temperature), &want, &got);
+                assert!(spec.stats.draft_n > 0, "ngram,{inner}: nothing drafted");
+            }
+        }
+    }
+    // Longer, with single-token n-grams: the n-gram proposes often, so the NextN head must
+    // catch up on long backlogs (it fails with OutOfSync if a row is missing).
+    let mut chain_spec = Speculator::new(Box::new(tine_spec::ChainDrafter::new(NgramDrafter { n_min: 1, n_max: 1 }, drafter(&fx, SpecType::DraftMtp, false))), DraftParams::default());
+    let a = speculate(&fx.target, &mut chain_spec, &p, 64, SamplingParams::greedy());
+    assert_bit_identical("ngram,draft-mtp over 64 tokens", &plain(&fx.target, &p, 64, SamplingParams::greedy()), &a);
+}
+
+#[test]
 fn the_adaptive_depth_drafts_where_it_pays_and_stops_where_it_does_not() {
     use tine_spec::Policy;
     // A verify row costs a fifth of a decode: deep drafts pay when most are kept.
