@@ -155,12 +155,18 @@ fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathB
         writeln!(md, "| {r} | {ms:.2} | {:.2}x | {:.2} |", ms / base, ms / r as f64)?;
         json.push(serde_json::json!({"rows": r, "ms": ms, "vs_one_row": ms / base}));
     }
+    report(&md, &serde_json::json!(json), out)
+}
+
+/// Prints the Markdown report and, with `--out`, writes it (atomically) and its JSON beside it.
+fn report(md: &str, json: &serde_json::Value, out: Option<&PathBuf>) -> anyhow::Result<()> {
     print!("{md}");
     if let Some(out) = out {
         let tmp = out.with_extension("md.tmp");
-        std::fs::write(&tmp, &md).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::write(&tmp, md).with_context(|| format!("writing {}", tmp.display()))?;
         std::fs::rename(&tmp, out)?;
-        std::fs::write(out.with_extension("json"), serde_json::to_string_pretty(&json)?)?;
+        let j = out.with_extension("json");
+        std::fs::write(&j, serde_json::to_string_pretty(json)?).with_context(|| format!("writing {}", j.display()))?;
     }
     Ok(())
 }
@@ -311,13 +317,5 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
         }
         writeln!(md)?;
     }
-    print!("{md}");
-    if let Some(out) = &a.out {
-        let tmp = out.with_extension("md.tmp");
-        std::fs::write(&tmp, &md).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, out)?;
-        let j = out.with_extension("json");
-        std::fs::write(&j, serde_json::to_string_pretty(&serde_json::json!({"n_predict": a.n_predict, "rounds": a.rounds, "rows": json_rows}))?)?;
-    }
-    Ok(())
+    report(&md, &serde_json::json!({"n_predict": a.n_predict, "rounds": a.rounds, "rows": json_rows}), a.out.as_ref())
 }

@@ -98,7 +98,7 @@ fn tail_hash(mut file: &File, size: u64) -> std::io::Result<u64> {
     let mut buf = vec![0u8; n as usize];
     file.read_exact(&mut buf)?;
     file.seek(SeekFrom::Start(0))?;
-    Ok(buf.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3)))
+    Ok(crate::slot_file::fnv1a(&buf))
 }
 
 impl Model {

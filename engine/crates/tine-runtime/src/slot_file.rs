@@ -49,7 +49,8 @@ pub fn fingerprint(model: &Model) -> String {
     format!("{} {:?} vocab {} embd {} blocks {} bytes {} tail {:016x}", i.architecture, i.name, i.vocab_size, i.embedding_length, i.block_count, i.file_size, i.tail_hash)
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
+/// FNV-1a 64: the slot file's checksum and the model's tail hash.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
