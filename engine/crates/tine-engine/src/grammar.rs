@@ -201,11 +201,11 @@ impl Grammar {
         let mask = self.matcher.compute_mask_or_eos().map_err(|e| self.err(e))?;
         let stopped = self.matcher.is_stopped();
         let saved: Vec<(usize, f32)> = if stopped { eog.iter().filter_map(|&t| row.get(t as usize).map(|&l| (t as usize, l))).collect() } else { Vec::new() };
-        for (i, l) in row.iter_mut().enumerate() {
-            if !mask.is_allowed(i as TokenId) {
+        mask.iter_unset_entries(|i| {
+            if let Some(l) = row.get_mut(i) {
                 *l = f32::NEG_INFINITY;
             }
-        }
+        });
         if stopped {
             // Only the end is left: whatever ignore_eos said, the output is complete.
             for (i, l) in saved {

@@ -137,13 +137,13 @@ impl Policy {
         }
         // Unmeasured: linear between the nearest measured row counts (or from one of them
         // with the slope of the others, else a quarter of a decode per extra row).
-        let measured: Vec<(usize, f64)> = self.verify_ms.iter().enumerate().filter_map(|(r, t)| t.map(|t| (r, t))).collect();
-        let t1 = measured.iter().find(|m| m.0 == 1).map(|m| m.1)?;
-        let below = measured.iter().rev().find(|m| m.0 < rows);
-        let above = measured.iter().find(|m| m.0 > rows);
+        let measured = || self.verify_ms.iter().enumerate().filter_map(|(r, t)| t.map(|t| (r, t)));
+        let t1 = self.verify_ms.get(1).copied().flatten()?;
+        let below = measured().rev().find(|m| m.0 < rows);
+        let above = measured().find(|m| m.0 > rows);
         Some(match (below, above) {
-            (Some(&(r0, t0)), Some(&(r1, tt))) => t0 + (tt - t0) * (rows - r0) as f64 / (r1 - r0) as f64,
-            (Some(&(r0, t0)), None) if r0 > 1 => t0 + (t0 - t1) / (r0 - 1) as f64 * (rows - r0) as f64,
+            (Some((r0, t0)), Some((r1, tt))) => t0 + (tt - t0) * (rows - r0) as f64 / (r1 - r0) as f64,
+            (Some((r0, t0)), None) if r0 > 1 => t0 + (t0 - t1) / (r0 - 1) as f64 * (rows - r0) as f64,
             _ => t1 * (1.0 + 0.25 * (rows - 1) as f64),
         })
     }
