@@ -35,7 +35,7 @@ ls -la "$W" | tee -a "$log"
 
 # The binaries (one xz tar; Python unpacks it, the image may have no xz).
 if [ -e "$P/bin.tar.xz" ]; then
-  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$P/bin.tar.xz" "$W" && chmod +x "$W/tine" "$W/runtime-tests"
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$P/bin.tar.xz" "$W" && chmod +x "$W/tine"; [ -e "$W/runtime-tests" ] && chmod +x "$W/runtime-tests"
 fi
 # The first copy of each CUDA library found (PyTorch's wheels or the image's toolkit).
 libdirs=$(find /usr /opt -name 'libcublasLt.so.13' -o -name 'libcublas.so.13' -o -name 'libcudart.so.13' -o -name 'libcurand.so.10' -o -name 'libnvrtc.so.13' 2>/dev/null |
@@ -60,13 +60,16 @@ if [ ! -s "$M" ]; then cat $(ls "$W"/m.* | sort) > "$M"; fi
 say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$S/model.sha256")"
 T="$W/tine"
 
-# 1. First token with a cold driver JIT cache (the PTX modules are compiled by the driver when
-#    first loaded), then warm: the same command again over the cache the first run filled.
+# 1. First token with a cold driver JIT cache, then warm: the same command again over the cache
+#    the first run filled. With the cubins of patch 0020 the driver has nothing to compile.
 rm -rf "$CUDA_CACHE_PATH"
 for run in cold warm; do
   step "first-token-$run" 120 "$T" generate --device cuda -p "Hello" -n 4 --temp 0 --ignore-eos --json "$OUT/first-$run.json"
 done
 step first-token-nocache 120 env CUDA_CACHE_DISABLE=1 "$T" generate --device cuda -p "Hello" -n 4 --temp 0 --ignore-eos --json "$OUT/first-nocache.json"
+# The same without the JIT cache, loading candle's PTX modules instead of the embedded cubins
+# (patch 0020): what every first run cost before it.
+step first-token-ptx-nocache 180 env CUDA_CACHE_DISABLE=1 CANDLE_CUDA_PTX_ONLY=1 "$T" generate --device cuda -p "Hello" -n 4 --temp 0 --ignore-eos --json "$OUT/first-ptx-nocache.json"
 
 # 2. Greedy ids, CUDA vs CPU (this binary's CPU path; the CPU ids produced on the build machine
 #    are in S/cpu-ref.jsonl), 128 tokens per prompt.

@@ -19,6 +19,7 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="${1:-$root/target/gpu-stage}"
 model="${MODEL:-${TINE_CACHE_DIR:-$HOME/.cache/tine}/models/gemma-3-270m-q4_k_m.gguf}"
 cuda_bin="${TINE_CUDA_BIN:-$root/target/cuda/release/tine}"
+# TINE_CUDA_TESTS=none stages the job without the test binary (its two steps then fail, logged).
 tests_bin="${TINE_CUDA_TESTS:-$(cat "$root/target/cuda/runtime-tests.path")}"
 cpu_bin="${TINE_CPU_BIN:-$root/target/release/tine}"
 chunk_mb="${TINE_STAGE_CHUNK_MB:-36}"
@@ -60,9 +61,9 @@ EOF
 
 # The binaries, stripped, in one archive.
 cp "$cuda_bin" "$dest/.bin/tine"
-cp "$tests_bin" "$dest/.bin/runtime-tests"
-strip "$dest/.bin/tine" "$dest/.bin/runtime-tests"
-(cd "$dest/.bin" && tar cf - tine runtime-tests) | $nice_cmd xz -9e -T1 >"$dest/bin.tar.xz"
+[ "$tests_bin" = none ] || cp "$tests_bin" "$dest/.bin/runtime-tests"
+strip "$dest/.bin/"*
+(cd "$dest/.bin" && tar cf - *) | $nice_cmd xz -9e -T1 >"$dest/bin.tar.xz"
 rm -rf "$dest/.bin"
 
 # The first chunk travels with kit/ and bin.tar.xz, so it is smaller by their size.

@@ -34,7 +34,7 @@ for i in range(1, 100):
     rr = f", cuda = build-machine cpu for {agree(g['ids'], r['ids'])}/{len(r['ids'])}" if r else ""
     dc = f", device cpu = build-machine cpu for {agree(c['ids'], r['ids'])}" if r else ""
     print(f"  prompt {i}: cuda = device cpu for {agree(g['ids'], c['ids'])}/{len(c['ids'])}{rr}{dc}; cuda decode {g['predicted_per_second']:.1f} tok/s, cpu {c['predicted_per_second']:.1f} tok/s")
-for run in ("cold", "warm", "nocache"):
+for run in ("cold", "warm", "nocache", "ptx-nocache"):
     f = load(f"{out}/first-{run}.json")
     if f:
         print(f"first token ({run} JIT cache): {f['first_token_ms']:.1f} ms (prompt {f['prompt_n']} tokens in {f['prompt_ms']:.1f} ms)")
