@@ -17,12 +17,14 @@
 #   TINE_NICE           prefix for the build commands (default "nice -n 19")
 #
 # What it does: pip-installs cuda-toolkit[nvcc,cudart,cublas,curand,nvrtc,cccl,crt,nvvm] into
-# target/cuda/venv; writes link-time stubs into the toolkit's lib/stubs (a libcuda.so.1 stub
-# generated from cuda.h, since candle 0.11.1 links cudarc with `dynamic-linking`, and unversioned
-# .so links for -lcublas etc.); points CUDA_ROOT/CUDA_PATH/CUDA_HOME/PATH at it; builds.
-# At run time the binary needs the real libcuda.so.1 (the driver) and libcudart.so.13,
-# libcublas.so.13, libcublasLt.so.13, libcurand.so.10, libnvrtc.so.13: it looks next to itself
-# ($ORIGIN), in this venv (rpath), then in LD_LIBRARY_PATH and the system paths.
+# target/cuda/venv; writes unversioned .so links into the toolkit's lib/stubs (for a build with
+# CANDLE_CUDART_DYNAMIC, which links -lcudart); points CUDA_ROOT/CUDA_PATH/CUDA_HOME/PATH at it;
+# builds; checks that the binary starts on this machine (no GPU here).
+# The binary links no CUDA library (patch 0021: cudarc opens them at run time, the CUDA runtime
+# is linked statically), so it starts and runs `--device cpu` anywhere. `--device cuda` opens
+# libcuda.so.1 (the driver), libcublas.so.13, libcublasLt.so.13 and libcurand.so.10: next to the
+# binary ($ORIGIN), in this venv (rpath), then in LD_LIBRARY_PATH and the system paths; tine
+# names any it cannot load.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$root"
@@ -48,7 +50,7 @@ site="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["pu
 cuda="$site/nvidia/cu13"
 [ -x "$cuda/bin/nvcc" ] || { log "no nvcc at $cuda/bin/nvcc"; exit 1; }
 
-# 2. Link-time stubs (never on the run-time search path: the driver provides libcuda.so.1).
+# 2. Unversioned links, for -lcudart when CANDLE_CUDART_DYNAMIC is set.
 stubs="$cuda/lib/stubs"
 mkdir -p "$stubs"
 for lib in cudart cublas cublasLt curand nvrtc; do
@@ -56,14 +58,6 @@ for lib in cudart cublas cublasLt curand nvrtc; do
   [ -n "$real" ] || { log "no lib$lib.so.* in $cuda/lib"; exit 1; }
   ln -sf "../$real" "$stubs/lib$lib.so"
 done
-if [ ! -e "$stubs/libcuda.so" ] || [ "$cuda/include/cuda.h" -nt "$stubs/libcuda.so" ]; then
-  log "generating the libcuda.so.1 link stub from cuda.h"
-  # Every cu* name cuda.h declares or #defines (the _v2/_v3 entry points too); each stub returns
-  # CUDA_ERROR_UNKNOWN (999), should it ever be loaded instead of the driver.
-  grep -oE '\bcu[A-Z][A-Za-z0-9_]*\b' "$cuda/include/cuda.h" | sort -u |
-    awk '{ print "int " $1 "(void) { return 999; }" }' > "$stubs/libcuda_stub.c"
-  cc -shared -fPIC -O0 -Wl,-soname,libcuda.so.1 -o "$stubs/libcuda.so" "$stubs/libcuda_stub.c"
-fi
 
 # 3. The build.
 export CUDA_ROOT="$cuda" CUDA_PATH="$cuda" CUDA_HOME="$cuda" CUDA_TOOLKIT_ROOT_DIR="$cuda"
@@ -75,16 +69,21 @@ log "nvcc: $(nvcc --version | tail -n2 | head -n1); CUDA_COMPUTE_CAP=$CUDA_COMPU
 if [ "${1:-}" = --clippy ]; then
   exec $nice_cmd cargo clippy --release --locked -p tine-runtime -p tine-cli --features tine-runtime/cuda,tine-cli/cuda --all-targets --no-deps -- -D warnings
 fi
-$nice_cmd cargo build --release --locked -p tine-cli --features cuda >&2
 if [ "${1:-}" = --tests ]; then
-  $nice_cmd cargo test --release --locked -p tine-runtime --features cuda --no-run --message-format=json-render-diagnostics \
+  # One cargo invocation for the binary and the test binary, so that candle-kernels (every CUDA
+  # kernel) is built once for one feature set, not once per invocation.
+  $nice_cmd cargo test --release --locked -p tine-runtime -p tine-cli --features tine-runtime/cuda,tine-cli/cuda --no-run --message-format=json-render-diagnostics \
     | python3 -c 'import json, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "runtime":
         print(m["executable"])' >"$root/target/cuda/runtime-tests.path"
   log "runtime tests: $(cat "$root/target/cuda/runtime-tests.path")"
+else
+  $nice_cmd cargo build --release --locked -p tine-cli --features cuda >&2
 fi
 bin="$CARGO_TARGET_DIR/release/tine"
 log "built $bin ($(du -h "$bin" | cut -f1)); needs: $(readelf -d "$bin" | sed -n 's/.*NEEDED.*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
+# It must start here, where there is no GPU and no driver.
+"$bin" --help >/dev/null || { log "$bin does not start on this machine"; exit 1; }
 echo "$bin"

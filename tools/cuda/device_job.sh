@@ -48,6 +48,10 @@ export TINE_CACHE_DIR=$W/cache CUDA_CACHE_PATH=$W/jit-cache
 mkdir -p "$TINE_CACHE_DIR/models"
 
 step version 30 "$W/tine" --version
+# Patch 0021: the binary links no CUDA library. Without the toolkit's libraries on the search
+# path it still starts, and --device cuda names what it cannot load (rc 1, not a panic).
+step no-libs-start 30 env LD_LIBRARY_PATH= "$W/tine" --version
+step no-libs-cuda 60 env LD_LIBRARY_PATH= "$W/tine" generate --device cuda -p "Hello" -n 1 -m /nonexistent.gguf
 # The synthetic CUDA tests (no model needed): CUDA vs float64, verify batches, rollback, heads.
 if [ ! -e "$W/synthetic-tests.ok" ]; then
   step synthetic-tests 240 "$W/runtime-tests" cuda:: --skip real_model --nocapture --test-threads=1 && touch "$W/synthetic-tests.ok"
@@ -89,6 +93,12 @@ for r in 1 2 3; do
   step "speed-$r" 120 "$T" generate --device cuda --prompt-ids "$S/long-prompt.json" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-$r.json"
 done
 step speed-short 120 "$T" generate --device cuda -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-short.json"
+# Greedy decode picks the argmax on the GPU; the same with every logit row copied to the host.
+for r in 1 2 3; do
+  step "speed-host-argmax-$r" 120 env TINE_ARGMAX_ON_HOST=1 "$T" generate --device cuda --prompt-ids "$S/long-prompt.json" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-host-argmax-$r.json"
+  step "speed-short-host-argmax-$r" 120 env TINE_ARGMAX_ON_HOST=1 "$T" generate --device cuda -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-short-host-argmax-$r.json"
+  step "speed-short-$r" 120 "$T" generate --device cuda -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-short-$r.json"
+done
 
 # 5. Speculative decoding on the GPU: every type, exactness and speed.
 G=$W/nextn.gguf

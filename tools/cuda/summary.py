@@ -45,6 +45,13 @@ if sp:
 s = load(f"{out}/speed-short.json")
 if s:
     print(f"generate, short prompt + 512: decode {s['predicted_per_second']:.1f} tok/s")
+# Argmax on the GPU (the default for greedy) against every row copied to the host.
+for label, dev, host in (("1760-token prompt", "speed-[0-9].json", "speed-host-argmax-[0-9].json"), ("short prompt", "speed-short-[0-9].json", "speed-short-host-argmax-[0-9].json")):
+    a = [x for x in (load(p) for p in sorted(glob.glob(f"{out}/{dev}"))) if x]
+    b = [x for x in (load(p) for p in sorted(glob.glob(f"{out}/{host}"))) if x]
+    if a and b:
+        ma, mb = (statistics.median(x["predicted_per_second"] for x in v) for v in (a, b))
+        print(f"greedy decode, {label} + 512: argmax on the GPU {ma:.1f} tok/s, rows to the host {mb:.1f} tok/s ({ma / mb:.3f}x; medians of {len(a)}/{len(b)}); same ids: {all(x['ids'] == a[0]['ids'] for x in a + b)}")
 for t in ("draft-mtp", "draft-assistant", "ngram"):
     s = load(f"{out}/spec-{t}.json")
     if s:

@@ -176,6 +176,8 @@ pub struct Generation {
     /// Keep the logit row of every emitted token (logit-equivalence checks).
     record_logits: bool,
     recorded: Vec<Vec<f32>>,
+    /// The next token when the last decode computed only its argmax (see `argmax_only`).
+    next: Option<u32>,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -245,6 +247,7 @@ impl Generation {
             decided: VecDeque::new(),
             record_logits: false,
             recorded: Vec::new(),
+            next: None,
         })
     }
 
@@ -337,11 +340,14 @@ impl Generation {
         let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
         let (token, row) = match self.decided.pop_front() {
             Some(decided) => decided,
-            None => {
-                filter.apply(&mut self.logits)?;
-                let token = self.sampler.sample(&self.logits, seq.tokens());
-                (token, std::mem::take(&mut self.logits))
-            }
+            None => match self.next.take() {
+                Some(token) => (token, Vec::new()),
+                None => {
+                    filter.apply(&mut self.logits)?;
+                    let token = self.sampler.sample(&self.logits, seq.tokens());
+                    (token, std::mem::take(&mut self.logits))
+                }
+            },
         };
         if !model.is_end_of_generation(token) {
             if let Some(g) = filter.grammar.as_deref_mut() {
@@ -396,6 +402,8 @@ impl Generation {
                     let round = round?;
                     self.timings.draft.add(&round.stats());
                     self.decided.extend(round.tokens.into_iter().zip(round.rows));
+                } else if self.argmax_only() {
+                    self.next = Some(seq.decode_argmax(model, token)?);
                 } else {
                     self.logits = seq.decode(model, token)?;
                 }
@@ -407,6 +415,22 @@ impl Generation {
         };
         self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
         Ok(event)
+    }
+
+    /// Whether the next token is the argmax of the raw logits and nothing else reads them
+    /// (no bias, grammar, ignore_eos mask, penalty, logprobs or recording): then a decode returns
+    /// only the id (`Sequence::decode_argmax`), which on a GPU keeps the vocabulary-wide row there.
+    /// Greedy sampling draws nothing from the random stream, so the seed's path is unchanged.
+    fn argmax_only(&self) -> bool {
+        // `TINE_ARGMAX_ON_HOST=1` copies every row to the host anyway (to measure the difference).
+        static ON_HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        !*ON_HOST.get_or_init(|| std::env::var_os("TINE_ARGMAX_ON_HOST").is_some_and(|v| v == "1"))
+            && self.sampler.params().is_plain_argmax()
+            && self.req.logit_bias.is_empty()
+            && self.req.grammar.is_none()
+            && !self.req.ignore_eos
+            && self.req.n_probs == 0
+            && !self.record_logits
     }
 
     /// The tokens a shift keeps at the front: `n_keep` (the prompt for `-1`), at least the first.

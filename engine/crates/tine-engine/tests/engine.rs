@@ -261,3 +261,32 @@ Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
         }
     }
 }
+
+#[test]
+fn greedy_decoding_by_argmax_alone_generates_what_the_sampler_picks_from_the_rows() {
+    // A plain greedy request with nothing reading the logits decodes by `decode_argmax` (on a
+    // GPU the row stays there); asking for logprobs keeps the rows and the sampler's pick.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3 { seed: 9, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello world the", true, true);
+    let generate = |req: GenerateRequest| {
+        let mut seq = model.new_sequence(256);
+        let mut g = Generation::start(&model, &mut seq, req).expect("start");
+        while !g.is_finished() {
+            g.step(&model, &mut seq).expect("step");
+        }
+        (g.tokens().to_vec(), g.text().to_owned(), g.stop_type(), seq.tokens().to_vec())
+    };
+    for n_predict in [1, 2, 40] {
+        let base = GenerateRequest { n_predict, sampling: SamplingParams::greedy(), ..GenerateRequest::new(prompt.clone()) };
+        let by_argmax = generate(base.clone());
+        let by_rows = generate(GenerateRequest { n_probs: 1, ..base.clone() });
+        assert_eq!(by_argmax, by_rows, "n_predict {n_predict}");
+        // A penalty makes the rows matter again: the path must not be taken then.
+        let penalised = generate(GenerateRequest { sampling: SamplingParams { repeat_penalty: 1.5, ..SamplingParams::greedy() }, ..base.clone() });
+        let penalised_rows = generate(GenerateRequest { n_probs: 1, sampling: SamplingParams { repeat_penalty: 1.5, ..SamplingParams::greedy() }, ..base });
+        assert_eq!(penalised, penalised_rows, "n_predict {n_predict}, penalised");
+    }
+}

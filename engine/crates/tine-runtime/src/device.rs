@@ -20,6 +20,8 @@ pub enum DeviceError {
     Parse(String),
     #[error("--device {spec}: this tine was built without CUDA (build it with tools/cuda/build.sh, or `cargo build --release -p tine-cli --features cuda` with a CUDA toolkit)")]
     NotCompiled { spec: DeviceSpec },
+    #[error("--device {spec}: cannot load {missing}: tine looks beside itself, in its build's CUDA venv and on LD_LIBRARY_PATH (the driver provides libcuda; a CUDA 13 toolkit's lib64 or PyTorch's nvidia/cu13/lib the others)")]
+    Libraries { spec: DeviceSpec, missing: String },
     #[error("--device {spec}: cannot open the GPU (is the NVIDIA driver loaded and the GPU visible?)")]
     Open {
         spec: DeviceSpec,
@@ -39,13 +41,41 @@ impl DeviceSpec {
         match self {
             DeviceSpec::Cpu => Ok(Device::Cpu),
             DeviceSpec::Cuda(_) if !CUDA_COMPILED => Err(DeviceError::NotCompiled { spec: self }),
-            DeviceSpec::Cuda(n) => Device::new_cuda(n).map_err(|source| DeviceError::Open { spec: self, source }),
+            DeviceSpec::Cuda(n) => {
+                let missing = missing_cuda_libraries();
+                if !missing.is_empty() {
+                    return Err(DeviceError::Libraries { spec: self, missing: missing.join(", ") });
+                }
+                Device::new_cuda(n).map_err(|source| DeviceError::Open { spec: self, source })
+            }
         }
     }
 
     pub fn is_cpu(self) -> bool {
         self == DeviceSpec::Cpu
     }
+}
+
+/// The CUDA libraries candle opens when it makes a device (at run time: patch 0021) that cannot
+/// be loaded here. candle would panic on the first of them; this names them all.
+#[cfg(feature = "cuda")]
+pub fn missing_cuda_libraries() -> Vec<&'static str> {
+    // SAFETY: each check dlopens NVIDIA's library (running its initialisers) and closes it again;
+    // candle loads the same files right after.
+    let present = unsafe {
+        [
+            ("libcuda.so.1 (the NVIDIA driver)", cudarc::driver::sys::is_culib_present()),
+            ("libcublas.so.13 and libcublasLt.so.13", cudarc::cublas::sys::is_culib_present()),
+            ("libcurand.so.10", cudarc::curand::sys::is_culib_present()),
+        ]
+    };
+    present.into_iter().filter(|(_, ok)| !ok).map(|(name, _)| name).collect()
+}
+
+/// Without the `cuda` feature there is nothing to load.
+#[cfg(not(feature = "cuda"))]
+pub fn missing_cuda_libraries() -> Vec<&'static str> {
+    Vec::new()
 }
 
 impl fmt::Display for DeviceSpec {

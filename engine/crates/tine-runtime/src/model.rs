@@ -85,6 +85,8 @@ pub struct Model {
     /// End-of-generation tokens: EOS and `<end_of_turn>`-like control tokens.
     eog: Vec<u32>,
     pub(crate) device: Device,
+    /// `n - i` for `i` in `0..n` (u32, on `device`), made on the first device-side argmax.
+    argmax_rank: std::sync::OnceLock<Tensor>,
 }
 
 fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
@@ -102,6 +104,49 @@ fn tail_hash(mut file: &File, size: u64) -> std::io::Result<u64> {
 }
 
 impl Model {
+    /// The index of the largest value of a 1-D f32 row, ties to the lowest index (NaN is never
+    /// larger), as greedy sampling picks. On the CPU the row is read in place; elsewhere the
+    /// reduction runs on the device through ops whose result does not depend on their thread
+    /// order (candle's own argmax keeps whichever of two equal values its reduction tree meets
+    /// first, not the lowest index), and only the id crosses to the host.
+    fn argmax(&self, row: &Tensor) -> Result<u32, StepError> {
+        if row.device().is_cpu() {
+            let row = row.to_vec1::<f32>()?;
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = i;
+                }
+            }
+            return Ok(best as u32);
+        }
+        let n = row.dim(0)?;
+        let make = || Tensor::new((1..=n as u32).rev().collect::<Vec<u32>>(), row.device());
+        if self.argmax_rank.get().is_none() {
+            let _ = self.argmax_rank.set(make()?);
+        }
+        let cached = self.argmax_rank.get().expect("set above");
+        // Rows are vocabulary-wide; another width gets its own ranks.
+        let other;
+        let rank = if cached.dim(0)? == n {
+            cached
+        } else {
+            other = make()?;
+            &other
+        };
+        // hit[i] * (n - i) is largest at the lowest i holding the maximum.
+        let max = row.max_keepdim(0)?;
+        let hit = row.broadcast_eq(&max)?.to_dtype(candle_core::DType::U32)?;
+        let best = hit.mul(rank)?.max(0)?.to_scalar::<u32>()?;
+        Ok(n as u32 - best.max(1))
+    }
+
+    /// [`Sequence::decode_argmax`]'s choice over `row`, computed where the model runs (the row
+    /// is copied there first): what the CUDA tests compare with the host's greedy pick.
+    pub fn argmax_of(&self, row: &[f32]) -> Result<u32, StepError> {
+        self.argmax(&Tensor::new(row, &self.device)?)
+    }
+
     /// Loads a GGUF onto the CPU.
     pub fn load(path: &Path) -> Result<Model, LoadError> {
         Self::load_on(path, &Device::Cpu)
@@ -146,7 +191,7 @@ impl Model {
         // The weights were copied on this thread's stream; a server steps the model on another
         // thread (candle uses per-thread streams), so the copies must be complete first.
         device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
-        Ok(Model { weights, tokenizer, info, eog, device })
+        Ok(Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new() })
     }
 
     /// Where the weights and the sequences' KV caches live.
@@ -317,6 +362,20 @@ impl Sequence {
     /// Appends one token and returns its logits.
     pub fn decode(&mut self, model: &Model, token: u32) -> Result<Vec<f32>, StepError> {
         self.prefill(model, &[token])
+    }
+
+    /// Appends one token and returns the id of its largest logit (ties to the lowest id, as
+    /// greedy sampling picks), without the logits: on a GPU only the id crosses to the host,
+    /// not the vocabulary-wide row. Atomic like [`Sequence::decode`].
+    pub fn decode_argmax(&mut self, model: &Model, token: u32) -> Result<u32, StepError> {
+        self.check(model, &[token])?;
+        self.atomic(|seq| {
+            let x = Tensor::new(&[token], &model.device)?.unsqueeze(0)?;
+            let logits = model.weights.forward_with_cache(&x, &mut seq.cache)?;
+            seq.injected()?;
+            seq.tokens.push(token);
+            model.argmax(&logits.flatten_all()?)
+        })
     }
 
     /// Appends `tokens` in one forward and returns the logits of every one of them (a verify batch).

@@ -230,3 +230,39 @@ fn cuda_real_model_greedy_ids_match_the_cpu_and_llama_cpp_up_to_near_ties() {
         }
     }
 }
+
+#[test]
+fn cuda_argmax_picks_the_lowest_id_of_the_largest_logit_as_greedy_sampling_does() {
+    let p = pair(&TinyGemma3::default());
+    // Vocabulary-wide rows (the real model's 262,144 and odd widths), with the maximum tied at
+    // ids far apart, so that a reduction tree meets the higher id first.
+    for n in [1usize, 7, 1000, 4099, 262_144] {
+        let base: Vec<f32> = (0..n).map(|i| ((i * 7919 % 1009) as f32) * 1e-3 - 0.5).collect();
+        let mut cases = vec![base.clone()];
+        for ties in [[n - 1, n - 1], [n / 2, n - 1], [1.min(n - 1), n - 1], [0, n / 3]] {
+            let mut row = base.clone();
+            for &t in &ties {
+                row[t] = 3.0;
+            }
+            cases.push(row);
+        }
+        let mut all_equal = vec![0.25f32; n];
+        cases.push(all_equal.clone());
+        all_equal[n - 1] = f32::NEG_INFINITY;
+        cases.push(all_equal);
+        for row in &cases {
+            let want = tine_sampling::argmax(row);
+            assert_eq!(p.gpu.argmax_of(row).expect("argmax on the GPU"), want, "width {n}");
+            assert_eq!(p.cpu.argmax_of(row).expect("argmax on the CPU"), want, "width {n}");
+        }
+    }
+    // decode_argmax on the device gives decode's greedy pick, token by token.
+    let (mut a, mut b) = (p.gpu.new_sequence(64), p.gpu.new_sequence(64));
+    let mut tok = 2u32;
+    for _ in 0..16 {
+        let want = tine_sampling::argmax(&a.decode(&p.gpu, tok).expect("decode on the GPU"));
+        assert_eq!(b.decode_argmax(&p.gpu, tok).expect("decode_argmax on the GPU"), want);
+        tok = want;
+    }
+    eprintln!("argmax on the GPU = greedy sampling's pick over {} rows and 16 decode steps", 5 * 7);
+}

@@ -358,10 +358,11 @@ fn a_failed_step_leaves_the_sequence_exactly_as_before() {
     let want_next = clean.forward_all(m, &[9, 10, 11]).expect("clean forward_all");
 
     type Step = fn(&mut tine_runtime::Sequence, &Model, &[u32]) -> Result<(), tine_runtime::StepError>;
-    let steps: [(&str, Step, usize); 5] = [
+    let steps: [(&str, Step, usize); 6] = [
         ("prefill", |s, m, t| s.prefill(m, t).map(drop), 1),
         ("prefill_hidden", |s, m, t| s.prefill_hidden(m, t).map(drop), 1),
         ("decode", |s, m, t| s.decode(m, t[0]).map(drop), 0),
+        ("decode_argmax", |s, m, t| s.decode_argmax(m, t[0]).map(drop), 0),
         ("forward_all", |s, m, t| s.forward_all(m, &t[..3]).map(drop), 0),
         ("forward_all_hidden", |s, m, t| s.forward_all_hidden(m, &t[..3]).map(drop), 0),
     ];
@@ -452,6 +453,23 @@ mod slot_file {
         let mut c = m.new_sequence(64);
         assert!(c.restore_image(&m, &bad).is_err(), "K of the wrong size");
         assert!(c.is_empty());
+    }
+}
+
+#[test]
+fn decode_argmax_is_greedy_samplings_pick_of_decode_and_breaks_ties_to_the_lowest_id() {
+    let fx = fixture(TinyGemma3::default());
+    let m = &fx.model;
+    let (mut a, mut b) = (m.new_sequence(64), m.new_sequence(64));
+    let mut tok = 2u32;
+    for _ in 0..24 {
+        let want = tine_sampling::argmax(&a.decode(m, tok).expect("decode"));
+        assert_eq!(b.decode_argmax(m, tok).expect("decode_argmax"), want);
+        assert_eq!(b.tokens(), a.tokens());
+        tok = want;
+    }
+    for row in [vec![1.0f32, 3.0, 3.0, 2.0], vec![0.5; 9], vec![f32::NEG_INFINITY, -1.0, -1.0], vec![7.0]] {
+        assert_eq!(m.argmax_of(&row).expect("argmax"), tine_sampling::argmax(&row), "{row:?}");
     }
 }
 

@@ -56,6 +56,12 @@ impl SamplingParams {
         self.temperature <= 0.0
     }
 
+    /// Greedy with no penalty in effect: the choice is the argmax of the raw logits, so a
+    /// caller may compute it where the logits are (on the GPU) and skip the row.
+    pub fn is_plain_argmax(&self) -> bool {
+        self.is_greedy() && (self.repeat_last_n == 0 || (self.repeat_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0))
+    }
+
     pub fn validate(&self) -> Result<(), ParamsError> {
         for (name, value) in [
             ("temperature", self.temperature),
