@@ -121,23 +121,19 @@ impl Model {
             return Ok(best as u32);
         }
         let n = row.dim(0)?;
-        let make = || Tensor::new((1..=n as u32).rev().collect::<Vec<u32>>(), row.device());
-        if self.argmax_rank.get().is_none() {
-            let _ = self.argmax_rank.set(make()?);
-        }
-        let cached = self.argmax_rank.get().expect("set above");
-        // Rows are vocabulary-wide; another width gets its own ranks.
-        let other;
-        let rank = if cached.dim(0)? == n {
-            cached
-        } else {
-            other = make()?;
-            &other
+        // Rows are vocabulary-wide, so the ranks are made once; another width gets its own.
+        let rank = match self.argmax_rank.get() {
+            Some(rank) if rank.dim(0)? == n => rank.clone(),
+            _ => {
+                let rank = Tensor::new((1..=n as u32).rev().collect::<Vec<u32>>(), row.device())?;
+                let _ = self.argmax_rank.set(rank.clone());
+                rank
+            }
         };
         // hit[i] * (n - i) is largest at the lowest i holding the maximum.
         let max = row.max_keepdim(0)?;
         let hit = row.broadcast_eq(&max)?.to_dtype(candle_core::DType::U32)?;
-        let best = hit.mul(rank)?.max(0)?.to_scalar::<u32>()?;
+        let best = hit.mul(&rank)?.max(0)?.to_scalar::<u32>()?;
         Ok(n as u32 - best.max(1))
     }
 
@@ -349,11 +345,7 @@ impl Sequence {
         self.atomic(|seq| {
             let mut last = Vec::new();
             for chunk in tokens.chunks(PREFILL_CHUNK) {
-                let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
-                let logits = model.weights.forward_with_cache(&x, &mut seq.cache)?;
-                seq.injected()?;
-                seq.tokens.extend_from_slice(chunk);
-                last = logits.squeeze(0)?.to_vec1::<f32>()?;
+                last = seq.forward_chunk(model, chunk)?.squeeze(0)?.to_vec1::<f32>()?;
             }
             Ok(last)
         })
@@ -369,13 +361,17 @@ impl Sequence {
     /// not the vocabulary-wide row. Atomic like [`Sequence::decode`].
     pub fn decode_argmax(&mut self, model: &Model, token: u32) -> Result<u32, StepError> {
         self.check(model, &[token])?;
-        self.atomic(|seq| {
-            let x = Tensor::new(&[token], &model.device)?.unsqueeze(0)?;
-            let logits = model.weights.forward_with_cache(&x, &mut seq.cache)?;
-            seq.injected()?;
-            seq.tokens.push(token);
-            model.argmax(&logits.flatten_all()?)
-        })
+        self.atomic(|seq| model.argmax(&seq.forward_chunk(model, &[token])?.flatten_all()?))
+    }
+
+    /// One forward over `chunk`, inside an atomic step: appends it and returns the logits of its
+    /// last position, `(1, vocab)`.
+    fn forward_chunk(&mut self, model: &Model, chunk: &[u32]) -> Result<Tensor, StepError> {
+        let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
+        let logits = model.weights.forward_with_cache(&x, &mut self.cache)?;
+        self.injected()?;
+        self.tokens.extend_from_slice(chunk);
+        Ok(logits)
     }
 
     /// Appends `tokens` in one forward and returns the logits of every one of them (a verify batch).

@@ -59,7 +59,12 @@ impl SamplingParams {
     /// Greedy with no penalty in effect: the choice is the argmax of the raw logits, so a
     /// caller may compute it where the logits are (on the GPU) and skip the row.
     pub fn is_plain_argmax(&self) -> bool {
-        self.is_greedy() && (self.repeat_last_n == 0 || (self.repeat_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0))
+        self.is_greedy() && !self.has_penalties()
+    }
+
+    /// Whether a repeat, presence or frequency penalty changes the logits.
+    fn has_penalties(&self) -> bool {
+        self.repeat_last_n != 0 && (self.repeat_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
     }
 
     pub fn validate(&self) -> Result<(), ParamsError> {
@@ -214,7 +219,7 @@ impl Sampler {
 }
 
 fn apply_penalties(logits: &mut [f32], history: &[u32], p: &SamplingParams) {
-    if p.repeat_last_n == 0 || (p.repeat_penalty == 1.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0) {
+    if !p.has_penalties() {
         return;
     }
     let window = if p.repeat_last_n < 0 { history.len() } else { (p.repeat_last_n as usize).min(history.len()) };
