@@ -39,6 +39,12 @@ pub enum LoadError {
         #[source]
         source: candle_core::Error,
     },
+    #[error("{path}: the warm-up forward at load failed")]
+    WarmUp {
+        path: PathBuf,
+        #[source]
+        source: StepError,
+    },
 }
 
 /// Errors of a forward step.
@@ -187,7 +193,13 @@ impl Model {
         // The weights were copied on this thread's stream; a server steps the model on another
         // thread (candle uses per-thread streams), so the copies must be complete first.
         device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
-        Ok(Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new() })
+        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new() };
+        if model.device.is_cpu() {
+            // One forward now builds the CPU matmul's interleaved weight tiles (patch 0022: about
+            // 0.2 s for the default model), so the first request does not pay for them.
+            model.new_sequence(1).decode_argmax(&model, 0).map_err(|source| LoadError::WarmUp { path: p(), source })?;
+        }
+        Ok(model)
     }
 
     /// Where the weights and the sequences' KV caches live.
