@@ -1,0 +1,174 @@
+//! The data the kernels read: GGUF weight blocks (as ggml writes them) and the engine's own
+//! quantized activations (Q8 blocks of 32 values in three planes).
+//!
+//! The activation quantizer here is the kernel's, bit for bit: the same f32 operations in the
+//! same order (`amax / 127`, `round_ties_even(y / d)`), so a test can quantize on the CPU what a
+//! kernel quantized on the GPU and demand equality.
+
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
+
+/// Values per activation block (and per GEMV unit).
+pub const QK: usize = 32;
+
+/// The weight types the kernels read, with ggml's type numbers (what the kernels switch on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WeightType {
+    Q5_0,
+    Q8_0,
+    Q4K,
+    Q6K,
+}
+
+impl WeightType {
+    pub const ALL: [WeightType; 4] = [WeightType::Q5_0, WeightType::Q8_0, WeightType::Q4K, WeightType::Q6K];
+
+    /// ggml's number for the type (`GGML_TYPE_*`), which the kernels take.
+    pub fn ggml_id(self) -> i32 {
+        match self {
+            WeightType::Q5_0 => 6,
+            WeightType::Q8_0 => 8,
+            WeightType::Q4K => 12,
+            WeightType::Q6K => 14,
+        }
+    }
+
+    /// The type of a candle GGML dtype, where the kernels read it.
+    pub fn from_ggml(dtype: candle_core::quantized::GgmlDType) -> Option<WeightType> {
+        use candle_core::quantized::GgmlDType as D;
+        match dtype {
+            D::Q5_0 => Some(WeightType::Q5_0),
+            D::Q8_0 => Some(WeightType::Q8_0),
+            D::Q4K => Some(WeightType::Q4K),
+            D::Q6K => Some(WeightType::Q6K),
+            _ => None,
+        }
+    }
+
+    /// Values per block.
+    pub fn block_values(self) -> usize {
+        match self {
+            WeightType::Q5_0 | WeightType::Q8_0 => 32,
+            WeightType::Q4K | WeightType::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            WeightType::Q5_0 => 22,
+            WeightType::Q8_0 => 34,
+            WeightType::Q4K => 144,
+            WeightType::Q6K => 210,
+        }
+    }
+
+    /// Bytes of one row of `k` values.
+    pub fn row_bytes(self, k: usize) -> usize {
+        k / self.block_values() * self.block_bytes()
+    }
+
+    /// Quantizes `xs` (a whole number of blocks) with ggml's quantizer (candle's port of it).
+    pub fn quantize(self, xs: &[f32]) -> Vec<u8> {
+        fn go<B: GgmlType>(xs: &[f32]) -> Vec<u8> {
+            let mut blocks = vec![B::zeros(); xs.len() / B::BLCK_SIZE];
+            B::from_float(xs, &mut blocks);
+            let n = std::mem::size_of_val(blocks.as_slice());
+            // SAFETY: the blocks are plain repr(C) data with no padding (their sizes are ggml's).
+            unsafe { std::slice::from_raw_parts(blocks.as_ptr() as *const u8, n) }.to_vec()
+        }
+        assert_eq!(xs.len() % self.block_values(), 0, "{} values are not whole {:?} blocks", xs.len(), self);
+        match self {
+            WeightType::Q5_0 => go::<BlockQ5_0>(xs),
+            WeightType::Q8_0 => go::<BlockQ8_0>(xs),
+            WeightType::Q4K => go::<BlockQ4K>(xs),
+            WeightType::Q6K => go::<BlockQ6K>(xs),
+        }
+    }
+
+    /// Dequantizes whole blocks with ggml's dequantizer (candle's port of it).
+    pub fn dequantize(self, bytes: &[u8]) -> Vec<f32> {
+        fn go<B: GgmlType>(bytes: &[u8]) -> Vec<f32> {
+            let size = std::mem::size_of::<B>();
+            let mut blocks = vec![B::zeros(); bytes.len() / size];
+            // SAFETY: `blocks` holds exactly bytes.len() bytes of plain repr(C) data, any bit
+            // pattern of which is a valid block (integers and f16s); copying also aligns them.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), blocks.as_mut_ptr() as *mut u8, blocks.len() * size) };
+            let mut ys = vec![0f32; blocks.len() * B::BLCK_SIZE];
+            B::to_float(&blocks, &mut ys);
+            ys
+        }
+        assert_eq!(bytes.len() % self.block_bytes(), 0, "{} bytes are not whole {:?} blocks", bytes.len(), self);
+        match self {
+            WeightType::Q5_0 => go::<BlockQ5_0>(bytes),
+            WeightType::Q8_0 => go::<BlockQ8_0>(bytes),
+            WeightType::Q4K => go::<BlockQ4K>(bytes),
+            WeightType::Q6K => go::<BlockQ6K>(bytes),
+        }
+    }
+}
+
+/// Quantized activations: `rows` rows of `k` values as Q8 blocks of 32, in three planes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActQ8 {
+    pub k: usize,
+    pub rows: usize,
+    /// `rows * k` quants.
+    pub qs: Vec<i8>,
+    /// `rows * k / 32` scales.
+    pub d: Vec<f32>,
+    /// `rows * k / 32` sums of each block's quants.
+    pub sum: Vec<i32>,
+}
+
+impl ActQ8 {
+    /// Quantizes `rows` rows of `k` values exactly as the kernels do.
+    pub fn quantize(ys: &[f32], rows: usize, k: usize) -> ActQ8 {
+        assert_eq!(k % QK, 0, "k = {k} is not a multiple of {QK}");
+        assert_eq!(ys.len(), rows * k, "{} values for {rows} rows of {k}", ys.len());
+        let mut act = ActQ8 { k, rows, qs: vec![0; rows * k], d: vec![0.0; rows * k / QK], sum: vec![0; rows * k / QK] };
+        for (b, block) in ys.chunks_exact(QK).enumerate() {
+            let amax = block.iter().fold(0f32, |m, y| m.max(y.abs()));
+            let d = amax / 127.0;
+            let mut sum = 0;
+            for (i, y) in block.iter().enumerate() {
+                let q = if d == 0.0 { 0 } else { (y / d).round_ties_even() as i32 };
+                act.qs[b * QK + i] = q as i8;
+                sum += q;
+            }
+            act.d[b] = d;
+            act.sum[b] = sum;
+        }
+        act
+    }
+
+    /// The values the quants stand for (`d * q`), in float64.
+    pub fn dequantize(&self) -> Vec<f64> {
+        self.qs.iter().enumerate().map(|(i, &q)| self.d[i / QK] as f64 * q as f64).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_sizes_are_ggmls() {
+        for t in WeightType::ALL {
+            let xs: Vec<f32> = (0..t.block_values() * 3).map(|i| (i as f32 * 0.37).sin()).collect();
+            assert_eq!(t.quantize(&xs).len(), 3 * t.block_bytes(), "{t:?}");
+        }
+    }
+
+    #[test]
+    fn activation_quantization_rounds_half_to_even_and_keeps_zero_blocks_zero() {
+        let mut ys = vec![0f32; 64];
+        ys[0] = 127.0;
+        ys[1] = 2.5; // exactly 2.5 quanta: ties to even
+        ys[2] = -3.5;
+        let a = ActQ8::quantize(&ys, 1, 64);
+        assert_eq!(a.d, vec![1.0, 0.0]);
+        assert_eq!(&a.qs[..3], &[127, 2, -4]);
+        assert_eq!(a.sum, vec![125, 0]);
+        assert!(a.qs[32..].iter().all(|&q| q == 0));
+    }
+}

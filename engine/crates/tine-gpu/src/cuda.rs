@@ -1,0 +1,309 @@
+//! The kernels on the device: the module (embedded sm machine code, or a cubin file named by
+//! `TINE_GPU_CUBIN` for development), their argument blocks, and their launches.
+//!
+//! The argument blocks are `#[repr(C)]` mirrors of the structs in `kernels/decode.cu`, passed by
+//! value; both sides assert their sizes. They hold raw device addresses, so the launches are
+//! `unsafe`: the caller guarantees that every address is live and large enough for the extents the
+//! kernel's documentation gives. The engine above keeps its buffers for its whole life, which is
+//! what makes that easy to keep, and what lets a captured graph replay the same launches.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+
+/// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
+pub const MAX_ROWS: usize = 8;
+/// Warps (output rows) per GEMV block.
+pub const GEMV_WARPS: usize = 4;
+/// Keys per attention chunk.
+pub const ATTN_CHUNK: usize = 128;
+/// Blocks per row of the argmax.
+pub const ARGMAX_BLOCKS: usize = 128;
+
+/// The module built from `kernels/decode.cu` by build.rs (sm machine code for the build's
+/// `CUDA_COMPUTE_CAP`).
+static EMBEDDED_CUBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/decode.cubin"));
+
+/// Why the kernels could not be loaded or launched.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error("reading the kernels' cubin {path} (TINE_GPU_CUBIN)")]
+    Cubin {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("loading the kernels' module (is it built for this GPU's compute capability? this build's: sm_{built})")]
+    Module {
+        built: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    #[error("kernel {name}: not in the module")]
+    Function {
+        name: String,
+        #[source]
+        source: DriverError,
+    },
+    #[error("launching {kernel}")]
+    Launch {
+        kernel: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    #[error("{0}")]
+    Shape(String),
+}
+
+/// The step's parameters, in device memory: the kernels read the position and the tokens from
+/// here, so that a captured graph serves every step.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepParams {
+    /// Position of row 0.
+    pub pos: i32,
+    /// Rows of the step.
+    pub rows: i32,
+    /// Token ids of the rows.
+    pub tokens: [i32; MAX_ROWS],
+}
+// SAFETY: plain repr(C) integers, the layout of `StepParams` in decode.cu; all zeros is a valid value.
+unsafe impl DeviceRepr for StepParams {}
+unsafe impl ValidAsZeroBits for StepParams {}
+
+/// A device address (`CUdeviceptr`), or 0 for "none".
+pub type DevPtr = u64;
+
+/// `norm_quant`'s arguments (see decode.cu for the modes).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NormQuantArgs {
+    pub a: DevPtr,
+    pub res: DevPtr,
+    pub w_a: DevPtr,
+    pub embd: DevPtr,
+    pub embd_scale: f32,
+    pub step: DevPtr,
+    pub w: DevPtr,
+    pub eps: f32,
+    pub res_out: DevPtr,
+    pub y_out: DevPtr,
+    pub qs: DevPtr,
+    pub qd: DevPtr,
+    pub qsum: DevPtr,
+    pub k: i32,
+    pub in_mode: i32,
+    pub norm: i32,
+}
+
+/// One segment of a GEMV launch.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GemvSeg {
+    pub w: DevPtr,
+    pub w2: DevPtr,
+    pub out: DevPtr,
+    pub n: i32,
+    pub wtype: i32,
+    pub out_stride: i32,
+    pub glu: i32,
+    pub block_start: i32,
+}
+
+/// `gemv_m{M}`'s arguments.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GemvArgs {
+    pub seg: [GemvSeg; 4],
+    pub nseg: i32,
+    pub k: i32,
+    pub qs: DevPtr,
+    pub qd: DevPtr,
+    pub qsum: DevPtr,
+}
+
+/// `qk_norm_rope_kv`'s arguments.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RopeArgs {
+    pub q: DevPtr,
+    pub k: DevPtr,
+    pub v: DevPtr,
+    pub q_norm: DevPtr,
+    pub k_norm: DevPtr,
+    pub eps: f32,
+    pub inv_freq: DevPtr,
+    pub q_scale: f32,
+    pub k_cache: DevPtr,
+    pub v_cache: DevPtr,
+    pub ctx: i32,
+    pub step: DevPtr,
+    pub n_head: i32,
+    pub n_kv: i32,
+    pub hd: i32,
+}
+
+/// `attn_decode_hd{HD}`'s arguments.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttnArgs {
+    pub q: DevPtr,
+    pub k_cache: DevPtr,
+    pub v_cache: DevPtr,
+    pub out: DevPtr,
+    pub partials: DevPtr,
+    pub counters: DevPtr,
+    pub step: DevPtr,
+    pub ctx: i32,
+    pub window: i32,
+    pub n_head: i32,
+    pub n_kv: i32,
+    pub chunks_max: i32,
+}
+
+/// `argmax_rows`'s arguments.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ArgmaxArgs {
+    pub logits: DevPtr,
+    pub n: i32,
+    pub cand_v: DevPtr,
+    pub cand_i: DevPtr,
+    pub counters: DevPtr,
+    pub ids: DevPtr,
+    pub feed: DevPtr,
+}
+
+// The sizes decode.cu asserts for the same structs.
+const _: () = assert!(std::mem::size_of::<StepParams>() == 40);
+const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
+const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
+const _: () = assert!(std::mem::size_of::<GemvArgs>() == 224);
+const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 80);
+const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 56);
+
+// SAFETY: each is a repr(C) struct of integers and floats, the layout of its namesake in decode.cu
+// (sizes asserted on both sides), passed by value as a kernel parameter.
+unsafe impl DeviceRepr for NormQuantArgs {}
+unsafe impl DeviceRepr for GemvArgs {}
+unsafe impl DeviceRepr for RopeArgs {}
+unsafe impl DeviceRepr for AttnArgs {}
+unsafe impl DeviceRepr for ArgmaxArgs {}
+
+/// The loaded kernels.
+pub struct Kernels {
+    _module: Arc<CudaModule>,
+    norm_quant: CudaFunction,
+    gemv: Vec<CudaFunction>,
+    rope: CudaFunction,
+    attn: [(usize, CudaFunction); 3],
+    argmax: CudaFunction,
+}
+
+/// The compute capability the embedded cubin was built for.
+pub const BUILT_FOR: &str = env!("TINE_GPU_SM");
+
+impl Kernels {
+    /// Loads the module into `ctx`: the cubin file `TINE_GPU_CUBIN` names if set (a development
+    /// build compiled on the GPU machine), the embedded one otherwise.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, GpuError> {
+        let image = match std::env::var("TINE_GPU_CUBIN") {
+            Ok(path) => std::fs::read(&path).map_err(|source| GpuError::Cubin { path, source })?,
+            Err(_) => EMBEDDED_CUBIN.to_vec(),
+        };
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(image)).map_err(|source| GpuError::Module { built: BUILT_FOR, source })?;
+        let f = |name: &str| module.load_function(name).map_err(|source| GpuError::Function { name: name.to_string(), source });
+        Ok(Kernels {
+            norm_quant: f("norm_quant")?,
+            gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
+            rope: f("qk_norm_rope_kv")?,
+            attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
+            argmax: f("argmax_rows")?,
+            _module: module,
+        })
+    }
+
+    /// `norm_quant` over `rows` rows (one block of 256 threads each).
+    ///
+    /// # Safety
+    /// Every non-zero address in `args` is live device memory of at least the extent decode.cu
+    /// gives it for `rows` rows of `args.k` values.
+    pub unsafe fn norm_quant(&self, stream: &Arc<CudaStream>, rows: usize, args: &NormQuantArgs) -> Result<(), GpuError> {
+        check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))?;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        stream.launch_builder(&self.norm_quant).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "norm_quant", source })
+    }
+
+    /// The GEMV over `rows` activation rows for the segments `segs` (filled in: each segment's
+    /// `block_start`).
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
+    /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
+    pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
+        check((1..=MAX_ROWS).contains(&rows), || format!("gemv: {rows} rows (1..={MAX_ROWS})"))?;
+        check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
+        let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
+        let mut blocks = 0usize;
+        for (slot, s) in args.seg.iter_mut().zip(segs) {
+            let bv = match s.wtype {
+                6 | 8 => 32,
+                12 | 14 => 256,
+                t => return Err(GpuError::Shape(format!("gemv: weight type {t} is not one the kernels read"))),
+            };
+            check(k.is_multiple_of(bv), || format!("gemv: k = {k} is not a multiple of the weight type's {bv}"))?;
+            *slot = GemvSeg { block_start: blocks as i32, ..*s };
+            blocks += (s.n as usize).div_ceil(GEMV_WARPS);
+        }
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        stream.launch_builder(&self.gemv[rows - 1]).arg(&args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "gemv", source })
+    }
+
+    /// `qk_norm_rope_kv` for `rows` rows.
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`], and the step's positions `pos..pos + rows` are below `ctx`.
+    pub unsafe fn qk_norm_rope_kv(&self, stream: &Arc<CudaStream>, rows: usize, args: &RopeArgs) -> Result<(), GpuError> {
+        check(args.hd > 0 && args.hd % 64 == 0 && args.hd <= 512, || format!("qk_norm_rope_kv: head dim {} (a multiple of 64 up to 512)", args.hd))?;
+        let cfg = LaunchConfig { grid_dim: ((args.n_head + args.n_kv) as u32, rows as u32, 1), block_dim: ((args.hd / 2) as u32, 1, 1), shared_mem_bytes: 0 };
+        stream.launch_builder(&self.rope).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "qk_norm_rope_kv", source })
+    }
+
+    /// How many chunks one row's keys can span: the attention grid's width and the partials'
+    /// `chunks_max`.
+    pub fn attn_chunks_max(ctx: usize, window: usize) -> usize {
+        let span = if window > 0 { window.min(ctx) } else { ctx };
+        span.div_ceil(ATTN_CHUNK) + usize::from(window > 0)
+    }
+
+    /// Causal attention for `rows` rows, head dim `hd`.
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]; `partials` holds `rows * n_head * chunks_max * (hd + 2)`
+    /// floats and `counters` `MAX_ROWS * n_kv` zeroed ints.
+    pub unsafe fn attention(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
+        let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+        check(args.n_kv > 0 && args.n_head % args.n_kv == 0 && args.n_head / args.n_kv <= 8, || format!("attention: {} heads over {} KV heads (at most 8 per KV head)", args.n_head, args.n_kv))?;
+        let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_kv as u32, rows as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        stream.launch_builder(f).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "attention", source })
+    }
+
+    /// The greedy id of each of `rows` rows of logits.
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]; `cand_v`/`cand_i` hold `rows * ARGMAX_BLOCKS` values,
+    /// `counters` `MAX_ROWS` zeroed ints.
+    pub unsafe fn argmax(&self, stream: &Arc<CudaStream>, rows: usize, args: &ArgmaxArgs) -> Result<(), GpuError> {
+        let cfg = LaunchConfig { grid_dim: (ARGMAX_BLOCKS as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        stream.launch_builder(&self.argmax).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "argmax_rows", source })
+    }
+}
+
+fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), GpuError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError::Shape(msg()))
+    }
+}

@@ -1,0 +1,482 @@
+//! Gemma 3 on tine-gpu's kernels: the model read from a GGUF (as llama.cpp writes it) into
+//! buffers allocated once, and a step of 1..=8 rows as a fixed list of launches, captured once
+//! per row count as a CUDA graph and replayed.
+//!
+//! The step program (per layer, 10 launches; after the last layer, 3):
+//!
+//! 1. `norm_quant`: the residual stream (layer 0: the scaled embedding row; else
+//!    `h + post_ffw_norm(down)`), then `attn_norm`, as Q8 activations
+//! 2. `gemv`: Q, K and V in one launch (three segments, each its own weight type)
+//! 3. `qk_norm_rope_kv`: q/k norms, RoPE (local or global base), the query scale, K/V at the step's positions
+//! 4. attention (sliding window on local layers)
+//! 5. `norm_quant`: the attention output as Q8
+//! 6. `gemv`: the output projection
+//! 7. `norm_quant`: `h + post_attention_norm(o)`, then `ffn_norm`, as Q8
+//! 8. `gemv`: gate and up with the GELU(tanh)·up epilogue
+//! 9. `norm_quant`: the MLP's hidden row as Q8
+//! 10. `gemv`: down
+//!
+//! then `norm_quant` (`h + post_ffw_norm(down)`, `output_norm`), the LM head `gemv` and the
+//! greedy argmax. Every kernel is batch-invariant, so a step of M rows gives each row the bits a
+//! one-row step at its position gives.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::GgmlDType;
+use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+
+use crate::blocks::{WeightType, QK};
+use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_ROWS};
+
+/// Why a model could not be loaded or stepped on the GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum Gemma3GpuError {
+    #[error("reading {path}")]
+    Read {
+        path: String,
+        #[source]
+        source: candle_core::Error,
+    },
+    #[error("{path}: {what}")]
+    Model { path: String, what: String },
+    #[error("tensor {name} is {dtype:?}, which the GPU engine does not read (it reads Q4_K, Q5_0, Q6_K and Q8_0 weights)")]
+    Unsupported { name: String, dtype: GgmlDType },
+    #[error("CUDA driver")]
+    Driver(#[from] cudarc::driver::DriverError),
+    #[error(transparent)]
+    Kernel(#[from] GpuError),
+    #[error("step of {rows} rows at position {pos}: {what}")]
+    Step { rows: usize, pos: usize, what: String },
+}
+
+type Result<T> = std::result::Result<T, Gemma3GpuError>;
+
+/// The hyperparameters the step program needs, read from the GGUF's metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma3Config {
+    pub hidden: usize,
+    pub layers: usize,
+    pub n_head: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    pub ff: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    pub rope_global: f32,
+    pub rope_local: f32,
+    pub window: usize,
+    /// Every `sliding_pattern`-th layer is global, the rest local.
+    pub sliding_pattern: usize,
+}
+
+impl Gemma3Config {
+    /// Whether layer `l` attends over a sliding window (candle's and llama.cpp's rule).
+    pub fn is_local(&self, l: usize) -> bool {
+        !(l + 1).is_multiple_of(self.sliding_pattern)
+    }
+}
+
+struct Layer {
+    attn_norm: CudaSlice<f32>,
+    q: (CudaSlice<u8>, WeightType),
+    k: (CudaSlice<u8>, WeightType),
+    v: (CudaSlice<u8>, WeightType),
+    q_norm: CudaSlice<f32>,
+    k_norm: CudaSlice<f32>,
+    o: (CudaSlice<u8>, WeightType),
+    post_attn_norm: CudaSlice<f32>,
+    ffn_norm: CudaSlice<f32>,
+    gate: (CudaSlice<u8>, WeightType),
+    up: (CudaSlice<u8>, WeightType),
+    down: (CudaSlice<u8>, WeightType),
+    post_ffn_norm: CudaSlice<f32>,
+    k_cache: CudaSlice<f32>,
+    v_cache: CudaSlice<f32>,
+}
+
+/// Activation buffers, each sized for [`MAX_ROWS`] rows, allocated once.
+struct Buffers {
+    h: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    ff: CudaSlice<f32>,
+    down: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    qs: CudaSlice<i8>,
+    qd: CudaSlice<f32>,
+    qsum: CudaSlice<i32>,
+    partials: CudaSlice<f32>,
+    attn_counters: CudaSlice<i32>,
+    cand_v: CudaSlice<f32>,
+    cand_i: CudaSlice<i32>,
+    argmax_counters: CudaSlice<i32>,
+    ids: CudaSlice<i32>,
+    step: CudaSlice<StepParams>,
+}
+
+/// Gemma 3 on the GPU: weights, one sequence's KV cache, and the captured steps.
+pub struct Gemma3Gpu {
+    cfg: Gemma3Config,
+    ctx_len: usize,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    embd: (CudaSlice<u8>, WeightType),
+    output: Option<(CudaSlice<u8>, WeightType)>,
+    output_norm: CudaSlice<f32>,
+    inv_local: CudaSlice<f32>,
+    inv_global: CudaSlice<f32>,
+    layers: Vec<Layer>,
+    b: Buffers,
+    graphs: Vec<Option<CudaGraph>>,
+    /// Positions the cache holds.
+    pos: usize,
+    /// Rows of the last step.
+    last_rows: usize,
+    _ctx: Arc<CudaContext>,
+}
+
+/// Reads tensors of one GGUF onto the device.
+struct Reader<'a> {
+    content: &'a gguf_file::Content,
+    file: &'a mut File,
+    path: &'a str,
+    stream: &'a Arc<CudaStream>,
+}
+
+impl Reader<'_> {
+    fn tensor(&mut self, name: &str) -> Result<candle_core::quantized::QTensor> {
+        self.content.tensor(self.file, name, &candle_core::Device::Cpu).map_err(|source| Gemma3GpuError::Read { path: format!("{} ({name})", self.path), source })
+    }
+
+    /// A quantized matrix of `rows` rows of `k` values, its GGUF blocks uploaded as they are.
+    fn weight(&mut self, name: &str, rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
+        let t = self.tensor(name)?;
+        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
+        if t.shape().dims() != [rows, k] || !k.is_multiple_of(wt.block_values()) {
+            return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
+        }
+        let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
+        Ok((self.stream.clone_htod(&data[..])?, wt))
+    }
+
+    /// A vector of `n` values (a norm's weights), as f32.
+    fn norm(&mut self, name: &str, n: usize) -> Result<CudaSlice<f32>> {
+        let t = self.tensor(name)?;
+        let v = t.dequantize(&candle_core::Device::Cpu).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
+        if v.len() != n {
+            return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has {} values, expected {n}", v.len()) });
+        }
+        Ok(self.stream.clone_htod(&v)?)
+    }
+}
+
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
+    Ok(stream.alloc_zeros::<T>(n.max(1))?)
+}
+
+/// RoPE's inverse frequencies as candle's quantized_gemma3 computes them (f32 `powf`), so the
+/// angles match the CPU path's.
+fn inv_freq(hd: usize, base: f32) -> Vec<f32> {
+    (0..hd).step_by(2).map(|i| 1f32 / base.powf(i as f32 / hd as f32)).collect()
+}
+
+impl Gemma3Gpu {
+    /// Loads a `gemma3` GGUF onto GPU `ordinal` with a KV cache of `ctx_len` positions.
+    pub fn load(path: &Path, ordinal: usize, ctx_len: usize) -> Result<Gemma3Gpu> {
+        let shown = path.display().to_string();
+        let read_err = |source| Gemma3GpuError::Read { path: shown.clone(), source };
+        let model_err = |what: String| Gemma3GpuError::Model { path: shown.clone(), what };
+        let mut file = File::open(path).map_err(|e| read_err(candle_core::Error::from(e)))?;
+        let content = gguf_file::Content::read(&mut file).map_err(read_err)?;
+        let arch = content.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+        if arch != "gemma3" {
+            return Err(model_err(format!("architecture `{arch}`: the GPU engine runs gemma3")));
+        }
+        let md = |key: &str| content.metadata.get(&format!("gemma3.{key}"));
+        let md_u = |key: &str| -> Result<usize> { md(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize).ok_or_else(|| model_err(format!("metadata gemma3.{key} missing"))) };
+        let md_f = |key: &str, default: f32| md(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
+        let embd_info = content.tensor_infos.get("token_embd.weight").ok_or_else(|| model_err("no token_embd.weight".into()))?;
+        let vocab = embd_info.shape.dims()[0];
+        let cfg = Gemma3Config {
+            hidden: md_u("embedding_length")?,
+            layers: md_u("block_count")?,
+            n_head: md_u("attention.head_count")?,
+            n_kv: md_u("attention.head_count_kv")?,
+            head_dim: md_u("attention.key_length")?,
+            ff: md_u("feed_forward_length")?,
+            vocab,
+            eps: md_f("attention.layer_norm_rms_epsilon", 1e-6),
+            rope_global: md_f("rope.freq_base", 1_000_000.0),
+            rope_local: md_f("rope.local_freq_base", 10_000.0),
+            window: md_u("attention.sliding_window")?,
+            sliding_pattern: md_u("attention.sliding_window_type").unwrap_or(6),
+        };
+        if !matches!(cfg.head_dim, 64 | 128 | 256) || !cfg.n_head.is_multiple_of(cfg.n_kv) || cfg.n_head / cfg.n_kv > 8 {
+            return Err(model_err(format!("head layout {} heads / {} KV heads of {} dims is not one the GPU kernels take", cfg.n_head, cfg.n_kv, cfg.head_dim)));
+        }
+        if !cfg.hidden.is_multiple_of(32) || !cfg.ff.is_multiple_of(32) {
+            return Err(model_err(format!("widths {} and {} must be multiples of 32", cfg.hidden, cfg.ff)));
+        }
+        // SAFETY: dlopens the driver library and closes it again (cudarc would panic without it).
+        if !unsafe { sys::is_culib_present() } {
+            return Err(model_err("cannot load libcuda.so.1 (the NVIDIA driver)".into()));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: the engine works on one stream; nothing of it is used on another.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let kernels = Kernels::load(&ctx)?;
+        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
+        let embd = r.weight("token_embd.weight", cfg.vocab, cfg.hidden)?;
+        if embd.1 != WeightType::Q8_0 {
+            return Err(model_err(format!("token_embd.weight is {:?}: the embedding gather reads Q8_0", embd.1)));
+        }
+        let output = if content.tensor_infos.contains_key("output.weight") { Some(r.weight("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
+        let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
+        let (qd, kvd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim);
+        let mut layers = Vec::new();
+        for l in 0..cfg.layers {
+            let p = format!("blk.{l}");
+            let layer = Layer {
+                attn_norm: r.norm(&format!("{p}.attn_norm.weight"), cfg.hidden)?,
+                q: r.weight(&format!("{p}.attn_q.weight"), qd, cfg.hidden)?,
+                k: r.weight(&format!("{p}.attn_k.weight"), kvd, cfg.hidden)?,
+                v: r.weight(&format!("{p}.attn_v.weight"), kvd, cfg.hidden)?,
+                q_norm: r.norm(&format!("{p}.attn_q_norm.weight"), cfg.head_dim)?,
+                k_norm: r.norm(&format!("{p}.attn_k_norm.weight"), cfg.head_dim)?,
+                o: r.weight(&format!("{p}.attn_output.weight"), cfg.hidden, qd)?,
+                post_attn_norm: r.norm(&format!("{p}.post_attention_norm.weight"), cfg.hidden)?,
+                ffn_norm: r.norm(&format!("{p}.ffn_norm.weight"), cfg.hidden)?,
+                gate: r.weight(&format!("{p}.ffn_gate.weight"), cfg.ff, cfg.hidden)?,
+                up: r.weight(&format!("{p}.ffn_up.weight"), cfg.ff, cfg.hidden)?,
+                down: r.weight(&format!("{p}.ffn_down.weight"), cfg.hidden, cfg.ff)?,
+                post_ffn_norm: r.norm(&format!("{p}.post_ffw_norm.weight"), cfg.hidden)?,
+                k_cache: alloc(&stream, kvd * ctx_len)?,
+                v_cache: alloc(&stream, kvd * ctx_len)?,
+            };
+            if layer.gate.1 != layer.up.1 {
+                return Err(model_err(format!("{p}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
+            }
+            layers.push(layer);
+        }
+        let m = MAX_ROWS;
+        let kmax = cfg.ff.max(qd).max(cfg.hidden);
+        let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
+        let b = Buffers {
+            h: alloc(&stream, m * cfg.hidden)?,
+            q: alloc(&stream, m * qd)?,
+            k: alloc(&stream, m * kvd)?,
+            v: alloc(&stream, m * kvd)?,
+            attn: alloc(&stream, m * qd)?,
+            o: alloc(&stream, m * cfg.hidden)?,
+            ff: alloc(&stream, m * cfg.ff)?,
+            down: alloc(&stream, m * cfg.hidden)?,
+            logits: alloc(&stream, m * cfg.vocab)?,
+            qs: alloc(&stream, m * kmax)?,
+            qd: alloc(&stream, m * kmax / QK)?,
+            qsum: alloc(&stream, m * kmax / QK)?,
+            partials: alloc(&stream, m * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
+            attn_counters: alloc(&stream, MAX_ROWS * cfg.n_kv)?,
+            cand_v: alloc(&stream, m * ARGMAX_BLOCKS)?,
+            cand_i: alloc(&stream, m * ARGMAX_BLOCKS)?,
+            argmax_counters: alloc(&stream, MAX_ROWS)?,
+            ids: alloc(&stream, MAX_ROWS)?,
+            step: alloc(&stream, 1)?,
+        };
+        let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
+        let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
+        stream.synchronize()?;
+        Ok(Gemma3Gpu { cfg, ctx_len, stream, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, graphs: (0..MAX_ROWS).map(|_| None).collect(), pos: 0, last_rows: 0, _ctx: ctx })
+    }
+
+    pub fn config(&self) -> &Gemma3Config {
+        &self.cfg
+    }
+
+    /// Positions the cache holds.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+
+    /// Forgets every position from `len` on (O(1): the next step overwrites them).
+    pub fn truncate(&mut self, len: usize) {
+        self.pos = self.pos.min(len);
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// The launches of one step of `rows` rows (what a graph captures).
+    fn launch_step(&self, rows: usize) -> std::result::Result<usize, GpuError> {
+        let c = &self.cfg;
+        let b = &self.b;
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let act = (self.ptr(&b.qs), self.ptr(&b.qd), self.ptr(&b.qsum));
+        let step = self.ptr(&b.step);
+        let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
+        let nq = |a: DevPtr, w_a: DevPtr, mode: i32, k: usize, w: DevPtr| NormQuantArgs {
+            a,
+            res: p(&b.h),
+            w_a,
+            embd: self.ptr(&self.embd.0),
+            embd_scale: (c.hidden as f64).sqrt() as f32,
+            step,
+            w,
+            eps: c.eps,
+            res_out: if mode == 0 { 0 } else { p(&b.h) },
+            y_out: 0,
+            qs: act.0,
+            qd: act.1,
+            qsum: act.2,
+            k: k as i32,
+            in_mode: mode,
+            norm: (w != 0) as i32,
+        };
+        let seg =
+            |w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize| GemvSeg { w: self.ptr(&w.0), out: p(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() };
+        let s = &self.stream;
+        let k = &self.kernels;
+        let mut count = 0;
+        // SAFETY: every buffer was allocated at load for MAX_ROWS rows of its width (rows <=
+        // MAX_ROWS), the caches for ctx_len positions, and `forward` checks that the step's
+        // positions are below ctx_len before it launches.
+        unsafe {
+            for (l, ly) in self.layers.iter().enumerate() {
+                let local = c.is_local(l);
+                let first = if l == 0 { nq(0, 0, 2, c.hidden, p(&ly.attn_norm)) } else { nq(p(&b.down), p(&self.layers[l - 1].post_ffn_norm), 1, c.hidden, p(&ly.attn_norm)) };
+                k.norm_quant(s, rows, &first)?;
+                k.gemv(s, rows, c.hidden, &[seg(&ly.q, &b.q, qd), seg(&ly.k, &b.k, kvd), seg(&ly.v, &b.v, kvd)], act)?;
+                let rope = RopeArgs {
+                    q: p(&b.q),
+                    k: p(&b.k),
+                    v: p(&b.v),
+                    q_norm: p(&ly.q_norm),
+                    k_norm: p(&ly.k_norm),
+                    eps: c.eps,
+                    inv_freq: if local { p(&self.inv_local) } else { p(&self.inv_global) },
+                    q_scale: 1.0 / (c.head_dim as f32).sqrt(),
+                    k_cache: p(&ly.k_cache),
+                    v_cache: p(&ly.v_cache),
+                    ctx: self.ctx_len as i32,
+                    step,
+                    n_head: c.n_head as i32,
+                    n_kv: c.n_kv as i32,
+                    hd: c.head_dim as i32,
+                };
+                k.qk_norm_rope_kv(s, rows, &rope)?;
+                let window = if local { c.window } else { 0 };
+                let at = AttnArgs {
+                    q: p(&b.q),
+                    k_cache: p(&ly.k_cache),
+                    v_cache: p(&ly.v_cache),
+                    out: p(&b.attn),
+                    partials: p(&b.partials),
+                    counters: self.ptr(&b.attn_counters),
+                    step,
+                    ctx: self.ctx_len as i32,
+                    window: window as i32,
+                    n_head: c.n_head as i32,
+                    n_kv: c.n_kv as i32,
+                    chunks_max: Kernels::attn_chunks_max(self.ctx_len, window) as i32,
+                };
+                k.attention(s, rows, c.head_dim, &at)?;
+                k.norm_quant(s, rows, &nq(p(&b.attn), 0, 0, qd, 0))?;
+                k.gemv(s, rows, qd, &[seg(&ly.o, &b.o, c.hidden)], act)?;
+                k.norm_quant(s, rows, &nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
+                let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
+                k.gemv(s, rows, c.hidden, &[glu], act)?;
+                k.norm_quant(s, rows, &nq(p(&b.ff), 0, 0, c.ff, 0))?;
+                k.gemv(s, rows, c.ff, &[seg(&ly.down, &b.down, c.hidden)], act)?;
+                count += 10;
+            }
+            let last = self.layers.last().expect("a model has layers");
+            k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
+            let head = self.output.as_ref().unwrap_or(&self.embd);
+            k.gemv(s, rows, c.hidden, &[seg(head, &b.logits, c.vocab)], act)?;
+            let am = ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0 };
+            k.argmax(s, rows, &am)?;
+            count += 3;
+        }
+        Ok(count)
+    }
+
+    /// Captures the step of `rows` rows as a graph (once per row count).
+    fn graph(&mut self, rows: usize) -> Result<&CudaGraph> {
+        if self.graphs[rows - 1].is_none() {
+            self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let launched = self.launch_step(rows);
+            // End the capture whatever happened, so the stream is usable again.
+            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            launched?;
+            let graph = graph?.ok_or_else(|| Gemma3GpuError::Step { rows, pos: self.pos, what: "the capture made no graph".into() })?;
+            graph.upload()?;
+            self.graphs[rows - 1] = Some(graph);
+        }
+        Ok(self.graphs[rows - 1].as_ref().expect("captured just above"))
+    }
+
+    /// Kernel launches (graph nodes) of a step of `rows` rows.
+    pub fn graph_nodes(&mut self, rows: usize) -> Result<usize> {
+        let g = self.graph(rows)?;
+        let mut n = 0usize;
+        // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result()?;
+        Ok(n)
+    }
+
+    /// Runs `tokens` (1..=8) at the next positions: their K/V enter the cache, their logits and
+    /// greedy ids are ready for [`Gemma3Gpu::logits`] and [`Gemma3Gpu::argmax`].
+    pub fn forward(&mut self, tokens: &[u32]) -> Result<()> {
+        let rows = tokens.len();
+        let fail = |what: String| Gemma3GpuError::Step { rows, pos: self.pos, what };
+        if !(1..=MAX_ROWS).contains(&rows) {
+            return Err(fail(format!("a step takes 1 to {MAX_ROWS} tokens")));
+        }
+        if self.pos + rows > self.ctx_len {
+            return Err(fail(format!("the cache holds {} positions", self.ctx_len)));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
+        }
+        let mut params = StepParams { pos: self.pos as i32, rows: rows as i32, tokens: [0; MAX_ROWS] };
+        for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        let stream = self.stream.clone();
+        // Ordered on the stream after the previous step, which may still be reading the block.
+        stream.memcpy_htod(&[params][..], &mut self.b.step)?;
+        self.graph(rows)?.launch()?;
+        self.pos += rows;
+        self.last_rows = rows;
+        Ok(())
+    }
+
+    /// The last step's greedy ids (lowest id among equal maxima).
+    pub fn argmax(&self) -> Result<Vec<u32>> {
+        let ids = self.stream.clone_dtoh(&self.b.ids)?;
+        Ok(ids[..self.last_rows].iter().map(|&i| i as u32).collect())
+    }
+
+    /// The last step's logits, `rows × vocab`.
+    pub fn logits(&self) -> Result<Vec<f32>> {
+        let mut v = self.stream.clone_dtoh(&self.b.logits)?;
+        v.truncate(self.last_rows * self.cfg.vocab);
+        Ok(v)
+    }
+
+    /// Waits for the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}

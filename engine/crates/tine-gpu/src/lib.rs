@@ -1,0 +1,30 @@
+//! Tine's GPU decode engine, bottom layer: CUDA kernels for a decode step that is a fixed
+//! sequence of launches over buffers allocated once (so that it can be captured as one CUDA
+//! graph and replayed), with their float64 references.
+//!
+//! The kernels (`kernels/decode.cu`, compiled by nvcc to sm machine code when the `cuda` feature
+//! is on) are:
+//!
+//! | kernel | does |
+//! |---|---|
+//! | `norm_quant` | optional post-norm + residual add (or the Q8_0 embedding row, scaled), RMSNorm, and the Q8 activation blocks the GEMVs read |
+//! | `gemv_m{1..8}` | quantized GEMV over M rows (Q4_K, Q5_0, Q6_K, Q8_0 weights), up to four segments per launch (Q, K and V in one), optional GELU(tanh)·up epilogue |
+//! | `qk_norm_rope_kv` | per-head q/k RMSNorm, RoPE (NeoX halves), the query scale, K/V written to the cache at the step's positions |
+//! | `attn_decode_hd{64,128,256}` | causal attention, GQA, sliding window, split over the keys by absolute position with the combine in the same launch |
+//! | `argmax_rows` | greedy id per row (lowest id on ties), optionally fed back as the next step's token |
+//!
+//! Every kernel computes a row (one token of a step) with the same operations in the same order
+//! whatever the number of rows M of the step, so a verify step reproduces one-token decodes bit
+//! for bit. Positions and tokens are read from a [`StepParams`](cuda::StepParams) block in device
+//! memory, so a graph captured once serves every position.
+//!
+//! Without the `cuda` feature the crate is [`blocks`] (weight and activation formats) and
+//! [`reference`] (the kernels in float64, and the GEMV's lane split on the CPU), which CI tests.
+
+pub mod blocks;
+pub mod reference;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "cuda")]
+pub mod gemma3;

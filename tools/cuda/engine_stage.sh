@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Stages the GPU engine's device job (tools/cuda/engine_job.sh) into target/gpu-engine, which the
+# device call carries. Run here after building the check binary:
+#
+#   CARGO_TARGET_DIR=target/gpu-check RUSTFLAGS='-C target-cpu=x86-64-v3' \
+#     tools/cuda/build.sh --engine-check          # -> target/gpu-check/release/tine-gpu-check
+#   tools/cuda/engine_stage.sh
+#
+# target/gpu-engine/bin.tar.xz   the check binary (stripped)
+# target/gpu-engine/cpu-ref.jsonl  greedy ids of the CPU path for tools/cuda/stage.sh's prompts
+#                                (TINE_CPU_BIN, default target/debug/tine, 64 tokens each)
+# target/gpu-engine/m.NN          the model in chunks of 36 MiB, one per device call
+set -euo pipefail
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+dest="$root/target/gpu-engine"
+bin="${TINE_GPU_CHECK:-$root/target/gpu-check/release/tine-gpu-check}"
+cpu_bin="${TINE_CPU_BIN:-$root/target/debug/tine}"
+model="${MODEL:-${TINE_CACHE_DIR:-$HOME/.cache/tine}/models/gemma-3-270m-q4_k_m.gguf}"
+rm -rf "$dest"
+mkdir -p "$dest/.bin"
+cp "$bin" "$dest/.bin/tine-gpu-check"
+strip "$dest/.bin/tine-gpu-check"
+tar -C "$dest/.bin" -cJf "$dest/bin.tar.xz" tine-gpu-check
+rm -rf "$dest/.bin"
+sha256sum "$model" | cut -d' ' -f1 >"$dest/model.sha256"
+: >"$dest/cpu-ref.jsonl"
+for p in 'The history of the printing press begins' 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' 'Q: What is the capital of France?\nA:' 'Once upon a time, in a small village by the sea,' 'Shopping list:\n1. eggs\n2. milk\n3.' 'Translate to French: Good morning, how are you?\nFrench:'; do
+  "$cpu_bin" generate -m "$model" -p "$(printf '%b' "$p")" -n 64 --temp 0 --ignore-eos --json "$dest/ref.json" >/dev/null 2>&1
+  cat "$dest/ref.json" >>"$dest/cpu-ref.jsonl"
+done
+rm -f "$dest/ref.json"
+split -b 36M -d -a 2 "$model" "$dest/m."
+ls -la "$dest"
