@@ -369,7 +369,10 @@ pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
     let device = args.device.open()?;
     let opened_ms = t0.elapsed().as_secs_f64() * 1e3;
     let model = Model::load_on(&path, &device)?;
-    let on = if args.device.is_cpu() { String::new() } else { format!(" on {} (device opened in {opened_ms:.0} ms)", tine_runtime::describe_device(model.device())) };
+    let on = if args.device.is_cpu() { String::new() } else { format!(" on {} with {} (device opened in {opened_ms:.0} ms)", tine_runtime::describe_device(model.device()), model.engine()) };
+    if let Some(note) = model.engine_note() {
+        eprintln!("tine: the GPU engine does not run this model, candle's CUDA path does: {note}");
+    }
     eprintln!("loaded {} ({}, {} layers, vocab {}) in {:.0} ms{on}", model.info.name, path.display(), model.info.block_count, model.info.vocab_size, t0.elapsed().as_secs_f64() * 1e3);
     Ok(model)
 }
@@ -415,7 +418,7 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let t = g.timings();
     if let Some(path) = &a.json {
         let doc = serde_json::json!({
-            "model": model.info.path, "device": tine_runtime::describe_device(model.device()),
+            "model": model.info.path, "device": tine_runtime::describe_device(model.device()), "engine": model.engine(),
             "prompt_ids": prompt_ids, "ids": g.tokens(), "stop": g.stop_type().map(|s| s.as_str()),
             "first_token_ms": first_token_ms, "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
             "prompt_per_second": t.prompt_per_second(), "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms,

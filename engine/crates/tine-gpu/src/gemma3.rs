@@ -93,8 +93,6 @@ struct Layer {
     up: (CudaSlice<u8>, WeightType),
     down: (CudaSlice<u8>, WeightType),
     post_ffn_norm: CudaSlice<f32>,
-    k_cache: CudaSlice<f32>,
-    v_cache: CudaSlice<f32>,
 }
 
 /// Activation buffers, each sized for [`MAX_ROWS`] rows, allocated once.
@@ -117,14 +115,17 @@ struct Buffers {
     cand_i: CudaSlice<i32>,
     argmax_counters: CudaSlice<i32>,
     ids: CudaSlice<i32>,
-    step: CudaSlice<StepParams>,
 }
 
-/// Gemma 3 on the GPU: weights, one sequence's KV cache, and the captured steps.
+/// Gemma 3 on the GPU: weights and the step's buffers, shared by every sequence (steps run one
+/// at a time on the model's stream). Each sequence holds a [`GpuCache`].
 pub struct Gemma3Gpu {
     cfg: Gemma3Config,
-    ctx_len: usize,
+    /// The longest cache [`Gemma3Gpu::new_cache`] makes (the attention partials are sized for it).
+    max_ctx: usize,
     stream: Arc<CudaStream>,
+    /// The step's parameter block; locked for the upload and launch of a step.
+    step: std::sync::Mutex<CudaSlice<StepParams>>,
     kernels: Kernels,
     embd: (CudaSlice<u8>, WeightType),
     output: Option<(CudaSlice<u8>, WeightType)>,
@@ -133,12 +134,47 @@ pub struct Gemma3Gpu {
     inv_global: CudaSlice<f32>,
     layers: Vec<Layer>,
     b: Buffers,
-    graphs: Vec<Option<CudaGraph>>,
+    _ctx: Arc<CudaContext>,
+}
+
+/// A captured step. The graph is launched from whichever thread steps its sequence, one launch
+/// at a time (the sequence is borrowed mutably for it), with the context bound by cudarc.
+struct Graph(CudaGraph);
+// SAFETY: a CUDA graph exec may be launched from any thread once the context is current there
+// (cudarc binds it in `launch`); the owner launches it from one thread at a time.
+unsafe impl Send for Graph {}
+
+/// One sequence's KV cache on the GPU, with the step graphs captured over it.
+pub struct GpuCache {
+    k: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+    ctx_len: usize,
     /// Positions the cache holds.
     pos: usize,
-    /// Rows of the last step.
+    /// Rows of this cache's last step.
     last_rows: usize,
-    _ctx: Arc<CudaContext>,
+    graphs: Vec<Option<Graph>>,
+}
+
+impl GpuCache {
+    /// Positions the cache holds.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+
+    /// Positions it can hold.
+    pub fn capacity(&self) -> usize {
+        self.ctx_len
+    }
+
+    /// Forgets every position from `len` on (O(1): the next step overwrites them).
+    pub fn truncate(&mut self, len: usize) {
+        self.pos = self.pos.min(len);
+    }
 }
 
 /// Reads tensors of one GGUF onto the device.
@@ -187,8 +223,9 @@ fn inv_freq(hd: usize, base: f32) -> Vec<f32> {
 }
 
 impl Gemma3Gpu {
-    /// Loads a `gemma3` GGUF onto GPU `ordinal` with a KV cache of `ctx_len` positions.
-    pub fn load(path: &Path, ordinal: usize, ctx_len: usize) -> Result<Gemma3Gpu> {
+    /// Loads a `gemma3` GGUF onto GPU `ordinal`, for caches of up to `max_ctx` positions.
+    pub fn load(path: &Path, ordinal: usize, max_ctx: usize) -> Result<Gemma3Gpu> {
+        let ctx_len = max_ctx.max(1);
         let shown = path.display().to_string();
         let read_err = |source| Gemma3GpuError::Read { path: shown.clone(), source };
         let model_err = |what: String| Gemma3GpuError::Model { path: shown.clone(), what };
@@ -257,8 +294,6 @@ impl Gemma3Gpu {
                 up: r.weight(&format!("{p}.ffn_up.weight"), cfg.ff, cfg.hidden)?,
                 down: r.weight(&format!("{p}.ffn_down.weight"), cfg.hidden, cfg.ff)?,
                 post_ffn_norm: r.norm(&format!("{p}.post_ffw_norm.weight"), cfg.hidden)?,
-                k_cache: alloc(&stream, kvd * ctx_len)?,
-                v_cache: alloc(&stream, kvd * ctx_len)?,
             };
             if layer.gate.1 != layer.up.1 {
                 return Err(model_err(format!("{p}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
@@ -287,43 +322,47 @@ impl Gemma3Gpu {
             cand_i: alloc(&stream, m * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,
             ids: alloc(&stream, MAX_ROWS)?,
-            step: alloc(&stream, 1)?,
         };
+        let step = std::sync::Mutex::new(alloc(&stream, 1)?);
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        Ok(Gemma3Gpu { cfg, ctx_len, stream, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, graphs: (0..MAX_ROWS).map(|_| None).collect(), pos: 0, last_rows: 0, _ctx: ctx })
+        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma3Config {
         &self.cfg
     }
 
-    /// Positions the cache holds.
-    pub fn len(&self) -> usize {
-        self.pos
+    /// The longest cache the model makes.
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.pos == 0
-    }
-
-    /// Forgets every position from `len` on (O(1): the next step overwrites them).
-    pub fn truncate(&mut self, len: usize) {
-        self.pos = self.pos.min(len);
+    /// An empty KV cache of `ctx_len` positions (at most [`Gemma3Gpu::max_ctx`]).
+    pub fn new_cache(&self, ctx_len: usize) -> Result<GpuCache> {
+        let ctx_len = ctx_len.clamp(1, self.max_ctx);
+        let kvd = self.cfg.n_kv * self.cfg.head_dim;
+        let mut k = Vec::with_capacity(self.cfg.layers);
+        let mut v = Vec::with_capacity(self.cfg.layers);
+        for _ in 0..self.cfg.layers {
+            k.push(alloc(&self.stream, kvd * ctx_len)?);
+            v.push(alloc(&self.stream, kvd * ctx_len)?);
+        }
+        Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
         s.device_ptr(&self.stream).0
     }
 
-    /// The launches of one step of `rows` rows (what a graph captures).
-    fn launch_step(&self, rows: usize) -> std::result::Result<usize, GpuError> {
+    /// The launches of one step of `rows` rows over `cache` (what a graph captures).
+    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize) -> std::result::Result<usize, GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
         let act = (self.ptr(&b.qs), self.ptr(&b.qd), self.ptr(&b.qsum));
-        let step = self.ptr(&b.step);
+        let ctx_len = cache.ctx_len;
         let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
         let nq = |a: DevPtr, w_a: DevPtr, mode: i32, k: usize, w: DevPtr| NormQuantArgs {
             a,
@@ -366,9 +405,9 @@ impl Gemma3Gpu {
                     eps: c.eps,
                     inv_freq: if local { p(&self.inv_local) } else { p(&self.inv_global) },
                     q_scale: 1.0 / (c.head_dim as f32).sqrt(),
-                    k_cache: p(&ly.k_cache),
-                    v_cache: p(&ly.v_cache),
-                    ctx: self.ctx_len as i32,
+                    k_cache: p(&cache.k[l]),
+                    v_cache: p(&cache.v[l]),
+                    ctx: ctx_len as i32,
                     step,
                     n_head: c.n_head as i32,
                     n_kv: c.n_kv as i32,
@@ -378,17 +417,17 @@ impl Gemma3Gpu {
                 let window = if local { c.window } else { 0 };
                 let at = AttnArgs {
                     q: p(&b.q),
-                    k_cache: p(&ly.k_cache),
-                    v_cache: p(&ly.v_cache),
+                    k_cache: p(&cache.k[l]),
+                    v_cache: p(&cache.v[l]),
                     out: p(&b.attn),
                     partials: p(&b.partials),
                     counters: self.ptr(&b.attn_counters),
                     step,
-                    ctx: self.ctx_len as i32,
+                    ctx: ctx_len as i32,
                     window: window as i32,
                     n_head: c.n_head as i32,
                     n_kv: c.n_kv as i32,
-                    chunks_max: Kernels::attn_chunks_max(self.ctx_len, window) as i32,
+                    chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
                 };
                 k.attention(s, rows, c.head_dim, &at)?;
                 k.norm_quant(s, rows, &nq(p(&b.attn), 0, 0, qd, 0))?;
@@ -411,67 +450,72 @@ impl Gemma3Gpu {
         Ok(count)
     }
 
-    /// Captures the step of `rows` rows as a graph (once per row count).
-    fn graph(&mut self, rows: usize) -> Result<&CudaGraph> {
-        if self.graphs[rows - 1].is_none() {
+    /// The step of `rows` rows over `cache`, captured as a graph the first time.
+    fn graph<'c>(&self, cache: &'c mut GpuCache, step: DevPtr, rows: usize) -> Result<&'c CudaGraph> {
+        if cache.graphs[rows - 1].is_none() {
             self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let launched = self.launch_step(rows);
+            let launched = self.launch_step(cache, step, rows);
             // End the capture whatever happened, so the stream is usable again.
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             launched?;
-            let graph = graph?.ok_or_else(|| Gemma3GpuError::Step { rows, pos: self.pos, what: "the capture made no graph".into() })?;
+            let graph = graph?.ok_or_else(|| Gemma3GpuError::Step { rows, pos: cache.pos, what: "the capture made no graph".into() })?;
             graph.upload()?;
-            self.graphs[rows - 1] = Some(graph);
+            cache.graphs[rows - 1] = Some(Graph(graph));
         }
-        Ok(self.graphs[rows - 1].as_ref().expect("captured just above"))
+        Ok(&cache.graphs[rows - 1].as_ref().expect("captured just above").0)
     }
 
     /// Kernel launches (graph nodes) of a step of `rows` rows.
-    pub fn graph_nodes(&mut self, rows: usize) -> Result<usize> {
-        let g = self.graph(rows)?;
+    pub fn graph_nodes(&self, cache: &mut GpuCache, rows: usize) -> Result<usize> {
+        let step = self.ptr(&*self.step.lock().expect("a step panicked holding the step block"));
+        let g = self.graph(cache, step, rows)?;
         let mut n = 0usize;
         // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
         unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result()?;
         Ok(n)
     }
 
-    /// Runs `tokens` (1..=8) at the next positions: their K/V enter the cache, their logits and
-    /// greedy ids are ready for [`Gemma3Gpu::logits`] and [`Gemma3Gpu::argmax`].
-    pub fn forward(&mut self, tokens: &[u32]) -> Result<()> {
+    /// Runs `tokens` (1..=8) at `cache`'s next positions: their K/V enter the cache, their
+    /// logits and greedy ids are ready for [`Gemma3Gpu::logits`] and [`Gemma3Gpu::argmax`]
+    /// until the next step of any cache.
+    pub fn forward(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
         let rows = tokens.len();
-        let fail = |what: String| Gemma3GpuError::Step { rows, pos: self.pos, what };
+        let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
         if !(1..=MAX_ROWS).contains(&rows) {
             return Err(fail(format!("a step takes 1 to {MAX_ROWS} tokens")));
         }
-        if self.pos + rows > self.ctx_len {
-            return Err(fail(format!("the cache holds {} positions", self.ctx_len)));
+        if cache.pos + rows > cache.ctx_len {
+            return Err(fail(format!("the cache holds {} positions", cache.ctx_len)));
         }
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
             return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
         }
-        let mut params = StepParams { pos: self.pos as i32, rows: rows as i32, tokens: [0; MAX_ROWS] };
+        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, tokens: [0; MAX_ROWS] };
         for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
             *slot = t as i32;
         }
-        let stream = self.stream.clone();
+        let mut block = self.step.lock().expect("a step panicked holding the step block");
         // Ordered on the stream after the previous step, which may still be reading the block.
-        stream.memcpy_htod(&[params][..], &mut self.b.step)?;
-        self.graph(rows)?.launch()?;
-        self.pos += rows;
-        self.last_rows = rows;
+        self.stream.memcpy_htod(&[params][..], &mut *block)?;
+        let step = self.ptr(&*block);
+        self.graph(cache, step, rows)?.launch()?;
+        drop(block);
+        cache.pos += rows;
+        cache.last_rows = rows;
         Ok(())
     }
 
-    /// The last step's greedy ids (lowest id among equal maxima).
-    pub fn argmax(&self) -> Result<Vec<u32>> {
+    /// The greedy ids of `cache`'s last step (lowest id among equal maxima).
+    pub fn argmax(&self, cache: &GpuCache) -> Result<Vec<u32>> {
         let ids = self.stream.clone_dtoh(&self.b.ids)?;
-        Ok(ids[..self.last_rows].iter().map(|&i| i as u32).collect())
+        Ok(ids[..cache.last_rows].iter().map(|&i| i as u32).collect())
     }
 
-    /// The last step's logits, `rows × vocab`.
-    pub fn logits(&self) -> Result<Vec<f32>> {
-        let mut v = self.stream.clone_dtoh(&self.b.logits)?;
-        v.truncate(self.last_rows * self.cfg.vocab);
+    /// The logits of `cache`'s last step, `rows × vocab`.
+    pub fn logits(&self, cache: &GpuCache) -> Result<Vec<f32>> {
+        let n = cache.last_rows * self.cfg.vocab;
+        let mut v = vec![0f32; n];
+        self.stream.memcpy_dtoh(&self.b.logits.slice(..n), &mut v[..])?;
         Ok(v)
     }
 

@@ -6,6 +6,7 @@
 //! [`Sequence::rollback`]. The runtime knows nothing about sampling, chat templates or HTTP.
 
 mod device;
+mod gpu;
 mod graft;
 mod model;
 mod slot_file;
@@ -13,7 +14,7 @@ mod slot_file;
 pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 
 pub use graft::{graft_nextn, GraftError, Grafted};
-pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError, PREFILL_CHUNK};
+pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK};
 pub use slot_file::{fingerprint, SlotFileError, SlotImage};
 
 /// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).

@@ -10,6 +10,8 @@ use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
 
+use crate::gpu::{GpuError, GpuSeq, GpuTrunk, STEP_ROWS};
+
 /// Errors of [`Model::load`].
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -39,6 +41,12 @@ pub enum LoadError {
         #[source]
         source: candle_core::Error,
     },
+    #[error("{path}: the GPU engine cannot start (without TINE_GPU_ENGINE=1, candle's CUDA path runs instead)")]
+    Gpu {
+        path: PathBuf,
+        #[source]
+        source: GpuError,
+    },
     #[error("{path}: the warm-up forward at load failed")]
     WarmUp {
         path: PathBuf,
@@ -60,6 +68,10 @@ pub enum StepError {
     RollbackPastEnd { to: usize, len: usize },
     #[error("tensor operation failed")]
     Candle(#[from] candle_core::Error),
+    #[error("GPU engine step failed")]
+    Gpu(#[from] GpuError),
+    #[error("{0} is not on the GPU engine yet (without TINE_GPU_ENGINE=1, candle's CUDA path runs, which has it)")]
+    NotOnGpuEngine(&'static str),
     /// A failure injected by [`Sequence::inject_failure`] (failure-injection tests).
     #[error("injected failure after the forward's KV writes (failure-injection test)")]
     Injected,
@@ -93,6 +105,10 @@ pub struct Model {
     pub(crate) device: Device,
     /// `n - i` for `i` in `0..n` (u32, on `device`), made on the first device-side argmax.
     argmax_rank: std::sync::OnceLock<Tensor>,
+    /// The GPU decode engine, where it runs this model (`--device cuda`).
+    gpu: Option<GpuTrunk>,
+    /// Why a CUDA model runs on candle's path instead of the engine.
+    engine_note: Option<String>,
 }
 
 fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
@@ -193,13 +209,35 @@ impl Model {
         // The weights were copied on this thread's stream; a server steps the model on another
         // thread (candle uses per-thread streams), so the copies must be complete first.
         device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
-        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new() };
+        // The engine reads the GGUF itself; where it cannot run this model, candle's CUDA path
+        // does, and `engine_note` says why.
+        let (gpu, engine_note) = match GpuTrunk::open(path, &device, info.context_length.min(MAX_GPU_CONTEXT)) {
+            Ok(gpu) => (gpu, None),
+            Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(error_chain(&e))),
+            Err(source) => return Err(LoadError::Gpu { path: p(), source }),
+        };
+        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note };
         if model.device.is_cpu() {
             // One forward now builds the CPU matmul's interleaved weight tiles (patch 0022: about
             // 0.2 s for the default model), so the first request does not pay for them.
             model.new_sequence(1).decode_argmax(&model, 0).map_err(|source| LoadError::WarmUp { path: p(), source })?;
         }
         Ok(model)
+    }
+
+    /// What runs the steps: `"tine-gpu"` (the GPU decode engine) or `"candle"`.
+    pub fn engine(&self) -> &'static str {
+        if self.gpu.is_some() {
+            "tine-gpu"
+        } else {
+            "candle"
+        }
+    }
+
+    /// Why a model on a GPU runs on candle's path rather than the engine (a weight type the
+    /// engine does not read, say), for the user to see.
+    pub fn engine_note(&self) -> Option<&str> {
+        self.engine_note.as_deref()
     }
 
     /// Where the weights and the sequences' KV caches live.
@@ -234,7 +272,14 @@ impl Model {
     /// A new, empty sequence able to hold `context` positions (capped at the model's context).
     pub fn new_sequence(&self, context: usize) -> Sequence {
         let context = context.min(self.info.context_length).max(1);
-        Sequence { cache: self.new_cache_for(context), tokens: Vec::new(), context, fail_after: None }
+        match &self.gpu {
+            Some(gpu) => {
+                let seq = gpu.new_seq(context).expect("GPU memory for a sequence's KV cache");
+                // candle's cache stays empty: the engine's holds the positions.
+                Sequence { cache: self.new_cache_for(1), tokens: Vec::new(), context, fail_after: None, gpu: Some(seq) }
+            }
+            None => Sequence { cache: self.new_cache_for(context), tokens: Vec::new(), context, fail_after: None, gpu: None },
+        }
     }
 
     /// An empty KV cache for a sequence of `context` positions.
@@ -275,6 +320,28 @@ pub struct Sequence {
     pub(crate) context: usize,
     /// Forwards left before an injected failure ([`Sequence::inject_failure`]).
     fail_after: Option<usize>,
+    /// The engine's KV cache, when the model runs on the GPU engine (then `cache` is unused).
+    gpu: Option<GpuSeq>,
+}
+
+/// The longest context a sequence on the GPU engine holds (the engine sizes its attention
+/// scratch for it).
+pub const MAX_GPU_CONTEXT: usize = 32768;
+
+fn seq_on_gpu(seq: &Sequence) -> bool {
+    seq.gpu.is_some()
+}
+
+/// An error and its causes on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
 
 /// Prompt tokens per forward during prefill: bounds the attention scratch memory.
@@ -295,7 +362,15 @@ impl Sequence {
     }
     /// Positions the KV cache holds (equal to `len()`: the invariant tests check).
     pub fn cache_len(&self) -> usize {
-        self.cache.len()
+        match &self.gpu {
+            Some(g) => g.len(),
+            None => self.cache.len(),
+        }
+    }
+
+    /// Whether this sequence steps on the GPU engine.
+    pub fn on_gpu_engine(&self) -> bool {
+        self.gpu.is_some()
     }
 
     fn check(&self, model: &Model, tokens: &[u32]) -> Result<(), StepError> {
@@ -341,6 +416,10 @@ impl Sequence {
         let out = step(self);
         if out.is_err() {
             self.tokens.truncate(start);
+            if let Some(g) = &mut self.gpu {
+                g.truncate(start);
+                return out;
+            }
             // Every layer holds at least `start` positions (a step only appends), so this only
             // fails on a broken cache; then forget everything rather than keep a mixed state.
             if self.cache.truncate(start).is_err() {
@@ -356,6 +435,16 @@ impl Sequence {
         self.check(model, tokens)?;
         self.atomic(|seq| {
             let mut last = Vec::new();
+            if let (Some(gpu), Some(_)) = (&model.gpu, &seq.gpu) {
+                for chunk in tokens.chunks(STEP_ROWS) {
+                    let rows = gpu.forward_logits(seq.gpu.as_mut().expect("matched above"), chunk)?;
+                    seq.injected()?;
+                    seq.tokens.extend_from_slice(chunk);
+                    let vocab = rows.len() / chunk.len();
+                    last = rows[rows.len() - vocab..].to_vec();
+                }
+                return Ok(last);
+            }
             for chunk in tokens.chunks(PREFILL_CHUNK) {
                 last = seq.forward_chunk(model, chunk)?.squeeze(0)?.to_vec1::<f32>()?;
             }
@@ -373,7 +462,15 @@ impl Sequence {
     /// not the vocabulary-wide row. Atomic like [`Sequence::decode`].
     pub fn decode_argmax(&mut self, model: &Model, token: u32) -> Result<u32, StepError> {
         self.check(model, &[token])?;
-        self.atomic(|seq| model.argmax(&seq.forward_chunk(model, &[token])?.flatten_all()?))
+        self.atomic(|seq| {
+            if let (Some(gpu), Some(g)) = (&model.gpu, &mut seq.gpu) {
+                let id = gpu.forward_argmax(g, &[token])?;
+                seq.injected()?;
+                seq.tokens.push(token);
+                return Ok(id);
+            }
+            model.argmax(&seq.forward_chunk(model, &[token])?.flatten_all()?)
+        })
     }
 
     /// One forward over `chunk`, inside an atomic step: appends it and returns the logits of its
@@ -395,7 +492,20 @@ impl Sequence {
     /// One forward over `tokens`, every position's logits and (when asked) hidden states.
     fn forward_batch(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Logits, Option<Hidden>), StepError> {
         self.check(model, tokens)?;
+        if seq_on_gpu(self) && hidden {
+            return Err(StepError::NotOnGpuEngine("hidden states (the NextN and assistant heads)"));
+        }
         self.atomic(|seq| {
+            if let (Some(gpu), Some(_)) = (&model.gpu, &seq.gpu) {
+                let mut data = Vec::with_capacity(tokens.len() * model.info.vocab_size);
+                for chunk in tokens.chunks(STEP_ROWS) {
+                    data.extend(gpu.forward_logits(seq.gpu.as_mut().expect("matched above"), chunk)?);
+                    seq.injected()?;
+                    seq.tokens.extend_from_slice(chunk);
+                }
+                let vocab = data.len() / tokens.len();
+                return Ok((Logits { data, vocab }, None));
+            }
             let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
             let out = model.weights.forward_all(&x, &mut seq.cache, hidden)?;
             seq.injected()?;
@@ -412,13 +522,19 @@ impl Sequence {
         if len > self.tokens.len() {
             return Err(StepError::RollbackPastEnd { to: len, len: self.tokens.len() });
         }
-        self.cache.truncate(len)?;
+        match &mut self.gpu {
+            Some(g) => g.truncate(len),
+            None => self.cache.truncate(len)?,
+        }
         self.tokens.truncate(len);
         Ok(())
     }
 
     pub fn reset(&mut self) {
-        self.cache.reset();
+        match &mut self.gpu {
+            Some(g) => g.truncate(0),
+            None => self.cache.reset(),
+        }
         self.tokens.clear();
     }
 }
@@ -452,6 +568,9 @@ impl Sequence {
     /// [`Sequence::prefill`] that also returns the hidden states of every position it adds.
     pub fn prefill_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
         self.check(model, tokens)?;
+        if seq_on_gpu(self) {
+            return Err(StepError::NotOnGpuEngine("hidden states (the NextN and assistant heads)"));
+        }
         self.atomic(|seq| {
             let mut hidden = Vec::new();
             for chunk in tokens.chunks(PREFILL_CHUNK) {
@@ -476,6 +595,9 @@ impl Sequence {
     /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
     /// The logits cover the head's draft vocabulary ([`Assistant::draft_vocab`]) when it has one.
     pub fn assistant_step(&self, model: &Model, head: &Assistant, hidden: &Hidden, token: u32, position: usize) -> Result<(Vec<f32>, Hidden), StepError> {
+        if seq_on_gpu(self) {
+            return Err(StepError::NotOnGpuEngine("the assistant head"));
+        }
         let x = Tensor::new(&[[token]], &model.device)?;
         let h = hidden.0.unsqueeze(0)?;
         let (logits, next) = head.head.forward(&model.weights, &self.cache, &h, &x, position)?;

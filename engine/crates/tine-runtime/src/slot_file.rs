@@ -148,6 +148,9 @@ impl Reader<'_> {
 impl Sequence {
     /// This sequence's tokens and KV, to save.
     pub fn image(&self, model: &Model) -> Result<SlotImage, StepError> {
+        if self.on_gpu_engine() {
+            return Err(StepError::NotOnGpuEngine("saving a slot"));
+        }
         let mut layers = Vec::new();
         for (k, v) in self.cache.snapshot()?.unwrap_or_default() {
             let d = k.dims();
@@ -160,6 +163,9 @@ impl Sequence {
 
     /// Replaces this sequence's state with `img`. On error the sequence is unchanged.
     pub fn restore_image(&mut self, model: &Model, img: &SlotImage) -> Result<(), SlotFileError> {
+        if self.on_gpu_engine() {
+            return Err(StepError::NotOnGpuEngine("restoring a slot").into());
+        }
         let running = fingerprint(model);
         if img.model != running {
             return Err(SlotFileError::OtherModel { saved: img.model.clone(), running });

@@ -87,7 +87,9 @@ fn step_status(e: &StepError) -> StatusCode {
     match e {
         // What the request asked for does not fit: the client can change it.
         StepError::ContextFull { .. } | StepError::BadToken { .. } => StatusCode::BAD_REQUEST,
-        StepError::Empty | StepError::RollbackPastEnd { .. } | StepError::Candle(_) | StepError::Injected => StatusCode::INTERNAL_SERVER_ERROR,
+        StepError::Empty | StepError::RollbackPastEnd { .. } | StepError::Candle(_) | StepError::Gpu(_) | StepError::Injected => StatusCode::INTERNAL_SERVER_ERROR,
+        // What this server's engine cannot do yet (a head's hidden states on the GPU engine).
+        StepError::NotOnGpuEngine(_) => StatusCode::NOT_IMPLEMENTED,
     }
 }
 

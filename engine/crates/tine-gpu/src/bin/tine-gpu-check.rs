@@ -739,7 +739,7 @@ fn run(bench: bool, seed: u64) -> Res<bool> {
 /// The real model on the engine.
 mod model {
     use super::*;
-    use tine_gpu::gemma3::Gemma3Gpu;
+    use tine_gpu::gemma3::{Gemma3Gpu, GpuCache};
 
     fn top2_gap(row: &[f32]) -> f32 {
         let best = reference::argmax(row);
@@ -749,15 +749,15 @@ mod model {
 
     /// Greedy decoding: prompt in steps of up to 8 rows, then `n` one-row steps. Returns the ids,
     /// the logits row each id was chosen from and the row after the last, and the decode time.
-    fn greedy(g: &mut Gemma3Gpu, prompt: &[u32], n: usize) -> Res<(Vec<u32>, Vec<Vec<f32>>, f64)> {
-        g.truncate(0);
+    fn greedy(g: &Gemma3Gpu, c: &mut GpuCache, prompt: &[u32], n: usize) -> Res<(Vec<u32>, Vec<Vec<f32>>, f64)> {
+        c.truncate(0);
         let mut next = 0;
         let vocab = g.config().vocab;
         let mut first = Vec::new();
         for chunk in prompt.chunks(MAX_ROWS) {
-            g.forward(chunk)?;
-            next = *g.argmax()?.last().expect("a step has rows");
-            first = g.logits()?[(chunk.len() - 1) * vocab..].to_vec();
+            g.forward(c, chunk)?;
+            next = *g.argmax(c)?.last().expect("a step has rows");
+            first = g.logits(c)?[(chunk.len() - 1) * vocab..].to_vec();
         }
         let mut ids = Vec::new();
         // rows[0]: the row `ids[0]` was chosen from; rows[i + 1]: the row after feeding ids[i].
@@ -765,61 +765,60 @@ mod model {
         let t0 = std::time::Instant::now();
         for _ in 0..n {
             ids.push(next);
-            g.forward(&[next])?;
-            rows.push(g.logits()?[..vocab].to_vec());
-            next = g.argmax()?[0];
+            g.forward(c, &[next])?;
+            rows.push(g.logits(c)?);
+            next = g.argmax(c)?[0];
         }
         Ok((ids, rows, t0.elapsed().as_secs_f64()))
     }
 
     pub fn run(path: &std::path::Path, refs: Option<&str>) -> Res<bool> {
         let t0 = std::time::Instant::now();
-        let mut g = Gemma3Gpu::load(path, 0, 4096)?;
+        let g = Gemma3Gpu::load(path, 0, 4096)?;
+        let mut c = g.new_cache(4096)?;
         println!("model: {} loaded in {:.2} s: {:?}", path.display(), t0.elapsed().as_secs_f64(), g.config());
-        let nodes: Vec<String> = [1, 2, 4, 8].iter().map(|&m| g.graph_nodes(m).map(|n| format!("{m} rows: {n}"))).collect::<Result<_, _>>()?;
+        let nodes: Vec<String> = [1, 2, 4, 8].iter().map(|&m| g.graph_nodes(&mut c, m).map(|n| format!("{m} rows: {n}"))).collect::<Result<_, _>>()?;
         println!("model: graph nodes per step: {}", nodes.join(", "));
         let mut ok = true;
-        // Speed: greedy ids read back every step (the host waits for each token).
         let prompt: Vec<u32> = vec![2, 818, 3925, 529, 506, 19129, 3798, 13244];
-        g.truncate(0);
-        let (ids, _, _) = greedy(&mut g, &prompt, 8)?;
+        let (ids, _, _) = greedy(&g, &mut c, &prompt, 8)?;
         let n = 256;
-        g.truncate(0);
-        let t0 = std::time::Instant::now();
-        let (_, _, secs) = greedy(&mut g, &prompt, n)?;
-        let _ = t0;
-        println!("model: greedy decode {n} tokens after an 8-token prompt: {:.1} tok/s ({:.3} ms/token, logits row copied each step)", n as f64 / secs, secs * 1e3 / n as f64);
-        // Argmax only (what a greedy request needs): time one-row steps reading the id back.
-        g.truncate(prompt.len());
+        let (_, _, secs) = greedy(&g, &mut c, &prompt, n)?;
+        println!("model: greedy decode {n} tokens after an 8-token prompt, logits row copied each step: {:.1} tok/s ({:.3} ms/token)", n as f64 / secs, secs * 1e3 / n as f64);
+        // The id only (what a greedy request needs), read back every step.
+        c.truncate(prompt.len());
         let mut next = ids[0];
         let t0 = std::time::Instant::now();
         for _ in 0..n {
-            g.forward(&[next])?;
-            next = g.argmax()?[0];
+            g.forward(&mut c, &[next])?;
+            next = g.argmax(&c)?[0];
         }
         let secs = t0.elapsed().as_secs_f64();
-        println!("model: greedy decode, id only: {:.1} tok/s ({:.3} ms/token)", n as f64 / secs, secs * 1e3 / n as f64);
-        // Replays without reading anything back: the device's time per step.
-        g.truncate(prompt.len());
-        g.synchronize()?;
-        let t0 = std::time::Instant::now();
-        for _ in 0..n {
-            g.forward(&[next])?;
+        println!("model: greedy decode, id read back each step: {:.1} tok/s ({:.3} ms/token)", n as f64 / secs, secs * 1e3 / n as f64);
+        // Steps back to back without reading anything: the device's time per step.
+        for rows in [1usize, 4, 8] {
+            c.truncate(prompt.len());
+            g.synchronize()?;
+            let t0 = std::time::Instant::now();
+            let reps = n / rows;
+            for _ in 0..reps {
+                g.forward(&mut c, &ids[..rows])?;
+            }
+            g.synchronize()?;
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+            println!("model: {rows}-row steps back to back (no read-back): {ms:.3} ms/step, {:.0} tok/s", rows as f64 * 1e3 / ms);
         }
-        g.synchronize()?;
-        let secs = t0.elapsed().as_secs_f64();
-        println!("model: one-row steps back to back (no read-back): {:.3} ms/step", secs * 1e3 / n as f64);
         // Verify rows: steps of M rows against the one-row steps, bit for bit.
-        let (ids, rows, _) = greedy(&mut g, &prompt, 24)?;
+        let (ids, rows, _) = greedy(&g, &mut c, &prompt, 24)?;
         let vocab = g.config().vocab;
         for m in 2..=MAX_ROWS {
-            g.truncate(prompt.len());
+            c.truncate(prompt.len());
             let mut same = true;
-            for (c, chunk) in ids.chunks(m).enumerate() {
-                g.forward(chunk)?;
-                let got = g.logits()?;
-                for (j, _) in chunk.iter().enumerate() {
-                    let want = &rows[c * m + j + 1];
+            for (k, chunk) in ids.chunks(m).enumerate() {
+                g.forward(&mut c, chunk)?;
+                let got = g.logits(&c)?;
+                for j in 0..chunk.len() {
+                    let want = &rows[k * m + j + 1];
                     same &= got[j * vocab..(j + 1) * vocab].iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
                 }
             }
@@ -832,7 +831,7 @@ mod model {
                 let doc: serde_json::Value = serde_json::from_str(line)?;
                 let list = |k: &str| -> Vec<u32> { doc[k].as_array().map(|a| a.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect()).unwrap_or_default() };
                 let (p, want) = (list("prompt_ids"), list("ids"));
-                let (got, rows, _) = greedy(&mut g, &p, want.len())?;
+                let (got, rows, _) = greedy(&g, &mut c, &p, want.len())?;
                 match got.iter().zip(&want).position(|(a, b)| a != b) {
                     None => println!("model: prompt {}: {} greedy ids equal to the CPU path's", i + 1, want.len()),
                     Some(at) => println!(

@@ -1,0 +1,117 @@
+//! The seam to tine-gpu's decode engine: with `--device cuda` and `TINE_GPU_ENGINE=1`, a Gemma 3
+//! whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its steps
+//! there, one captured CUDA graph per row count, instead of through candle's CUDA backend op by
+//! op. Opt-in until the engine's device job has passed on the real model; candle's path also
+//! has what the engine does not yet: hidden states for the NextN and assistant heads, slot files.
+//!
+//! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
+//! always `None` and the runtime's code needs no `cfg`.
+
+use std::path::Path;
+
+use candle_core::Device;
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use super::*;
+    pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
+    use tine_gpu::gemma3::{Gemma3Gpu, GpuCache};
+
+    /// The model's trunk on the engine.
+    pub struct GpuTrunk(Gemma3Gpu);
+    /// One sequence's KV cache on the engine.
+    pub struct GpuSeq(GpuCache);
+
+    /// The most tokens one engine step takes (verify batches up to this; longer inputs go in
+    /// steps of it).
+    pub const STEP_ROWS: usize = tine_gpu::cuda::MAX_ROWS;
+
+    impl GpuTrunk {
+        /// The engine for a model on `device`, or why not: `Ok(None)` on the CPU or without
+        /// `TINE_GPU_ENGINE=1`; `Err(reason)` where the engine cannot run this model (the
+        /// caller falls back to candle when the reason is the model).
+        pub fn open(path: &Path, device: &Device, max_ctx: usize) -> Result<Option<GpuTrunk>, GpuError> {
+            let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else { return Ok(None) };
+            if !std::env::var("TINE_GPU_ENGINE").is_ok_and(|v| v == "1") {
+                return Ok(None);
+            }
+            Ok(Some(GpuTrunk(Gemma3Gpu::load(path, gpu_id, max_ctx)?)))
+        }
+        pub fn new_seq(&self, context: usize) -> Result<GpuSeq, GpuError> {
+            Ok(GpuSeq(self.0.new_cache(context)?))
+        }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits, `rows × vocab`.
+        pub fn forward_logits(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
+            self.0.forward(&mut seq.0, tokens)?;
+            self.0.logits(&seq.0)
+        }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the last one's greedy id; only the
+        /// id crosses to the host.
+        pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<u32, GpuError> {
+            self.0.forward(&mut seq.0, tokens)?;
+            Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
+        }
+    }
+
+    /// Whether `e` says the engine cannot run this model (a weight type or layout it does not
+    /// read), as opposed to a failure of the GPU itself.
+    pub fn is_unsupported_model(e: &GpuError) -> bool {
+        matches!(e, GpuError::Unsupported { .. } | GpuError::Model { .. })
+    }
+
+    impl GpuSeq {
+        pub fn len(&self) -> usize {
+            self.0.len()
+        }
+        pub fn truncate(&mut self, len: usize) {
+            self.0.truncate(len)
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::*;
+
+    /// No engine in a build without CUDA: [`GpuTrunk::open`] never makes one.
+    pub struct GpuTrunk(());
+    /// No engine in a build without CUDA (never made).
+    pub struct GpuSeq(());
+    /// No engine in a build without CUDA (never made).
+    #[derive(Debug, thiserror::Error)]
+    #[error("this build has no GPU engine")]
+    pub struct GpuError(());
+    pub const STEP_ROWS: usize = 8;
+
+    pub fn is_unsupported_model(_e: &GpuError) -> bool {
+        false
+    }
+
+    const NEVER: &str = "a build without CUDA makes no GPU engine";
+
+    impl GpuTrunk {
+        pub fn open(_path: &Path, _device: &Device, _max_ctx: usize) -> Result<Option<GpuTrunk>, GpuError> {
+            Ok(None)
+        }
+        pub fn new_seq(&self, _context: usize) -> Result<GpuSeq, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_logits(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_argmax(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<u32, GpuError> {
+            unreachable!("{NEVER}")
+        }
+    }
+
+    impl GpuSeq {
+        pub fn len(&self) -> usize {
+            unreachable!("{NEVER}")
+        }
+        pub fn truncate(&mut self, _len: usize) {
+            unreachable!("{NEVER}")
+        }
+    }
+}
+
+pub use imp::{is_unsupported_model, GpuError, GpuSeq, GpuTrunk, STEP_ROWS};
