@@ -14,15 +14,5 @@ pub mod template;
 pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, Timings, TokenProb};
 pub use stop::StopMatcher;
 
-/// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to
-/// see the cause, not only that something failed.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cur = e.source();
-    while let Some(s) = cur {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        cur = s.source();
-    }
-    out
-}
+/// `e` and its sources on one line (it lives in tine-runtime, which also needs it).
+pub use tine_runtime::error_chain;

@@ -17,6 +17,19 @@ pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::{Assistant, Hidden, LoadError, Logits, Model, ModelInfo, NextNState, Sequence, StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK};
 pub use slot_file::{fingerprint, SlotFileError, SlotImage};
 
+/// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to
+/// see the cause, not only that something failed.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        cur = s.source();
+    }
+    out
+}
+
 /// The default model's file name in Tine's model cache (`cargo xtask fetch-model` puts it there).
 pub const DEFAULT_MODEL_FILE: &str = "gemma-3-270m-q4_k_m.gguf";
 

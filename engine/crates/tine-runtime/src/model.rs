@@ -213,7 +213,7 @@ impl Model {
         // does, and `engine_note` says why.
         let (gpu, engine_note) = match GpuTrunk::open(path, &device, info.context_length.min(MAX_GPU_CONTEXT)) {
             Ok(gpu) => (gpu, None),
-            Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(error_chain(&e))),
+            Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(crate::error_chain(&e))),
             Err(source) => return Err(LoadError::Gpu { path: p(), source }),
         };
         let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note };
@@ -327,22 +327,6 @@ pub struct Sequence {
 /// The longest context a sequence on the GPU engine holds (the engine sizes its attention
 /// scratch for it).
 pub const MAX_GPU_CONTEXT: usize = 32768;
-
-fn seq_on_gpu(seq: &Sequence) -> bool {
-    seq.gpu.is_some()
-}
-
-/// An error and its causes on one line.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
 
 /// Prompt tokens per forward during prefill: bounds the attention scratch memory.
 pub const PREFILL_CHUNK: usize = 512;
@@ -492,7 +476,7 @@ impl Sequence {
     /// One forward over `tokens`, every position's logits and (when asked) hidden states.
     fn forward_batch(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Logits, Option<Hidden>), StepError> {
         self.check(model, tokens)?;
-        if seq_on_gpu(self) && hidden {
+        if self.on_gpu_engine() && hidden {
             return Err(StepError::NotOnGpuEngine("hidden states (the NextN and assistant heads)"));
         }
         self.atomic(|seq| {
@@ -568,7 +552,7 @@ impl Sequence {
     /// [`Sequence::prefill`] that also returns the hidden states of every position it adds.
     pub fn prefill_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
         self.check(model, tokens)?;
-        if seq_on_gpu(self) {
+        if self.on_gpu_engine() {
             return Err(StepError::NotOnGpuEngine("hidden states (the NextN and assistant heads)"));
         }
         self.atomic(|seq| {
@@ -595,7 +579,7 @@ impl Sequence {
     /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
     /// The logits cover the head's draft vocabulary ([`Assistant::draft_vocab`]) when it has one.
     pub fn assistant_step(&self, model: &Model, head: &Assistant, hidden: &Hidden, token: u32, position: usize) -> Result<(Vec<f32>, Hidden), StepError> {
-        if seq_on_gpu(self) {
+        if self.on_gpu_engine() {
             return Err(StepError::NotOnGpuEngine("the assistant head"));
         }
         let x = Tensor::new(&[[token]], &model.device)?;
