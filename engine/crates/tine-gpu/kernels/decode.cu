@@ -36,9 +36,17 @@ static_assert(sizeof(BlockQ6_K) == 210, "Q6_K");
 enum WType : int { W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q6_K = 14 };
 
 // Four bytes from a 2-byte aligned address (GGUF blocks of 22 and 34 bytes are only that aligned).
+// Read-only for the whole kernel (weights, activations of the previous launch): through the
+// non-coherent cache.
 __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-    return (int)h[0] | ((int)h[1] << 16);
+    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
+    return (int)__ldg(h) | ((int)__ldg(h + 1) << 16);
+}
+__device__ __forceinline__ uint32_t load_u32_a4(const uint8_t* p) {
+    return __ldg(reinterpret_cast<const unsigned int*>(p));
+}
+__device__ __forceinline__ float load_half(const half* p) {
+    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -92,7 +100,7 @@ struct StepParams {
 // ---------------------------------------------------------------------------------------------
 // Norm + residual + quantize.
 //
-// One block per row m. Modes:
+// Modes:
 //   in_mode 0: t = a                                       (a: [M, k] f32)
 //   in_mode 1: t = res + rmsnorm(a) * w_a                   (post-norm and residual add)
 //   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the Q8_0 embedding row)
@@ -115,57 +123,90 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
     return __half2float(b.d) * (float)b.qs[i % QK];
 }
 
-__device__ __forceinline__ float nq_input(const NormQuantArgs& p, int m, int i, float ra) {
-    if (p.in_mode == 2) return embd_value(p.embd, p.k, p.step->tokens[m], i) * p.embd_scale;
-    const float ai = p.a[(size_t)m * p.k + i];
-    if (p.in_mode == 1) return p.res[(size_t)m * p.k + i] + ai * ra * p.w_a[i];
-    return ai;
+#define NQ_THREADS 256
+#define NQ_PER 32  // values per thread: k <= NQ_THREADS * NQ_PER for the norm modes
+
+// Quantizes y (one value per lane, the lanes a block of 32) into block b of row m.
+__device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b, float y) {
+    const int lane = threadIdx.x % WARP;
+    const size_t i = (size_t)m * p.k + (size_t)b * QK + lane;
+    if (p.y_out) p.y_out[i] = y;
+    const float amax = warp_max(fabsf(y));
+    const float d = amax / 127.0f;
+    const int q = d == 0.0f ? 0 : (int)rintf(y / d);
+    p.qs[i] = (int8_t)q;
+    const int sum = warp_sum_i(q);
+    if (lane == 0) { p.qd[(size_t)m * (p.k / QK) + b] = d; p.qsum[(size_t)m * (p.k / QK) + b] = sum; }
 }
 
-extern "C" __global__ void __launch_bounds__(256) norm_quant(NormQuantArgs p) {
+// Grid: (blocks, M). The plain mode (in_mode 0, no norm, no res_out) spreads a row over blocks
+// of 8 warps, one warp per block of 32 values. The other modes take one block per row: thread t
+// holds values t + 256 j (so warp w's values for one j are the 32-value block 8 j + w), loads
+// all its inputs at once, and keeps them in registers through both norms and the quantization.
+extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) {
     __shared__ float red[32];
-    const int m = blockIdx.x, k = p.k, tid = threadIdx.x, nt = blockDim.x;
-    float ra = 1.0f;
+    const int m = blockIdx.y, k = p.k, tid = threadIdx.x;
+    const int lane = tid % WARP, warp = tid / WARP;
+    constexpr int NW = NQ_THREADS / WARP;
+    if (p.in_mode == 0 && !p.norm && !p.res_out) {
+        const int b = blockIdx.x * NW + warp;
+        if (b >= k / QK) return;
+        quant_block(p, m, b, __ldg(p.a + (size_t)m * k + (size_t)b * QK + lane));
+        return;
+    }
+    float t[NQ_PER], w[NQ_PER];
+    float ss = 0.0f;
     if (p.in_mode == 1) {
-        float s = 0.0f;
-        for (int i = tid; i < k; i += nt) { float v = p.a[(size_t)m * k + i]; s += v * v; }
-        s = block_sum_all(s, red);
-        ra = rsqrtf(s / (float)k + p.eps);
+        float a[NQ_PER], r[NQ_PER], wa[NQ_PER];
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) {
+            const int i = tid + NQ_THREADS * j;
+            a[j] = r[j] = wa[j] = w[j] = 0.0f;
+            if (i < k) {
+                a[j] = __ldg(p.a + (size_t)m * k + i);
+                r[j] = p.res[(size_t)m * k + i];
+                wa[j] = __ldg(p.w_a + i);
+                if (p.norm) w[j] = __ldg(p.w + i);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) ss += a[j] * a[j];
+        const float ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
+    } else {
+        const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) {
+            const int i = tid + NQ_THREADS * j;
+            t[j] = w[j] = 0.0f;
+            if (i < k) {
+                t[j] = p.in_mode == 2 ? embd_value(p.embd, k, token, i) * p.embd_scale : __ldg(p.a + (size_t)m * k + i);
+                if (p.norm) w[j] = __ldg(p.w + i);
+            }
+        }
     }
     float rt = 1.0f;
-    if (p.norm || p.res_out) {
-        float s = 0.0f;
-        for (int i = tid; i < k; i += nt) {
-            float t = nq_input(p, m, i, ra);
-            if (p.res_out) p.res_out[(size_t)m * k + i] = t;
-            s += t * t;
-        }
-        if (p.norm) {
-            s = block_sum_all(s, red);
-            rt = rsqrtf(s / (float)k + p.eps);
-        }
+    if (p.norm) {
+        float s2 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) s2 += t[j] * t[j];
+        rt = rsqrtf(block_sum_all(s2, red) / (float)k + p.eps);
     }
-    __syncthreads();  // res_out (possibly the same memory as res) is complete
-    // Quantize: each warp takes whole blocks of 32 values, one value per lane.
-    const int lane = tid % WARP, warp = tid / WARP, nw = nt / WARP;
-    for (int b = warp; b < k / QK; b += nw) {
-        const int i = b * QK + lane;
-        float y = p.res_out ? p.res_out[(size_t)m * k + i] : nq_input(p, m, i, ra);
-        if (p.norm) y = y * rt * p.w[i];
-        if (p.y_out) p.y_out[(size_t)m * k + i] = y;
-        const float amax = warp_max(fabsf(y));
-        const float d = amax / 127.0f;
-        const int q = d == 0.0f ? 0 : (int)rintf(y / d);
-        p.qs[(size_t)m * k + i] = (int8_t)q;
-        const int sum = warp_sum_i(q);
-        if (lane == 0) { p.qd[(size_t)m * (k / QK) + b] = d; p.qsum[(size_t)m * (k / QK) + b] = sum; }
+#pragma unroll
+    for (int j = 0; j < NQ_PER; ++j) {
+        const int b = NW * j + warp;
+        if (b >= k / QK) break;
+        if (p.res_out) p.res_out[(size_t)m * k + tid + NQ_THREADS * j] = t[j];
+        quant_block(p, m, b, p.norm ? t[j] * rt * w[j] : t[j]);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Quantized GEMV over M activation rows: out[m][r] = sum_i W[r][i] * y[m][i].
 //
-// One warp per output row. The row's k values are cut into units of 32 (a Q8_0/Q5_0 block, or a
+// One warp per GEMV_ROWS consecutive output rows, each computed as if by a warp of its own (the
+// rows only share the passes, so more loads are in flight). A row's k values are cut into units of 32 (a Q8_0/Q5_0 block, or a
 // sub-block of a K-quant super-block); lane l takes 8 values of unit u = it*8 + l/4 at offset
 // 8*(l%4), for it = 0, 1, ... Each lane keeps one float accumulator per activation row and adds
 // its units' contributions in unit order; the warp then sums its lanes with a fixed xor tree.
@@ -194,6 +235,8 @@ struct GemvArgs {
 };
 
 #define GEMV_WARPS 4
+#define GEMV_ROWS 2
+#define GEMV_UNROLL 4
 
 template <int T> struct WInfo;
 template <> struct WInfo<W_Q8_0> { static constexpr int BV = 32, BB = 34; };
@@ -211,7 +254,7 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
         const uint8_t* q = reinterpret_cast<const uint8_t*>(b->qs) + 8 * l4;
         w0 = load_i32_a2(q);
         w1 = load_i32_a2(q + 4);
-        fw = __half2float(b->d);
+        fw = load_half(&b->d);
         fmin = 0.0f;
     } else if constexpr (T == W_Q5_0) {
         const BlockQ5_0* b = reinterpret_cast<const BlockQ5_0*>(row) + u;
@@ -234,23 +277,23 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
             ws[h] = (int)v;
         }
         w0 = ws[0]; w1 = ws[1];
-        fw = __half2float(b->d);
+        fw = load_half(&b->d);
         fmin = 0.0f;
     } else if constexpr (T == W_Q4_K) {
         const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(row) + u / 8;
         const int j = u % 8;
         const uint8_t* q = b->qs + 32 * (j / 2) + 8 * l4;
-        const uint32_t a0 = *reinterpret_cast<const uint32_t*>(q);  // qs is at offset 16: 4-aligned within the block, and 144 is a multiple of 4
-        const uint32_t a1 = *reinterpret_cast<const uint32_t*>(q + 4);
+        const uint32_t a0 = load_u32_a4(q);  // qs is at offset 16: 4-aligned within the block, and 144 is a multiple of 4
+        const uint32_t a1 = load_u32_a4(q + 4);
         const int sh = 4 * (j & 1);
         w0 = (int)((a0 >> sh) & 0x0F0F0F0Fu);
         w1 = (int)((a1 >> sh) & 0x0F0F0F0Fu);
         const uint8_t* s = b->scales;
         int sc, mn;
-        if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
-        else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
-        fw = __half2float(b->d) * (float)sc;
-        fmin = l4 == 0 ? -__half2float(b->dmin) * (float)mn : 0.0f;
+        if (j < 4) { sc = __ldg(s + j) & 63; mn = __ldg(s + j + 4) & 63; }
+        else { sc = (__ldg(s + j + 4) & 0xF) | ((__ldg(s + j - 4) >> 6) << 4); mn = (__ldg(s + j + 4) >> 4) | ((__ldg(s + j) >> 6) << 4); }
+        fw = load_half(&b->d) * (float)sc;
+        fmin = l4 == 0 ? -load_half(&b->dmin) * (float)mn : 0.0f;
     } else {  // W_Q6_K
         const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + u / 8;
         const int j = u % 8, n = j / 4, t = j % 4;
@@ -267,47 +310,84 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
             ws[h] = (int)__vsubss4(v, 0x20202020u);
         }
         w0 = ws[0]; w1 = ws[1];
-        fw = __half2float(b->d) * (float)b->scales[8 * n + 2 * t + (l / 16)];
+        fw = load_half(&b->d) * (float)__ldg(b->scales + 8 * n + 2 * t + (l / 16));
         fmin = 0.0f;
     }
 }
 
+// Rows r0 and r0 + 1 (if below n) of a segment, by one warp: both rows' loads are issued in the
+// same pass, so a warp keeps more bytes in flight.
 template <int T, int M, bool GLU>
-__device__ __forceinline__ void gemv_row(const GemvArgs& p, const GemvSeg& s, int r) {
+__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, int r0) {
     const int lane = threadIdx.x % WARP, l4 = lane % 4;
     const int k = p.k, units = k / QK, kb = k / QK;
     const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
-    const uint8_t* row = s.w + (size_t)r * row_bytes;
-    const uint8_t* row2 = GLU ? s.w2 + (size_t)r * row_bytes : nullptr;
-    float acc[M], acc2[GLU ? M : 1];
+    const int nr = min(GEMV_ROWS, s.n - r0);
+    const uint8_t* row[GEMV_ROWS];
+    const uint8_t* row2[GEMV_ROWS];
 #pragma unroll
-    for (int m = 0; m < M; ++m) { acc[m] = 0.0f; if (GLU) acc2[m] = 0.0f; }
-    for (int u = lane / 4; u < units; u += WARP / 4) {
-        int w0, w1, v0 = 0, v1 = 0; float fw, fmin, gw = 0.0f, gmin = 0.0f;
-        load_unit<T>(row, u, l4, w0, w1, fw, fmin);
-        if (GLU) load_unit<T>(row2, u, l4, v0, v1, gw, gmin);
+    for (int i = 0; i < GEMV_ROWS; ++i) {
+        const int r = min(r0 + i, s.n - 1);
+        row[i] = s.w + (size_t)r * row_bytes;
+        row2[i] = GLU ? s.w2 + (size_t)r * row_bytes : nullptr;
+    }
+    float acc[GEMV_ROWS][M], acc2[GEMV_ROWS][GLU ? M : 1];
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-            const int2 a = *reinterpret_cast<const int2*>(p.qs + (size_t)m * k + 32 * u + 8 * l4);
-            const float d = p.qd[(size_t)m * kb + u];
-            const float sm = (float)p.qsum[(size_t)m * kb + u];
-            const int dot = __dp4a(w1, a.y, __dp4a(w0, a.x, 0));
-            acc[m] += d * (fw * (float)dot + fmin * sm);
-            if (GLU) {
-                const int dot2 = __dp4a(v1, a.y, __dp4a(v0, a.x, 0));
-                acc2[m] += d * (gw * (float)dot2 + gmin * sm);
+    for (int i = 0; i < GEMV_ROWS; ++i)
+#pragma unroll
+        for (int m = 0; m < M; ++m) { acc[i][m] = 0.0f; if (GLU) acc2[i][m] = 0.0f; }
+    // GEMV_UNROLL units per lane per pass, for each of the rows: their loads are issued together
+    // (the weights come from memory, and a pass's latency is paid once); each row's units still
+    // enter its accumulators in unit order.
+    for (int u0 = lane / 4; u0 < units; u0 += GEMV_UNROLL * (WARP / 4)) {
+        int w0[GEMV_ROWS][GEMV_UNROLL], w1[GEMV_ROWS][GEMV_UNROLL], v0[GEMV_ROWS][GEMV_UNROLL], v1[GEMV_ROWS][GEMV_UNROLL];
+        float fw[GEMV_ROWS][GEMV_UNROLL], fmin[GEMV_ROWS][GEMV_UNROLL], gw[GEMV_ROWS][GEMV_UNROLL], gmin[GEMV_ROWS][GEMV_UNROLL];
+#pragma unroll
+        for (int j = 0; j < GEMV_UNROLL; ++j) {
+            const int u = u0 + j * (WARP / 4);
+#pragma unroll
+            for (int i = 0; i < GEMV_ROWS; ++i) {
+                w0[i][j] = w1[i][j] = v0[i][j] = v1[i][j] = 0;
+                fw[i][j] = fmin[i][j] = gw[i][j] = gmin[i][j] = 0.0f;
+                if (u < units && i < nr) {
+                    load_unit<T>(row[i], u, l4, w0[i][j], w1[i][j], fw[i][j], fmin[i][j]);
+                    if (GLU) load_unit<T>(row2[i], u, l4, v0[i][j], v1[i][j], gw[i][j], gmin[i][j]);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < GEMV_UNROLL; ++j) {
+            const int u = u0 + j * (WARP / 4);
+            if (u >= units) break;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const int2 a = __ldg(reinterpret_cast<const int2*>(p.qs + (size_t)m * k + 32 * u + 8 * l4));
+                const float d = __ldg(p.qd + (size_t)m * kb + u);
+                const float sm = (float)__ldg(p.qsum + (size_t)m * kb + u);
+#pragma unroll
+                for (int i = 0; i < GEMV_ROWS; ++i) {
+                    const int dot = __dp4a(w1[i][j], a.y, __dp4a(w0[i][j], a.x, 0));
+                    acc[i][m] += d * (fw[i][j] * (float)dot + fmin[i][j] * sm);
+                    if (GLU) {
+                        const int dot2 = __dp4a(v1[i][j], a.y, __dp4a(v0[i][j], a.x, 0));
+                        acc2[i][m] += d * (gw[i][j] * (float)dot2 + gmin[i][j] * sm);
+                    }
+                }
             }
         }
     }
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        float v = warp_sum(acc[m]);
-        if (GLU) {
-            const float up = warp_sum(acc2[m]);
-            const float g = v;
-            v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up;
+    for (int i = 0; i < GEMV_ROWS; ++i) {
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = warp_sum(acc[i][m]);
+            if (GLU) {
+                const float up = warp_sum(acc2[i][m]);
+                const float g = v;
+                v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up;
+            }
+            if (lane == 0 && i < nr) s.out[(size_t)m * s.out_stride + r0 + i] = v;
         }
-        if (lane == 0) s.out[(size_t)m * s.out_stride + r] = v;
     }
 }
 
@@ -318,17 +398,17 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
 #pragma unroll
     for (int i = 1; i < 4; ++i) if (i < p.nseg && (int)blockIdx.x >= p.seg[i].block_start) si = i;
     const GemvSeg& s = p.seg[si];
-    const int r = ((int)blockIdx.x - s.block_start) * GEMV_WARPS + (int)threadIdx.x / WARP;
+    const int r = (((int)blockIdx.x - s.block_start) * GEMV_WARPS + (int)threadIdx.x / WARP) * GEMV_ROWS;
     if (r >= s.n) return;
     switch (s.type * 2 + (s.glu ? 1 : 0)) {
-        case W_Q8_0 * 2: gemv_row<W_Q8_0, M, false>(p, s, r); break;
-        case W_Q5_0 * 2: gemv_row<W_Q5_0, M, false>(p, s, r); break;
-        case W_Q4_K * 2: gemv_row<W_Q4_K, M, false>(p, s, r); break;
-        case W_Q6_K * 2: gemv_row<W_Q6_K, M, false>(p, s, r); break;
-        case W_Q8_0 * 2 + 1: gemv_row<W_Q8_0, M, true>(p, s, r); break;
-        case W_Q5_0 * 2 + 1: gemv_row<W_Q5_0, M, true>(p, s, r); break;
-        case W_Q4_K * 2 + 1: gemv_row<W_Q4_K, M, true>(p, s, r); break;
-        case W_Q6_K * 2 + 1: gemv_row<W_Q6_K, M, true>(p, s, r); break;
+        case W_Q8_0 * 2: gemv_rows<W_Q8_0, M, false>(p, s, r); break;
+        case W_Q5_0 * 2: gemv_rows<W_Q5_0, M, false>(p, s, r); break;
+        case W_Q4_K * 2: gemv_rows<W_Q4_K, M, false>(p, s, r); break;
+        case W_Q6_K * 2: gemv_rows<W_Q6_K, M, false>(p, s, r); break;
+        case W_Q8_0 * 2 + 1: gemv_rows<W_Q8_0, M, true>(p, s, r); break;
+        case W_Q5_0 * 2 + 1: gemv_rows<W_Q5_0, M, true>(p, s, r); break;
+        case W_Q4_K * 2 + 1: gemv_rows<W_Q4_K, M, true>(p, s, r); break;
+        case W_Q6_K * 2 + 1: gemv_rows<W_Q6_K, M, true>(p, s, r); break;
         default: break;
     }
 }
@@ -388,33 +468,70 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
 // Decode attention, split over the keys by absolute position.
 //
 // Row m (at position pos + m) sees keys [lo, hi] with hi = pos + m and lo = max(0, hi - window + 1)
-// (window 0: no window). The keys are cut into chunks of ATTN_CHUNK by absolute index; block
-// (c, kv head, m) takes chunk lo / ATTN_CHUNK + c for all the query heads of that KV head and
-// writes a partial (max, sum of exponentials, weighted V). The last of a row's chunks to finish
-// (a counter per (m, kv head)) combines the partials in chunk order. A chunk's arithmetic
-// depends only on the absolute key range and the query, never on M.
+// (window 0: no window). The keys are cut into chunks of ATTN_CHUNK by absolute index, and each
+// chunk into ATTN_WARPS sub-chunks of ATTN_SUB keys, one per warp. Block (c, kv head, m) takes
+// chunk lo / ATTN_CHUNK + c for all the query heads of that KV head (REP >= n_head / n_kv of
+// them). A warp loads its keys' K rows at once (lane l holds dims l*E .. l*E+E-1 of q, of each
+// key and of the weighted sum), scores them, then weighs its V rows: a softmax over its sub-chunk
+// with its own max. The block merges its warps in warp order, and a row whose keys lie in one
+// chunk is finished there. Otherwise the chunk writes a partial (max, sum of exponentials,
+// weighted V) and the last of the row's chunks to finish (a counter per (m, kv head)) merges the
+// partials in chunk order. Every partition is by absolute key position and none depends on M.
 //
-// Grid: (max chunks a row can span, n_kv, M); block: 128 threads.
-// q: [M, n_head, hd] f32 (scaled). out: [M, n_head * hd] f32.
-// partials: [M][n_head][chunks_max] * (hd + 2) floats. counters: [M_MAX * n_kv] ints, zero at
-// the start and left at zero.
+// The output is written as f32 (if out) and as Q8 blocks (if qs): the next GEMV's input.
+//
+// Grid: (max chunks a row can span, n_kv, M); block: ATTN_THREADS threads.
+// q: [M, n_head, hd] f32 (scaled). out: [M, n_head * hd] f32; qs/qd/qsum: the Q8 planes of M rows
+// of n_head * hd values. partials: [M][n_head][chunks_max] * (hd + 2) floats. counters:
+// [M_MAX * n_kv] ints, zero at the start and left at zero.
 
-#define ATTN_CHUNK 128
-#define ATTN_THREADS 128
-#define MAX_REP 8
+#define ATTN_CHUNK 64
+#define ATTN_THREADS 256
+#define ATTN_WARPS (ATTN_THREADS / WARP)
+#define ATTN_SUB (ATTN_CHUNK / ATTN_WARPS)
 
 struct AttnArgs {
     const float* q; const float* k_cache; const float* v_cache;
     float* out; float* partials; int* counters;
     const StepParams* step;
+    int8_t* qs; float* qd; int* qsum;
     int ctx; int window; int n_head; int n_kv; int chunks_max;
 };
 
-template <int HD>
+template <int E> struct VecF;
+template <> struct VecF<2> { static __device__ __forceinline__ void load(const float* p, float* v) { const float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; } };
+template <> struct VecF<4> { static __device__ __forceinline__ void load(const float* p, float* v) { const float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; } };
+template <> struct VecF<8> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<4>::load(p, v); VecF<4>::load(p + 4, v + 4); } };
+
+// Writes the block's result red[h][d] / den[h] for the REP heads of KV head g, row m: as f32 and
+// as Q8 blocks (the same arithmetic as norm_quant's plain mode).
+template <int HD, int REP>
+__device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int g, int n_rep, float (*red)[HD], const float* den) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int k = p.n_head * HD;
+    for (int qb = warp; qb < n_rep * (HD / QK); qb += ATTN_WARPS) {
+        const int h = qb / (HD / QK), d = (qb % (HD / QK)) * QK + lane;
+        const float y = red[h][d] / den[h];
+        const size_t i = ((size_t)m * p.n_head + g * n_rep + h) * HD + d;
+        if (p.out) p.out[i] = y;
+        if (p.qs) {
+            const float amax = warp_max(fabsf(y));
+            const float dq = amax / 127.0f;
+            const int q = dq == 0.0f ? 0 : (int)rintf(y / dq);
+            p.qs[i] = (int8_t)q;
+            const int sum = warp_sum_i(q);
+            const size_t b = (size_t)m * (k / QK) + (i - (size_t)m * k) / QK;
+            if (lane == 0) { p.qd[b] = dq; p.qsum[b] = sum; }
+        }
+    }
+}
+
+template <int HD, int REP>
 __device__ void attn_body(const AttnArgs& p) {
-    __shared__ float scores[MAX_REP][ATTN_CHUNK];
-    __shared__ float qs[MAX_REP][HD];
-    __shared__ float stat[MAX_REP][2];
+    constexpr int E = HD / WARP;
+    __shared__ float wmax[ATTN_WARPS][REP], wsum[ATTN_WARPS][REP];
+    __shared__ float red[REP][HD];
+    __shared__ float hmax[REP], hden[REP];
     __shared__ int last;
     const int c = blockIdx.x, g = blockIdx.y, m = blockIdx.z;
     const int n_rep = p.n_head / p.n_kv;
@@ -422,52 +539,102 @@ __device__ void attn_body(const AttnArgs& p) {
     const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
     const int c0 = lo / ATTN_CHUNK, nchunks = hi / ATTN_CHUNK - c0 + 1;
     if (c >= nchunks) return;
-    const int k0 = max(lo, (c0 + c) * ATTN_CHUNK), k1 = min(hi, (c0 + c + 1) * ATTN_CHUNK - 1);
-    const int nk = k1 - k0 + 1;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
-    for (int h = 0; h < n_rep; ++h)
-        for (int d = tid; d < HD; d += ATTN_THREADS) qs[h][d] = p.q[((size_t)m * p.n_head + g * n_rep + h) * HD + d];
-    __syncthreads();
-    const float* kc = p.k_cache + (size_t)g * p.ctx * HD;
-    const float* vc = p.v_cache + (size_t)g * p.ctx * HD;
-    // Scores: warp w takes keys k0 + w, k0 + w + 4, ...; lane l the dims l, l + 32, ...
-    for (int j = warp; j < nk; j += ATTN_THREADS / WARP) {
-        const float* kr = kc + (size_t)(k0 + j) * HD;
-        float kv[HD / WARP];
+    // This warp's keys: its sub-chunk's absolute range, clipped to [lo, hi].
+    const int base = (c0 + c) * ATTN_CHUNK + warp * ATTN_SUB;
+    const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
+    const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
+    const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
+    float qr[REP][E];
 #pragma unroll
-        for (int e = 0; e < HD / WARP; ++e) kv[e] = kr[lane + WARP * e];
-        for (int h = 0; h < n_rep; ++h) {
-            float s = 0.0f;
+    for (int h = 0; h < REP; ++h) {
 #pragma unroll
-            for (int e = 0; e < HD / WARP; ++e) s += qs[h][lane + WARP * e] * kv[e];
-            s = warp_sum(s);
-            if (lane == 0) scores[h][j] = s;
+        for (int e = 0; e < E; ++e) qr[h][e] = 0.0f;
+        if (h < n_rep) VecF<E>::load(p.q + ((size_t)m * p.n_head + g * n_rep + h) * HD + lane * E, qr[h]);
+    }
+    float kv[ATTN_SUB][E];
+#pragma unroll
+    for (int j = 0; j < ATTN_SUB; ++j) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
+        if (j < nk) VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
+    }
+    float sc[REP][ATTN_SUB], mx[REP];
+#pragma unroll
+    for (int h = 0; h < REP; ++h) {
+        mx[h] = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) {
+            float t = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) t += qr[h][e] * kv[j][e];
+            t = warp_sum(t);
+            sc[h][j] = t;
+            if (j < nk) mx[h] = fmaxf(mx[h], t);
         }
     }
-    __syncthreads();
-    // Max and exponentials per head: warp h (h < n_rep, n_rep <= 4 per pass) over the chunk.
-    for (int h = warp; h < n_rep; h += ATTN_THREADS / WARP) {
-        float mx = -INFINITY;
-        for (int j = lane; j < nk; j += WARP) mx = fmaxf(mx, scores[h][j]);
-        mx = warp_max(mx);
-        float sum = 0.0f;
-        for (int j = lane; j < nk; j += WARP) { const float e = expf(scores[h][j] - mx); scores[h][j] = e; sum += e; }
-        sum = warp_sum(sum);
-        if (lane == 0) { stat[h][0] = mx; stat[h][1] = sum; }
+#pragma unroll
+    for (int j = 0; j < ATTN_SUB; ++j) {
+        if (j < nk) VecF<E>::load(vc + (size_t)(s0 + j) * HD, kv[j]);
+    }
+    float acc[REP][E], sum[REP];
+#pragma unroll
+    for (int h = 0; h < REP; ++h) {
+        sum[h] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) {
+            if (j < nk) {
+                const float w = expf(sc[h][j] - mx[h]);
+                sum[h] += w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[h][e] += w * kv[j][e];
+            }
+        }
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int h = 0; h < REP; ++h) { wmax[warp][h] = mx[h]; wsum[warp][h] = sum[h]; }
     }
     __syncthreads();
-    // Weighted V: thread t owns dims t, t + 128, ...; keys in order.
+    // The block's max and denominator per head (every thread, in warp order), and this warp's
+    // scale (a warp with no keys has max -inf and adds nothing).
+    float scale[REP];
+#pragma unroll
+    for (int h = 0; h < REP; ++h) {
+        float M = -INFINITY;
+        for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, wmax[w][h]);
+        float den = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; ++w) den += wmax[w][h] == -INFINITY ? 0.0f : wsum[w][h] * expf(wmax[w][h] - M);
+        scale[h] = mx[h] == -INFINITY ? 0.0f : expf(mx[h] - M);
+        if (tid == 0) { hmax[h] = M; hden[h] = den; }
+    }
+    // The warps' weighted sums added in warp order.
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        if (warp == w) {
+#pragma unroll
+            for (int h = 0; h < REP; ++h)
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    const float v = acc[h][e] * scale[h];
+                    red[h][lane * E + e] = w == 0 ? v : red[h][lane * E + e] + v;
+                }
+        }
+        __syncthreads();
+    }
+    if (nchunks == 1) {
+        attn_emit<HD, REP>(p, m, g, n_rep, red, hden);
+        return;
+    }
     float* part = p.partials + ((size_t)m * p.n_head + g * n_rep) * p.chunks_max * (HD + 2);
-    for (int h = 0; h < n_rep; ++h) {
+    for (int t = tid; t < n_rep * HD; t += ATTN_THREADS) {
+        const int h = t / HD, d = t % HD;
         float* ph = part + ((size_t)h * p.chunks_max + c) * (HD + 2);
-        for (int d = tid; d < HD; d += ATTN_THREADS) {
-            float o = 0.0f;
-            for (int j = 0; j < nk; ++j) o += scores[h][j] * vc[(size_t)(k0 + j) * HD + d];
-            ph[2 + d] = o;
-        }
-        if (tid == 0) { ph[0] = stat[h][0]; ph[1] = stat[h][1]; }
+        ph[2 + d] = red[h][d];
+        if (d == 0) { ph[0] = hmax[h]; ph[1] = hden[h]; }
     }
-    // The last chunk of this (m, g) to finish combines.
+    // The last chunk of this (m, g) to finish merges the chunks in chunk order.
     __threadfence();
     __syncthreads();
     if (tid == 0) {
@@ -477,27 +644,39 @@ __device__ void attn_body(const AttnArgs& p) {
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int h = 0; h < n_rep; ++h) {
+    if (warp < n_rep) {
+        const int h = warp;
         const float* ph = part + (size_t)h * p.chunks_max * (HD + 2);
-        float mx = -INFINITY;
-        for (int cc = 0; cc < nchunks; ++cc) mx = fmaxf(mx, __ldcg(ph + (size_t)cc * (HD + 2)));
+        // Max over the chunks, then the denominator, each a fixed tree over lanes in chunk order.
+        float M = -INFINITY;
+        for (int cc = lane; cc < nchunks; cc += WARP) M = fmaxf(M, __ldcg(ph + (size_t)cc * (HD + 2)));
+        M = warp_max(M);
         float den = 0.0f;
-        for (int cc = 0; cc < nchunks; ++cc) den += __ldcg(ph + (size_t)cc * (HD + 2) + 1) * expf(__ldcg(ph + (size_t)cc * (HD + 2)) - mx);
-        for (int d = tid; d < HD; d += ATTN_THREADS) {
-            float o = 0.0f;
-            for (int cc = 0; cc < nchunks; ++cc) {
-                const float* pc = ph + (size_t)cc * (HD + 2);
-                o += __ldcg(pc + 2 + d) * expf(__ldcg(pc) - mx);
-            }
-            p.out[((size_t)m * p.n_head + g * n_rep + h) * HD + d] = o / den;
-        }
+        for (int cc = lane; cc < nchunks; cc += WARP) den += __ldcg(ph + (size_t)cc * (HD + 2) + 1) * expf(__ldcg(ph + (size_t)cc * (HD + 2)) - M);
+        den = warp_sum(den);
+        if (lane == 0) { hmax[h] = M; hden[h] = den; }
     }
+    __syncthreads();
+    for (int t = tid; t < n_rep * HD; t += ATTN_THREADS) {
+        const int h = t / HD, d = t % HD;
+        const float* ph = part + (size_t)h * p.chunks_max * (HD + 2);
+        const float M = hmax[h];
+        float o = 0.0f;
+        for (int cc = 0; cc < nchunks; ++cc) {
+            const float* pc = ph + (size_t)cc * (HD + 2);
+            o += __ldcg(pc + 2 + d) * expf(__ldcg(pc) - M);
+        }
+        red[h][d] = o;
+    }
+    __syncthreads();
+    attn_emit<HD, REP>(p, m, g, n_rep, red, hden);
     if (tid == 0) p.counters[m * p.n_kv + g] = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd64(const AttnArgs p) { attn_body<64>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(const AttnArgs p) { attn_body<128>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256>(p); }
+#define ATTN_INST(HD, REP) extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd##HD##_r##REP(const AttnArgs p) { attn_body<HD, REP>(p); }
+ATTN_INST(64, 1) ATTN_INST(64, 2) ATTN_INST(64, 4) ATTN_INST(64, 8)
+ATTN_INST(128, 1) ATTN_INST(128, 2) ATTN_INST(128, 4) ATTN_INST(128, 8)
+ATTN_INST(256, 1) ATTN_INST(256, 2) ATTN_INST(256, 4) ATTN_INST(256, 8)
 
 // ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the
@@ -577,5 +756,5 @@ static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 224, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
-static_assert(sizeof(AttnArgs) == 80, "AttnArgs");
+static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
 static_assert(sizeof(ArgmaxArgs) == 56, "ArgmaxArgs");

@@ -13,10 +13,19 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRe
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
-/// Warps (output rows) per GEMV block.
+/// The widest row `norm_quant`'s norm modes take (256 threads of 32 values in registers).
+pub const NQ_MAX_K: usize = 8192;
+/// Warps per GEMV block.
 pub const GEMV_WARPS: usize = 4;
+/// Output rows per GEMV warp.
+pub const GEMV_ROWS: usize = 2;
 /// Keys per attention chunk.
-pub const ATTN_CHUNK: usize = 128;
+pub const ATTN_CHUNK: usize = 64;
+/// Threads per attention block (a warp per sub-chunk of `ATTN_CHUNK / 8` keys).
+pub const ATTN_THREADS: usize = 256;
+/// The query heads per KV head the attention kernels are instantiated for (a model's count is
+/// rounded up to one of these).
+pub const ATTN_REPS: [usize; 4] = [1, 2, 4, 8];
 /// Blocks per row of the argmax.
 pub const ARGMAX_BLOCKS: usize = 128;
 
@@ -154,6 +163,10 @@ pub struct AttnArgs {
     pub partials: DevPtr,
     pub counters: DevPtr,
     pub step: DevPtr,
+    /// The output's Q8 planes (0: none): the next GEMV's input, without a quantizing launch.
+    pub qs: DevPtr,
+    pub qd: DevPtr,
+    pub qsum: DevPtr,
     pub ctx: i32,
     pub window: i32,
     pub n_head: i32,
@@ -180,7 +193,7 @@ const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 224);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 80);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 56);
 
 // SAFETY: each is a repr(C) struct of integers and floats, the layout of its namesake in decode.cu
@@ -197,7 +210,8 @@ pub struct Kernels {
     norm_quant: CudaFunction,
     gemv: Vec<CudaFunction>,
     rope: CudaFunction,
-    attn: [(usize, CudaFunction); 3],
+    /// (head dim, query heads per KV head, kernel).
+    attn: Vec<(usize, usize, CudaFunction)>,
     argmax: CudaFunction,
 }
 
@@ -218,20 +232,24 @@ impl Kernels {
             norm_quant: f("norm_quant")?,
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
             rope: f("qk_norm_rope_kv")?,
-            attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
+            attn: [64, 128, 256].iter().flat_map(|&hd| ATTN_REPS.iter().map(move |&r| (hd, r))).map(|(hd, r)| Ok((hd, r, f(&format!("attn_decode_hd{hd}_r{r}"))?))).collect::<Result<_, GpuError>>()?,
             argmax: f("argmax_rows")?,
             _module: module,
         })
     }
 
-    /// `norm_quant` over `rows` rows (one block of 256 threads each).
+    /// `norm_quant` over `rows` rows: in the plain mode (`in_mode` 0, no norm, no `res_out`)
+    /// a block of 8 warps per 256 values of a row, else one block per row.
     ///
     /// # Safety
     /// Every non-zero address in `args` is live device memory of at least the extent decode.cu
     /// gives it for `rows` rows of `args.k` values.
     pub unsafe fn norm_quant(&self, stream: &Arc<CudaStream>, rows: usize, args: &NormQuantArgs) -> Result<(), GpuError> {
         check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))?;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let plain = args.in_mode == 0 && args.norm == 0 && args.res_out == 0;
+        check(plain || args.k as usize <= NQ_MAX_K, || format!("norm_quant: k = {} is over {NQ_MAX_K}, the most a norm mode keeps in one block", args.k))?;
+        let blocks = if plain { (args.k as usize).div_ceil(256) } else { 1 };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         stream.launch_builder(&self.norm_quant).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "norm_quant", source })
     }
 
@@ -254,7 +272,7 @@ impl Kernels {
             };
             check(k.is_multiple_of(bv), || format!("gemv: k = {k} is not a multiple of the weight type's {bv}"))?;
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
-            blocks += (s.n as usize).div_ceil(GEMV_WARPS);
+            blocks += (s.n as usize).div_ceil(GEMV_WARPS * GEMV_ROWS);
         }
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         stream.launch_builder(&self.gemv[rows - 1]).arg(&args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "gemv", source })
@@ -283,9 +301,10 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`]; `partials` holds `rows * n_head * chunks_max * (hd + 2)`
     /// floats and `counters` `MAX_ROWS * n_kv` zeroed ints.
     pub unsafe fn attention(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0 && args.n_head / args.n_kv <= 8, || format!("attention: {} heads over {} KV heads (at most 8 per KV head)", args.n_head, args.n_kv))?;
-        let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_kv as u32, rows as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let n_rep = (args.n_head / args.n_kv) as usize;
+        let f = self.attn.iter().find(|(d, r, _)| *d == hd && *r >= n_rep).map(|(_, _, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+        let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_kv as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         stream.launch_builder(f).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "attention", source })
     }
 

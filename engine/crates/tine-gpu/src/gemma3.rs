@@ -2,19 +2,18 @@
 //! buffers allocated once, and a step of 1..=8 rows as a fixed list of launches, captured once
 //! per row count as a CUDA graph and replayed.
 //!
-//! The step program (per layer, 10 launches; after the last layer, 3):
+//! The step program (per layer, 9 launches; after the last layer, 3):
 //!
 //! 1. `norm_quant`: the residual stream (layer 0: the scaled embedding row; else
 //!    `h + post_ffw_norm(down)`), then `attn_norm`, as Q8 activations
 //! 2. `gemv`: Q, K and V in one launch (three segments, each its own weight type)
 //! 3. `qk_norm_rope_kv`: q/k norms, RoPE (local or global base), the query scale, K/V at the step's positions
-//! 4. attention (sliding window on local layers)
-//! 5. `norm_quant`: the attention output as Q8
-//! 6. `gemv`: the output projection
-//! 7. `norm_quant`: `h + post_attention_norm(o)`, then `ffn_norm`, as Q8
-//! 8. `gemv`: gate and up with the GELU(tanh)·up epilogue
-//! 9. `norm_quant`: the MLP's hidden row as Q8
-//! 10. `gemv`: down
+//! 4. attention (sliding window on local layers), its output written as Q8
+//! 5. `gemv`: the output projection
+//! 6. `norm_quant`: `h + post_attention_norm(o)`, then `ffn_norm`, as Q8
+//! 7. `gemv`: gate and up with the GELU(tanh)·up epilogue
+//! 8. `norm_quant`: the MLP's hidden row as Q8
+//! 9. `gemv`: down
 //!
 //! then `norm_quant` (`h + post_ffw_norm(down)`, `output_norm`), the LM head `gemv` and the
 //! greedy argmax. Every kernel is batch-invariant, so a step of M rows gives each row the bits a
@@ -101,7 +100,6 @@ struct Buffers {
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
     o: CudaSlice<f32>,
     ff: CudaSlice<f32>,
     down: CudaSlice<f32>,
@@ -260,6 +258,9 @@ impl Gemma3Gpu {
         if !cfg.hidden.is_multiple_of(32) || !cfg.ff.is_multiple_of(32) {
             return Err(model_err(format!("widths {} and {} must be multiples of 32", cfg.hidden, cfg.ff)));
         }
+        if cfg.hidden > crate::cuda::NQ_MAX_K {
+            return Err(model_err(format!("hidden width {} is over {}, the widest row the fused norms take", cfg.hidden, crate::cuda::NQ_MAX_K)));
+        }
         // SAFETY: dlopens the driver library and closes it again (cudarc would panic without it).
         if !unsafe { sys::is_culib_present() } {
             return Err(model_err("cannot load libcuda.so.1 (the NVIDIA driver)".into()));
@@ -308,7 +309,6 @@ impl Gemma3Gpu {
             q: alloc(&stream, m * qd)?,
             k: alloc(&stream, m * kvd)?,
             v: alloc(&stream, m * kvd)?,
-            attn: alloc(&stream, m * qd)?,
             o: alloc(&stream, m * cfg.hidden)?,
             ff: alloc(&stream, m * cfg.ff)?,
             down: alloc(&stream, m * cfg.hidden)?,
@@ -419,10 +419,13 @@ impl Gemma3Gpu {
                     q: p(&b.q),
                     k_cache: p(&cache.k[l]),
                     v_cache: p(&cache.v[l]),
-                    out: p(&b.attn),
+                    out: 0,
                     partials: p(&b.partials),
                     counters: self.ptr(&b.attn_counters),
                     step,
+                    qs: act.0,
+                    qd: act.1,
+                    qsum: act.2,
                     ctx: ctx_len as i32,
                     window: window as i32,
                     n_head: c.n_head as i32,
@@ -430,14 +433,13 @@ impl Gemma3Gpu {
                     chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
                 };
                 k.attention(s, rows, c.head_dim, &at)?;
-                k.norm_quant(s, rows, &nq(p(&b.attn), 0, 0, qd, 0))?;
                 k.gemv(s, rows, qd, &[seg(&ly.o, &b.o, c.hidden)], act)?;
                 k.norm_quant(s, rows, &nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
                 let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
                 k.gemv(s, rows, c.hidden, &[glu], act)?;
                 k.norm_quant(s, rows, &nq(p(&b.ff), 0, 0, c.ff, 0))?;
                 k.gemv(s, rows, c.ff, &[seg(&ly.down, &b.down, c.hidden)], act)?;
-                count += 10;
+                count += 9;
             }
             let last = self.layers.last().expect("a model has layers");
             k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;

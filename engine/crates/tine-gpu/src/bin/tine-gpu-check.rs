@@ -3,7 +3,10 @@
 //! row against a one-row launch bit for bit, and (`--bench`) the launch sequence of a Gemma 3
 //! 270M decode step captured as one CUDA graph and timed.
 //!
-//!   tine-gpu-check [--bench] [--seed N] [--model GGUF [--ref CPU.jsonl]]
+//!   tine-gpu-check [--no-table] [--bench | --profile] [--seed N] [--model GGUF [--ref CPU.jsonl]]
+//!
+//! `--no-table` skips the kernel table. `--profile` also times each launch of the bench's step inside its graph (an event node after
+//! each launch), summed per kind of launch.
 //!
 //! With `--model` (a gemma3 GGUF) it also runs the model on the engine: graph nodes per step,
 //! greedy decode speed, verify steps of 2..=8 rows against one-row steps bit for bit, and the
@@ -19,9 +22,9 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, WeightType, QK};
-use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_ROWS};
+use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_ROWS};
 use tine_gpu::reference;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -162,8 +165,11 @@ fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType,
 }
 
 /// norm_quant in one mode, rows 1..=8.
+/// `mode` 0..=2 as the kernel's in_mode with the norm and res_out; 3: the plain quantization
+/// (in_mode 0, no norm, no res_out).
 fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> {
     let rows = MAX_ROWS;
+    let plain = mode == 3;
     let vocab = 64;
     let a = rng.vec(rows * k, 3.0);
     let res = rng.vec(rows * k, 10.0);
@@ -180,7 +186,7 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
     // Reference rows.
     let want = |m: usize| -> (Vec<f64>, Vec<f64>) {
         let t: Vec<f64> = match mode {
-            0 => a[m * k..(m + 1) * k].iter().map(|&x| x as f64).collect(),
+            0 | 3 => a[m * k..(m + 1) * k].iter().map(|&x| x as f64).collect(),
             1 => {
                 let am: Vec<f64> = a[m * k..(m + 1) * k].iter().map(|&x| x as f64).collect();
                 let n = reference::rms_norm(&am, &w_a, eps as f64);
@@ -191,7 +197,7 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
                 embd_f[tok * k..(tok + 1) * k].iter().map(|&x| x as f64 * scale as f64).collect()
             }
         };
-        let y = reference::rms_norm(&t, &w, eps as f64);
+        let y = if plain { t.clone() } else { reference::rms_norm(&t, &w, eps as f64) };
         (t, y)
     };
     let mut worst = 0f64;
@@ -215,14 +221,14 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
                 step: dev.ptr(&step),
                 w: dev.ptr(&wd),
                 eps,
-                res_out: off(dev.ptr(&res_out), 4),
+                res_out: if plain { 0 } else { off(dev.ptr(&res_out), 4) },
                 y_out: off(dev.ptr(&y_out), 4),
                 qs: off(dev.ptr(&qs), 1),
                 qd: dev.ptr(&qd) + (row0 * k / QK * 4) as u64,
                 qsum: dev.ptr(&qsum) + (row0 * k / QK * 4) as u64,
                 k: k as i32,
-                in_mode: mode,
-                norm: 1,
+                in_mode: if plain { 0 } else { mode },
+                norm: i32::from(!plain),
             };
             // SAFETY: every buffer holds `rows` rows of k (and k/32 per row for the scales), the
             // table `vocab` rows, and row0 + n_rows <= rows.
@@ -235,7 +241,9 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
             let tmax = t.iter().fold(0f64, |x, v| x.max(v.abs()));
             let ymax = y.iter().fold(0f64, |x, v| x.max(v.abs()));
             for i in 0..k {
-                worst = worst.max((t_got[m * k + i] as f64 - t[i]).abs() / (2e-6 * tmax + 1e-7));
+                if !plain {
+                    worst = worst.max((t_got[m * k + i] as f64 - t[i]).abs() / (2e-6 * tmax + 1e-7));
+                }
                 worst = worst.max((y_got[m * k + i] as f64 - y[i]).abs() / (1e-5 * ymax + 1e-7));
             }
         }
@@ -249,7 +257,7 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
             bits &= singles[1].iter().zip(&got_q.qs).all(|(a, b)| *a == *b as f32);
         }
     }
-    let what = ["plain", "post-norm + residual", "Q8_0 embedding"][mode as usize];
+    let what = ["plain + norm", "post-norm + residual", "Q8_0 embedding", "quantize only"][mode as usize];
     Ok(Case { name: format!("norm_quant k={k} {what}"), worst, bits: Some(bits), note })
 }
 
@@ -333,16 +341,23 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
     let partials = dev.zeros::<f32>(rows * n_head * chunks_max * (hd + 2))?;
     let counters = dev.zeros::<i32>(MAX_ROWS * n_kv)?;
     let mut step = dev.up(&[StepParams::default()])?;
-    let mut run = |row0: usize, n_rows: usize| -> Res<Vec<f32>> {
+    let width = n_head * hd;
+    let (aqs, aqd, aqsum) = (dev.zeros::<i8>(rows * width)?, dev.zeros::<f32>(rows * width / QK)?, dev.zeros::<i32>(rows * width / QK)?);
+    // The output of rows row0.., and whether its Q8 planes are the f32 output quantized as the
+    // CPU quantizer does it, bit for bit.
+    let mut run = |row0: usize, n_rows: usize| -> Res<(Vec<f32>, bool)> {
         dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, tokens: [0; MAX_ROWS] })?;
         let args = AttnArgs {
-            q: dev.ptr(&qd) + (row0 * n_head * hd * 4) as u64,
+            q: dev.ptr(&qd) + (row0 * width * 4) as u64,
             k_cache: dev.ptr(&kd),
             v_cache: dev.ptr(&vd),
             out: dev.ptr(&out),
             partials: dev.ptr(&partials),
             counters: dev.ptr(&counters),
             step: dev.ptr(&step),
+            qs: dev.ptr(&aqs),
+            qd: dev.ptr(&aqd),
+            qsum: dev.ptr(&aqsum),
             ctx: ctx as i32,
             window: window as i32,
             n_head: n_head as i32,
@@ -350,18 +365,24 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
             chunks_max: chunks_max as i32,
         };
         // SAFETY: q holds `rows` rows, the caches ctx positions (pos + rows <= ctx), the
-        // partials `rows` rows of chunks_max chunks, the counters MAX_ROWS * n_kv zeroed ints.
+        // partials `rows` rows of chunks_max chunks, the counters MAX_ROWS * n_kv zeroed ints,
+        // the Q8 planes `rows` rows of n_head * hd values.
         unsafe { dev.k.attention(&dev.stream, n_rows, hd, &args)? };
         let mut v = dev.down(&out)?;
-        v.truncate(n_rows * n_head * hd);
-        Ok(v)
+        v.truncate(n_rows * width);
+        let want = ActQ8::quantize(&v, n_rows, width);
+        let (gq, gd, gs) = (dev.down(&aqs)?, dev.down(&aqd)?, dev.down(&aqsum)?);
+        let q8 = gq[..n_rows * width] == want.qs[..] && gd[..n_rows * width / QK].iter().zip(&want.d).all(|(a, b)| a.to_bits() == b.to_bits()) && gs[..n_rows * width / QK] == want.sum[..];
+        Ok((v, q8))
     };
-    let singles: Vec<Vec<f32>> = (0..rows).map(|m| run(m, 1)).collect::<Res<_>>()?;
+    let singles: Vec<Vec<f32>> = (0..rows).map(|m| run(m, 1).map(|r| r.0)).collect::<Res<_>>()?;
     let mut worst = 0f64;
     let mut bits = true;
+    let mut q8_all = true;
     let vmax = vc.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
     for n_rows in 1..=rows {
-        let got = run(0, n_rows)?;
+        let (got, q8) = run(0, n_rows)?;
+        q8_all &= q8;
         for m in 0..n_rows {
             let qm: Vec<f64> = q[m * n_head * hd..(m + 1) * n_head * hd].iter().map(|&x| x as f64).collect();
             let want = reference::attention(&qm, &kc, &vc, ctx, n_head, n_kv, hd, pos + m, window);
@@ -373,7 +394,10 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
         }
     }
     let counters_left = dev.down(&counters)?;
-    let note = if counters_left.iter().any(|&c| c != 0) { "counters not left at zero".to_string() } else { String::new() };
+    let mut note = if counters_left.iter().any(|&c| c != 0) { "counters not left at zero".to_string() } else { String::new() };
+    if !q8_all {
+        note.push_str(" Q8 output differs from the f32 output quantized");
+    }
     Ok(Case { name: format!("attention heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window} pos={pos}"), worst, bits: Some(bits), note })
 }
 
@@ -436,11 +460,12 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     }
     cases.push(check_gemv_segments(dev, &mut rng, 640, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)])?);
     cases.push(check_gemv_segments(dev, &mut rng, 1024, &[(WeightType::Q4K, 33), (WeightType::Q6K, 70), (WeightType::Q8_0, 5), (WeightType::Q5_0, 64)])?);
-    for k in [640, 2048, 96] {
-        for mode in 0..3 {
+    for k in [640, 2048, 96, 8192] {
+        for mode in 0..4 {
             cases.push(check_norm_quant(dev, &mut rng, k, mode)?);
         }
     }
+    cases.push(check_norm_quant(dev, &mut rng, 21504, 3)?);
     for (h, kv, hd, pos) in [(4, 1, 256, 0), (4, 1, 256, 1000), (8, 2, 128, 77), (2, 2, 64, 31000)] {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos)?);
     }
@@ -453,6 +478,11 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (8, 2, 128, 1024, 100, 900),
         (2, 1, 64, 600, 7, 580),
         (4, 1, 256, 8192, 0, 8000),
+        (8, 1, 128, 700, 0, 60),
+        (6, 1, 256, 300, 0, 250),
+        (3, 1, 64, 200, 33, 150),
+        (16, 2, 256, 4096, 1024, 3000),
+        (2, 2, 128, 100, 0, 3),
     ] {
         cases.push(check_attention(dev, &mut rng, h, kv, hd, ctx, window, pos)?);
     }
@@ -502,7 +532,7 @@ mod bench {
         dev.up(&all)
     }
 
-    pub fn run(dev: &Dev) -> Res<()> {
+    pub fn run(dev: &Dev, profile: bool) -> Res<()> {
         let mut rng = Rng(7);
         let layers: Vec<Layer> = (0..LAYERS)
             .map(|_| -> Res<Layer> {
@@ -526,7 +556,6 @@ mod bench {
         let m = MAX_ROWS;
         let h = dev.zeros::<f32>(m * HIDDEN)?;
         let (q, k, v) = (dev.zeros::<f32>(m * HEADS * HD)?, dev.zeros::<f32>(m * KV * HD)?, dev.zeros::<f32>(m * KV * HD)?);
-        let attn = dev.zeros::<f32>(m * HEADS * HD)?;
         let o = dev.zeros::<f32>(m * HIDDEN)?;
         let ff = dev.zeros::<f32>(m * FF)?;
         let down = dev.zeros::<f32>(m * HIDDEN)?;
@@ -559,15 +588,23 @@ mod bench {
             in_mode: mode,
             norm: norm_on as i32,
         };
-        // One decode step of `rows` rows, as launches on the stream.
-        let step_launches = |rows: usize| -> Result<usize, GpuError> {
+        // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
+        // recorded after each launch, labelled with what the launch does (the profile).
+        let step_launches = |rows: usize, marks: &mut Option<Marks>| -> Res<usize> {
             let mut count = 0;
+            let mut mark = |label: &'static str| -> Res<()> {
+                if let Some(m) = marks.as_mut() {
+                    m.push((label, record_node(dev)?));
+                }
+                Ok(())
+            };
             // SAFETY: every buffer above is sized for MAX_ROWS rows of its width, the caches CTX
             // positions (the step's positions are 1000..1008).
             unsafe {
                 for (l, ly) in layers.iter().enumerate() {
                     let global = l % 6 == 5;
                     dev.k.norm_quant(&dev.stream, rows, &if l == 0 { nq(0, 2, HIDDEN, true) } else { nq(p(&down), 1, HIDDEN, true) })?;
+                    mark("norm_quant: residual + attn_norm")?;
                     let seg = |w: &CudaSlice<u8>, out: &CudaSlice<f32>, n: usize, t: WeightType| GemvSeg {
                         w: dev.ptr(w),
                         out: p(out),
@@ -583,6 +620,7 @@ mod bench {
                         &[seg(&ly.q, &q, HEADS * HD, WeightType::Q5_0), seg(&ly.k, &k, KV * HD, WeightType::Q5_0), seg(&ly.v, &v, KV * HD, WeightType::Q8_0)],
                         act,
                     )?;
+                    mark("gemv: q k v")?;
                     let rope = RopeArgs {
                         q: p(&q),
                         k: p(&k),
@@ -601,15 +639,19 @@ mod bench {
                         hd: HD as i32,
                     };
                     dev.k.qk_norm_rope_kv(&dev.stream, rows, &rope)?;
+                    mark("qk_norm_rope_kv")?;
                     let window = if global { 0 } else { WINDOW };
                     let at = AttnArgs {
                         q: p(&q),
                         k_cache: p(&ly.kc),
                         v_cache: p(&ly.vc),
-                        out: p(&attn),
+                        out: 0,
                         partials: p(&partials),
                         counters: dev.ptr(&counters),
                         step: step_p,
+                        qs: act.0,
+                        qd: act.1,
+                        qsum: act.2,
                         ctx: CTX as i32,
                         window: window as i32,
                         n_head: HEADS as i32,
@@ -617,20 +659,28 @@ mod bench {
                         chunks_max: Kernels::attn_chunks_max(CTX, window) as i32,
                     };
                     dev.k.attention(&dev.stream, rows, HD, &at)?;
-                    dev.k.norm_quant(&dev.stream, rows, &nq(p(&attn), 0, HEADS * HD, false))?;
+                    mark(if global { "attention: global" } else { "attention: local (window)" })?;
                     dev.k.gemv(&dev.stream, rows, HEADS * HD, &[seg(&ly.o, &o, HIDDEN, WeightType::Q4K)], act)?;
+                    mark("gemv: o")?;
                     dev.k.norm_quant(&dev.stream, rows, &nq(p(&o), 1, HIDDEN, true))?;
+                    mark("norm_quant: residual + ffn_norm")?;
                     let glu = GemvSeg { w: dev.ptr(&ly.gate), w2: dev.ptr(&ly.up), out: p(&ff), n: FF as i32, wtype: WeightType::Q5_0.ggml_id(), out_stride: FF as i32, glu: 1, block_start: 0 };
                     dev.k.gemv(&dev.stream, rows, HIDDEN, &[glu], act)?;
+                    mark("gemv: gate/up GLU")?;
                     dev.k.norm_quant(&dev.stream, rows, &nq(p(&ff), 0, FF, false))?;
+                    mark("norm_quant: ffn hidden")?;
                     dev.k.gemv(&dev.stream, rows, FF, &[seg(&ly.down, &down, HIDDEN, WeightType::Q6K)], act)?;
-                    count += 10;
+                    mark("gemv: down")?;
+                    count += 9;
                 }
                 dev.k.norm_quant(&dev.stream, rows, &nq(p(&down), 1, HIDDEN, true))?;
+                mark("norm_quant: output_norm")?;
                 let lm = GemvSeg { w: dev.ptr(&embd), out: p(&logits), n: VOCAB as i32, wtype: WeightType::Q8_0.ggml_id(), out_stride: VOCAB as i32, ..Default::default() };
                 dev.k.gemv(&dev.stream, rows, HIDDEN, &[lm], act)?;
+                mark("gemv: LM head")?;
                 let am = ArgmaxArgs { logits: p(&logits), n: VOCAB as i32, cand_v: p(&cv), cand_i: dev.ptr(&ci), counters: dev.ptr(&acnt), ids: dev.ptr(&ids), feed: 0 };
                 dev.k.argmax(&dev.stream, rows, &am)?;
+                mark("argmax")?;
                 count += 3;
             }
             Ok(count)
@@ -639,18 +689,18 @@ mod bench {
         for rows in [1usize, 2, 4, 8] {
             dev.set_step(&mut step, StepParams { pos: 1000, rows: rows as i32, tokens: [17; MAX_ROWS] })?;
             // Eager: launches issued one by one.
-            let launches = step_launches(rows)?;
+            let launches = step_launches(rows, &mut None)?;
             dev.stream.synchronize()?;
             let reps = 50;
             let t0 = std::time::Instant::now();
             for _ in 0..reps {
-                step_launches(rows)?;
+                step_launches(rows, &mut None)?;
             }
             dev.stream.synchronize()?;
             let eager_ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
             // Captured once, replayed.
             dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            step_launches(rows)?;
+            step_launches(rows, &mut None)?;
             let graph = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0))?.ok_or("the capture made no graph")?;
             graph.upload()?;
             let mut nodes = 0usize;
@@ -676,6 +726,63 @@ mod bench {
                 1e3 / graph_ms * rows as f64
             );
             drop(graph);
+            if profile {
+                profile_step(dev, rows, &step_launches)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Timing events recorded after the launches of a step, each with what the launch does.
+    type Marks = Vec<(&'static str, CudaEvent)>;
+
+    /// A timing event recorded on the stream as a node of the graph being captured (a plain
+    /// record would be taken as a dependency between streams, not a node).
+    fn record_node(dev: &Dev) -> Res<CudaEvent> {
+        let ev = dev.stream.context().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+        // SAFETY: a live event and stream of one context; the event outlives the graph's use of it
+        // (both are dropped after the profile).
+        unsafe { sys::cuEventRecordWithFlags(ev.cu_event(), dev.stream.cu_stream(), sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32) }.result()?;
+        Ok(ev)
+    }
+
+    /// The time of each launch of a step inside its graph: an event node after every launch,
+    /// the graph replayed, the gaps between consecutive events summed per label.
+    fn profile_step(dev: &Dev, rows: usize, step_launches: &dyn Fn(usize, &mut Option<Marks>) -> Res<usize>) -> Res<()> {
+        dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let mut marks = Some(vec![("start", record_node(dev)?)]);
+        let launched = step_launches(rows, &mut marks);
+        let graph = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        launched?;
+        let graph = graph?.ok_or("the capture made no graph")?;
+        graph.upload()?;
+        let marks = marks.expect("set above");
+        let mut labels: Vec<&'static str> = Vec::new();
+        for (l, _) in &marks[1..] {
+            if !labels.contains(l) {
+                labels.push(l);
+            }
+        }
+        let mut total = vec![0f64; labels.len()];
+        let mut count = vec![0usize; labels.len()];
+        let reps = 30;
+        for _ in 0..5 {
+            graph.launch()?;
+        }
+        for _ in 0..reps {
+            graph.launch()?;
+            dev.stream.synchronize()?;
+            for w in marks.windows(2) {
+                let i = labels.iter().position(|l| *l == w[1].0).expect("collected above");
+                total[i] += w[0].1.elapsed_ms(&w[1].1)? as f64 * 1e3;
+                count[i] += 1;
+            }
+        }
+        let step_us: f64 = total.iter().sum::<f64>() / reps as f64;
+        println!("profile rows={rows}: {:.1} us/step with an event after each launch", step_us);
+        for (i, l) in labels.iter().enumerate() {
+            let per_step = total[i] / reps as f64;
+            println!("profile rows={rows}: {:<34} {:>3} launches {:>8.1} us/step {:>7.2} us/launch {:>5.1}%", l, count[i] / reps, per_step, total[i] / count[i] as f64, 100.0 * per_step / step_us);
         }
         Ok(())
     }
@@ -683,10 +790,12 @@ mod bench {
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let bench = args.iter().any(|a| a == "--bench");
+    let profile = args.iter().any(|a| a == "--profile");
+    let bench = profile || args.iter().any(|a| a == "--bench");
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let seed = value("--seed").and_then(|s| s.parse().ok()).unwrap_or(1u64);
-    let result = run(bench, seed).and_then(|ok| match value("--model") {
+    let table = !args.iter().any(|a| a == "--no-table");
+    let result = run(table, bench, profile, seed).and_then(|ok| match value("--model") {
         Some(m) => Ok(model::run(std::path::Path::new(&m), value("--ref").as_deref())? && ok),
         None => Ok(ok),
     });
@@ -705,7 +814,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(bench: bool, seed: u64) -> Res<bool> {
+fn run(table_on: bool, bench: bool, profile: bool, seed: u64) -> Res<bool> {
     // SAFETY: dlopens the driver library and closes it again (cudarc would panic without it).
     if !unsafe { sys::is_culib_present() } {
         return Err("cannot load libcuda.so.1 (the NVIDIA driver): is this a machine with an NVIDIA GPU?".into());
@@ -718,7 +827,7 @@ fn run(bench: bool, seed: u64) -> Res<bool> {
     let k = Kernels::load(&ctx)?;
     println!("device: {} (sm {:?}), kernels built for sm_{}", ctx.name()?, ctx.compute_capability()?, tine_gpu::cuda::BUILT_FOR);
     let dev = Dev { stream, k };
-    let cases = table(&dev, seed)?;
+    let cases = if table_on { table(&dev, seed)? } else { Vec::new() };
     let mut ok = true;
     for c in &cases {
         let bits = match c.bits {
@@ -731,7 +840,7 @@ fn run(bench: bool, seed: u64) -> Res<bool> {
     }
     println!("kernels: {} of {} cases pass (seed {seed})", cases.iter().filter(|c| c.pass()).count(), cases.len());
     if bench {
-        bench::run(&dev)?;
+        bench::run(&dev, profile)?;
     }
     Ok(ok)
 }
