@@ -8,9 +8,8 @@
 #   bash tools/cuda/engine_job.sh model    # + the real model: nodes, speed, verify rows, CPU ids
 #   bash tools/cuda/engine_job.sh profile  # the table, then the bench's per-launch profile for the
 #                                          # embedded kernels and for each target/gpu-engine/*.cu
-#                                          # (compiled here), one step under ncu, and ncu's full
-#                                          # sections for a few launches
-#   bash tools/cuda/engine_job.sh ncu      # only the full sections
+#                                          # (compiled here), and one step under ncu
+#   bash tools/cuda/engine_job.sh ncu      # ncu's full sections for a few launches
 #
 # Writes $OUT/engine-log.txt; prints the tail.
 set -uo pipefail
@@ -46,8 +45,9 @@ if [ "$mode" = profile ] && [ -z "${only_ncu:-}" ]; then
     "$bin" --no-table --bench >"$OUT/ncu-step.txt" 2>&1
   say "ncu rc=$? ($(wc -l <"$OUT/ncu-step.txt") lines in ncu-step.txt)"
   tail -n 5 "$OUT/ncu-step.txt" | tee -a "$log"
+  exit 0
 fi
-if [ "$mode" = profile ]; then
+if [ -n "${only_ncu:-}" ]; then
   # Full sections (stall reasons, source hot spots) for one launch of each kind: the first
   # attention, norm_quant and GEMV launches of a layer (TINE_NCU_KERNELS: kernel:skip pairs).
   for ks in ${TINE_NCU_KERNELS:-attn_decode:0 norm_quant:0 gemv_m1:0 gemv_m1:3 gemv_m1:72}; do

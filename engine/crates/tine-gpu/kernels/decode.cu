@@ -205,8 +205,9 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
 // ---------------------------------------------------------------------------------------------
 // Quantized GEMV over M activation rows: out[m][r] = sum_i W[r][i] * y[m][i].
 //
-// One warp per GEMV_ROWS consecutive output rows, each computed as if by a warp of its own (the
-// rows only share the passes, so more loads are in flight). A row's k values are cut into units of 32 (a Q8_0/Q5_0 block, or a
+// A group of S warps (S = split: 1, 2 or 4, chosen from k alone) per GEMV_ROWS consecutive output
+// rows, each row computed as if by a group of its own (the rows only share the passes, so more
+// loads are in flight); the S warps' sums are added in warp order. A row's k values are cut into units of 32 (a Q8_0/Q5_0 block, or a
 // sub-block of a K-quant super-block); lane l takes 8 values of unit u = it*8 + l/4 at offset
 // 8*(l%4), for it = 0, 1, ... Each lane keeps one float accumulator per activation row and adds
 // its units' contributions in unit order; the warp then sums its lanes with a fixed xor tree.
@@ -231,6 +232,8 @@ struct GemvArgs {
     GemvSeg seg[4];
     int nseg;
     int k;
+    int split;  // S: warps per row (1, 2 or 4), each over its slice of the units
+    int pad;
     const int8_t* qs; const float* qd; const int* qsum;
 };
 
@@ -315,10 +318,12 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
     }
 }
 
-// Rows r0 and r0 + 1 (if below n) of a segment, by one warp: both rows' loads are issued in the
-// same pass, so a warp keeps more bytes in flight.
+// Rows r0 .. r0 + GEMV_ROWS - 1 (those below n) of a segment, the units of this warp's slice:
+// both rows' loads are issued in the same pass, so a warp keeps more bytes in flight. With S
+// slices, slice s takes the units of the groups of 8 numbered s, s + S, s + 2S, ... Returns each
+// row's warp sum (in every lane) in v (and the up rows' in v2).
 template <int T, int M, bool GLU>
-__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, int r0) {
+__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
     const int lane = threadIdx.x % WARP, l4 = lane % 4;
     const int k = p.k, units = k / QK, kb = k / QK;
     const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
@@ -327,37 +332,38 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, i
     const uint8_t* row2[GEMV_ROWS];
 #pragma unroll
     for (int i = 0; i < GEMV_ROWS; ++i) {
-        const int r = min(r0 + i, s.n - 1);
+        const int r = max(0, min(r0 + i, s.n - 1));
         row[i] = s.w + (size_t)r * row_bytes;
         row2[i] = GLU ? s.w2 + (size_t)r * row_bytes : nullptr;
     }
-    float acc[GEMV_ROWS][M], acc2[GEMV_ROWS][GLU ? M : 1];
+    float acc[GEMV_ROWS][M], acc2[GEMV_ROWS][M];
 #pragma unroll
     for (int i = 0; i < GEMV_ROWS; ++i)
 #pragma unroll
-        for (int m = 0; m < M; ++m) { acc[i][m] = 0.0f; if (GLU) acc2[i][m] = 0.0f; }
+        for (int m = 0; m < M; ++m) { acc[i][m] = 0.0f; acc2[i][m] = 0.0f; }
     // GEMV_UNROLL units per lane per pass, for each of the rows: their loads are issued together
     // (the weights come from memory, and a pass's latency is paid once); each row's units still
     // enter its accumulators in unit order.
-    for (int u0 = lane / 4; u0 < units; u0 += GEMV_UNROLL * (WARP / 4)) {
-        int w0[GEMV_ROWS][GEMV_UNROLL], w1[GEMV_ROWS][GEMV_UNROLL], v0[GEMV_ROWS][GEMV_UNROLL], v1[GEMV_ROWS][GEMV_UNROLL];
+    const int stride = 8 * S;
+    for (int base = 8 * slice + lane / 4; base < units; base += stride * GEMV_UNROLL) {
+        int w0[GEMV_ROWS][GEMV_UNROLL], w1[GEMV_ROWS][GEMV_UNROLL], x0[GEMV_ROWS][GEMV_UNROLL], x1[GEMV_ROWS][GEMV_UNROLL];
         float fw[GEMV_ROWS][GEMV_UNROLL], fmin[GEMV_ROWS][GEMV_UNROLL], gw[GEMV_ROWS][GEMV_UNROLL], gmin[GEMV_ROWS][GEMV_UNROLL];
 #pragma unroll
         for (int j = 0; j < GEMV_UNROLL; ++j) {
-            const int u = u0 + j * (WARP / 4);
+            const int u = base + j * stride;
 #pragma unroll
             for (int i = 0; i < GEMV_ROWS; ++i) {
-                w0[i][j] = w1[i][j] = v0[i][j] = v1[i][j] = 0;
+                w0[i][j] = w1[i][j] = x0[i][j] = x1[i][j] = 0;
                 fw[i][j] = fmin[i][j] = gw[i][j] = gmin[i][j] = 0.0f;
                 if (u < units && i < nr) {
                     load_unit<T>(row[i], u, l4, w0[i][j], w1[i][j], fw[i][j], fmin[i][j]);
-                    if (GLU) load_unit<T>(row2[i], u, l4, v0[i][j], v1[i][j], gw[i][j], gmin[i][j]);
+                    if (GLU) load_unit<T>(row2[i], u, l4, x0[i][j], x1[i][j], gw[i][j], gmin[i][j]);
                 }
             }
         }
 #pragma unroll
         for (int j = 0; j < GEMV_UNROLL; ++j) {
-            const int u = u0 + j * (WARP / 4);
+            const int u = base + j * stride;
             if (u >= units) break;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
@@ -369,7 +375,7 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, i
                     const int dot = __dp4a(w1[i][j], a.y, __dp4a(w0[i][j], a.x, 0));
                     acc[i][m] += d * (fw[i][j] * (float)dot + fmin[i][j] * sm);
                     if (GLU) {
-                        const int dot2 = __dp4a(v1[i][j], a.y, __dp4a(v0[i][j], a.x, 0));
+                        const int dot2 = __dp4a(x1[i][j], a.y, __dp4a(x0[i][j], a.x, 0));
                         acc2[i][m] += d * (gw[i][j] * (float)dot2 + gmin[i][j] * sm);
                     }
                 }
@@ -377,38 +383,75 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, i
         }
     }
 #pragma unroll
-    for (int i = 0; i < GEMV_ROWS; ++i) {
+    for (int i = 0; i < GEMV_ROWS; ++i)
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            float v = warp_sum(acc[i][m]);
-            if (GLU) {
-                const float up = warp_sum(acc2[i][m]);
-                const float g = v;
-                v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * up;
+            v[i][m] = warp_sum(acc[i][m]);
+            v2[i][m] = GLU ? warp_sum(acc2[i][m]) : 0.0f;
+        }
+}
+
+// A block's share of one segment: warp w works on the rows of group w / S, slice w % S; the
+// slices' sums are added in slice order, then the GLU epilogue.
+template <int T, int M, bool GLU>
+__device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (*part)[GEMV_ROWS][MAX_ROWS][2]) {
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
+    const bool active = r0 < s.n;
+    gemv_rows<T, M, GLU>(p, s, r0, slice, S, v, v2);
+    if (S > 1) {
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < GEMV_ROWS; ++i)
+#pragma unroll
+                for (int m = 0; m < M; ++m) { part[warp][i][m][0] = v[i][m]; part[warp][i][m][1] = v2[i][m]; }
+        }
+        __syncthreads();
+        if (slice != 0) return;
+#pragma unroll
+        for (int i = 0; i < GEMV_ROWS; ++i)
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                float a = part[warp][i][m][0], b = part[warp][i][m][1];
+                for (int t = 1; t < S; ++t) { a += part[warp + t][i][m][0]; b += part[warp + t][i][m][1]; }
+                v[i][m] = a; v2[i][m] = b;
             }
-            if (lane == 0 && i < nr) s.out[(size_t)m * s.out_stride + r0 + i] = v;
+    }
+    if (!active || lane != 0) return;
+#pragma unroll
+    for (int i = 0; i < GEMV_ROWS; ++i) {
+        if (r0 + i >= s.n) break;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float y = v[i][m];
+            if (GLU) {
+                const float g = y;
+                y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * v2[i][m];
+            }
+            s.out[(size_t)m * s.out_stride + r0 + i] = y;
         }
     }
 }
 
-
 template <int M>
 __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
+    __shared__ float part[GEMV_WARPS][GEMV_ROWS][MAX_ROWS][2];
     int si = 0;
 #pragma unroll
     for (int i = 1; i < 4; ++i) if (i < p.nseg && (int)blockIdx.x >= p.seg[i].block_start) si = i;
     const GemvSeg& s = p.seg[si];
-    const int r = (((int)blockIdx.x - s.block_start) * GEMV_WARPS + (int)threadIdx.x / WARP) * GEMV_ROWS;
-    if (r >= s.n) return;
+    const int S = p.split, warp = threadIdx.x / WARP;
+    const int r0 = (((int)blockIdx.x - s.block_start) * (GEMV_WARPS / S) + warp / S) * GEMV_ROWS;
+    const int slice = warp % S;
     switch (s.type * 2 + (s.glu ? 1 : 0)) {
-        case W_Q8_0 * 2: gemv_rows<W_Q8_0, M, false>(p, s, r); break;
-        case W_Q5_0 * 2: gemv_rows<W_Q5_0, M, false>(p, s, r); break;
-        case W_Q4_K * 2: gemv_rows<W_Q4_K, M, false>(p, s, r); break;
-        case W_Q6_K * 2: gemv_rows<W_Q6_K, M, false>(p, s, r); break;
-        case W_Q8_0 * 2 + 1: gemv_rows<W_Q8_0, M, true>(p, s, r); break;
-        case W_Q5_0 * 2 + 1: gemv_rows<W_Q5_0, M, true>(p, s, r); break;
-        case W_Q4_K * 2 + 1: gemv_rows<W_Q4_K, M, true>(p, s, r); break;
-        case W_Q6_K * 2 + 1: gemv_rows<W_Q6_K, M, true>(p, s, r); break;
+        case W_Q8_0 * 2: gemv_seg<W_Q8_0, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q5_0 * 2: gemv_seg<W_Q5_0, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q4_K * 2: gemv_seg<W_Q4_K, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q6_K * 2: gemv_seg<W_Q6_K, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q8_0 * 2 + 1: gemv_seg<W_Q8_0, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q5_0 * 2 + 1: gemv_seg<W_Q5_0, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q4_K * 2 + 1: gemv_seg<W_Q4_K, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q6_K * 2 + 1: gemv_seg<W_Q6_K, M, true>(p, s, r0, slice, S, part); break;
         default: break;
     }
 }
@@ -469,21 +512,21 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
 //
 // Row m (at position pos + m) sees keys [lo, hi] with hi = pos + m and lo = max(0, hi - window + 1)
 // (window 0: no window). The keys are cut into chunks of ATTN_CHUNK by absolute index, and each
-// chunk into ATTN_WARPS sub-chunks of ATTN_SUB keys, one per warp. Block (c, kv head, m) takes
-// chunk lo / ATTN_CHUNK + c for all the query heads of that KV head (REP >= n_head / n_kv of
-// them). A warp loads its keys' K rows at once (lane l holds dims l*E .. l*E+E-1 of q, of each
-// key and of the weighted sum), scores them, then weighs its V rows: a softmax over its sub-chunk
-// with its own max. The block merges its warps in warp order, and a row whose keys lie in one
-// chunk is finished there. Otherwise the chunk writes a partial (max, sum of exponentials,
-// weighted V) and the last of the row's chunks to finish (a counter per (m, kv head)) merges the
-// partials in chunk order. Every partition is by absolute key position and none depends on M.
+// chunk into ATTN_WARPS sub-chunks of ATTN_SUB keys, one per warp. Block (c, query head h, m)
+// takes chunk lo / ATTN_CHUNK + c of KV head h / (n_head / n_kv). A warp loads its keys' K rows
+// at once (lane l holds dims l*E .. l*E+E-1 of q, of each key and of the weighted sum), scores
+// them, then weighs its V rows: a softmax over its sub-chunk with its own max. The block merges
+// its warps in warp order, and a row whose keys lie in one chunk is finished there. Otherwise
+// the chunk writes a partial (max, sum of exponentials, weighted V) and the last of the row's
+// chunks to finish (a counter per (m, head)) merges the partials in chunk order. Every partition
+// is by absolute key position and none depends on M.
 //
 // The output is written as f32 (if out) and as Q8 blocks (if qs): the next GEMV's input.
 //
-// Grid: (max chunks a row can span, n_kv, M); block: ATTN_THREADS threads.
+// Grid: (max chunks a row can span, n_head, M); block: ATTN_THREADS threads.
 // q: [M, n_head, hd] f32 (scaled). out: [M, n_head * hd] f32; qs/qd/qsum: the Q8 planes of M rows
 // of n_head * hd values. partials: [M][n_head][chunks_max] * (hd + 2) floats. counters:
-// [M_MAX * n_kv] ints, zero at the start and left at zero.
+// [M_MAX * n_head] ints, zero at the start and left at zero.
 
 #define ATTN_CHUNK 64
 #define ATTN_THREADS 256
@@ -503,38 +546,34 @@ template <> struct VecF<2> { static __device__ __forceinline__ void load(const f
 template <> struct VecF<4> { static __device__ __forceinline__ void load(const float* p, float* v) { const float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; } };
 template <> struct VecF<8> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<4>::load(p, v); VecF<4>::load(p + 4, v + 4); } };
 
-// Writes the block's result red[h][d] / den[h] for the REP heads of KV head g, row m: as f32 and
-// as Q8 blocks (the same arithmetic as norm_quant's plain mode).
-template <int HD, int REP>
-__device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int g, int n_rep, float (*red)[HD], const float* den) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+// Thread t < HD writes dim t of row m, head h: y as f32 and as Q8 (warp w's dims are the 32-value
+// block w of the head; the same arithmetic as norm_quant's plain mode).
+template <int HD>
+__device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int h, float y) {
+    const int t = threadIdx.x, lane = t % WARP;
     const int k = p.n_head * HD;
-    for (int qb = warp; qb < n_rep * (HD / QK); qb += ATTN_WARPS) {
-        const int h = qb / (HD / QK), d = (qb % (HD / QK)) * QK + lane;
-        const float y = red[h][d] / den[h];
-        const size_t i = ((size_t)m * p.n_head + g * n_rep + h) * HD + d;
-        if (p.out) p.out[i] = y;
-        if (p.qs) {
-            const float amax = warp_max(fabsf(y));
-            const float dq = amax / 127.0f;
-            const int q = dq == 0.0f ? 0 : (int)rintf(y / dq);
-            p.qs[i] = (int8_t)q;
-            const int sum = warp_sum_i(q);
-            const size_t b = (size_t)m * (k / QK) + (i - (size_t)m * k) / QK;
-            if (lane == 0) { p.qd[b] = dq; p.qsum[b] = sum; }
-        }
+    const size_t i = (size_t)m * k + (size_t)h * HD + t;
+    if (p.out) p.out[i] = y;
+    if (p.qs) {
+        const float amax = warp_max(fabsf(y));
+        const float dq = amax / 127.0f;
+        const int q = dq == 0.0f ? 0 : (int)rintf(y / dq);
+        p.qs[i] = (int8_t)q;
+        const int sum = warp_sum_i(q);
+        const size_t b = (size_t)m * (k / QK) + ((size_t)h * HD + t) / QK;
+        if (lane == 0) { p.qd[b] = dq; p.qsum[b] = sum; }
     }
 }
 
-template <int HD, int REP>
+template <int HD>
 __device__ void attn_body(const AttnArgs& p) {
     constexpr int E = HD / WARP;
-    __shared__ float wmax[ATTN_WARPS][REP], wsum[ATTN_WARPS][REP];
-    __shared__ float red[REP][HD];
-    __shared__ float hmax[REP], hden[REP];
+    __shared__ float wmax[ATTN_WARPS], wsum[ATTN_WARPS];
+    __shared__ float wacc[ATTN_WARPS][HD];  // [warp][e * 32 + lane]: dim lane * E + e
+    __shared__ float stat[2];
     __shared__ int last;
-    const int c = blockIdx.x, g = blockIdx.y, m = blockIdx.z;
-    const int n_rep = p.n_head / p.n_kv;
+    const int c = blockIdx.x, h = blockIdx.y, m = blockIdx.z;
+    const int g = h / (p.n_head / p.n_kv);
     const int hi = p.step->pos + m;
     const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
     const int c0 = lo / ATTN_CHUNK, nchunks = hi / ATTN_CHUNK - c0 + 1;
@@ -545,13 +584,8 @@ __device__ void attn_body(const AttnArgs& p) {
     const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
     const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
     const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
-    float qr[REP][E];
-#pragma unroll
-    for (int h = 0; h < REP; ++h) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) qr[h][e] = 0.0f;
-        if (h < n_rep) VecF<E>::load(p.q + ((size_t)m * p.n_head + g * n_rep + h) * HD + lane * E, qr[h]);
-    }
+    float qr[E];
+    VecF<E>::load(p.q + ((size_t)m * p.n_head + h) * HD + lane * E, qr);
     float kv[ATTN_SUB][E];
 #pragma unroll
     for (int j = 0; j < ATTN_SUB; ++j) {
@@ -559,124 +593,94 @@ __device__ void attn_body(const AttnArgs& p) {
         for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
         if (j < nk) VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
     }
-    float sc[REP][ATTN_SUB], mx[REP];
-#pragma unroll
-    for (int h = 0; h < REP; ++h) {
-        mx[h] = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < ATTN_SUB; ++j) {
-            float t = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) t += qr[h][e] * kv[j][e];
-            t = warp_sum(t);
-            sc[h][j] = t;
-            if (j < nk) mx[h] = fmaxf(mx[h], t);
-        }
-    }
+    float sc[ATTN_SUB], mx = -INFINITY;
 #pragma unroll
     for (int j = 0; j < ATTN_SUB; ++j) {
-        if (j < nk) VecF<E>::load(vc + (size_t)(s0 + j) * HD, kv[j]);
+        float t = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
+        sc[j] = warp_sum(t);
     }
-    float acc[REP][E], sum[REP];
 #pragma unroll
-    for (int h = 0; h < REP; ++h) {
-        sum[h] = 0.0f;
+    for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) mx = fmaxf(mx, sc[j]);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[h][e] = 0.0f;
+    for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) VecF<E>::load(vc + (size_t)(s0 + j) * HD, kv[j]);
+    float acc[E], sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < ATTN_SUB; ++j) {
-            if (j < nk) {
-                const float w = expf(sc[h][j] - mx[h]);
-                sum[h] += w;
+    for (int e = 0; e < E; ++e) acc[e] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc[h][e] += w * kv[j][e];
-            }
+    for (int j = 0; j < ATTN_SUB; ++j) {
+        if (j < nk) {
+            const float w = expf(sc[j] - mx);
+            sum += w;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[e] += w * kv[j][e];
         }
     }
-    if (lane == 0) {
-#pragma unroll
-        for (int h = 0; h < REP; ++h) { wmax[warp][h] = mx[h]; wsum[warp][h] = sum[h]; }
-    }
+    if (lane == 0) { wmax[warp] = mx; wsum[warp] = sum; }
     __syncthreads();
-    // The block's max and denominator per head (every thread, in warp order), and this warp's
-    // scale (a warp with no keys has max -inf and adds nothing).
-    float scale[REP];
+    // The block's max and denominator (every thread, in warp order); a warp with no keys has
+    // max -inf and adds nothing.
+    float M = -INFINITY;
 #pragma unroll
-    for (int h = 0; h < REP; ++h) {
-        float M = -INFINITY;
-        for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, wmax[w][h]);
-        float den = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) den += wmax[w][h] == -INFINITY ? 0.0f : wsum[w][h] * expf(wmax[w][h] - M);
-        scale[h] = mx[h] == -INFINITY ? 0.0f : expf(mx[h] - M);
-        if (tid == 0) { hmax[h] = M; hden[h] = den; }
-    }
-    // The warps' weighted sums added in warp order.
-    for (int w = 0; w < ATTN_WARPS; ++w) {
-        if (warp == w) {
+    for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, wmax[w]);
+    float den = 0.0f;
 #pragma unroll
-            for (int h = 0; h < REP; ++h)
+    for (int w = 0; w < ATTN_WARPS; ++w) den += wmax[w] == -INFINITY ? 0.0f : wsum[w] * expf(wmax[w] - M);
+    const float scale = mx == -INFINITY ? 0.0f : expf(mx - M);
 #pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    const float v = acc[h][e] * scale[h];
-                    red[h][lane * E + e] = w == 0 ? v : red[h][lane * E + e] + v;
-                }
-        }
-        __syncthreads();
+    for (int e = 0; e < E; ++e) wacc[warp][e * WARP + lane] = acc[e] * scale;
+    __syncthreads();
+    // Thread t < HD: dim t, the warps' sums added in warp order.
+    float o = 0.0f;
+    if (tid < HD) {
+        const int idx = (tid % E) * WARP + tid / E;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) o += wacc[w][idx];
     }
     if (nchunks == 1) {
-        attn_emit<HD, REP>(p, m, g, n_rep, red, hden);
+        if (tid < HD) attn_emit<HD>(p, m, h, o / den);
         return;
     }
-    float* part = p.partials + ((size_t)m * p.n_head + g * n_rep) * p.chunks_max * (HD + 2);
-    for (int t = tid; t < n_rep * HD; t += ATTN_THREADS) {
-        const int h = t / HD, d = t % HD;
-        float* ph = part + ((size_t)h * p.chunks_max + c) * (HD + 2);
-        ph[2 + d] = red[h][d];
-        if (d == 0) { ph[0] = hmax[h]; ph[1] = hden[h]; }
-    }
-    // The last chunk of this (m, g) to finish merges the chunks in chunk order.
+    float* ph = p.partials + ((size_t)m * p.n_head + h) * p.chunks_max * (HD + 2);
+    if (tid < HD) ph[(size_t)c * (HD + 2) + 2 + tid] = o;
+    if (tid == 0) { ph[(size_t)c * (HD + 2)] = M; ph[(size_t)c * (HD + 2) + 1] = den; }
+    // The last chunk of this (m, h) to finish merges the chunks in chunk order.
     __threadfence();
     __syncthreads();
     if (tid == 0) {
-        const int done = atomicAdd(&p.counters[m * p.n_kv + g], 1);
+        const int done = atomicAdd(&p.counters[m * p.n_head + h], 1);
         last = done == nchunks - 1;
     }
     __syncthreads();
     if (!last) return;
     __threadfence();
-    if (warp < n_rep) {
-        const int h = warp;
-        const float* ph = part + (size_t)h * p.chunks_max * (HD + 2);
+    if (warp == 0) {
         // Max over the chunks, then the denominator, each a fixed tree over lanes in chunk order.
-        float M = -INFINITY;
-        for (int cc = lane; cc < nchunks; cc += WARP) M = fmaxf(M, __ldcg(ph + (size_t)cc * (HD + 2)));
-        M = warp_max(M);
-        float den = 0.0f;
-        for (int cc = lane; cc < nchunks; cc += WARP) den += __ldcg(ph + (size_t)cc * (HD + 2) + 1) * expf(__ldcg(ph + (size_t)cc * (HD + 2)) - M);
-        den = warp_sum(den);
-        if (lane == 0) { hmax[h] = M; hden[h] = den; }
+        float M2 = -INFINITY;
+        for (int cc = lane; cc < nchunks; cc += WARP) M2 = fmaxf(M2, __ldcg(ph + (size_t)cc * (HD + 2)));
+        M2 = warp_max(M2);
+        float den2 = 0.0f;
+        for (int cc = lane; cc < nchunks; cc += WARP) den2 += __ldcg(ph + (size_t)cc * (HD + 2) + 1) * expf(__ldcg(ph + (size_t)cc * (HD + 2)) - M2);
+        den2 = warp_sum(den2);
+        if (lane == 0) { stat[0] = M2; stat[1] = den2; }
     }
     __syncthreads();
-    for (int t = tid; t < n_rep * HD; t += ATTN_THREADS) {
-        const int h = t / HD, d = t % HD;
-        const float* ph = part + (size_t)h * p.chunks_max * (HD + 2);
-        const float M = hmax[h];
-        float o = 0.0f;
+    if (tid < HD) {
+        const float M2 = stat[0];
+        float o2 = 0.0f;
         for (int cc = 0; cc < nchunks; ++cc) {
             const float* pc = ph + (size_t)cc * (HD + 2);
-            o += __ldcg(pc + 2 + d) * expf(__ldcg(pc) - M);
+            o2 += __ldcg(pc + 2 + tid) * expf(__ldcg(pc) - M2);
         }
-        red[h][d] = o;
+        attn_emit<HD>(p, m, h, o2 / stat[1]);
     }
-    __syncthreads();
-    attn_emit<HD, REP>(p, m, g, n_rep, red, hden);
-    if (tid == 0) p.counters[m * p.n_kv + g] = 0;
+    if (tid == 0) p.counters[m * p.n_head + h] = 0;
 }
 
-#define ATTN_INST(HD, REP) extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd##HD##_r##REP(const AttnArgs p) { attn_body<HD, REP>(p); }
-ATTN_INST(64, 1) ATTN_INST(64, 2) ATTN_INST(64, 4) ATTN_INST(64, 8)
-ATTN_INST(128, 1) ATTN_INST(128, 2) ATTN_INST(128, 4) ATTN_INST(128, 8)
-ATTN_INST(256, 1) ATTN_INST(256, 2) ATTN_INST(256, 4) ATTN_INST(256, 8)
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd64(const AttnArgs p) { attn_body<64>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(const AttnArgs p) { attn_body<128>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the
@@ -754,7 +758,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
 static_assert(sizeof(StepParams) == 40, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
-static_assert(sizeof(GemvArgs) == 224, "GemvArgs");
+static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
 static_assert(sizeof(ArgmaxArgs) == 56, "ArgmaxArgs");

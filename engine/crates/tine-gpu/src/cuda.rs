@@ -23,9 +23,7 @@ pub const GEMV_ROWS: usize = 2;
 pub const ATTN_CHUNK: usize = 64;
 /// Threads per attention block (a warp per sub-chunk of `ATTN_CHUNK / 8` keys).
 pub const ATTN_THREADS: usize = 256;
-/// The query heads per KV head the attention kernels are instantiated for (a model's count is
-/// rounded up to one of these).
-pub const ATTN_REPS: [usize; 4] = [1, 2, 4, 8];
+
 /// Blocks per row of the argmax.
 pub const ARGMAX_BLOCKS: usize = 128;
 
@@ -126,6 +124,9 @@ pub struct GemvArgs {
     pub seg: [GemvSeg; 4],
     pub nseg: i32,
     pub k: i32,
+    /// Warps per output row (1, 2 or 4): [`Kernels::gemv_split`].
+    pub split: i32,
+    pub pad: i32,
     pub qs: DevPtr,
     pub qd: DevPtr,
     pub qsum: DevPtr,
@@ -191,7 +192,7 @@ pub struct ArgmaxArgs {
 const _: () = assert!(std::mem::size_of::<StepParams>() == 40);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
-const _: () = assert!(std::mem::size_of::<GemvArgs>() == 224);
+const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 56);
@@ -210,8 +211,7 @@ pub struct Kernels {
     norm_quant: CudaFunction,
     gemv: Vec<CudaFunction>,
     rope: CudaFunction,
-    /// (head dim, query heads per KV head, kernel).
-    attn: Vec<(usize, usize, CudaFunction)>,
+    attn: [(usize, CudaFunction); 3],
     argmax: CudaFunction,
 }
 
@@ -232,7 +232,7 @@ impl Kernels {
             norm_quant: f("norm_quant")?,
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
             rope: f("qk_norm_rope_kv")?,
-            attn: [64, 128, 256].iter().flat_map(|&hd| ATTN_REPS.iter().map(move |&r| (hd, r))).map(|(hd, r)| Ok((hd, r, f(&format!("attn_decode_hd{hd}_r{r}"))?))).collect::<Result<_, GpuError>>()?,
+            attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
             argmax: f("argmax_rows")?,
             _module: module,
         })
@@ -253,6 +253,17 @@ impl Kernels {
         stream.launch_builder(&self.norm_quant).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "norm_quant", source })
     }
 
+    /// Warps per output row for rows of `k` values: a row of many 32-value units is cut into up
+    /// to 4 slices (each warp then has about 16 units), so that short GEMVs of long rows still
+    /// spread over many warps. A function of `k` alone, so a row's sum is the same for any M.
+    pub fn gemv_split(k: usize) -> usize {
+        match k / 32 {
+            u if u >= 64 => 4,
+            u if u >= 32 => 2,
+            _ => 1,
+        }
+    }
+
     /// The GEMV over `rows` activation rows for the segments `segs` (filled in: each segment's
     /// `block_start`).
     ///
@@ -262,7 +273,8 @@ impl Kernels {
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
         check((1..=MAX_ROWS).contains(&rows), || format!("gemv: {rows} rows (1..={MAX_ROWS})"))?;
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
-        let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
+        let split = Self::gemv_split(k);
+        let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
         let mut blocks = 0usize;
         for (slot, s) in args.seg.iter_mut().zip(segs) {
             let bv = match s.wtype {
@@ -272,7 +284,7 @@ impl Kernels {
             };
             check(k.is_multiple_of(bv), || format!("gemv: k = {k} is not a multiple of the weight type's {bv}"))?;
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
-            blocks += (s.n as usize).div_ceil(GEMV_WARPS * GEMV_ROWS);
+            blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
         }
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         stream.launch_builder(&self.gemv[rows - 1]).arg(&args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "gemv", source })
@@ -299,12 +311,11 @@ impl Kernels {
     ///
     /// # Safety
     /// As for [`Kernels::norm_quant`]; `partials` holds `rows * n_head * chunks_max * (hd + 2)`
-    /// floats and `counters` `MAX_ROWS * n_kv` zeroed ints.
+    /// floats and `counters` `MAX_ROWS * n_head` zeroed ints.
     pub unsafe fn attention(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        check(args.n_kv > 0 && args.n_head % args.n_kv == 0 && args.n_head / args.n_kv <= 8, || format!("attention: {} heads over {} KV heads (at most 8 per KV head)", args.n_head, args.n_kv))?;
-        let n_rep = (args.n_head / args.n_kv) as usize;
-        let f = self.attn.iter().find(|(d, r, _)| *d == hd && *r >= n_rep).map(|(_, _, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
-        let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_kv as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+        check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
+        let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_head as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         stream.launch_builder(f).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "attention", source })
     }
 

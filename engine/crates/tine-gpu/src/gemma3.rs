@@ -317,7 +317,7 @@ impl Gemma3Gpu {
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, m * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
-            attn_counters: alloc(&stream, MAX_ROWS * cfg.n_kv)?,
+            attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
             cand_v: alloc(&stream, m * ARGMAX_BLOCKS)?,
             cand_i: alloc(&stream, m * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,

@@ -339,7 +339,7 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
     let (kd, vd, qd) = (dev.up(&kc)?, dev.up(&vc)?, dev.up(&q)?);
     let out = dev.zeros::<f32>(rows * n_head * hd)?;
     let partials = dev.zeros::<f32>(rows * n_head * chunks_max * (hd + 2))?;
-    let counters = dev.zeros::<i32>(MAX_ROWS * n_kv)?;
+    let counters = dev.zeros::<i32>(MAX_ROWS * n_head)?;
     let mut step = dev.up(&[StepParams::default()])?;
     let width = n_head * hd;
     let (aqs, aqd, aqsum) = (dev.zeros::<i8>(rows * width)?, dev.zeros::<f32>(rows * width / QK)?, dev.zeros::<i32>(rows * width / QK)?);
@@ -365,7 +365,7 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
             chunks_max: chunks_max as i32,
         };
         // SAFETY: q holds `rows` rows, the caches ctx positions (pos + rows <= ctx), the
-        // partials `rows` rows of chunks_max chunks, the counters MAX_ROWS * n_kv zeroed ints,
+        // partials `rows` rows of chunks_max chunks, the counters MAX_ROWS * n_head zeroed ints,
         // the Q8 planes `rows` rows of n_head * hd values.
         unsafe { dev.k.attention(&dev.stream, n_rows, hd, &args)? };
         let mut v = dev.down(&out)?;
@@ -564,7 +564,7 @@ mod bench {
         let (qs, qd, qsum) = (dev.zeros::<i8>(m * kmax)?, dev.zeros::<f32>(m * kmax / QK)?, dev.zeros::<i32>(m * kmax / QK)?);
         let chunks_max = Kernels::attn_chunks_max(CTX, 0);
         let partials = dev.zeros::<f32>(m * HEADS * chunks_max * (HD + 2))?;
-        let counters = dev.zeros::<i32>(MAX_ROWS * KV)?;
+        let counters = dev.zeros::<i32>(MAX_ROWS * HEADS)?;
         let (cv, ci, acnt, ids) = (dev.zeros::<f32>(m * ARGMAX_BLOCKS)?, dev.zeros::<i32>(m * ARGMAX_BLOCKS)?, dev.zeros::<i32>(MAX_ROWS)?, dev.zeros::<i32>(MAX_ROWS)?);
         let mut step = dev.up(&[StepParams { pos: 1000, rows: 1, tokens: [17; MAX_ROWS] }])?;
         let p = |s: &CudaSlice<f32>| dev.ptr(s);
