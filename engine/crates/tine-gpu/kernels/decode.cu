@@ -36,18 +36,26 @@ static_assert(sizeof(BlockQ6_K) == 210, "Q6_K");
 enum WType : int { W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q6_K = 14 };
 
 // Four bytes from a 2-byte aligned address (GGUF blocks of 22 and 34 bytes are only that aligned).
-// Read-only for the whole kernel (weights, activations of the previous launch): through the
-// non-coherent cache.
-__device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
-    const unsigned short* h = reinterpret_cast<const unsigned short*>(p);
-    return (int)__ldg(h) | ((int)__ldg(h + 1) << 16);
+// Weight loads: from global memory read-only for the whole kernel (through the non-coherent
+// cache), or (SM) from a copy the block staged in shared memory.
+template <bool SM> __device__ __forceinline__ unsigned short ld_u16(const void* p) {
+    if constexpr (SM) return *reinterpret_cast<const unsigned short*>(p);
+    else return __ldg(reinterpret_cast<const unsigned short*>(p));
 }
-__device__ __forceinline__ uint32_t load_u32_a4(const uint8_t* p) {
-    return __ldg(reinterpret_cast<const unsigned int*>(p));
+template <bool SM> __device__ __forceinline__ uint32_t ld_u32(const void* p) {
+    if constexpr (SM) return *reinterpret_cast<const unsigned int*>(p);
+    else return __ldg(reinterpret_cast<const unsigned int*>(p));
 }
-__device__ __forceinline__ float load_half(const half* p) {
-    return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+template <bool SM> __device__ __forceinline__ int ld_u8(const void* p) {
+    if constexpr (SM) return *reinterpret_cast<const uint8_t*>(p);
+    else return __ldg(reinterpret_cast<const unsigned char*>(p));
 }
+// Four bytes from a 2-byte aligned address (GGUF blocks of 22 and 34 bytes are only that aligned).
+template <bool SM> __device__ __forceinline__ int load_i32_a2(const uint8_t* p) {
+    return (int)ld_u16<SM>(p) | ((int)ld_u16<SM>(p + 2) << 16);
+}
+template <bool SM> __device__ __forceinline__ uint32_t load_u32_a4(const uint8_t* p) { return ld_u32<SM>(p); }
+template <bool SM> __device__ __forceinline__ float load_half(const half* p) { return __half2float(__ushort_as_half(ld_u16<SM>(p))); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -64,6 +72,15 @@ __device__ __forceinline__ int warp_sum_i(int v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// Programmatic dependent launch (the host launches every kernel with programmatic stream
+// serialization when it is on; without it both are no-ops). A kernel lets the next one start
+// launching at once, does only what does not depend on earlier launches (weights, rows of the
+// KV cache from earlier steps, the host-written step position), then waits for the previous
+// kernel to finish before it reads anything a launch wrote.
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 
 // The sum of `v` over the block, the same fixed tree for every call with the same blockDim:
 // each warp's xor tree, then warp 0 over the warps' sums in warp order. `red` holds 32 floats.
@@ -148,6 +165,8 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
     const int m = blockIdx.y, k = p.k, tid = threadIdx.x;
     const int lane = tid % WARP, warp = tid / WARP;
     constexpr int NW = NQ_THREADS / WARP;
+    pdl_trigger();
+    pdl_wait();
     if (p.in_mode == 0 && !p.norm && !p.res_out) {
         const int b = blockIdx.x * NW + warp;
         if (b >= k / QK) return;
@@ -247,28 +266,37 @@ template <> struct WInfo<W_Q5_0> { static constexpr int BV = 32, BB = 22; };
 template <> struct WInfo<W_Q4_K> { static constexpr int BV = 256, BB = 144; };
 template <> struct WInfo<W_Q6_K> { static constexpr int BV = 256, BB = 210; };
 
+__device__ __forceinline__ size_t w_row_bytes(int type, int k) {
+    switch (type) {
+        case W_Q8_0: return (size_t)(k / 32) * 34;
+        case W_Q5_0: return (size_t)(k / 32) * 22;
+        case W_Q4_K: return (size_t)(k / 256) * 144;
+        default: return (size_t)(k / 256) * 210;
+    }
+}
+
 // The 8 weight values of (row, unit u, lane quarter l4) as two int8x4, and the factors:
 // the unit's contribution to a row m is  fw * d_m * dot(w, a_m) + fmin * d_m * sum_m
 // (fmin only on the quarter l4 == 0, so that it is added once per unit).
-template <int T>
+template <int T, bool SM>
 __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int& w0, int& w1, float& fw, float& fmin) {
     if constexpr (T == W_Q8_0) {
         const BlockQ8_0* b = reinterpret_cast<const BlockQ8_0*>(row) + u;
         const uint8_t* q = reinterpret_cast<const uint8_t*>(b->qs) + 8 * l4;
-        w0 = load_i32_a2(q);
-        w1 = load_i32_a2(q + 4);
-        fw = load_half(&b->d);
+        w0 = load_i32_a2<SM>(q);
+        w1 = load_i32_a2<SM>(q + 4);
+        fw = load_half<SM>(&b->d);
         fmin = 0.0f;
     } else if constexpr (T == W_Q5_0) {
         const BlockQ5_0* b = reinterpret_cast<const BlockQ5_0*>(row) + u;
-        const uint32_t qh = (uint32_t)load_i32_a2(b->qh);
+        const uint32_t qh = (uint32_t)load_i32_a2<SM>(b->qh);
         const int j0 = 8 * (l4 & 1);        // first byte of qs
         const int hi = l4 >> 1;             // high nibbles (values 16..31)
         const int vbase = 8 * l4;           // first value index (bit of qh)
         int ws[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint32_t qs4 = (uint32_t)load_i32_a2(b->qs + j0 + 4 * h);
+            const uint32_t qs4 = (uint32_t)load_i32_a2<SM>(b->qs + j0 + 4 * h);
             const uint32_t nib = hi ? (qs4 >> 4) & 0x0F0F0F0Fu : qs4 & 0x0F0F0F0Fu;
             uint32_t v = 0;
 #pragma unroll
@@ -280,23 +308,23 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
             ws[h] = (int)v;
         }
         w0 = ws[0]; w1 = ws[1];
-        fw = load_half(&b->d);
+        fw = load_half<SM>(&b->d);
         fmin = 0.0f;
     } else if constexpr (T == W_Q4_K) {
         const BlockQ4_K* b = reinterpret_cast<const BlockQ4_K*>(row) + u / 8;
         const int j = u % 8;
         const uint8_t* q = b->qs + 32 * (j / 2) + 8 * l4;
-        const uint32_t a0 = load_u32_a4(q);  // qs is at offset 16: 4-aligned within the block, and 144 is a multiple of 4
-        const uint32_t a1 = load_u32_a4(q + 4);
+        const uint32_t a0 = load_u32_a4<SM>(q);  // qs is at offset 16: 4-aligned within the block, and 144 is a multiple of 4
+        const uint32_t a1 = load_u32_a4<SM>(q + 4);
         const int sh = 4 * (j & 1);
         w0 = (int)((a0 >> sh) & 0x0F0F0F0Fu);
         w1 = (int)((a1 >> sh) & 0x0F0F0F0Fu);
         const uint8_t* s = b->scales;
         int sc, mn;
-        if (j < 4) { sc = __ldg(s + j) & 63; mn = __ldg(s + j + 4) & 63; }
-        else { sc = (__ldg(s + j + 4) & 0xF) | ((__ldg(s + j - 4) >> 6) << 4); mn = (__ldg(s + j + 4) >> 4) | ((__ldg(s + j) >> 6) << 4); }
-        fw = load_half(&b->d) * (float)sc;
-        fmin = l4 == 0 ? -load_half(&b->dmin) * (float)mn : 0.0f;
+        if (j < 4) { sc = ld_u8<SM>(s + j) & 63; mn = ld_u8<SM>(s + j + 4) & 63; }
+        else { sc = (ld_u8<SM>(s + j + 4) & 0xF) | ((ld_u8<SM>(s + j - 4) >> 6) << 4); mn = (ld_u8<SM>(s + j + 4) >> 4) | ((ld_u8<SM>(s + j) >> 6) << 4); }
+        fw = load_half<SM>(&b->d) * (float)sc;
+        fmin = l4 == 0 ? -load_half<SM>(&b->dmin) * (float)mn : 0.0f;
     } else {  // W_Q6_K
         const BlockQ6_K* b = reinterpret_cast<const BlockQ6_K*>(row) + u / 8;
         const int j = u % 8, n = j / 4, t = j % 4;
@@ -307,13 +335,13 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
         int ws[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint32_t lo4 = (uint32_t)load_i32_a2(ql + 4 * h);
-            const uint32_t hi4 = (uint32_t)load_i32_a2(qh + 4 * h);
+            const uint32_t lo4 = (uint32_t)load_i32_a2<SM>(ql + 4 * h);
+            const uint32_t hi4 = (uint32_t)load_i32_a2<SM>(qh + 4 * h);
             const uint32_t v = ((lo4 >> qsh) & 0x0F0F0F0Fu) | (((hi4 >> hsh) & 0x03030303u) << 4);
             ws[h] = (int)__vsubss4(v, 0x20202020u);
         }
         w0 = ws[0]; w1 = ws[1];
-        fw = load_half(&b->d) * (float)__ldg(b->scales + 8 * n + 2 * t + (l / 16));
+        fw = load_half<SM>(&b->d) * (float)(int8_t)ld_u8<SM>(b->scales + 8 * n + 2 * t + (l / 16));
         fmin = 0.0f;
     }
 }
@@ -322,19 +350,19 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
 // both rows' loads are issued in the same pass, so a warp keeps more bytes in flight. With S
 // slices, slice s takes the units of the groups of 8 numbered s, s + S, s + 2S, ... Returns each
 // row's warp sum (in every lane) in v (and the up rows' in v2).
-template <int T, int M, bool GLU>
-__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
+template <int T, int M, bool GLU, bool SM>
+__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
     const int lane = threadIdx.x % WARP, l4 = lane % 4;
     const int k = p.k, units = k / QK, kb = k / QK;
     const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
-    const int nr = min(GEMV_ROWS, s.n - r0);
+    const int nr = min(GEMV_ROWS, n - r0);
     const uint8_t* row[GEMV_ROWS];
     const uint8_t* row2[GEMV_ROWS];
 #pragma unroll
     for (int i = 0; i < GEMV_ROWS; ++i) {
-        const int r = max(0, min(r0 + i, s.n - 1));
-        row[i] = s.w + (size_t)r * row_bytes;
-        row2[i] = GLU ? s.w2 + (size_t)r * row_bytes : nullptr;
+        const int r = max(0, min(r0 + i, n - 1));
+        row[i] = w + (size_t)r * row_bytes;
+        row2[i] = GLU ? w2 + (size_t)r * row_bytes : nullptr;
     }
     float acc[GEMV_ROWS][M], acc2[GEMV_ROWS][M];
 #pragma unroll
@@ -356,8 +384,8 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const GemvSeg& s, i
                 w0[i][j] = w1[i][j] = x0[i][j] = x1[i][j] = 0;
                 fw[i][j] = fmin[i][j] = gw[i][j] = gmin[i][j] = 0.0f;
                 if (u < units && i < nr) {
-                    load_unit<T>(row[i], u, l4, w0[i][j], w1[i][j], fw[i][j], fmin[i][j]);
-                    if (GLU) load_unit<T>(row2[i], u, l4, x0[i][j], x1[i][j], gw[i][j], gmin[i][j]);
+                    load_unit<T, SM>(row[i], u, l4, w0[i][j], w1[i][j], fw[i][j], fmin[i][j]);
+                    if (GLU) load_unit<T, SM>(row2[i], u, l4, x0[i][j], x1[i][j], gw[i][j], gmin[i][j]);
                 }
             }
         }
@@ -398,7 +426,7 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
     const bool active = r0 < s.n;
-    gemv_rows<T, M, GLU>(p, s, r0, slice, S, v, v2);
+    gemv_rows<T, M, GLU, false>(p, s.w, s.w2, s.n, r0, slice, S, v, v2);
     if (S > 1) {
         if (lane == 0) {
 #pragma unroll
@@ -440,9 +468,20 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
 #pragma unroll
     for (int i = 1; i < 4; ++i) if (i < p.nseg && (int)blockIdx.x >= p.seg[i].block_start) si = i;
     const GemvSeg& s = p.seg[si];
-    const int S = p.split, warp = threadIdx.x / WARP;
+    const int S = p.split, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
     const int r0 = (((int)blockIdx.x - s.block_start) * (GEMV_WARPS / S) + warp / S) * GEMV_ROWS;
     const int slice = warp % S;
+    pdl_trigger();
+    // The weights do not depend on earlier launches: start them towards L2 before the wait.
+    const size_t row_bytes = w_row_bytes(s.type, p.k);
+    for (int i = 0; i < GEMV_ROWS; ++i) {
+        if (r0 + i >= s.n) break;
+        for (size_t off = (size_t)(slice * WARP + lane) * 128; off < row_bytes; off += (size_t)S * WARP * 128) {
+            prefetch_l2(s.w + (size_t)(r0 + i) * row_bytes + off);
+            if (s.glu) prefetch_l2(s.w2 + (size_t)(r0 + i) * row_bytes + off);
+        }
+    }
+    pdl_wait();
     switch (s.type * 2 + (s.glu ? 1 : 0)) {
         case W_Q8_0 * 2: gemv_seg<W_Q8_0, M, false>(p, s, r0, slice, S, part); break;
         case W_Q5_0 * 2: gemv_seg<W_Q5_0, M, false>(p, s, r0, slice, S, part); break;
@@ -457,6 +496,73 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
 }
 #define GEMV_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_m##M(const GemvArgs p) { gemv_body<M>(p); }
 GEMV_INST(1) GEMV_INST(2) GEMV_INST(3) GEMV_INST(4) GEMV_INST(5) GEMV_INST(6) GEMV_INST(7) GEMV_INST(8)
+
+// ---------------------------------------------------------------------------------------------
+// The GEMV for matrices of many rows (the LM head): a block stages GEMV_STAGE_ROWS consecutive
+// rows (one contiguous span of the weights) in shared memory with 16-byte loads, so that each
+// SM keeps many bytes in flight with few instructions, then each warp computes its rows from the
+// copy exactly as gemv_rows does from global memory (one segment, no GLU, S = 1). Dynamic shared
+// memory: GEMV_STAGE_ROWS * row bytes.
+
+#define GEMV_STAGE_ROWS 16
+
+template <int T, int M>
+__device__ __forceinline__ void gemv_staged_body(const GemvArgs& p, uint8_t* stage) {
+    const GemvSeg& s = p.seg[0];
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    const size_t row_bytes = (size_t)(p.k / WInfo<T>::BV) * WInfo<T>::BB;
+    const int r0 = blockIdx.x * GEMV_STAGE_ROWS;
+    const int nr = min(GEMV_STAGE_ROWS, s.n - r0);
+    const uint8_t* src = s.w + (size_t)r0 * row_bytes;
+    const size_t bytes = (size_t)nr * row_bytes;
+    pdl_trigger();
+    // The copy reads only weights: it runs before the wait, beside the previous launch.
+    if (((reinterpret_cast<uintptr_t>(src) | bytes) & 15) == 0) {
+        const uint4* a = reinterpret_cast<const uint4*>(src);
+        uint4* b = reinterpret_cast<uint4*>(stage);
+        for (size_t i = tid; i < bytes / 16; i += blockDim.x) b[i] = __ldcs(a + i);
+    } else if (((reinterpret_cast<uintptr_t>(src) | bytes) & 3) == 0) {
+        const unsigned int* a = reinterpret_cast<const unsigned int*>(src);
+        unsigned int* b = reinterpret_cast<unsigned int*>(stage);
+        for (size_t i = tid; i < bytes / 4; i += blockDim.x) b[i] = __ldcs(a + i);
+    } else {
+        const unsigned short* a = reinterpret_cast<const unsigned short*>(src);
+        unsigned short* b = reinterpret_cast<unsigned short*>(stage);
+        for (size_t i = tid; i < bytes / 2; i += blockDim.x) b[i] = __ldcs(a + i);
+    }
+    pdl_wait();
+    __syncthreads();
+    // Warp w: local rows 2w, 2w + 1, then 2w + 8, 2w + 9.
+#pragma unroll
+    for (int half = 0; half < GEMV_STAGE_ROWS / (2 * GEMV_WARPS); ++half) {
+        const int lr = half * 2 * GEMV_WARPS + 2 * warp;
+        float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
+        gemv_rows<T, M, false, true>(p, stage, nullptr, nr, lr, 0, 1, v, v2);
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < GEMV_ROWS; ++i) {
+                if (lr + i >= nr) break;
+#pragma unroll
+                for (int m = 0; m < M; ++m) s.out[(size_t)m * s.out_stride + r0 + lr + i] = v[i][m];
+            }
+        }
+    }
+}
+
+template <int M>
+__device__ __forceinline__ void gemv_staged(const GemvArgs& p) {
+    extern __shared__ uint4 stage4[];
+    uint8_t* stage = reinterpret_cast<uint8_t*>(stage4);
+    switch (p.seg[0].type) {
+        case W_Q8_0: gemv_staged_body<W_Q8_0, M>(p, stage); break;
+        case W_Q5_0: gemv_staged_body<W_Q5_0, M>(p, stage); break;
+        case W_Q4_K: gemv_staged_body<W_Q4_K, M>(p, stage); break;
+        case W_Q6_K: gemv_staged_body<W_Q6_K, M>(p, stage); break;
+        default: break;
+    }
+}
+#define GEMV_STAGED_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_staged_m##M(const GemvArgs p) { gemv_staged<M>(p); }
+GEMV_STAGED_INST(1) GEMV_STAGED_INST(2) GEMV_STAGED_INST(3) GEMV_STAGED_INST(4) GEMV_STAGED_INST(5) GEMV_STAGED_INST(6) GEMV_STAGED_INST(7) GEMV_STAGED_INST(8)
 
 // ---------------------------------------------------------------------------------------------
 // Per-head RMSNorm of q and k, RoPE (NeoX halves: pair (i, i + hd/2)), the query scale, and the
@@ -479,6 +585,8 @@ struct RopeArgs {
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
     __shared__ float red[32];
     const int h = blockIdx.x, m = blockIdx.y, i = threadIdx.x, half_hd = p.hd / 2;
+    pdl_trigger();
+    pdl_wait();
     const bool is_q = h < p.n_head;
     const int kvh = is_q ? 0 : h - p.n_head;
     const int pos = p.step->pos + m;
@@ -513,9 +621,9 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
 // Row m (at position pos + m) sees keys [lo, hi] with hi = pos + m and lo = max(0, hi - window + 1)
 // (window 0: no window). The keys are cut into chunks of ATTN_CHUNK by absolute index, and each
 // chunk into ATTN_WARPS sub-chunks of ATTN_SUB keys, one per warp. Block (c, query head h, m)
-// takes chunk lo / ATTN_CHUNK + c of KV head h / (n_head / n_kv). A warp loads its keys' K rows
-// at once (lane l holds dims l*E .. l*E+E-1 of q, of each key and of the weighted sum), scores
-// them, then weighs its V rows: a softmax over its sub-chunk with its own max. The block merges
+// takes chunk lo / ATTN_CHUNK + c of KV head h / (n_head / n_kv). A warp loads its keys' K and V
+// rows at once (lane l holds dims l*E .. l*E+E-1 of q, of each key and of the weighted sum), scores
+// them, then weighs the V rows: a softmax over its sub-chunk with its own max. The block merges
 // its warps in warp order, and a row whose keys lie in one chunk is finished there. Otherwise
 // the chunk writes a partial (max, sum of exponentials, weighted V) and the last of the row's
 // chunks to finish (a counter per (m, head)) merges the partials in chunk order. Every partition
@@ -584,14 +692,34 @@ __device__ void attn_body(const AttnArgs& p) {
     const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
     const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
     const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
+    pdl_trigger();
+    // Keys before the step's first position were written by earlier steps: towards L2 before
+    // the wait (the step's own rows come from the previous launch).
+    {
+        constexpr int LINES = HD * 4 / 128;  // 128-byte lines per key row
+        const int pos0 = p.step->pos;
+        for (int t = lane; t < ATTN_SUB * LINES; t += WARP) {
+            const int j = t / LINES, key = s0 + j;
+            if (j < nk && key < pos0) {
+                const size_t off = (size_t)key * HD + (size_t)(t % LINES) * 32;
+                prefetch_l2(p.k_cache + (size_t)g * p.ctx * HD + off);
+                prefetch_l2(p.v_cache + (size_t)g * p.ctx * HD + off);
+            }
+        }
+    }
+    pdl_wait();
     float qr[E];
     VecF<E>::load(p.q + ((size_t)m * p.n_head + h) * HD + lane * E, qr);
-    float kv[ATTN_SUB][E];
+    // K and V rows of the warp's keys, all loads issued at once.
+    float kv[ATTN_SUB][E], vv[ATTN_SUB][E];
 #pragma unroll
     for (int j = 0; j < ATTN_SUB; ++j) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
-        if (j < nk) VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
+        for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
+        if (j < nk) {
+            VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
+            VecF<E>::load(vc + (size_t)(s0 + j) * HD, vv[j]);
+        }
     }
     float sc[ATTN_SUB], mx = -INFINITY;
 #pragma unroll
@@ -603,8 +731,6 @@ __device__ void attn_body(const AttnArgs& p) {
     }
 #pragma unroll
     for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) mx = fmaxf(mx, sc[j]);
-#pragma unroll
-    for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) VecF<E>::load(vc + (size_t)(s0 + j) * HD, kv[j]);
     float acc[E], sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.0f;
@@ -614,7 +740,7 @@ __device__ void attn_body(const AttnArgs& p) {
             const float w = expf(sc[j] - mx);
             sum += w;
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[e] += w * kv[j][e];
+            for (int e = 0; e < E; ++e) acc[e] += w * vv[j][e];
         }
     }
     if (lane == 0) { wmax[warp] = mx; wsum[warp] = sum; }
@@ -730,6 +856,8 @@ __device__ void block_argmax(float& v, int& i) {
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const ArgmaxArgs p) {
     __shared__ int last;
     const int b = blockIdx.x, m = blockIdx.y, nb = gridDim.x;
+    pdl_trigger();
+    pdl_wait();
     const int per = (p.n + nb - 1) / nb;
     const int i0 = b * per, i1 = min(p.n, i0 + per);
     float v = -INFINITY; int id = 0x7fffffff;

@@ -9,7 +9,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
@@ -19,6 +21,10 @@ pub const NQ_MAX_K: usize = 8192;
 pub const GEMV_WARPS: usize = 4;
 /// Output rows per GEMV warp.
 pub const GEMV_ROWS: usize = 2;
+/// Rows per block of the staged GEMV.
+pub const GEMV_STAGE_ROWS: usize = 16;
+/// The fewest rows for which a single-segment GEMV is staged through shared memory.
+pub const GEMV_STAGE_MIN_ROWS: usize = 8192;
 /// Keys per attention chunk.
 pub const ATTN_CHUNK: usize = 64;
 /// Threads per attention block (a warp per sub-chunk of `ATTN_CHUNK / 8` keys).
@@ -210,9 +216,13 @@ pub struct Kernels {
     _module: Arc<CudaModule>,
     norm_quant: CudaFunction,
     gemv: Vec<CudaFunction>,
+    gemv_staged: Vec<CudaFunction>,
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 3],
     argmax: CudaFunction,
+    /// Launch with programmatic dependent launch (each kernel may start while the previous one
+    /// runs, up to its `griddepcontrol.wait`): `TINE_GPU_PDL=0` turns it off.
+    pdl: AtomicBool,
 }
 
 /// The compute capability the embedded cubin was built for.
@@ -231,11 +241,56 @@ impl Kernels {
         Ok(Kernels {
             norm_quant: f("norm_quant")?,
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
+            gemv_staged: (1..=MAX_ROWS).map(|m| f(&format!("gemv_staged_m{m}"))).collect::<Result<_, _>>()?,
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
             argmax: f("argmax_rows")?,
+            pdl: AtomicBool::new(std::env::var("TINE_GPU_PDL").map_or(true, |v| v != "0")),
             _module: module,
         })
+    }
+
+    /// Whether launches use programmatic dependent launch.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(Ordering::Relaxed)
+    }
+
+    /// Turns programmatic dependent launch on or off for the launches that follow (a graph
+    /// captured before keeps what it was captured with).
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, Ordering::Relaxed);
+    }
+
+    /// Launches `f` with its one by-value argument block, through `cuLaunchKernelEx`: with the
+    /// programmatic stream serialization attribute when PDL is on (every kernel of decode.cu waits
+    /// with `griddepcontrol.wait` before it reads what an earlier launch wrote).
+    ///
+    /// # Safety
+    /// `args` is the argument block `f` takes, every address in it valid as the kernel needs.
+    unsafe fn launch<A: DeviceRepr>(&self, stream: &Arc<CudaStream>, f: &CudaFunction, cfg: LaunchConfig, args: &A, kernel: &'static str) -> Result<(), GpuError> {
+        let err = |source| GpuError::Launch { kernel, source };
+        // SAFETY: an all-zero launch attribute is a valid value of the C struct (id 0: ignore).
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let pdl = self.pdl();
+        let lc = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream.cu_stream(),
+            attrs: if pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(pdl),
+        };
+        let mut params = [args as *const A as *mut std::ffi::c_void];
+        stream.context().bind_to_thread().map_err(err)?;
+        // SAFETY: the caller's contract: `args` is what `f` takes; params points at it for the
+        // duration of the call, which copies it.
+        unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(err)
     }
 
     /// `norm_quant` over `rows` rows: in the plain mode (`in_mode` 0, no norm, no `res_out`)
@@ -250,7 +305,7 @@ impl Kernels {
         check(plain || args.k as usize <= NQ_MAX_K, || format!("norm_quant: k = {} is over {NQ_MAX_K}, the most a norm mode keeps in one block", args.k))?;
         let blocks = if plain { (args.k as usize).div_ceil(256) } else { 1 };
         let cfg = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        stream.launch_builder(&self.norm_quant).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "norm_quant", source })
+        self.launch(stream, &self.norm_quant, cfg, args, "norm_quant")
     }
 
     /// Warps per output row for rows of `k` values: a row of many 32-value units is cut into up
@@ -262,6 +317,21 @@ impl Kernels {
             u if u >= 32 => 2,
             _ => 1,
         }
+    }
+
+    /// The shared memory of the staged GEMV for `seg` (a matrix of many rows: the LM head), or
+    /// None where the plain GEMV takes it. A function of the weights alone, so a row's sum is the
+    /// same for any M.
+    pub fn gemv_stage_bytes(seg: &GemvSeg, k: usize, split: usize) -> Option<usize> {
+        let (bv, bb) = match seg.wtype {
+            6 => (32, 22),
+            8 => (32, 34),
+            12 => (256, 144),
+            14 => (256, 210),
+            _ => return None,
+        };
+        let bytes = GEMV_STAGE_ROWS * (k / bv) * bb;
+        (seg.glu == 0 && split == 1 && seg.n as usize >= GEMV_STAGE_MIN_ROWS && bytes <= 48 * 1024).then_some(bytes)
     }
 
     /// The GEMV over `rows` activation rows for the segments `segs` (filled in: each segment's
@@ -286,8 +356,15 @@ impl Kernels {
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
             blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
         }
+        if let [one] = segs {
+            if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
+                args.split = 1;
+                let cfg = LaunchConfig { grid_dim: ((one.n as usize).div_ceil(GEMV_STAGE_ROWS) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: stage_bytes as u32 };
+                return self.launch(stream, &self.gemv_staged[rows - 1], cfg, &args, "gemv_staged");
+            }
+        }
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
-        stream.launch_builder(&self.gemv[rows - 1]).arg(&args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "gemv", source })
+        self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
     }
 
     /// `qk_norm_rope_kv` for `rows` rows.
@@ -297,7 +374,7 @@ impl Kernels {
     pub unsafe fn qk_norm_rope_kv(&self, stream: &Arc<CudaStream>, rows: usize, args: &RopeArgs) -> Result<(), GpuError> {
         check(args.hd > 0 && args.hd % 64 == 0 && args.hd <= 512, || format!("qk_norm_rope_kv: head dim {} (a multiple of 64 up to 512)", args.hd))?;
         let cfg = LaunchConfig { grid_dim: ((args.n_head + args.n_kv) as u32, rows as u32, 1), block_dim: ((args.hd / 2) as u32, 1, 1), shared_mem_bytes: 0 };
-        stream.launch_builder(&self.rope).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "qk_norm_rope_kv", source })
+        self.launch(stream, &self.rope, cfg, args, "qk_norm_rope_kv")
     }
 
     /// How many chunks one row's keys can span: the attention grid's width and the partials'
@@ -316,7 +393,7 @@ impl Kernels {
         let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_head as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
-        stream.launch_builder(f).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "attention", source })
+        self.launch(stream, f, cfg, args, "attention")
     }
 
     /// The greedy id of each of `rows` rows of logits.
@@ -326,7 +403,7 @@ impl Kernels {
     /// `counters` `MAX_ROWS` zeroed ints.
     pub unsafe fn argmax(&self, stream: &Arc<CudaStream>, rows: usize, args: &ArgmaxArgs) -> Result<(), GpuError> {
         let cfg = LaunchConfig { grid_dim: (ARGMAX_BLOCKS as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        stream.launch_builder(&self.argmax).arg(args).launch(cfg).map(drop).map_err(|source| GpuError::Launch { kernel: "argmax_rows", source })
+        self.launch(stream, &self.argmax, cfg, args, "argmax_rows")
     }
 }
 

@@ -452,6 +452,12 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (WeightType::Q6K, 9, 256),
         (WeightType::Q5_0, 130, 5120),
         (WeightType::Q4K, 66, 5120),
+        // Many rows: the staged GEMV (16-byte copies; the tails 4- and 2-byte aligned).
+        (WeightType::Q8_0, 9000, 640),
+        (WeightType::Q8_0, 8195, 640),
+        (WeightType::Q5_0, 8193, 32),
+        (WeightType::Q4K, 8200, 256),
+        (WeightType::Q6K, 8197, 512),
     ] {
         cases.push(check_gemv(dev, &mut rng, t, n, k, false)?);
     }
@@ -590,7 +596,7 @@ mod bench {
         };
         // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
         // recorded after each launch, labelled with what the launch does (the profile).
-        let step_launches = |rows: usize, marks: &mut Option<Marks>| -> Res<usize> {
+        let step_launches = |rows: usize, marks: &mut Option<Marks>, skip: Option<&str>| -> Res<usize> {
             let mut count = 0;
             let mut mark = |label: &'static str| -> Res<()> {
                 if let Some(m) = marks.as_mut() {
@@ -603,8 +609,11 @@ mod bench {
             unsafe {
                 for (l, ly) in layers.iter().enumerate() {
                     let global = l % 6 == 5;
-                    dev.k.norm_quant(&dev.stream, rows, &if l == 0 { nq(0, 2, HIDDEN, true) } else { nq(p(&down), 1, HIDDEN, true) })?;
-                    mark("norm_quant: residual + attn_norm")?;
+                    let label = "norm_quant: residual + attn_norm";
+                    if skip != Some(label) {
+                        dev.k.norm_quant(&dev.stream, rows, &if l == 0 { nq(0, 2, HIDDEN, true) } else { nq(p(&down), 1, HIDDEN, true) })?;
+                    }
+                    mark(label)?;
                     let seg = |w: &CudaSlice<u8>, out: &CudaSlice<f32>, n: usize, t: WeightType| GemvSeg {
                         w: dev.ptr(w),
                         out: p(out),
@@ -613,14 +622,17 @@ mod bench {
                         out_stride: n as i32,
                         ..Default::default()
                     };
-                    dev.k.gemv(
-                        &dev.stream,
-                        rows,
-                        HIDDEN,
-                        &[seg(&ly.q, &q, HEADS * HD, WeightType::Q5_0), seg(&ly.k, &k, KV * HD, WeightType::Q5_0), seg(&ly.v, &v, KV * HD, WeightType::Q8_0)],
-                        act,
-                    )?;
-                    mark("gemv: q k v")?;
+                    let label = "gemv: q k v";
+                    if skip != Some(label) {
+                        dev.k.gemv(
+                            &dev.stream,
+                            rows,
+                            HIDDEN,
+                            &[seg(&ly.q, &q, HEADS * HD, WeightType::Q5_0), seg(&ly.k, &k, KV * HD, WeightType::Q5_0), seg(&ly.v, &v, KV * HD, WeightType::Q8_0)],
+                            act,
+                        )?;
+                    }
+                    mark(label)?;
                     let rope = RopeArgs {
                         q: p(&q),
                         k: p(&k),
@@ -638,8 +650,11 @@ mod bench {
                         n_kv: KV as i32,
                         hd: HD as i32,
                     };
-                    dev.k.qk_norm_rope_kv(&dev.stream, rows, &rope)?;
-                    mark("qk_norm_rope_kv")?;
+                    let label = "qk_norm_rope_kv";
+                    if skip != Some(label) {
+                        dev.k.qk_norm_rope_kv(&dev.stream, rows, &rope)?;
+                    }
+                    mark(label)?;
                     let window = if global { 0 } else { WINDOW };
                     let at = AttnArgs {
                         q: p(&q),
@@ -658,29 +673,56 @@ mod bench {
                         n_kv: KV as i32,
                         chunks_max: Kernels::attn_chunks_max(CTX, window) as i32,
                     };
-                    dev.k.attention(&dev.stream, rows, HD, &at)?;
-                    mark(if global { "attention: global" } else { "attention: local (window)" })?;
-                    dev.k.gemv(&dev.stream, rows, HEADS * HD, &[seg(&ly.o, &o, HIDDEN, WeightType::Q4K)], act)?;
-                    mark("gemv: o")?;
-                    dev.k.norm_quant(&dev.stream, rows, &nq(p(&o), 1, HIDDEN, true))?;
-                    mark("norm_quant: residual + ffn_norm")?;
+                    let label = if global { "attention: global" } else { "attention: local (window)" };
+                    if skip != Some(label) {
+                        dev.k.attention(&dev.stream, rows, HD, &at)?;
+                    }
+                    mark(label)?;
+                    let label = "gemv: o";
+                    if skip != Some(label) {
+                        dev.k.gemv(&dev.stream, rows, HEADS * HD, &[seg(&ly.o, &o, HIDDEN, WeightType::Q4K)], act)?;
+                    }
+                    mark(label)?;
+                    let label = "norm_quant: residual + ffn_norm";
+                    if skip != Some(label) {
+                        dev.k.norm_quant(&dev.stream, rows, &nq(p(&o), 1, HIDDEN, true))?;
+                    }
+                    mark(label)?;
                     let glu = GemvSeg { w: dev.ptr(&ly.gate), w2: dev.ptr(&ly.up), out: p(&ff), n: FF as i32, wtype: WeightType::Q5_0.ggml_id(), out_stride: FF as i32, glu: 1, block_start: 0 };
-                    dev.k.gemv(&dev.stream, rows, HIDDEN, &[glu], act)?;
-                    mark("gemv: gate/up GLU")?;
-                    dev.k.norm_quant(&dev.stream, rows, &nq(p(&ff), 0, FF, false))?;
-                    mark("norm_quant: ffn hidden")?;
-                    dev.k.gemv(&dev.stream, rows, FF, &[seg(&ly.down, &down, HIDDEN, WeightType::Q6K)], act)?;
-                    mark("gemv: down")?;
+                    let label = "gemv: gate/up GLU";
+                    if skip != Some(label) {
+                        dev.k.gemv(&dev.stream, rows, HIDDEN, &[glu], act)?;
+                    }
+                    mark(label)?;
+                    let label = "norm_quant: ffn hidden";
+                    if skip != Some(label) {
+                        dev.k.norm_quant(&dev.stream, rows, &nq(p(&ff), 0, FF, false))?;
+                    }
+                    mark(label)?;
+                    let label = "gemv: down";
+                    if skip != Some(label) {
+                        dev.k.gemv(&dev.stream, rows, FF, &[seg(&ly.down, &down, HIDDEN, WeightType::Q6K)], act)?;
+                    }
+                    mark(label)?;
                     count += 9;
                 }
-                dev.k.norm_quant(&dev.stream, rows, &nq(p(&down), 1, HIDDEN, true))?;
-                mark("norm_quant: output_norm")?;
+                let label = "norm_quant: output_norm";
+                if skip != Some(label) {
+                    dev.k.norm_quant(&dev.stream, rows, &nq(p(&down), 1, HIDDEN, true))?;
+                }
+                mark(label)?;
                 let lm = GemvSeg { w: dev.ptr(&embd), out: p(&logits), n: VOCAB as i32, wtype: WeightType::Q8_0.ggml_id(), out_stride: VOCAB as i32, ..Default::default() };
-                dev.k.gemv(&dev.stream, rows, HIDDEN, &[lm], act)?;
-                mark("gemv: LM head")?;
+                let label = "gemv: LM head";
+                if skip != Some(label) {
+                    dev.k.gemv(&dev.stream, rows, HIDDEN, &[lm], act)?;
+                }
+                mark(label)?;
                 let am = ArgmaxArgs { logits: p(&logits), n: VOCAB as i32, cand_v: p(&cv), cand_i: dev.ptr(&ci), counters: dev.ptr(&acnt), ids: dev.ptr(&ids), feed: 0 };
-                dev.k.argmax(&dev.stream, rows, &am)?;
-                mark("argmax")?;
+                let label = "argmax";
+                if skip != Some(label) {
+                    dev.k.argmax(&dev.stream, rows, &am)?;
+                }
+                mark(label)?;
                 count += 3;
             }
             Ok(count)
@@ -689,18 +731,18 @@ mod bench {
         for rows in [1usize, 2, 4, 8] {
             dev.set_step(&mut step, StepParams { pos: 1000, rows: rows as i32, tokens: [17; MAX_ROWS] })?;
             // Eager: launches issued one by one.
-            let launches = step_launches(rows, &mut None)?;
+            let launches = step_launches(rows, &mut None, None)?;
             dev.stream.synchronize()?;
             let reps = 50;
             let t0 = std::time::Instant::now();
             for _ in 0..reps {
-                step_launches(rows, &mut None)?;
+                step_launches(rows, &mut None, None)?;
             }
             dev.stream.synchronize()?;
             let eager_ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
             // Captured once, replayed.
             dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            step_launches(rows, &mut None)?;
+            step_launches(rows, &mut None, None)?;
             let graph = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0))?.ok_or("the capture made no graph")?;
             graph.upload()?;
             let mut nodes = 0usize;
@@ -726,6 +768,28 @@ mod bench {
                 1e3 / graph_ms * rows as f64
             );
             drop(graph);
+            if dev.k.pdl() {
+                // The same step without programmatic dependent launch (each launch waits for the
+                // previous one to finish before it starts).
+                dev.k.set_pdl(false);
+                dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let launched = step_launches(rows, &mut None, None);
+                let g = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                dev.k.set_pdl(true);
+                launched?;
+                let g = g?.ok_or("the capture made no graph")?;
+                g.upload()?;
+                for _ in 0..20 {
+                    g.launch()?;
+                }
+                let start = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+                for _ in 0..reps {
+                    g.launch()?;
+                }
+                let end = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+                let ms = start.elapsed_ms(&end)? as f64 / reps as f64;
+                println!("bench rows={rows}: without programmatic dependent launch {ms:.4} ms/step; with it {graph_ms:.4} ms/step");
+            }
             if profile {
                 profile_step(dev, rows, &step_launches)?;
             }
@@ -748,10 +812,10 @@ mod bench {
 
     /// The time of each launch of a step inside its graph: an event node after every launch,
     /// the graph replayed, the gaps between consecutive events summed per label.
-    fn profile_step(dev: &Dev, rows: usize, step_launches: &dyn Fn(usize, &mut Option<Marks>) -> Res<usize>) -> Res<()> {
+    fn profile_step(dev: &Dev, rows: usize, step_launches: &dyn Fn(usize, &mut Option<Marks>, Option<&str>) -> Res<usize>) -> Res<()> {
         dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let mut marks = Some(vec![("start", record_node(dev)?)]);
-        let launched = step_launches(rows, &mut marks);
+        let launched = step_launches(rows, &mut marks, None);
         let graph = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0));
         launched?;
         let graph = graph?.ok_or("the capture made no graph")?;
@@ -778,11 +842,45 @@ mod bench {
                 count[i] += 1;
             }
         }
+        // Marginal cost of each kind: the plain graph's replay time with and without its launches
+        // (the results are garbage without them; the time is what matters).
+        let replay_us = |skip: Option<&str>| -> Res<f64> {
+            dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let launched = step_launches(rows, &mut None, skip);
+            let g = dev.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            launched?;
+            let g = g?.ok_or("the capture made no graph")?;
+            g.upload()?;
+            for _ in 0..10 {
+                g.launch()?;
+            }
+            let reps = 200;
+            let start = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            for _ in 0..reps {
+                g.launch()?;
+            }
+            let end = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            Ok(start.elapsed_ms(&end)? as f64 * 1e3 / reps as f64)
+        };
+        let full = replay_us(None)?;
+        let mut marginal = Vec::new();
+        for l in &labels {
+            marginal.push(full - replay_us(Some(l))?);
+        }
         let step_us: f64 = total.iter().sum::<f64>() / reps as f64;
-        println!("profile rows={rows}: {:.1} us/step with an event after each launch", step_us);
+        println!("profile rows={rows}: {:.1} us/step with an event after each launch; {full:.1} us/step without; 'without' = the step's time less that without the kind's launches", step_us);
         for (i, l) in labels.iter().enumerate() {
             let per_step = total[i] / reps as f64;
-            println!("profile rows={rows}: {:<34} {:>3} launches {:>8.1} us/step {:>7.2} us/launch {:>5.1}%", l, count[i] / reps, per_step, total[i] / count[i] as f64, 100.0 * per_step / step_us);
+            println!(
+                "profile rows={rows}: {:<34} {:>3} launches {:>8.1} us/step {:>7.2} us/launch {:>5.1}%   without: {:>7.1} us/step {:>6.2} us/launch",
+                l,
+                count[i] / reps,
+                per_step,
+                total[i] / count[i] as f64,
+                100.0 * per_step / step_us,
+                marginal[i],
+                marginal[i] / (count[i] / reps) as f64
+            );
         }
         Ok(())
     }
