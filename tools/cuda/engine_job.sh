@@ -10,6 +10,10 @@
 #                                          # embedded kernels and for each target/gpu-engine/*.cu
 #                                          # (compiled here), and one step under ncu
 #   bash tools/cuda/engine_job.sh ncu      # ncu's full sections for a few launches
+#   bash tools/cuda/engine_job.sh runtime  # `tine` (target/gpu-engine/tine.tar.xz) on the engine
+#                                          # (TINE_GPU_ENGINE=1): greedy ids against the CPU's,
+#                                          # decode speed against candle's CUDA path, spec on vs
+#                                          # off at temperature 0 and seeded 0.8, spec-bench
 #
 # Writes $OUT/engine-log.txt; prints the tail.
 set -uo pipefail
@@ -29,6 +33,71 @@ bin="$W/tine-gpu-check"
 python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/bin.tar.xz" "$W" && chmod +x "$bin"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -n 2; } >>"$log" 2>&1
 
+if [ "$mode" = runtime ]; then
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/tine.tar.xz" "$W" && chmod +x "$W/tine"
+  M="$W/model.gguf"
+  [ -s "$M" ] || cat $(ls "$W"/m.* | sort) >"$M"
+  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$S/model.sha256")"
+  T="$W/tine"
+  run() { # run NAME SECONDS CMD...
+    local name=$1 secs=$2; shift 2
+    say "$name: $*"
+    timeout "$secs" "$@" >>"$log" 2>&1
+    say "$name: rc=$?"
+  }
+  # Greedy ids on the engine against the CPU path's (the prompts of cpu-ref.jsonl, by id).
+  python3 - "$S/cpu-ref.jsonl" "$W" <<'PY'
+import json, sys
+for i, line in enumerate(open(sys.argv[1])):
+    json.dump(json.loads(line)["prompt_ids"], open(f"{sys.argv[2]}/prompt-{i + 1}.json", "w"))
+PY
+  for i in 1 2 3 4 5 6; do
+    run "greedy-$i" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --prompt-ids "$W/prompt-$i.json" -n 64 --temp 0 --ignore-eos --json "$OUT/greedy-$i.json"
+  done
+  python3 - "$S/cpu-ref.jsonl" "$OUT" <<'PY' | tee -a "$log"
+import json, sys
+for i, line in enumerate(open(sys.argv[1])):
+    want = json.loads(line)["ids"]
+    try:
+        got = json.load(open(f"{sys.argv[2]}/greedy-{i + 1}.json"))
+    except Exception as e:
+        print(f"prompt {i + 1}: no result ({e})"); continue
+    ids = got["ids"]
+    at = next((j for j, (a, b) in enumerate(zip(ids, want)) if a != b), None)
+    print(f"prompt {i + 1}: engine {got.get('engine', '?')}, " + (f"{len(want)} ids equal to the CPU path's" if at is None else f"equal for {at} of {len(want)}; engine {ids[at]}, CPU {want[at]}"))
+PY
+  # Decode speed: the engine, then candle's CUDA path, 512 tokens after a short prompt.
+  for r in 1 2; do
+    run "speed-engine-$r" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-engine-$r.json"
+  done
+  run speed-candle 120 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-candle.json"
+  # Spec on vs off on the engine: n-gram and the draft model (the target drafting itself).
+  for temp in 0 0.8; do
+    run "plain-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-t$temp.json"
+    run "ngram-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --spec-type ngram -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/ngram-t$temp.json"
+    run "draft-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -md "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/draft-t$temp.json"
+  done
+  python3 - "$OUT" <<'PY' | tee -a "$log"
+import json, sys, os
+o = sys.argv[1]
+def load(n):
+    try: return json.load(open(f"{o}/{n}.json"))
+    except Exception: return None
+for n in ["speed-engine-1", "speed-engine-2", "speed-candle"]:
+    d = load(n)
+    print(f"{n}: " + ("no result" if d is None else f"{d.get('engine', '?')}: decode {d['predicted_per_second']:.1f} tok/s, first token {d['first_token_ms']:.1f} ms"))
+for t in ["0", "0.8"]:
+    p = load(f"plain-t{t}")
+    for s in ["ngram", "draft"]:
+        d = load(f"{s}-t{t}")
+        if p is None or d is None: print(f"{s} temp {t}: no result"); continue
+        same = d["ids"] == p["ids"]
+        print(f"{s} temp {t}: spec {'IDENTICAL to' if same else 'DIFFERS from'} plain; accepted {d['draft_n_accepted']}/{d['draft_n']}; {d['predicted_per_second']:.1f} vs plain {p['predicted_per_second']:.1f} tok/s")
+PY
+  run spec-bench 240 env TINE_GPU_ENGINE=1 "$T" spec-bench --device cuda -m "$M" -md "$M" --types ngram,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
+  tail -n 30 "$OUT/spec-bench.md" 2>/dev/null | tee -a "$log"
+  exit 0
+fi
 if [ "$mode" = ncu ]; then mode=profile; only_ncu=1; fi
 say "kernel table, embedded cubin"
 if [ "$mode" = profile ] && [ -z "${only_ncu:-}" ]; then

@@ -800,6 +800,9 @@ mod bench {
     /// Timing events recorded after the launches of a step, each with what the launch does.
     type Marks = Vec<(&'static str, CudaEvent)>;
 
+    /// The bench's step: rows, timing marks to record, a kind of launch to leave out.
+    type StepLaunches<'a> = dyn Fn(usize, &mut Option<Marks>, Option<&str>) -> Res<usize> + 'a;
+
     /// A timing event recorded on the stream as a node of the graph being captured (a plain
     /// record would be taken as a dependency between streams, not a node).
     fn record_node(dev: &Dev) -> Res<CudaEvent> {
@@ -812,7 +815,7 @@ mod bench {
 
     /// The time of each launch of a step inside its graph: an event node after every launch,
     /// the graph replayed, the gaps between consecutive events summed per label.
-    fn profile_step(dev: &Dev, rows: usize, step_launches: &dyn Fn(usize, &mut Option<Marks>, Option<&str>) -> Res<usize>) -> Res<()> {
+    fn profile_step(dev: &Dev, rows: usize, step_launches: &StepLaunches) -> Res<()> {
         dev.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         let mut marks = Some(vec![("start", record_node(dev)?)]);
         let launched = step_launches(rows, &mut marks, None);
