@@ -403,7 +403,8 @@ impl Generation {
                     self.timings.draft.add(&round.stats());
                     self.decided.extend(round.tokens.into_iter().zip(round.rows));
                 } else if self.argmax_only() {
-                    self.next = Some(seq.decode_argmax(model, token)?);
+                    let banned = if self.req.ignore_eos { eog } else { &[][..] };
+                    self.next = Some(seq.decode_argmax_banning(model, token, banned)?);
                 } else {
                     self.logits = seq.decode(model, token)?;
                 }
@@ -417,9 +418,10 @@ impl Generation {
         Ok(event)
     }
 
-    /// Whether the next token is the argmax of the raw logits and nothing else reads them
-    /// (no bias, grammar, ignore_eos mask, penalty, logprobs or recording): then a decode returns
-    /// only the id (`Sequence::decode_argmax`), which on a GPU keeps the vocabulary-wide row there.
+    /// Whether the next token is the argmax of the raw logits (less the end-of-generation ids
+    /// with `ignore_eos`) and nothing else reads them (no bias, grammar, penalty, logprobs or
+    /// recording): then a decode returns only the id (`Sequence::decode_argmax_banning`), which
+    /// on a GPU keeps the vocabulary-wide row there.
     /// Greedy sampling draws nothing from the random stream, so the seed's path is unchanged.
     fn argmax_only(&self) -> bool {
         // `TINE_ARGMAX_ON_HOST=1` copies every row to the host anyway (to measure the difference).
@@ -428,7 +430,6 @@ impl Generation {
             && self.sampler.params().is_plain_argmax()
             && self.req.logit_bias.is_empty()
             && self.req.grammar.is_none()
-            && !self.req.ignore_eos
             && self.req.n_probs == 0
             && !self.record_logits
     }

@@ -108,10 +108,14 @@ __device__ float block_sum_all(float v, float* red) {
 // Step parameters, read by the kernels from device memory so that one captured graph serves
 // every position.
 
+#define MAX_BANNED 8
+
 struct StepParams {
     int pos;              // position of row 0 of this step
     int rows;             // rows of this step (informative; kernels are specialised on M)
     int tokens[MAX_ROWS]; // the token ids of the rows
+    int n_banned;         // ids the greedy argmax passes over (ignore_eos: the end-of-generation ids)
+    int banned[MAX_BANNED];
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -810,7 +814,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(con
 
 // ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the
-// sampler does). Grid: (ARGMAX_BLOCKS, M); each block scans a fixed slice, the last block of a row
+// sampler does), passing over the step's banned ids (the sampler's -inf for them). Grid: (ARGMAX_BLOCKS, M); each block scans a fixed slice, the last block of a row
 // to finish reduces the blocks' candidates in block order. Writes ids[m] and, if feed is set,
 // step->tokens[m] (the next step's input, without a trip through the host).
 
@@ -823,6 +827,7 @@ struct ArgmaxArgs {
     int* counters;               // [MAX_ROWS], zero at the start and left at zero
     int* ids;                    // [M]
     StepParams* feed;            // or null
+    const StepParams* step;      // the banned ids (or null: none)
 };
 
 __device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
@@ -860,8 +865,13 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
     pdl_wait();
     const int per = (p.n + nb - 1) / nb;
     const int i0 = b * per, i1 = min(p.n, i0 + per);
+    const int nb_ban = p.step ? min(p.step->n_banned, MAX_BANNED) : 0;
     float v = -INFINITY; int id = 0x7fffffff;
-    for (int i = i0 + (int)threadIdx.x; i < i1; i += blockDim.x) better(v, id, p.logits[(size_t)m * p.n + i], i);
+    for (int i = i0 + (int)threadIdx.x; i < i1; i += blockDim.x) {
+        bool banned = false;
+        for (int j = 0; j < nb_ban; ++j) banned |= p.step->banned[j] == i;
+        if (!banned) better(v, id, p.logits[(size_t)m * p.n + i], i);
+    }
     block_argmax(v, id);
     if (threadIdx.x == 0) {
         p.cand_v[m * nb + b] = v;
@@ -883,10 +893,10 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
 }
 
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
-static_assert(sizeof(StepParams) == 40, "StepParams");
+static_assert(sizeof(StepParams) == 76, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
-static_assert(sizeof(ArgmaxArgs) == 56, "ArgmaxArgs");
+static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");

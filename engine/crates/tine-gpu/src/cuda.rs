@@ -79,10 +79,17 @@ pub struct StepParams {
     pub rows: i32,
     /// Token ids of the rows.
     pub tokens: [i32; MAX_ROWS],
+    /// How many of `banned` the greedy argmax passes over.
+    pub n_banned: i32,
+    /// Ids the greedy argmax passes over (`ignore_eos`: the end-of-generation ids).
+    pub banned: [i32; MAX_BANNED],
 }
 // SAFETY: plain repr(C) integers, the layout of `StepParams` in decode.cu; all zeros is a valid value.
 unsafe impl DeviceRepr for StepParams {}
 unsafe impl ValidAsZeroBits for StepParams {}
+
+/// The most ids a step's greedy argmax can pass over.
+pub const MAX_BANNED: usize = 8;
 
 /// A device address (`CUdeviceptr`), or 0 for "none".
 pub type DevPtr = u64;
@@ -192,16 +199,18 @@ pub struct ArgmaxArgs {
     pub counters: DevPtr,
     pub ids: DevPtr,
     pub feed: DevPtr,
+    /// The step block whose banned ids the argmax passes over (0: none).
+    pub step: DevPtr,
 }
 
 // The sizes decode.cu asserts for the same structs.
-const _: () = assert!(std::mem::size_of::<StepParams>() == 40);
+const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
-const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 56);
+const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
 
 // SAFETY: each is a repr(C) struct of integers and floats, the layout of its namesake in decode.cu
 // (sizes asserted on both sides), passed by value as a kernel parameter.

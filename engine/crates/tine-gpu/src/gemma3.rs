@@ -28,7 +28,7 @@ use candle_core::quantized::GgmlDType;
 use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use crate::blocks::{WeightType, QK};
-use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_ROWS};
+use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS};
 
 /// Why a model could not be loaded or stepped on the GPU.
 #[derive(Debug, thiserror::Error)]
@@ -445,7 +445,8 @@ impl Gemma3Gpu {
             k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
             let head = self.output.as_ref().unwrap_or(&self.embd);
             k.gemv(s, rows, c.hidden, &[seg(head, &b.logits, c.vocab)], act)?;
-            let am = ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0 };
+            let am =
+                ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
             k.argmax(s, rows, &am)?;
             count += 3;
         }
@@ -481,6 +482,13 @@ impl Gemma3Gpu {
     /// logits and greedy ids are ready for [`Gemma3Gpu::logits`] and [`Gemma3Gpu::argmax`]
     /// until the next step of any cache.
     pub fn forward(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
+        self.forward_banning(cache, tokens, &[])
+    }
+
+    /// [`Gemma3Gpu::forward`], with the greedy ids of this step ([`Gemma3Gpu::argmax`]) passing
+    /// over `banned` (at most [`MAX_BANNED`] ids: `ignore_eos`'s end-of-generation ids). The
+    /// logits are not changed.
+    pub fn forward_banning(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32]) -> Result<()> {
         let rows = tokens.len();
         let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
         if !(1..=MAX_ROWS).contains(&rows) {
@@ -492,8 +500,14 @@ impl Gemma3Gpu {
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
             return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
         }
-        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, tokens: [0; MAX_ROWS] };
+        if banned.len() > MAX_BANNED {
+            return Err(fail(format!("{} banned ids (the argmax passes over at most {MAX_BANNED})", banned.len())));
+        }
+        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, n_banned: banned.len() as i32, ..Default::default() };
         for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        for (slot, &t) in params.banned.iter_mut().zip(banned) {
             *slot = t as i32;
         }
         let mut block = self.step.lock().expect("a step panicked holding the step block");

@@ -25,6 +25,8 @@ mod imp {
     /// The most tokens one engine step takes (verify batches up to this; longer inputs go in
     /// steps of it).
     pub const STEP_ROWS: usize = tine_gpu::cuda::MAX_ROWS;
+    /// The most ids the engine's greedy argmax passes over.
+    pub const MAX_BANNED: usize = tine_gpu::cuda::MAX_BANNED;
 
     impl GpuTrunk {
         /// The engine for a model on `device`, or why not: `Ok(None)` on the CPU or without
@@ -45,10 +47,10 @@ mod imp {
             self.0.forward(&mut seq.0, tokens)?;
             self.0.logits(&seq.0)
         }
-        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the last one's greedy id; only the
-        /// id crosses to the host.
-        pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<u32, GpuError> {
-            self.0.forward(&mut seq.0, tokens)?;
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the last one's greedy id, passing
+        /// over `banned` (at most [`MAX_BANNED`]); only the id crosses to the host.
+        pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<u32, GpuError> {
+            self.0.forward_banning(&mut seq.0, tokens, banned)?;
             Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
         }
     }
@@ -82,6 +84,7 @@ mod imp {
     #[error("this build has no GPU engine")]
     pub struct GpuError(());
     pub const STEP_ROWS: usize = 8;
+    pub const MAX_BANNED: usize = 8;
 
     pub fn is_unsupported_model(_e: &GpuError) -> bool {
         false
@@ -99,7 +102,7 @@ mod imp {
         pub fn forward_logits(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
             unreachable!("{NEVER}")
         }
-        pub fn forward_argmax(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<u32, GpuError> {
+        pub fn forward_argmax(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<u32, GpuError> {
             unreachable!("{NEVER}")
         }
     }
@@ -114,4 +117,4 @@ mod imp {
     }
 }
 
-pub use imp::{is_unsupported_model, GpuError, GpuSeq, GpuTrunk, STEP_ROWS};
+pub use imp::{is_unsupported_model, GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS};

@@ -10,7 +10,7 @@ use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
 
-use crate::gpu::{GpuError, GpuSeq, GpuTrunk, STEP_ROWS};
+use crate::gpu::{GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS};
 
 /// Errors of [`Model::load`].
 #[derive(Debug, thiserror::Error)]
@@ -445,10 +445,34 @@ impl Sequence {
     /// greedy sampling picks), without the logits: on a GPU only the id crosses to the host,
     /// not the vocabulary-wide row. Atomic like [`Sequence::decode`].
     pub fn decode_argmax(&mut self, model: &Model, token: u32) -> Result<u32, StepError> {
+        self.decode_argmax_banning(model, token, &[])
+    }
+
+    /// [`Sequence::decode_argmax`], passing over the ids in `banned` (greedy decoding with
+    /// `ignore_eos`: the sampler's -inf for the end-of-generation ids, without the row). On the
+    /// GPU engine the id alone crosses to the host (up to [`MAX_BANNED`] banned ids); elsewhere a
+    /// non-empty `banned` reads the row on the host.
+    pub fn decode_argmax_banning(&mut self, model: &Model, token: u32, banned: &[u32]) -> Result<u32, StepError> {
+        if !banned.is_empty() && (banned.len() > MAX_BANNED || !self.on_gpu_engine()) {
+            let mut row = self.decode(model, token)?;
+            for &t in banned {
+                if let Some(l) = row.get_mut(t as usize) {
+                    *l = f32::NEG_INFINITY;
+                }
+            }
+            // The largest value, the lowest id on ties (the sampler's greedy choice).
+            let mut best = 0;
+            for (i, &v) in row.iter().enumerate() {
+                if v > row[best] {
+                    best = i;
+                }
+            }
+            return Ok(best as u32);
+        }
         self.check(model, &[token])?;
         self.atomic(|seq| {
             if let (Some(gpu), Some(g)) = (&model.gpu, &mut seq.gpu) {
-                let id = gpu.forward_argmax(g, &[token])?;
+                let id = gpu.forward_argmax(g, &[token], banned)?;
                 seq.injected()?;
                 seq.tokens.push(token);
                 return Ok(id);

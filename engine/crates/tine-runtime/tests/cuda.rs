@@ -264,5 +264,18 @@ fn cuda_argmax_picks_the_lowest_id_of_the_largest_logit_as_greedy_sampling_does(
         assert_eq!(b.decode_argmax(&p.gpu, tok).expect("decode_argmax on the GPU"), want);
         tok = want;
     }
-    eprintln!("argmax on the GPU = greedy sampling's pick over {} rows and 16 decode steps", 5 * 7);
+    // With banned ids (ignore_eos), the same against the row with them at -inf.
+    let (mut a, mut b) = (p.gpu.new_sequence(64), p.gpu.new_sequence(64));
+    let mut tok = 2u32;
+    for _ in 0..16 {
+        let mut row = a.decode(&p.gpu, tok).expect("decode on the GPU");
+        let banned = [tine_sampling::argmax(&row) as u32, 1];
+        for &t in &banned {
+            row[t as usize] = f32::NEG_INFINITY;
+        }
+        let want = tine_sampling::argmax(&row);
+        assert_eq!(b.decode_argmax_banning(&p.gpu, tok, &banned).expect("decode_argmax_banning on the GPU"), want);
+        tok = want;
+    }
+    eprintln!("argmax on the GPU = greedy sampling's pick over {} rows and 16 decode steps, with and without banned ids", 5 * 7);
 }

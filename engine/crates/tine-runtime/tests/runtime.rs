@@ -474,6 +474,26 @@ fn decode_argmax_is_greedy_samplings_pick_of_decode_and_breaks_ties_to_the_lowes
 }
 
 #[test]
+fn decode_argmax_banning_is_greedy_samplings_pick_with_the_banned_ids_at_minus_infinity() {
+    let fx = fixture(TinyGemma3::default());
+    let m = &fx.model;
+    let (mut a, mut b) = (m.new_sequence(64), m.new_sequence(64));
+    let mut tok = 2u32;
+    for step in 0..24 {
+        let mut row = a.decode(m, tok).expect("decode");
+        // Ban the row's own winner (so the ban decides), and an id past the vocabulary.
+        let banned = [tine_sampling::argmax(&row) as u32, (step % 3) as u32, u32::MAX];
+        for &t in &banned[..2] {
+            row[t as usize] = f32::NEG_INFINITY;
+        }
+        let want = tine_sampling::argmax(&row);
+        assert_eq!(b.decode_argmax_banning(m, tok, &banned).expect("decode_argmax_banning"), want);
+        assert_eq!(b.tokens(), a.tokens());
+        tok = want;
+    }
+}
+
+#[test]
 fn devices_parse_and_a_cuda_device_without_cuda_is_a_clear_error() {
     use tine_runtime::{DeviceError, DeviceSpec};
     for (text, want) in [("cpu", DeviceSpec::Cpu), ("CPU", DeviceSpec::Cpu), ("cuda", DeviceSpec::Cuda(0)), ("cuda:1", DeviceSpec::Cuda(1)), ("gpu:3", DeviceSpec::Cuda(3))] {

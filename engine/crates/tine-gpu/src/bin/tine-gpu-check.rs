@@ -279,7 +279,7 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
         let (kc, vc) = (dev.zeros::<f32>(n_kv * ctx * hd)?, dev.zeros::<f32>(n_kv * ctx * hd)?);
         let launches: Vec<(usize, usize)> = if pass == 0 { (0..rows).map(|m| (m, 1)).collect() } else { vec![(0, rows)] };
         for (row0, n_rows) in launches {
-            dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, tokens: [0; MAX_ROWS] })?;
+            dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
             let args = RopeArgs {
                 q: dev.ptr(&qd) + (row0 * n_head * hd * 4) as u64,
                 k: dev.ptr(&kd) + (row0 * n_kv * hd * 4) as u64,
@@ -346,7 +346,7 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
     // The output of rows row0.., and whether its Q8 planes are the f32 output quantized as the
     // CPU quantizer does it, bit for bit.
     let mut run = |row0: usize, n_rows: usize| -> Res<(Vec<f32>, bool)> {
-        dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, tokens: [0; MAX_ROWS] })?;
+        dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
         let args = AttnArgs {
             q: dev.ptr(&qd) + (row0 * width * 4) as u64,
             k_cache: dev.ptr(&kd),
@@ -414,19 +414,49 @@ fn check_argmax(dev: &Dev, rng: &mut Rng, n: usize) -> Res<Case> {
             logits[..n].iter_mut().for_each(|x| *x = -1.0); // all equal: id 0
         }
     }
-    let ld = dev.up(&logits)?;
     let (cv, ci) = (dev.zeros::<f32>(rows * ARGMAX_BLOCKS)?, dev.zeros::<i32>(rows * ARGMAX_BLOCKS)?);
     let (counters, ids) = (dev.zeros::<i32>(MAX_ROWS)?, dev.zeros::<i32>(MAX_ROWS)?);
     let feed = dev.up(&[StepParams::default()])?;
-    let args = ArgmaxArgs { logits: dev.ptr(&ld), n: n as i32, cand_v: dev.ptr(&cv), cand_i: dev.ptr(&ci), counters: dev.ptr(&counters), ids: dev.ptr(&ids), feed: dev.ptr(&feed) };
-    // SAFETY: logits hold `rows` rows of n, the candidates rows * ARGMAX_BLOCKS, the rest MAX_ROWS.
-    unsafe { dev.k.argmax(&dev.stream, rows, &args)? };
-    let (got, fed) = (dev.down(&ids)?, dev.down(&feed)?[0]);
+    // Banned ids: row 0's winner (id 0, so the next id wins) and, where n allows, a planted
+    // maximum of the last row.
+    let planted = n - 1;
+    if n > 2 {
+        logits[(rows - 1) * n + planted] = 30.0;
+    }
+    let ld = dev.up(&logits)?;
+    let mut ban = StepParams::default();
+    let banned: Vec<usize> = if n > 2 { vec![0, planted] } else { vec![0] };
+    ban.n_banned = banned.len() as i32;
+    for (slot, &b) in ban.banned.iter_mut().zip(&banned) {
+        *slot = b as i32;
+    }
+    let ban_d = dev.up(&[ban])?;
     let mut note = String::new();
-    for m in 0..rows {
-        let want = reference::argmax(&logits[m * n..(m + 1) * n]) as i32;
-        if got[m] != want || fed.tokens[m] != want {
-            note = format!("row {m}: got {} (fed {}), want {want}", got[m], fed.tokens[m]);
+    for with_ban in [false, true] {
+        let args = ArgmaxArgs {
+            logits: dev.ptr(&ld),
+            n: n as i32,
+            cand_v: dev.ptr(&cv),
+            cand_i: dev.ptr(&ci),
+            counters: dev.ptr(&counters),
+            ids: dev.ptr(&ids),
+            feed: dev.ptr(&feed),
+            step: if with_ban { dev.ptr(&ban_d) } else { 0 },
+        };
+        // SAFETY: logits hold `rows` rows of n, the candidates rows * ARGMAX_BLOCKS, the rest MAX_ROWS.
+        unsafe { dev.k.argmax(&dev.stream, rows, &args)? };
+        let (got, fed) = (dev.down(&ids)?, dev.down(&feed)?[0]);
+        for m in 0..rows {
+            let mut row = logits[m * n..(m + 1) * n].to_vec();
+            if with_ban {
+                for &b in &banned {
+                    row[b] = f32::NEG_INFINITY;
+                }
+            }
+            let want = reference::argmax(&row) as i32;
+            if got[m] != want || fed.tokens[m] != want {
+                note = format!("row {m}{}: got {} (fed {}), want {want}", if with_ban { " with banned ids" } else { "" }, got[m], fed.tokens[m]);
+            }
         }
     }
     if dev.down(&counters)?.iter().any(|&c| c != 0) {
@@ -572,7 +602,7 @@ mod bench {
         let partials = dev.zeros::<f32>(m * HEADS * chunks_max * (HD + 2))?;
         let counters = dev.zeros::<i32>(MAX_ROWS * HEADS)?;
         let (cv, ci, acnt, ids) = (dev.zeros::<f32>(m * ARGMAX_BLOCKS)?, dev.zeros::<i32>(m * ARGMAX_BLOCKS)?, dev.zeros::<i32>(MAX_ROWS)?, dev.zeros::<i32>(MAX_ROWS)?);
-        let mut step = dev.up(&[StepParams { pos: 1000, rows: 1, tokens: [17; MAX_ROWS] }])?;
+        let mut step = dev.up(&[StepParams { pos: 1000, rows: 1, tokens: [17; MAX_ROWS], ..Default::default() }])?;
         let p = |s: &CudaSlice<f32>| dev.ptr(s);
         let act = (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum));
         let step_p = dev.ptr(&step);
@@ -717,7 +747,7 @@ mod bench {
                     dev.k.gemv(&dev.stream, rows, HIDDEN, &[lm], act)?;
                 }
                 mark(label)?;
-                let am = ArgmaxArgs { logits: p(&logits), n: VOCAB as i32, cand_v: p(&cv), cand_i: dev.ptr(&ci), counters: dev.ptr(&acnt), ids: dev.ptr(&ids), feed: 0 };
+                let am = ArgmaxArgs { logits: p(&logits), n: VOCAB as i32, cand_v: p(&cv), cand_i: dev.ptr(&ci), counters: dev.ptr(&acnt), ids: dev.ptr(&ids), feed: 0, step: step_p };
                 let label = "argmax";
                 if skip != Some(label) {
                     dev.k.argmax(&dev.stream, rows, &am)?;
@@ -729,7 +759,7 @@ mod bench {
         };
         println!("bench: Gemma 3 270M shapes (hidden {HIDDEN}, {LAYERS} layers, vocab {VOCAB}), position 1000, random weights in the GGUF's types");
         for rows in [1usize, 2, 4, 8] {
-            dev.set_step(&mut step, StepParams { pos: 1000, rows: rows as i32, tokens: [17; MAX_ROWS] })?;
+            dev.set_step(&mut step, StepParams { pos: 1000, rows: rows as i32, tokens: [17; MAX_ROWS], ..Default::default() })?;
             // Eager: launches issued one by one.
             let launches = step_launches(rows, &mut None, None)?;
             dev.stream.synchronize()?;
