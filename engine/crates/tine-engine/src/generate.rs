@@ -337,7 +337,8 @@ impl Generation {
         }
         let (keep, shiftable) = (self.keep_len(seq), self.can_shift(seq));
         let eog = model.end_of_generation_tokens();
-        let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
+        let ids_only = self.argmax_only();
+        let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, ids_only, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
         let (token, row) = match self.decided.pop_front() {
             Some(decided) => decided,
             None => match self.next.take() {
@@ -490,6 +491,8 @@ fn shift(model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, keep:
 struct Filter<'a> {
     bias: &'a [(u32, f32)],
     ignore_eos: bool,
+    /// Whether the decisions are greedy picks nobody reads the rows of ([`Generation::argmax_only`]).
+    ids_only: bool,
     eog: &'a [u32],
     grammar: Option<&'a mut Grammar>,
     /// Drafts consumed tentatively by the grammar in this round.
@@ -519,6 +522,10 @@ impl Filter<'_> {
 }
 
 impl tine_spec::RowFilter for Filter<'_> {
+    fn ids_only(&self) -> Option<Vec<u32>> {
+        (self.ids_only && self.bias.is_empty() && self.grammar.is_none()).then(|| if self.ignore_eos { self.eog.to_vec() } else { Vec::new() })
+    }
+
     fn admit(&mut self, drafts: &[u32]) -> usize {
         // An end-of-generation draft is left to the target's own decision.
         let upto = drafts.iter().position(|t| self.eog.contains(t)).unwrap_or(drafts.len());

@@ -290,3 +290,37 @@ fn greedy_decoding_by_argmax_alone_generates_what_the_sampler_picks_from_the_row
         assert_eq!(penalised, penalised_rows, "n_predict {n_predict}, penalised");
     }
 }
+
+#[test]
+fn greedy_ignore_eos_and_greedy_speculation_by_ids_alone_generate_what_the_rows_give() {
+    // Greedy requests nothing reads the rows of decode by ids alone: plain decoding with the
+    // end-of-generation ids banned (`ignore_eos`), and speculation's verify rows
+    // (`Sequence::forward_all_argmax`). Asking for logprobs keeps the rows and the sampler.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3 { nextn: true, seed: 11, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello world hello world hello", true, true);
+    let generate = |req: GenerateRequest, factory: Option<&SpecFactory>| {
+        let mut seq = model.new_sequence(256);
+        let mut spec = factory.map(|f| f.speculator(&model, 256).expect("speculator"));
+        let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut()).expect("start");
+        while !g.is_finished() {
+            g.step_with(&model, &mut seq, spec.as_mut()).expect("step");
+        }
+        (g.tokens().to_vec(), g.text().to_owned(), g.stop_type(), g.timings().draft.draft_verify_steps > 0)
+    };
+    for ignore_eos in [true, false] {
+        let base = GenerateRequest { n_predict: 48, sampling: SamplingParams::greedy(), ignore_eos, ..GenerateRequest::new(prompt.clone()) };
+        let by_rows = generate(GenerateRequest { n_probs: 1, ..base.clone() }, None);
+        assert_eq!(generate(base.clone(), None).0, by_rows.0, "plain, ignore_eos {ignore_eos}");
+        for kind in [SpecType::Ngram, SpecType::DraftMtp] {
+            let factory = SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(kind) }, &model).expect("setup");
+            let by_ids = generate(base.clone(), Some(&factory));
+            assert_eq!((&by_ids.0, &by_ids.1, by_ids.2), (&by_rows.0, &by_rows.1, by_rows.2), "{kind}, ignore_eos {ignore_eos}");
+            assert!(by_ids.3, "{kind}: the drafter ran");
+            let spec_rows = generate(GenerateRequest { n_probs: 1, ..base.clone() }, Some(&factory));
+            assert_eq!(spec_rows.0, by_rows.0, "{kind} with rows, ignore_eos {ignore_eos}");
+        }
+    }
+}

@@ -53,6 +53,12 @@ mod imp {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
         }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
+        /// `banned` (at most [`MAX_BANNED`]); only the ids cross to the host.
+        pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<Vec<u32>, GpuError> {
+            self.0.forward_banning(&mut seq.0, tokens, banned)?;
+            self.0.argmax(&seq.0)
+        }
     }
 
     /// Whether `e` says the engine cannot run this model (a weight type or layout it does not
@@ -103,6 +109,9 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn forward_argmax(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<u32, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<Vec<u32>, GpuError> {
             unreachable!("{NEVER}")
         }
     }

@@ -289,6 +289,21 @@ impl Model {
     }
 }
 
+/// The largest value of `row` with the ids in `banned` passed over, the lowest id on ties: greedy
+/// sampling's pick from the row with `banned` at -inf.
+fn banned_argmax(row: &[f32], banned: &[u32]) -> u32 {
+    let mut best: Option<usize> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if banned.contains(&(i as u32)) {
+            continue;
+        }
+        if best.is_none_or(|b| v > row[b]) {
+            best = Some(i);
+        }
+    }
+    best.unwrap_or(0) as u32
+}
+
 /// Logits of one or more positions, row-major `(positions, vocab)`.
 #[derive(Debug, Clone)]
 pub struct Logits {
@@ -454,20 +469,8 @@ impl Sequence {
     /// non-empty `banned` reads the row on the host.
     pub fn decode_argmax_banning(&mut self, model: &Model, token: u32, banned: &[u32]) -> Result<u32, StepError> {
         if !banned.is_empty() && (banned.len() > MAX_BANNED || !self.on_gpu_engine()) {
-            let mut row = self.decode(model, token)?;
-            for &t in banned {
-                if let Some(l) = row.get_mut(t as usize) {
-                    *l = f32::NEG_INFINITY;
-                }
-            }
-            // The largest value, the lowest id on ties (the sampler's greedy choice).
-            let mut best = 0;
-            for (i, &v) in row.iter().enumerate() {
-                if v > row[best] {
-                    best = i;
-                }
-            }
-            return Ok(best as u32);
+            let row = self.decode(model, token)?;
+            return Ok(banned_argmax(&row, banned));
         }
         self.check(model, &[token])?;
         self.atomic(|seq| {
@@ -495,6 +498,27 @@ impl Sequence {
     /// Atomic: on error nothing was appended.
     pub fn forward_all(&mut self, model: &Model, tokens: &[u32]) -> Result<Logits, StepError> {
         Ok(self.forward_batch(model, tokens, false)?.0)
+    }
+
+    /// Appends `tokens` in one forward (a verify batch) and returns each position's greedy id,
+    /// passing over `banned`: the ids greedy sampling picks from [`Sequence::forward_all`]'s rows
+    /// with `banned` at -inf. On the GPU engine only the ids cross to the host. Atomic.
+    pub fn forward_all_argmax(&mut self, model: &Model, tokens: &[u32], banned: &[u32]) -> Result<Vec<u32>, StepError> {
+        if !self.on_gpu_engine() || banned.len() > MAX_BANNED {
+            let logits = self.forward_all(model, tokens)?;
+            return Ok((0..logits.positions()).map(|i| banned_argmax(logits.row(i), banned)).collect());
+        }
+        self.check(model, tokens)?;
+        self.atomic(|seq| {
+            let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
+            let mut ids = Vec::with_capacity(tokens.len());
+            for chunk in tokens.chunks(STEP_ROWS) {
+                ids.extend(gpu.forward_argmax_all(seq.gpu.as_mut().expect("on the engine"), chunk, banned)?);
+                seq.injected()?;
+                seq.tokens.extend_from_slice(chunk);
+            }
+            Ok(ids)
+        })
     }
 
     /// One forward over `tokens`, every position's logits and (when asked) hidden states.

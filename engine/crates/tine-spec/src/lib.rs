@@ -225,6 +225,13 @@ pub trait RowFilter {
     }
     /// Edits row `i`, the decision made after `drafts[..i]` were kept.
     fn prepare(&mut self, i: usize, drafts: &[u32], row: &mut [f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
+    /// `Some(banned)` when [`RowFilter::prepare`] only sets the ids in `banned` to -inf and
+    /// nobody reads the rows after the decision: then a greedy round asks the target for each
+    /// row's id alone ([`Sequence::forward_all_argmax`]), which on a GPU keeps the rows there,
+    /// and [`Round::rows`] holds empty rows.
+    fn ids_only(&self) -> Option<Vec<u32>> {
+        None
+    }
 }
 
 impl<F: FnMut(&mut [f32])> RowFilter for F {
@@ -432,7 +439,30 @@ impl Speculator {
             self.hidden = None;
         }
         let t_verify = std::time::Instant::now();
-        let (logits, hidden) = if self.drafter.needs_hidden() && self.params.n_max > 0 {
+        let wants_hidden = self.drafter.needs_hidden() && self.params.n_max > 0;
+        // Greedy decisions over rows nobody reads: the target's ids alone.
+        if let Some(banned) = filter.ids_only().filter(|_| !wants_hidden && sampler.params().is_plain_argmax()) {
+            let ids = seq.forward_all_argmax(model, &batch, &banned).map_err(SpecError::Verify)?;
+            let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
+            let mut tokens = Vec::with_capacity(drafts.len() + 1);
+            let mut accepted = 0;
+            for (i, &t) in ids.iter().enumerate() {
+                if drafts.get(i) == Some(&t) {
+                    tokens.push(t);
+                    accepted += 1;
+                } else {
+                    tokens.push(t);
+                    break;
+                }
+            }
+            seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
+            self.hidden = None;
+            self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
+            let round = Round { rows: vec![Vec::new(); tokens.len()], tokens, drafted: drafts.len(), accepted };
+            self.stats.add(&round.stats());
+            return Ok(round);
+        }
+        let (logits, hidden) = if wants_hidden {
             let (l, h) = seq.forward_all_hidden(model, &batch).map_err(SpecError::Verify)?;
             (l, Some(h))
         } else {
