@@ -6,6 +6,8 @@
 #   tools/cuda/build.sh --tests    # also tine-runtime's test binary with the CUDA tests
 #                                  #   (its path goes to target/cuda/runtime-tests.path)
 #   tools/cuda/build.sh --clippy   # clippy -D warnings on the CUDA build of tine-runtime and tine-cli
+#   tools/cuda/build.sh --engine-check  # only the GPU engine's check binary, tine-gpu-check
+#                                  #   (target/gpu-check/release/tine-gpu-check; no candle kernels)
 #
 # Environment (all optional):
 #   TINE_CUDA_TOOLKIT   cuda-toolkit wheel version (default 13.0.2: nvcc 13.0, whose PTX ISA 9.0 a
@@ -68,6 +70,15 @@ export RUSTFLAGS="-C target-cpu=$target_cpu -C link-arg=-Wl,-rpath,\$ORIGIN:$cud
 log "nvcc: $(nvcc --version | tail -n2 | head -n1); CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP; target-cpu=$target_cpu; CARGO_TARGET_DIR=$CARGO_TARGET_DIR"
 if [ "${1:-}" = --clippy ]; then
   exec $nice_cmd cargo clippy --release --locked -p tine-runtime -p tine-cli --features tine-runtime/cuda,tine-cli/cuda --all-targets --no-deps -- -D warnings
+fi
+if [ "${1:-}" = --engine-check ]; then
+  # Its own target dir: the check binary needs none of candle's CUDA kernels.
+  export CARGO_TARGET_DIR="${TINE_GPU_CHECK_TARGET:-$root/target/gpu-check}"
+  $nice_cmd cargo build --release --locked -p tine-gpu --features cuda --bin tine-gpu-check >&2
+  check="$CARGO_TARGET_DIR/release/tine-gpu-check"
+  log "built $check ($(du -h "$check" | cut -f1))"
+  echo "$check"
+  exit 0
 fi
 if [ "${1:-}" = --tests ]; then
   # One cargo invocation for the binary and the test binary, so that candle-kernels (every CUDA

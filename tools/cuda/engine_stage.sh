@@ -2,13 +2,16 @@
 # Stages the GPU engine's device job (tools/cuda/engine_job.sh) into target/gpu-engine, which the
 # device call carries. Run here after building the check binary:
 #
-#   CARGO_TARGET_DIR=target/gpu-check RUSTFLAGS='-C target-cpu=x86-64-v3' \
-#     tools/cuda/build.sh --engine-check          # -> target/gpu-check/release/tine-gpu-check
+#   TINE_CUDA_TARGET_CPU=x86-64-v3 tools/cuda/build.sh --engine-check
+#                                   # -> target/gpu-check/release/tine-gpu-check
+#   TINE_CUDA_TARGET_CPU=x86-64-v3 tools/cuda/build.sh   # tine, for `engine_job.sh runtime`
 #   tools/cuda/engine_stage.sh
 #
 # target/gpu-engine/bin.tar.xz   the check binary (stripped)
 # target/gpu-engine/cpu-ref.jsonl  greedy ids of the CPU path for tools/cuda/stage.sh's prompts
 #                                (TINE_CPU_BIN, default target/debug/tine, 64 tokens each)
+# target/gpu-engine/tine.tar.xz   the CUDA build of tine (stripped), when target/cuda/release/tine
+#                                exists (TINE_CUDA_BIN), for `engine_job.sh runtime`
 # target/gpu-engine/m.NN          the model in chunks of 36 MiB, one per device call
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -22,6 +25,14 @@ cp "$bin" "$dest/.bin/tine-gpu-check"
 strip "$dest/.bin/tine-gpu-check"
 tar -C "$dest/.bin" -cJf "$dest/bin.tar.xz" tine-gpu-check
 rm -rf "$dest/.bin"
+tine_bin="${TINE_CUDA_BIN:-$root/target/cuda/release/tine}"
+if [ -x "$tine_bin" ]; then
+  mkdir -p "$dest/.tine"
+  cp "$tine_bin" "$dest/.tine/tine"
+  strip "$dest/.tine/tine"
+  tar -C "$dest/.tine" -cJf "$dest/tine.tar.xz" tine
+  rm -rf "$dest/.tine"
+fi
 sha256sum "$model" | cut -d' ' -f1 >"$dest/model.sha256"
 : >"$dest/cpu-ref.jsonl"
 for p in 'The history of the printing press begins' 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n' 'Q: What is the capital of France?\nA:' 'Once upon a time, in a small village by the sea,' 'Shopping list:\n1. eggs\n2. milk\n3.' 'Translate to French: Good morning, how are you?\nFrench:'; do
