@@ -10,6 +10,10 @@
 #                                          # embedded kernels and for each target/gpu-engine/*.cu
 #                                          # (compiled here), and one step under ncu
 #   bash tools/cuda/engine_job.sh ncu      # ncu's full sections for a few launches
+#   bash tools/cuda/engine_job.sh llama    # side by side with llama.cpp CUDA, built here from
+#                                          # target/gpu-engine/llama-slim.tar.xz (about 5 min):
+#                                          # llama-bench pp512/tg128 against tine on the engine,
+#                                          # then /completion on both servers (serve_check.py)
 #   bash tools/cuda/engine_job.sh runtime  # `tine` (target/gpu-engine/tine.tar.xz) on the engine
 #                                          # (TINE_GPU_ENGINE=1): greedy ids against the CPU's,
 #                                          # decode speed against candle's CUDA path, spec on vs
@@ -66,6 +70,15 @@ for i, line in enumerate(open(sys.argv[1])):
     at = next((j for j, (a, b) in enumerate(zip(ids, want)) if a != b), None)
     print(f"prompt {i + 1}: engine {got.get('engine', '?')}, " + (f"{len(want)} ids equal to the CPU path's" if at is None else f"equal for {at} of {len(want)}; engine {ids[at]}, CPU {want[at]}"))
 PY
+  # The engine's greedy ids against llama.cpp's (recorded from llama-server on the CPU, the same
+  # GGUF: tine-runtime's test data), with the engine's top-2 gap where they part.
+  python3 - "$root/engine/crates/tine-runtime/tests/data/llama_cpp_greedy.json" >"$W/llama-ref.jsonl" <<'PY'
+import json, sys
+for c in json.load(open(sys.argv[1]))["cases"]:
+    print(json.dumps({"prompt_ids": c["prompt_ids"], "ids": c["ids"]}))
+PY
+  say "engine vs llama.cpp's recorded greedy ids ($(wc -l <"$W/llama-ref.jsonl") prompts)"
+  timeout 200 "$bin" --no-table --model "$M" --ref "$W/llama-ref.jsonl" 2>&1 | grep "prompt [0-9]" | tee -a "$log"
   # Decode speed: the engine, then candle's CUDA path, 512 tokens after a short prompt.
   for r in 1 2; do
     run "speed-engine-$r" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-engine-$r.json"
@@ -77,6 +90,13 @@ PY
     run "ngram-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --spec-type ngram -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/ngram-t$temp.json"
     run "draft-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -md "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/draft-t$temp.json"
   done
+  # NextN self-speculation on the engine (the trunk's hidden states read back per verify step).
+  G="$W/nextn.gguf"
+  run graft 120 "$T" graft-nextn --target "$M" --head "$root/drafters/gemma3-270m-nextn.gguf" -o "$G"
+  for temp in 0 0.8; do
+    run "plain-mtp-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$G" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-mtp-t$temp.json"
+    run "mtp-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$G" --spec-type draft-mtp -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/mtp-t$temp.json"
+  done
   python3 - "$OUT" <<'PY' | tee -a "$log"
 import json, sys, os
 o = sys.argv[1]
@@ -87,15 +107,67 @@ for n in ["speed-engine-1", "speed-engine-2", "speed-candle"]:
     d = load(n)
     print(f"{n}: " + ("no result" if d is None else f"{d.get('engine', '?')}: decode {d['predicted_per_second']:.1f} tok/s, first token {d['first_token_ms']:.1f} ms"))
 for t in ["0", "0.8"]:
-    p = load(f"plain-t{t}")
-    for s in ["ngram", "draft"]:
+    for s, plain in [("ngram", "plain"), ("draft", "plain"), ("mtp", "plain-mtp")]:
+        p = load(f"{plain}-t{t}")
         d = load(f"{s}-t{t}")
         if p is None or d is None: print(f"{s} temp {t}: no result"); continue
         same = d["ids"] == p["ids"]
         print(f"{s} temp {t}: spec {'IDENTICAL to' if same else 'DIFFERS from'} plain; accepted {d['draft_n_accepted']}/{d['draft_n']}; {d['predicted_per_second']:.1f} vs plain {p['predicted_per_second']:.1f} tok/s")
 PY
-  run spec-bench 240 env TINE_GPU_ENGINE=1 "$T" spec-bench --device cuda -m "$M" -md "$M" --types ngram,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
+  run spec-bench 240 env TINE_GPU_ENGINE=1 "$T" spec-bench --device cuda -m "$G" -md "$M" --types ngram,draft-mtp,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
   tail -n 30 "$OUT/spec-bench.md" 2>/dev/null | tee -a "$log"
+  exit 0
+fi
+if [ "$mode" = llama ]; then
+  M="$W/model.gguf"
+  [ -s "$M" ] || cat $(ls "$W"/m.* | sort) >"$M"
+  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$S/model.sha256")"
+  [ -x "$W/tine" ] || { python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/tine.tar.xz" "$W" && chmod +x "$W/tine"; }
+  T="$W/tine"
+  LB="$W/llama.cpp/build/bin"
+  if [ ! -x "$LB/llama-server" ]; then
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/llama-slim.tar.xz" "$W"
+    t0=$(date +%s)
+    cmake -S "$W/llama.cpp" -B "$W/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >>"$log" 2>&1 &&
+      cmake --build "$W/llama.cpp/build" -j"$(nproc)" --target llama-bench llama-server >>"$log" 2>&1
+    say "llama.cpp CUDA build: rc=$? in $(($(date +%s) - t0)) s"
+  fi
+  [ -x "$LB/llama-bench" ] || { tail -n 30 "$log"; exit 1; }
+  python3 -c 'import json, sys; json.dump(json.load(open(sys.argv[1]))[:512], open(sys.argv[2], "w"))' "$S/long-prompt.json" "$W/p512.json"
+  # Raw prefill and decode: llama-bench's pp512 and tg128, and tine's equivalents on the engine
+  # (512 prompt ids and one token; 128 tokens after a short prompt), three runs each.
+  say "llama-bench"
+  timeout 180 "$LB/llama-bench" -m "$M" -ngl 99 -p 512 -n 128 -r 5 2>&1 | tee -a "$log" | grep -E '^\|'
+  for r in 1 2 3; do
+    timeout 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/tg128-$r.json" >>"$log" 2>&1
+    timeout 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-engine-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-candle-$r.json" >>"$log" 2>&1
+  done
+  python3 - "$OUT" <<'PY' | tee -a "$log"
+import json, statistics, sys
+o = sys.argv[1]
+def med(name, key):
+    v = []
+    for r in (1, 2, 3):
+        try: v.append(json.load(open(f"{o}/{name}-{r}.json"))[key])
+        except Exception: pass
+    return f"{statistics.median(v):.1f}" if v else "no result"
+print(f"tine tg128 (engine): {med('tg128', 'predicted_per_second')} tok/s; pp512: engine {med('pp512-engine', 'prompt_per_second')} tok/s, candle {med('pp512-candle', 'prompt_per_second')} tok/s")
+PY
+  # Behind /completion: the three-way bench's method on both servers.
+  PORT=18090
+  "$LB/llama-server" -m "$M" -ngl 99 -c 4096 --port $PORT >"$OUT/llama-server.log" 2>&1 &
+  SP=$!
+  say "llama-server /completion"
+  timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$S/long-prompt.json" "$OUT/serve-llama.json" 2>&1 | tee -a "$log"
+  kill "$SP" 2>/dev/null; wait "$SP" 2>/dev/null
+  PORT=18091
+  TINE_GPU_ENGINE=1 "$T" serve --device cuda -m "$M" --port $PORT -c 4096 >"$OUT/tine-serve.log" 2>&1 &
+  SP=$!
+  say "tine serve /completion (engine)"
+  timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$S/long-prompt.json" "$OUT/serve-tine.json" 2>&1 | tee -a "$log"
+  kill "$SP" 2>/dev/null; wait "$SP" 2>/dev/null
   exit 0
 fi
 if [ "$mode" = ncu ]; then mode=profile; only_ncu=1; fi

@@ -12,9 +12,14 @@
 #                                (TINE_CPU_BIN, default target/debug/tine, 64 tokens each)
 # target/gpu-engine/tine.tar.xz   the CUDA build of tine (stripped), when target/cuda/release/tine
 #                                exists (TINE_CUDA_BIN), for `engine_job.sh runtime`
+# target/gpu-engine/long-prompt.json  bench/three_way.py's 1760-token prompt (+ its question) as ids
+# target/gpu-engine/llama-slim.tar.xz  llama.cpp from the llama-cpp-python sdist (LLAMA_CPP_PYTHON_VERSION,
+#                                default 0.3.36) without its models, docs and other backends, for
+#                                `engine_job.sh llama` (about 7 MB)
 # target/gpu-engine/m.NN          the model in chunks of 36 MiB, one per device call
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
+cd "$root"
 dest="$root/target/gpu-engine"
 bin="${TINE_GPU_CHECK:-$root/target/gpu-check/release/tine-gpu-check}"
 cpu_bin="${TINE_CPU_BIN:-$root/target/debug/tine}"
@@ -40,5 +45,23 @@ for p in 'The history of the printing press begins' 'def fibonacci(n):\n    """R
   cat "$dest/ref.json" >>"$dest/cpu-ref.jsonl"
 done
 rm -f "$dest/ref.json"
+python3 - "$cpu_bin" "$model" "$dest/long-prompt.json" <<'PY'
+import json, subprocess, sys
+tine, model, out = sys.argv[1:4]
+sys.path.insert(0, "bench")
+from three_way import PARAGRAPH, QUESTIONS
+ids = lambda text, bos: json.loads(subprocess.run([tine, "tokenize", "-m", model, "-p", text] + ([] if bos else ["--no-bos"]), capture_output=True, text=True, check=True).stdout)
+json.dump(ids(PARAGRAPH * 60, True)[:1760] + ids(QUESTIONS[0], False), open(out, "w"))
+PY
+version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+sdist="$root/target/llama-sdist/llama_cpp_python-$version.tar.gz"
+[ -s "$sdist" ] || python3 -m pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$version" -d "$root/target/llama-sdist" >&2
+rm -rf "$dest/.llama" && mkdir -p "$dest/.llama"
+tar xzf "$sdist" -C "$dest/.llama"
+l="$dest/.llama/llama_cpp_python-$version/vendor/llama.cpp"
+rm -rf "$l/models" "$l/docs" "$l/media" "$l/benches" "$l/gguf-py" "$l/conversion"
+for b in hexagon sycl vulkan opencl cann musa webgpu zdnn openvino; do rm -rf "$l/ggml/src/ggml-$b"; done
+tar -C "$(dirname "$l")" -cJf "$dest/llama-slim.tar.xz" llama.cpp
+rm -rf "$dest/.llama"
 split -b 36M -d -a 2 "$model" "$dest/m."
 ls -la "$dest"

@@ -535,6 +535,15 @@ impl Gemma3Gpu {
         Ok(v)
     }
 
+    /// The final hidden states (the residual stream before the output norm, what candle's
+    /// `forward_all` returns as `hidden`) of `cache`'s last step, `rows × hidden`.
+    pub fn hidden(&self, cache: &GpuCache) -> Result<Vec<f32>> {
+        let n = cache.last_rows * self.cfg.hidden;
+        let mut v = vec![0f32; n];
+        self.stream.memcpy_dtoh(&self.b.h.slice(..n), &mut v[..])?;
+        Ok(v)
+    }
+
     /// Waits for the stream.
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)

@@ -1,8 +1,8 @@
 //! The seam to tine-gpu's decode engine: with `--device cuda` and `TINE_GPU_ENGINE=1`, a Gemma 3
 //! whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its steps
 //! there, one captured CUDA graph per row count, instead of through candle's CUDA backend op by
-//! op. Opt-in until the engine's device job has passed on the real model; candle's path also
-//! has what the engine does not yet: hidden states for the NextN and assistant heads, slot files.
+//! op. Opt-in until the engine carries every spec type; candle's path also has what the engine
+//! does not yet: the assistant head (it reads candle's KV cache) and slot files.
 //!
 //! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
 //! always `None` and the runtime's code needs no `cfg`.
@@ -52,6 +52,14 @@ mod imp {
         pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<u32, GpuError> {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
+        }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`, or
+        /// nothing without `logits`) and final hidden states (`rows × hidden`, before the output
+        /// norm).
+        pub fn forward_hidden(&self, seq: &mut GpuSeq, tokens: &[u32], logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            self.0.forward(&mut seq.0, tokens)?;
+            let l = if logits { self.0.logits(&seq.0)? } else { Vec::new() };
+            Ok((l, self.0.hidden(&seq.0)?))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
         /// `banned` (at most [`MAX_BANNED`]); only the ids cross to the host.
@@ -112,6 +120,9 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<Vec<u32>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             unreachable!("{NEVER}")
         }
     }

@@ -45,7 +45,7 @@ pub enum LoadError {
     Gpu {
         path: PathBuf,
         #[source]
-        source: GpuError,
+        source: Box<GpuError>,
     },
     #[error("{path}: the warm-up forward at load failed")]
     WarmUp {
@@ -69,12 +69,18 @@ pub enum StepError {
     #[error("tensor operation failed")]
     Candle(#[from] candle_core::Error),
     #[error("GPU engine step failed")]
-    Gpu(#[from] GpuError),
+    Gpu(#[source] Box<GpuError>),
     #[error("{0} is not on the GPU engine yet (without TINE_GPU_ENGINE=1, candle's CUDA path runs, which has it)")]
     NotOnGpuEngine(&'static str),
     /// A failure injected by [`Sequence::inject_failure`] (failure-injection tests).
     #[error("injected failure after the forward's KV writes (failure-injection test)")]
     Injected,
+}
+
+impl From<GpuError> for StepError {
+    fn from(e: GpuError) -> StepError {
+        StepError::Gpu(Box::new(e))
+    }
 }
 
 /// What the GGUF says about the model.
@@ -214,7 +220,7 @@ impl Model {
         let (gpu, engine_note) = match GpuTrunk::open(path, &device, info.context_length.min(MAX_GPU_CONTEXT)) {
             Ok(gpu) => (gpu, None),
             Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(crate::error_chain(&e))),
-            Err(source) => return Err(LoadError::Gpu { path: p(), source }),
+            Err(source) => return Err(LoadError::Gpu { path: p(), source: Box::new(source) }),
         };
         let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note };
         if model.device.is_cpu() {
@@ -524,19 +530,25 @@ impl Sequence {
     /// One forward over `tokens`, every position's logits and (when asked) hidden states.
     fn forward_batch(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Logits, Option<Hidden>), StepError> {
         self.check(model, tokens)?;
-        if self.on_gpu_engine() && hidden {
-            return Err(StepError::NotOnGpuEngine("hidden states (the NextN and assistant heads)"));
-        }
         self.atomic(|seq| {
             if let (Some(gpu), Some(_)) = (&model.gpu, &seq.gpu) {
                 let mut data = Vec::with_capacity(tokens.len() * model.info.vocab_size);
+                let mut states = Vec::new();
                 for chunk in tokens.chunks(STEP_ROWS) {
-                    data.extend(gpu.forward_logits(seq.gpu.as_mut().expect("matched above"), chunk)?);
+                    let g = seq.gpu.as_mut().expect("matched above");
+                    if hidden {
+                        let (l, h) = gpu.forward_hidden(g, chunk, true)?;
+                        data.extend(l);
+                        states.extend(h);
+                    } else {
+                        data.extend(gpu.forward_logits(g, chunk)?);
+                    }
                     seq.injected()?;
                     seq.tokens.extend_from_slice(chunk);
                 }
                 let vocab = data.len() / tokens.len();
-                return Ok((Logits { data, vocab }, None));
+                let hidden = hidden.then(|| Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &model.device)).transpose()?.map(Hidden);
+                return Ok((Logits { data, vocab }, hidden));
             }
             let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
             let out = model.weights.forward_all(&x, &mut seq.cache, hidden)?;
@@ -600,10 +612,23 @@ impl Sequence {
     /// [`Sequence::prefill`] that also returns the hidden states of every position it adds.
     pub fn prefill_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
         self.check(model, tokens)?;
-        if self.on_gpu_engine() {
-            return Err(StepError::NotOnGpuEngine("hidden states (the NextN and assistant heads)"));
-        }
         self.atomic(|seq| {
+            if let (Some(gpu), Some(_)) = (&model.gpu, &seq.gpu) {
+                let (mut logits, mut states) = (Vec::new(), Vec::with_capacity(tokens.len() * model.info.embedding_length));
+                let chunks = tokens.chunks(STEP_ROWS).count();
+                for (i, chunk) in tokens.chunks(STEP_ROWS).enumerate() {
+                    let (l, h) = gpu.forward_hidden(seq.gpu.as_mut().expect("matched above"), chunk, i + 1 == chunks)?;
+                    states.extend(h);
+                    logits = l;
+                    seq.injected()?;
+                    seq.tokens.extend_from_slice(chunk);
+                }
+                // The last chunk's rows; the logits of its last row are the prefill's.
+                let last = tokens.len() - (chunks - 1) * STEP_ROWS;
+                let vocab = logits.len() / last;
+                let row = logits[(last - 1) * vocab..last * vocab].to_vec();
+                return Ok((row, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &model.device)?)));
+            }
             let mut hidden = Vec::new();
             for chunk in tokens.chunks(PREFILL_CHUNK) {
                 let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
