@@ -29,19 +29,23 @@ mkdir -p "$W" "$OUT"
 mode="${1:-kernels}"
 log="$OUT/engine-log.txt"
 for c in "$S"/m.*; do [ -e "$c" ] && mv "$c" "$W/"; done
+# The other inputs may arrive with any call (the carry limit is 64 MiB with the tree): kept in
+# /tmp too, and read from wherever they are.
+for f in bin.tar.xz tine.tar.xz llama-slim.tar.xz long-prompt.json cpu-ref.jsonl model.sha256; do [ -e "$S/$f" ] && cp "$S/$f" "$W/"; done
+pick() { if [ -e "$S/$1" ]; then echo "$S/$1"; else echo "$W/$1"; fi; }
 ls -la "$W" >>"$log"
 [ "$mode" = chunk ] && { tail -n 20 "$log"; exit 0; }
 
 say() { echo "== $*" | tee -a "$log"; }
 bin="$W/tine-gpu-check"
-python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/bin.tar.xz" "$W" && chmod +x "$bin"
+python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$(pick bin.tar.xz)" "$W" && chmod +x "$bin"
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -n 2; } >>"$log" 2>&1
 
 if [ "$mode" = runtime ]; then
-  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/tine.tar.xz" "$W" && chmod +x "$W/tine"
+  python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$(pick tine.tar.xz)" "$W" && chmod +x "$W/tine"
   M="$W/model.gguf"
   [ -s "$M" ] || cat $(ls "$W"/m.* | sort) >"$M"
-  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$S/model.sha256")"
+  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$(pick model.sha256)")"
   T="$W/tine"
   run() { # run NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
@@ -50,7 +54,7 @@ if [ "$mode" = runtime ]; then
     say "$name: rc=$?"
   }
   # Greedy ids on the engine against the CPU path's (the prompts of cpu-ref.jsonl, by id).
-  python3 - "$S/cpu-ref.jsonl" "$W" <<'PY'
+  python3 - "$(pick cpu-ref.jsonl)" "$W" <<'PY'
 import json, sys
 for i, line in enumerate(open(sys.argv[1])):
     json.dump(json.loads(line)["prompt_ids"], open(f"{sys.argv[2]}/prompt-{i + 1}.json", "w"))
@@ -58,7 +62,7 @@ PY
   for i in 1 2 3 4 5 6; do
     run "greedy-$i" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --prompt-ids "$W/prompt-$i.json" -n 64 --temp 0 --ignore-eos --json "$OUT/greedy-$i.json"
   done
-  python3 - "$S/cpu-ref.jsonl" "$OUT" <<'PY' | tee -a "$log"
+  python3 - "$(pick cpu-ref.jsonl)" "$OUT" <<'PY' | tee -a "$log"
 import json, sys
 for i, line in enumerate(open(sys.argv[1])):
     want = json.loads(line)["ids"]
@@ -121,12 +125,12 @@ fi
 if [ "$mode" = llama ]; then
   M="$W/model.gguf"
   [ -s "$M" ] || cat $(ls "$W"/m.* | sort) >"$M"
-  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$S/model.sha256")"
-  [ -x "$W/tine" ] || { python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/tine.tar.xz" "$W" && chmod +x "$W/tine"; }
+  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$(pick model.sha256)")"
+  [ -x "$W/tine" ] || { python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$(pick tine.tar.xz)" "$W" && chmod +x "$W/tine"; }
   T="$W/tine"
   LB="$W/llama.cpp/build/bin"
   if [ ! -x "$LB/llama-server" ]; then
-    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/llama-slim.tar.xz" "$W"
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$(pick llama-slim.tar.xz)" "$W"
     t0=$(date +%s)
     cmake -S "$W/llama.cpp" -B "$W/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >>"$log" 2>&1 &&
@@ -134,7 +138,7 @@ if [ "$mode" = llama ]; then
     say "llama.cpp CUDA build: rc=$? in $(($(date +%s) - t0)) s"
   fi
   [ -x "$LB/llama-bench" ] || { tail -n 30 "$log"; exit 1; }
-  python3 -c 'import json, sys; json.dump(json.load(open(sys.argv[1]))[:512], open(sys.argv[2], "w"))' "$S/long-prompt.json" "$W/p512.json"
+  python3 -c 'import json, sys; json.dump(json.load(open(sys.argv[1]))[:512], open(sys.argv[2], "w"))' "$(pick long-prompt.json)" "$W/p512.json"
   # Raw prefill and decode: llama-bench's pp512 and tg128, and tine's equivalents on the engine
   # (512 prompt ids and one token; 128 tokens after a short prompt), three runs each.
   say "llama-bench"
@@ -160,13 +164,13 @@ PY
   "$LB/llama-server" -m "$M" -ngl 99 -c 4096 --port $PORT >"$OUT/llama-server.log" 2>&1 &
   SP=$!
   say "llama-server /completion"
-  timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$S/long-prompt.json" "$OUT/serve-llama.json" 2>&1 | tee -a "$log"
+  timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$(pick long-prompt.json)" "$OUT/serve-llama.json" 2>&1 | tee -a "$log"
   kill "$SP" 2>/dev/null; wait "$SP" 2>/dev/null
   PORT=18091
   TINE_GPU_ENGINE=1 "$T" serve --device cuda -m "$M" --port $PORT -c 4096 >"$OUT/tine-serve.log" 2>&1 &
   SP=$!
   say "tine serve /completion (engine)"
-  timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$S/long-prompt.json" "$OUT/serve-tine.json" 2>&1 | tee -a "$log"
+  timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$(pick long-prompt.json)" "$OUT/serve-tine.json" 2>&1 | tee -a "$log"
   kill "$SP" 2>/dev/null; wait "$SP" 2>/dev/null
   exit 0
 fi
@@ -212,7 +216,7 @@ TINE_GPU_CUBIN="$W/decode.cubin" timeout 300 "$bin" --seed 2 2>&1 | tail -n 3 | 
 if [ "$mode" = model ]; then
   M="$W/model.gguf"
   [ -s "$M" ] || cat $(ls "$W"/m.* | sort) >"$M"
-  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$S/model.sha256")"
-  timeout 400 "$bin" --model "$M" --ref "$S/cpu-ref.jsonl" 2>&1 | grep -v '^ok ' | tee -a "$log"
+  say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$(pick model.sha256)")"
+  timeout 400 "$bin" --model "$M" --ref "$(pick cpu-ref.jsonl)" 2>&1 | grep -v '^ok ' | tee -a "$log"
   say "rc=${PIPESTATUS[0]}"
 fi
