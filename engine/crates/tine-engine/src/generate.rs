@@ -165,7 +165,10 @@ pub struct Generation {
     chunk: usize,
     generated: Vec<u32>,
     bytes: Vec<u8>,
+    /// `bytes[..decoded]`, the longest valid UTF-8 prefix, as text (extended token by token, so
+    /// the output is decoded once, not once per token).
     text: String,
+    decoded: usize,
     sent: usize,
     finished: Option<StopType>,
     stopping_word: String,
@@ -240,6 +243,7 @@ impl Generation {
             generated: Vec::new(),
             bytes: Vec::new(),
             text: String::new(),
+            decoded: 0,
             sent: 0,
             finished: None,
             stopping_word: String::new(),
@@ -369,12 +373,14 @@ impl Generation {
             self.finish(StopType::Eos, Some(token), prob)
         } else {
             self.bytes.extend(model.tokenizer.token_bytes(token, false));
-            let valid = match std::str::from_utf8(&self.bytes) {
+            let tail = &self.bytes[self.decoded..];
+            let valid = match std::str::from_utf8(tail) {
                 Ok(s) => s.len(),
                 Err(e) => e.valid_up_to(),
             };
             let before = self.text.len();
-            self.text = String::from_utf8_lossy(&self.bytes[..valid]).into_owned();
+            self.text.push_str(std::str::from_utf8(&tail[..valid]).expect("valid_up_to bounds valid UTF-8"));
+            self.decoded += valid;
             if let Some((pos, word)) = self.stops.find(&self.text, before) {
                 self.stopping_word = word.to_owned();
                 self.text.truncate(pos);
