@@ -32,6 +32,11 @@ impl WeightType {
         }
     }
 
+    /// The type of ggml's number for it ([`WeightType::ggml_id`]), where the kernels read it.
+    pub fn from_ggml_id(id: i32) -> Option<WeightType> {
+        WeightType::ALL.into_iter().find(|t| t.ggml_id() == id)
+    }
+
     /// The type of a candle GGML dtype, where the kernels read it.
     pub fn from_ggml(dtype: candle_core::quantized::GgmlDType) -> Option<WeightType> {
         use candle_core::quantized::GgmlDType as D;

@@ -13,6 +13,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
 
+use crate::blocks::WeightType;
+
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
 /// The widest row `norm_quant`'s norm modes take (256 threads of 32 values in registers).
@@ -332,14 +334,7 @@ impl Kernels {
     /// None where the plain GEMV takes it. A function of the weights alone, so a row's sum is the
     /// same for any M.
     pub fn gemv_stage_bytes(seg: &GemvSeg, k: usize, split: usize) -> Option<usize> {
-        let (bv, bb) = match seg.wtype {
-            6 => (32, 22),
-            8 => (32, 34),
-            12 => (256, 144),
-            14 => (256, 210),
-            _ => return None,
-        };
-        let bytes = GEMV_STAGE_ROWS * (k / bv) * bb;
+        let bytes = GEMV_STAGE_ROWS * WeightType::from_ggml_id(seg.wtype)?.row_bytes(k);
         (seg.glu == 0 && split == 1 && seg.n as usize >= GEMV_STAGE_MIN_ROWS && bytes <= 48 * 1024).then_some(bytes)
     }
 
@@ -356,11 +351,7 @@ impl Kernels {
         let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
         let mut blocks = 0usize;
         for (slot, s) in args.seg.iter_mut().zip(segs) {
-            let bv = match s.wtype {
-                6 | 8 => 32,
-                12 | 14 => 256,
-                t => return Err(GpuError::Shape(format!("gemv: weight type {t} is not one the kernels read"))),
-            };
+            let bv = WeightType::from_ggml_id(s.wtype).ok_or_else(|| GpuError::Shape(format!("gemv: weight type {} is not one the kernels read", s.wtype)))?.block_values();
             check(k.is_multiple_of(bv), || format!("gemv: k = {k} is not a multiple of the weight type's {bv}"))?;
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
             blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);

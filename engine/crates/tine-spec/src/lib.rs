@@ -446,14 +446,13 @@ impl Speculator {
             let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
             let mut tokens = Vec::with_capacity(drafts.len() + 1);
             let mut accepted = 0;
+            // Drafts are kept while they equal the target's id; the first other id is decided.
             for (i, &t) in ids.iter().enumerate() {
-                if drafts.get(i) == Some(&t) {
-                    tokens.push(t);
-                    accepted += 1;
-                } else {
-                    tokens.push(t);
+                tokens.push(t);
+                if drafts.get(i) != Some(&t) {
                     break;
                 }
+                accepted += 1;
             }
             seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
             self.hidden = None;
