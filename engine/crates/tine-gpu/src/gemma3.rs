@@ -16,7 +16,8 @@
 //! 9. `gemv`: down
 //!
 //! then `norm_quant` (`h + post_ffw_norm(down)`, `output_norm`), the LM head `gemv` and the
-//! greedy argmax. Every kernel is batch-invariant, so a step of M rows gives each row the bits a
+//! greedy argmax (a prompt's chunks before its last run a second graph without these two: the
+//! trunk alone, whose logits nobody reads). Every kernel is batch-invariant, so a step of M rows gives each row the bits a
 //! one-row step at its position gives.
 
 use std::fs::File;
@@ -151,6 +152,10 @@ pub struct GpuCache {
     pos: usize,
     /// Rows of this cache's last step.
     last_rows: usize,
+    /// Whether the last step ran the LM head (its logits and ids are this cache's).
+    last_head: bool,
+    /// Per row count, the full step's graph (index `rows - 1`) and the trunk's alone (index
+    /// `MAX_ROWS + rows - 1`: no LM head or argmax, for prompt chunks whose logits nobody reads).
     graphs: Vec<Option<Graph>>,
 }
 
@@ -349,15 +354,16 @@ impl Gemma3Gpu {
             k.push(alloc(&self.stream, kvd * ctx_len)?);
             v.push(alloc(&self.stream, kvd * ctx_len)?);
         }
-        Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() })
+        Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, last_head: false, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
         s.device_ptr(&self.stream).0
     }
 
-    /// The launches of one step of `rows` rows over `cache` (what a graph captures).
-    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize) -> std::result::Result<usize, GpuError> {
+    /// The launches of one step of `rows` rows over `cache` (what a graph captures); without
+    /// `head`, the trunk alone (the residual stream after the last layer, no logits or ids).
+    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize, head: bool) -> std::result::Result<usize, GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -443,35 +449,41 @@ impl Gemma3Gpu {
             }
             let last = self.layers.last().expect("a model has layers");
             k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
+            count += 1;
+            if !head {
+                return Ok(count);
+            }
             let head = self.output.as_ref().unwrap_or(&self.embd);
             k.gemv(s, rows, c.hidden, &[seg(head, &b.logits, c.vocab)], act)?;
             let am =
                 ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
             k.argmax(s, rows, &am)?;
-            count += 3;
+            count += 2;
         }
         Ok(count)
     }
 
-    /// The step of `rows` rows over `cache`, captured as a graph the first time.
-    fn graph<'c>(&self, cache: &'c mut GpuCache, step: DevPtr, rows: usize) -> Result<&'c CudaGraph> {
-        if cache.graphs[rows - 1].is_none() {
+    /// The step of `rows` rows over `cache` (without `head`, the trunk's), captured as a graph
+    /// the first time.
+    fn graph<'c>(&self, cache: &'c mut GpuCache, step: DevPtr, rows: usize, head: bool) -> Result<&'c CudaGraph> {
+        let at = if head { rows - 1 } else { MAX_ROWS + rows - 1 };
+        if cache.graphs[at].is_none() {
             self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let launched = self.launch_step(cache, step, rows);
+            let launched = self.launch_step(cache, step, rows, head);
             // End the capture whatever happened, so the stream is usable again.
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             launched?;
             let graph = graph?.ok_or_else(|| Gemma3GpuError::Step { rows, pos: cache.pos, what: "the capture made no graph".into() })?;
             graph.upload()?;
-            cache.graphs[rows - 1] = Some(Graph(graph));
+            cache.graphs[at] = Some(Graph(graph));
         }
-        Ok(&cache.graphs[rows - 1].as_ref().expect("captured just above").0)
+        Ok(&cache.graphs[at].as_ref().expect("captured just above").0)
     }
 
     /// Kernel launches (graph nodes) of a step of `rows` rows.
     pub fn graph_nodes(&self, cache: &mut GpuCache, rows: usize) -> Result<usize> {
         let step = self.ptr(&*self.step.lock().expect("a step panicked holding the step block"));
-        let g = self.graph(cache, step, rows)?;
+        let g = self.graph(cache, step, rows, true)?;
         let mut n = 0usize;
         // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
         unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result()?;
@@ -489,6 +501,17 @@ impl Gemma3Gpu {
     /// over `banned` (at most [`MAX_BANNED`] ids: `ignore_eos`'s end-of-generation ids). The
     /// logits are not changed.
     pub fn forward_banning(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32]) -> Result<()> {
+        self.step(cache, tokens, banned, true)
+    }
+
+    /// Runs `tokens` (1..=8) through the trunk alone: their K/V enter the cache and their final
+    /// hidden states are ready for [`Gemma3Gpu::hidden`]; no LM head runs, so there are no
+    /// logits or ids (a prompt chunk whose logits nobody reads).
+    pub fn forward_trunk(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
+        self.step(cache, tokens, &[], false)
+    }
+
+    fn step(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], head: bool) -> Result<()> {
         let rows = tokens.len();
         let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
         if !(1..=MAX_ROWS).contains(&rows) {
@@ -514,24 +537,46 @@ impl Gemma3Gpu {
         // Ordered on the stream after the previous step, which may still be reading the block.
         self.stream.memcpy_htod(&[params][..], &mut *block)?;
         let step = self.ptr(&*block);
-        self.graph(cache, step, rows)?.launch()?;
+        self.graph(cache, step, rows, head)?.launch()?;
         drop(block);
         cache.pos += rows;
         cache.last_rows = rows;
+        cache.last_head = head;
         Ok(())
+    }
+
+    fn headed(&self, cache: &GpuCache) -> Result<()> {
+        if cache.last_head {
+            return Ok(());
+        }
+        Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: "the last step ran the trunk alone: it has no logits or ids".into() })
     }
 
     /// The greedy ids of `cache`'s last step (lowest id among equal maxima).
     pub fn argmax(&self, cache: &GpuCache) -> Result<Vec<u32>> {
+        self.headed(cache)?;
         let ids = self.stream.clone_dtoh(&self.b.ids)?;
         Ok(ids[..cache.last_rows].iter().map(|&i| i as u32).collect())
     }
 
     /// The logits of `cache`'s last step, `rows × vocab`.
     pub fn logits(&self, cache: &GpuCache) -> Result<Vec<f32>> {
+        self.headed(cache)?;
         let n = cache.last_rows * self.cfg.vocab;
         let mut v = vec![0f32; n];
         self.stream.memcpy_dtoh(&self.b.logits.slice(..n), &mut v[..])?;
+        Ok(v)
+    }
+
+    /// The logits of row `row` of `cache`'s last step (`vocab` values; a prompt's last row).
+    pub fn logits_row(&self, cache: &GpuCache, row: usize) -> Result<Vec<f32>> {
+        self.headed(cache)?;
+        if row >= cache.last_rows {
+            return Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: format!("no row {row}") });
+        }
+        let vocab = self.cfg.vocab;
+        let mut v = vec![0f32; vocab];
+        self.stream.memcpy_dtoh(&self.b.logits.slice(row * vocab..(row + 1) * vocab), &mut v[..])?;
         Ok(v)
     }
 

@@ -47,6 +47,25 @@ mod imp {
             self.0.forward(&mut seq.0, tokens)?;
             self.0.logits(&seq.0)
         }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) through the trunk alone (a prompt chunk before
+        /// the last: no LM head runs) and returns their final hidden states when asked
+        /// (`rows × hidden`, before the output norm), else nothing.
+        pub fn forward_trunk(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<Vec<f32>, GpuError> {
+            self.0.forward_trunk(&mut seq.0, tokens)?;
+            if hidden {
+                self.0.hidden(&seq.0)
+            } else {
+                Ok(Vec::new())
+            }
+        }
+        /// Runs `tokens` (at most [`STEP_ROWS`], a prompt's last chunk) and returns the last
+        /// one's logits (only that row crosses to the host) and, when asked, every row's final
+        /// hidden state.
+        pub fn forward_last(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            self.0.forward(&mut seq.0, tokens)?;
+            let row = self.0.logits_row(&seq.0, tokens.len() - 1)?;
+            Ok((row, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
+        }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the last one's greedy id, passing
         /// over `banned` (at most [`MAX_BANNED`]); only the id crosses to the host.
         pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<u32, GpuError> {
@@ -120,6 +139,12 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<Vec<u32>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_trunk(&self, _seq: &mut GpuSeq, _tokens: &[u32], _hidden: bool) -> Result<Vec<f32>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_last(&self, _seq: &mut GpuSeq, _tokens: &[u32], _hidden: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {

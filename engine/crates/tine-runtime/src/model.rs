@@ -433,21 +433,36 @@ impl Sequence {
         self.check(model, tokens)?;
         self.atomic(|seq| {
             let mut last = Vec::new();
-            if let (Some(gpu), Some(_)) = (&model.gpu, &seq.gpu) {
-                for chunk in tokens.chunks(STEP_ROWS) {
-                    let rows = gpu.forward_logits(seq.gpu.as_mut().expect("matched above"), chunk)?;
-                    seq.injected()?;
-                    seq.tokens.extend_from_slice(chunk);
-                    let vocab = rows.len() / chunk.len();
-                    last = rows[rows.len() - vocab..].to_vec();
-                }
-                return Ok(last);
+            if model.gpu.is_some() && seq.gpu.is_some() {
+                return Ok(seq.gpu_prefill(model, tokens, false)?.0);
             }
             for chunk in tokens.chunks(PREFILL_CHUNK) {
                 last = seq.forward_chunk(model, chunk)?.squeeze(0)?.to_vec1::<f32>()?;
             }
             Ok(last)
         })
+    }
+
+    /// A prompt on the GPU engine, inside an atomic step: in steps of [`STEP_ROWS`], the trunk
+    /// alone for every step but the last (no LM head, nothing copied back), then the last
+    /// token's logits and, with `hidden`, every token's final hidden state.
+    fn gpu_prefill(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), StepError> {
+        let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
+        let chunks = tokens.chunks(STEP_ROWS).count();
+        let (mut last, mut states) = (Vec::new(), Vec::with_capacity(if hidden { tokens.len() * model.info.embedding_length } else { 0 }));
+        for (i, chunk) in tokens.chunks(STEP_ROWS).enumerate() {
+            let g = self.gpu.as_mut().expect("on the engine");
+            if i + 1 == chunks {
+                let (row, h) = gpu.forward_last(g, chunk, hidden)?;
+                last = row;
+                states.extend(h);
+            } else {
+                states.extend(gpu.forward_trunk(g, chunk, hidden)?);
+            }
+            self.injected()?;
+            self.tokens.extend_from_slice(chunk);
+        }
+        Ok((last, states))
     }
 
     /// Appends one token and returns its logits.
@@ -606,20 +621,8 @@ impl Sequence {
     pub fn prefill_hidden(&mut self, model: &Model, tokens: &[u32]) -> Result<(Vec<f32>, Hidden), StepError> {
         self.check(model, tokens)?;
         self.atomic(|seq| {
-            if let (Some(gpu), Some(_)) = (&model.gpu, &seq.gpu) {
-                let (mut logits, mut states) = (Vec::new(), Vec::with_capacity(tokens.len() * model.info.embedding_length));
-                let chunks = tokens.chunks(STEP_ROWS).count();
-                for (i, chunk) in tokens.chunks(STEP_ROWS).enumerate() {
-                    let (l, h) = gpu.forward_hidden(seq.gpu.as_mut().expect("matched above"), chunk, i + 1 == chunks)?;
-                    states.extend(h);
-                    logits = l;
-                    seq.injected()?;
-                    seq.tokens.extend_from_slice(chunk);
-                }
-                // The last chunk's rows; the logits of its last row are the prefill's.
-                let last = tokens.len() - (chunks - 1) * STEP_ROWS;
-                let vocab = logits.len() / last;
-                let row = logits[(last - 1) * vocab..last * vocab].to_vec();
+            if model.gpu.is_some() && seq.gpu.is_some() {
+                let (row, states) = seq.gpu_prefill(model, tokens, true)?;
                 return Ok((row, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &model.device)?)));
             }
             let mut hidden = Vec::new();

@@ -1065,6 +1065,36 @@ mod model {
             println!("model: verify steps of {m} rows over 24 tokens: {}", if same { "bit-identical to one-row steps" } else { "DIFFER from one-row steps" });
             ok &= same;
         }
+        // A 512-token prompt: every step through the full program, then every step but the last
+        // through the trunk alone (what prefill runs); the next step's logits must not change.
+        let long: Vec<u32> = (0..512u32).map(|i| 100 + (i * 7919) % 20000).collect();
+        let mut after = Vec::new();
+        for trunk in [false, true] {
+            c.truncate(0);
+            g.synchronize()?;
+            let t0 = std::time::Instant::now();
+            let chunks = long.chunks(MAX_ROWS).count();
+            for (i, chunk) in long.chunks(MAX_ROWS).enumerate() {
+                if trunk && i + 1 < chunks {
+                    g.forward_trunk(&mut c, chunk)?;
+                } else {
+                    g.forward(&mut c, chunk)?;
+                }
+            }
+            g.synchronize()?;
+            let secs = t0.elapsed().as_secs_f64();
+            println!(
+                "model: 512-token prompt in 8-row steps, {}: {:.1} ms, {:.0} tok/s",
+                if trunk { "trunk alone before the last step" } else { "every step with the LM head" },
+                secs * 1e3,
+                512.0 / secs
+            );
+            g.forward(&mut c, &[ids[0]])?;
+            after.push(g.logits(&c)?);
+        }
+        let same = after[0].iter().zip(&after[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("model: the step after a trunk-alone prompt: {}", if same { "bit-identical" } else { "DIFFERS" });
+        ok &= same;
         // Against the CPU path's greedy ids.
         if let Some(refs) = refs {
             for (i, line) in std::fs::read_to_string(refs)?.lines().enumerate() {
