@@ -147,30 +147,16 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
 #define NQ_THREADS 256
 #define NQ_PER 32  // values per thread: k <= NQ_THREADS * NQ_PER for the norm modes
 
-// The element formulas of the norm modes, one definition for norm_quant and the GEMV's fused
-// prologue (so both round alike): the residual t = r + a * ra * w_a, the normed y = t * rt * w.
-__device__ __forceinline__ float nq_residual(float r, float a, float ra, float wa) { return r + a * ra * wa; }
-__device__ __forceinline__ float nq_normed(float t, float rt, float w) { return t * rt * w; }
-
-// One 32-value block of Q8 from y (one value per lane): the quants, the scale and the quants' sum.
-__device__ __forceinline__ void quant_values(float y, int8_t& q8, float& d, int& sum) {
-    const float amax = warp_max(fabsf(y));
-    d = amax / 127.0f;
-    const int q = d == 0.0f ? 0 : (int)rintf(y / d);
-    q8 = (int8_t)q;
-    sum = warp_sum_i(q);
-}
-
 // Quantizes y (one value per lane, the lanes a block of 32) into block b of row m.
 __device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b, float y) {
     const int lane = threadIdx.x % WARP;
     const size_t i = (size_t)m * p.k + (size_t)b * QK + lane;
     if (p.y_out) p.y_out[i] = y;
-    int8_t q;
-    float d;
-    int sum;
-    quant_values(y, q, d, sum);
-    p.qs[i] = q;
+    const float amax = warp_max(fabsf(y));
+    const float d = amax / 127.0f;
+    const int q = d == 0.0f ? 0 : (int)rintf(y / d);
+    p.qs[i] = (int8_t)q;
+    const int sum = warp_sum_i(q);
     if (lane == 0) { p.qd[(size_t)m * (p.k / QK) + b] = d; p.qsum[(size_t)m * (p.k / QK) + b] = sum; }
 }
 
@@ -210,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
         for (int j = 0; j < NQ_PER; ++j) ss += a[j] * a[j];
         const float ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) t[j] = nq_residual(r[j], a[j], ra, wa[j]);
+        for (int j = 0; j < NQ_PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
     } else {
         const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
 #pragma unroll
@@ -235,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
         const int b = NW * j + warp;
         if (b >= k / QK) break;
         if (p.res_out) p.res_out[(size_t)m * k + tid + NQ_THREADS * j] = t[j];
-        quant_block(p, m, b, p.norm ? nq_normed(t[j], rt, w[j]) : t[j]);
+        quant_block(p, m, b, p.norm ? t[j] * rt * w[j] : t[j]);
     }
 }
 
@@ -270,12 +256,8 @@ struct GemvArgs {
     int nseg;
     int k;
     int split;  // S: warps per row (1, 2 or 4), each over its slice of the units
-    int fused;  // 1: the activations come from the prologue `in` (below), not from qs/qd/qsum
+    int pad;
     const int8_t* qs; const float* qd; const int* qsum;
-    // The fused prologue: norm_quant's arguments (its modes; qs/qd/qsum/y_out unused). Every
-    // block computes the M activation rows into dynamic shared memory; block 0 alone stores
-    // res_out, which must not alias res or a.
-    NormQuantArgs in;
 };
 
 #define GEMV_WARPS 4
@@ -372,12 +354,8 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
 // both rows' loads are issued in the same pass, so a warp keeps more bytes in flight. With S
 // slices, slice s takes the units of the groups of 8 numbered s, s + S, s + 2S, ... Returns each
 // row's warp sum (in every lane) in v (and the up rows' in v2).
-// The Q8 activations a GEMV reads: in global memory (the planes of GemvArgs), or (AS) the copy
-// its fused prologue made in shared memory.
-struct Act { const int8_t* qs; const float* qd; const int* qsum; };
-
-template <int T, int M, bool GLU, bool SM, bool AS = false>
-__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M], Act act) {
+template <int T, int M, bool GLU, bool SM>
+__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
     const int lane = threadIdx.x % WARP, l4 = lane % 4;
     const int k = p.k, units = k / QK, kb = k / QK;
     const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
@@ -421,17 +399,9 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, c
             if (u >= units) break;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                int2 a;
-                float d, sm;
-                if constexpr (AS) {
-                    a = *reinterpret_cast<const int2*>(act.qs + (size_t)m * k + 32 * u + 8 * l4);
-                    d = act.qd[(size_t)m * kb + u];
-                    sm = (float)act.qsum[(size_t)m * kb + u];
-                } else {
-                    a = __ldg(reinterpret_cast<const int2*>(act.qs + (size_t)m * k + 32 * u + 8 * l4));
-                    d = __ldg(act.qd + (size_t)m * kb + u);
-                    sm = (float)__ldg(act.qsum + (size_t)m * kb + u);
-                }
+                const int2 a = __ldg(reinterpret_cast<const int2*>(p.qs + (size_t)m * k + 32 * u + 8 * l4));
+                const float d = __ldg(p.qd + (size_t)m * kb + u);
+                const float sm = (float)__ldg(p.qsum + (size_t)m * kb + u);
 #pragma unroll
                 for (int i = 0; i < GEMV_ROWS; ++i) {
                     const int dot = __dp4a(w1[i][j], a.y, __dp4a(w0[i][j], a.x, 0));
@@ -455,12 +425,12 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, c
 
 // A block's share of one segment: warp w works on the rows of group w / S, slice w % S; the
 // slices' sums are added in slice order, then the GLU epilogue.
-template <int T, int M, bool GLU, bool AS>
-__device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (*part)[GEMV_ROWS][MAX_ROWS][2], Act act) {
+template <int T, int M, bool GLU>
+__device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (*part)[GEMV_ROWS][MAX_ROWS][2]) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
     const bool active = r0 < s.n;
-    gemv_rows<T, M, GLU, false, AS>(p, s.w, s.w2, s.n, r0, slice, S, v, v2, act);
+    gemv_rows<T, M, GLU, false>(p, s.w, s.w2, s.n, r0, slice, S, v, v2);
     if (S > 1) {
         if (lane == 0) {
 #pragma unroll
@@ -495,88 +465,6 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
     }
 }
 
-template <int M, bool AS>
-__device__ __forceinline__ void gemv_dispatch(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (*part)[GEMV_ROWS][MAX_ROWS][2], Act act) {
-    switch (s.type * 2 + (s.glu ? 1 : 0)) {
-        case W_Q8_0 * 2: gemv_seg<W_Q8_0, M, false, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q5_0 * 2: gemv_seg<W_Q5_0, M, false, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q4_K * 2: gemv_seg<W_Q4_K, M, false, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q6_K * 2: gemv_seg<W_Q6_K, M, false, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q8_0 * 2 + 1: gemv_seg<W_Q8_0, M, true, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q5_0 * 2 + 1: gemv_seg<W_Q5_0, M, true, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q4_K * 2 + 1: gemv_seg<W_Q4_K, M, true, AS>(p, s, r0, slice, S, part, act); break;
-        case W_Q6_K * 2 + 1: gemv_seg<W_Q6_K, M, true, AS>(p, s, r0, slice, S, part, act); break;
-        default: break;
-    }
-}
-
-// The sum over the block of 256 virtual threads' values, 2 per thread of the GEMV's 128 (v0 of
-// virtual thread tid, v1 of tid + 128), in block_sum's order for 256 threads: each virtual
-// warp's xor tree, then the 8 warp sums' tree in warp order. The same bits as norm_quant's.
-__device__ float sum_as_256(float v0, float v1, float* red) {
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    v0 = warp_sum(v0);
-    v1 = warp_sum(v1);
-    __syncthreads();
-    if (lane == 0) { red[warp] = v0; red[warp + GEMV_WARPS] = v1; }
-    __syncthreads();
-    float t = lane < 2 * GEMV_WARPS ? red[lane] : 0.0f;
-    return warp_sum(t);
-}
-
-// The fused prologue: norm_quant's modes for rows 0..M-1 into the Q8 planes qs/qd/qsum (shared
-// memory), by the GEMV's 128 threads. The sums of squares follow norm_quant's partition (virtual
-// thread t of 256 sums values t + 256 j in j order), the element formulas are norm_quant's, and a
-// 32-value block's quantization does not depend on who computes it: the activations are the bits
-// norm_quant writes. With write_res, t goes to res_out too.
-template <int M>
-__device__ void gemv_prologue(const NormQuantArgs& p, int8_t* qs, float* qd, int* qsum, bool write_res) {
-    static_assert(2 * GEMV_WARPS * WARP == NQ_THREADS, "two virtual threads per GEMV thread");
-    __shared__ float red[32];
-    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
-    const int k = p.k, kb = k / QK;
-    for (int m = 0; m < M; ++m) {
-        const float* a = p.a + (size_t)m * k;
-        const float* r = p.res + (size_t)m * k;
-        const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
-        float ra = 0.0f, rt = 1.0f;
-        if (p.in_mode == 1) {
-            float s0 = 0.0f, s1 = 0.0f;
-            for (int j = 0; j < NQ_PER; ++j) {
-                const int i = tid + NQ_THREADS * j;
-                if (i < k) { const float x = __ldg(a + i); s0 += x * x; }
-                if (i + NQ_THREADS / 2 < k) { const float x = __ldg(a + i + NQ_THREADS / 2); s1 += x * x; }
-            }
-            ra = rsqrtf(sum_as_256(s0, s1, red) / (float)k + p.eps);
-        }
-        auto tval = [&](int i) -> float {
-            if (p.in_mode == 1) return nq_residual(r[i], __ldg(a + i), ra, __ldg(p.w_a + i));
-            if (p.in_mode == 2) return embd_value(p.embd, k, token, i) * p.embd_scale;
-            return __ldg(a + i);
-        };
-        if (p.norm) {
-            float s0 = 0.0f, s1 = 0.0f;
-            for (int j = 0; j < NQ_PER; ++j) {
-                const int i = tid + NQ_THREADS * j;
-                if (i < k) { const float t = tval(i); s0 += t * t; }
-                if (i + NQ_THREADS / 2 < k) { const float t = tval(i + NQ_THREADS / 2); s1 += t * t; }
-            }
-            rt = rsqrtf(sum_as_256(s0, s1, red) / (float)k + p.eps);
-        }
-        for (int b = warp; b < kb; b += GEMV_WARPS) {
-            const int i = b * QK + lane;
-            const float t = tval(i);
-            if (write_res && p.res_out) p.res_out[(size_t)m * k + i] = t;
-            int8_t q;
-            float d;
-            int sum;
-            quant_values(p.norm ? nq_normed(t, rt, __ldg(p.w + i)) : t, q, d, sum);
-            qs[m * k + i] = q;
-            if (lane == 0) { qd[m * kb + b] = d; qsum[m * kb + b] = sum; }
-        }
-    }
-}
-
 template <int M>
 __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
     __shared__ float part[GEMV_WARPS][GEMV_ROWS][MAX_ROWS][2];
@@ -598,16 +486,16 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
         }
     }
     pdl_wait();
-    if (p.fused) {
-        extern __shared__ uint4 act4[];
-        int8_t* qs = reinterpret_cast<int8_t*>(act4);
-        float* qd = reinterpret_cast<float*>(qs + M * p.k);
-        int* qsum = reinterpret_cast<int*>(qd + M * (p.k / QK));
-        gemv_prologue<M>(p.in, qs, qd, qsum, blockIdx.x == 0);
-        __syncthreads();
-        gemv_dispatch<M, true>(p, s, r0, slice, S, part, Act{qs, qd, qsum});
-    } else {
-        gemv_dispatch<M, false>(p, s, r0, slice, S, part, Act{p.qs, p.qd, p.qsum});
+    switch (s.type * 2 + (s.glu ? 1 : 0)) {
+        case W_Q8_0 * 2: gemv_seg<W_Q8_0, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q5_0 * 2: gemv_seg<W_Q5_0, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q4_K * 2: gemv_seg<W_Q4_K, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q6_K * 2: gemv_seg<W_Q6_K, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q8_0 * 2 + 1: gemv_seg<W_Q8_0, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q5_0 * 2 + 1: gemv_seg<W_Q5_0, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q4_K * 2 + 1: gemv_seg<W_Q4_K, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q6_K * 2 + 1: gemv_seg<W_Q6_K, M, true>(p, s, r0, slice, S, part); break;
+        default: break;
     }
 }
 #define GEMV_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_m##M(const GemvArgs p) { gemv_body<M>(p); }
@@ -653,7 +541,7 @@ __device__ __forceinline__ void gemv_staged_body(const GemvArgs& p, uint8_t* sta
     for (int half = 0; half < GEMV_STAGE_ROWS / (2 * GEMV_WARPS); ++half) {
         const int lr = half * 2 * GEMV_WARPS + 2 * warp;
         float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
-        gemv_rows<T, M, false, true>(p, stage, nullptr, nr, lr, 0, 1, v, v2, Act{p.qs, p.qd, p.qsum});
+        gemv_rows<T, M, false, true>(p, stage, nullptr, nr, lr, 0, 1, v, v2);
         if (lane == 0) {
 #pragma unroll
             for (int i = 0; i < GEMV_ROWS; ++i) {
@@ -1008,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
 static_assert(sizeof(StepParams) == 76, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
-static_assert(sizeof(GemvArgs) == 352, "GemvArgs");
+static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");

@@ -141,13 +141,10 @@ pub struct GemvArgs {
     pub k: i32,
     /// Warps per output row (1, 2 or 4): [`Kernels::gemv_split`].
     pub split: i32,
-    /// 1: the activations come from the fused prologue `input`, not from `qs`/`qd`/`qsum`.
-    pub fused: i32,
+    pub pad: i32,
     pub qs: DevPtr,
     pub qd: DevPtr,
     pub qsum: DevPtr,
-    /// The fused prologue: `norm_quant`'s arguments (its `qs`/`qd`/`qsum`/`y_out` unused).
-    pub input: NormQuantArgs,
 }
 
 /// `qk_norm_rope_kv`'s arguments.
@@ -212,7 +209,7 @@ pub struct ArgmaxArgs {
 const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
-const _: () = assert!(std::mem::size_of::<GemvArgs>() == 352);
+const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
@@ -348,35 +345,6 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
     /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
-        // SAFETY: the caller's contract.
-        unsafe { self.gemv_with(stream, rows, k, segs, act, None) }
-    }
-
-    /// Shared memory of a fused GEMV's activations: `rows` rows of `k` quants, a scale and a sum
-    /// per 32 values.
-    pub fn gemv_fused_bytes(rows: usize, k: usize) -> usize {
-        rows * k + 2 * rows * (k / 32) * 4
-    }
-
-    /// The most shared memory a fused GEMV's activations take (under the 48 KiB a block has without opting in, less the static arrays).
-    pub const GEMV_FUSED_MAX_BYTES: usize = 46 * 1024;
-
-    /// The GEMV with `norm_quant` fused into its prologue: every block computes the activations
-    /// of `input` (any of norm_quant's modes, over `k` values) into shared memory instead of
-    /// reading Q8 planes, the same bits as a `norm_quant` launch would write, and block 0 stores
-    /// `input.res_out` (which must not alias `input.res` or `input.a`). One launch fewer per
-    /// GEMV; each block reads the input rows again (from L2), so it pays where the launch costs
-    /// more than `blocks × rows × k` floats of L2 reads. Never staged.
-    ///
-    /// # Safety
-    /// As for [`Kernels::gemv`], and `input` as for [`Kernels::norm_quant`] (its `qs`, `qd`,
-    /// `qsum` and `y_out` are not read).
-    pub unsafe fn gemv_fused(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], input: &NormQuantArgs) -> Result<(), GpuError> {
-        // SAFETY: the caller's contract.
-        unsafe { self.gemv_with(stream, rows, k, segs, (0, 0, 0), Some(input)) }
-    }
-
-    unsafe fn gemv_with(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr), input: Option<&NormQuantArgs>) -> Result<(), GpuError> {
         check((1..=MAX_ROWS).contains(&rows), || format!("gemv: {rows} rows (1..={MAX_ROWS})"))?;
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
         let split = Self::gemv_split(k);
@@ -388,25 +356,14 @@ impl Kernels {
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
             blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
         }
-        let mut shared = 0;
-        if let Some(input) = input {
-            check(input.k as usize == k && k.is_multiple_of(32), || format!("gemv: the prologue's rows have {} values, the GEMV's {k}", input.k))?;
-            let norm_mode = input.in_mode != 0 || input.norm != 0 || input.res_out != 0;
-            check(!norm_mode || k <= NQ_MAX_K, || format!("gemv: the prologue's k = {k} is over {NQ_MAX_K}"))?;
-            check(input.res_out == 0 || (input.res_out != input.res && input.res_out != input.a), || "gemv: the prologue's res_out aliases its input".to_string())?;
-            shared = Self::gemv_fused_bytes(rows, k);
-            check(shared <= Self::GEMV_FUSED_MAX_BYTES, || format!("gemv: a fused prologue of {rows} rows of {k} values needs {shared} bytes of shared memory (at most {})", Self::GEMV_FUSED_MAX_BYTES))?;
-            args.fused = 1;
-            args.input = *input;
-        }
-        if let (None, [one]) = (input, segs) {
+        if let [one] = segs {
             if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
                 args.split = 1;
                 let cfg = LaunchConfig { grid_dim: ((one.n as usize).div_ceil(GEMV_STAGE_ROWS) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: stage_bytes as u32 };
                 return self.launch(stream, &self.gemv_staged[rows - 1], cfg, &args, "gemv_staged");
             }
         }
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared as u32 };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
     }
 

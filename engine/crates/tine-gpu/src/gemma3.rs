@@ -2,23 +2,20 @@
 //! buffers allocated once, and a step of 1..=8 rows as a fixed list of launches, captured once
 //! per row count as a CUDA graph and replayed.
 //!
-//! The step program (per layer, 6 launches with the norms fused into the GEMVs' prologues, 9
-//! without; after the last layer, 3):
+//! The step program (per layer, 9 launches; after the last layer, 3):
 //!
-//! 1. `gemv` of Q, K and V in one launch (three segments, each its own weight type), its prologue
-//!    the norm: the residual stream (layer 0: the scaled embedding row; else
-//!    `h + post_ffw_norm(down)`), then `attn_norm`, as Q8
-//! 2. `qk_norm_rope_kv`: q/k norms, RoPE (local or global base), the query scale, K/V at the step's positions
-//! 3. attention (sliding window on local layers), its output written as Q8
-//! 4. `gemv`: the output projection
-//! 5. `gemv` of gate and up with the GELU(tanh)·up epilogue, its prologue
-//!    `h + post_attention_norm(o)`, then `ffn_norm`
-//! 6. `gemv`: down, its prologue the MLP's hidden row as Q8
+//! 1. `norm_quant`: the residual stream (layer 0: the scaled embedding row; else
+//!    `h + post_ffw_norm(down)`), then `attn_norm`, as Q8 activations
+//! 2. `gemv`: Q, K and V in one launch (three segments, each its own weight type)
+//! 3. `qk_norm_rope_kv`: q/k norms, RoPE (local or global base), the query scale, K/V at the step's positions
+//! 4. attention (sliding window on local layers), its output written as Q8
+//! 5. `gemv`: the output projection
+//! 6. `norm_quant`: `h + post_attention_norm(o)`, then `ffn_norm`, as Q8
+//! 7. `gemv`: gate and up with the GELU(tanh)·up epilogue
+//! 8. `norm_quant`: the MLP's hidden row as Q8
+//! 9. `gemv`: down
 //!
-//! A prologue computes what a `norm_quant` launch would write, bit for bit; steps of more than
-//! `TINE_GPU_FUSE_ROWS` rows (default [`FUSE_ROWS`]) launch `norm_quant` before the GEMV instead,
-//! which gives the same bits. After the last layer: `norm_quant` (`h + post_ffw_norm(down)`,
-//! `output_norm`), the LM head `gemv` and the
+//! then `norm_quant` (`h + post_ffw_norm(down)`, `output_norm`), the LM head `gemv` and the
 //! greedy argmax (a prompt's chunks before its last run a second graph without these two: the
 //! trunk alone, whose logits nobody reads). Every kernel is batch-invariant, so a step of M rows gives each row the bits a
 //! one-row step at its position gives.
@@ -100,9 +97,7 @@ struct Layer {
 
 /// Activation buffers, each sized for [`MAX_ROWS`] rows, allocated once.
 struct Buffers {
-    /// The residual stream, in two buffers: a fused GEMV prologue reads one and writes the other
-    /// (its blocks all read the old stream while block 0 writes the new one).
-    h: [CudaSlice<f32>; 2],
+    h: CudaSlice<f32>,
     q: CudaSlice<f32>,
     k: CudaSlice<f32>,
     v: CudaSlice<f32>,
@@ -138,16 +133,8 @@ pub struct Gemma3Gpu {
     inv_global: CudaSlice<f32>,
     layers: Vec<Layer>,
     b: Buffers,
-    /// Steps of up to this many rows fuse the norms into the GEMVs' prologues
-    /// (`TINE_GPU_FUSE_ROWS`, default [`FUSE_ROWS`]; 0: never).
-    fuse_rows: usize,
     _ctx: Arc<CudaContext>,
 }
-
-/// Steps of up to this many rows fuse each norm into the GEMV after it: a launch fewer per norm
-/// (three a layer), paid for by every GEMV block reading its input rows again from L2, which
-/// grows with the rows.
-pub const FUSE_ROWS: usize = 8;
 
 /// A captured step. The graph is launched from whichever thread steps its sequence, one launch
 /// at a time (the sequence is borrowed mutably for it), with the context bound by cudarc.
@@ -323,7 +310,7 @@ impl Gemma3Gpu {
         let kmax = cfg.ff.max(qd).max(cfg.hidden);
         let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
         let b = Buffers {
-            h: [alloc(&stream, m * cfg.hidden)?, alloc(&stream, m * cfg.hidden)?],
+            h: alloc(&stream, m * cfg.hidden)?,
             q: alloc(&stream, m * qd)?,
             k: alloc(&stream, m * kvd)?,
             v: alloc(&stream, m * kvd)?,
@@ -345,8 +332,7 @@ impl Gemma3Gpu {
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(FUSE_ROWS);
-        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, fuse_rows, _ctx: ctx })
+        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -371,12 +357,6 @@ impl Gemma3Gpu {
         Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, last_head: false, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
-    /// The buffer of `b.h` the final residual stream is in: two norms a layer and the output
-    /// norm each write the next stream to the other buffer.
-    fn final_h(&self) -> usize {
-        (2 * self.cfg.layers + 1) % 2
-    }
-
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
         s.device_ptr(&self.stream).0
     }
@@ -390,48 +370,23 @@ impl Gemma3Gpu {
         let act = (self.ptr(&b.qs), self.ptr(&b.qd), self.ptr(&b.qsum));
         let ctx_len = cache.ctx_len;
         let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
-        // The residual stream's buffer: `cur` holds it; a norm of mode 1 or 2 writes the next
-        // stream to the other one (fused or not, so the final stream's buffer is the same for
-        // every graph: `final_h`).
-        let mut cur = 0usize;
-        let mut nq = |a: DevPtr, w_a: DevPtr, mode: i32, k: usize, w: DevPtr| {
-            let (res, res_out) = (p(&b.h[cur]), if mode == 0 { 0 } else { p(&b.h[1 - cur]) });
-            if mode != 0 {
-                cur = 1 - cur;
-            }
-            NormQuantArgs {
-                a,
-                res,
-                w_a,
-                embd: self.ptr(&self.embd.0),
-                embd_scale: (c.hidden as f64).sqrt() as f32,
-                step,
-                w,
-                eps: c.eps,
-                res_out,
-                y_out: 0,
-                qs: act.0,
-                qd: act.1,
-                qsum: act.2,
-                k: k as i32,
-                in_mode: mode,
-                norm: (w != 0) as i32,
-            }
-        };
-        let fuse = rows <= self.fuse_rows;
-        // A GEMV after a norm: fused into its prologue, or the two launches.
-        let normed_gemv = |input: &NormQuantArgs, k_in: usize, segs: &[GemvSeg]| -> std::result::Result<usize, GpuError> {
-            // SAFETY: as for the launches below.
-            unsafe {
-                if fuse && Kernels::gemv_fused_bytes(rows, k_in) <= Kernels::GEMV_FUSED_MAX_BYTES {
-                    self.kernels.gemv_fused(&self.stream, rows, k_in, segs, input)?;
-                    Ok(1)
-                } else {
-                    self.kernels.norm_quant(&self.stream, rows, input)?;
-                    self.kernels.gemv(&self.stream, rows, k_in, segs, act)?;
-                    Ok(2)
-                }
-            }
+        let nq = |a: DevPtr, w_a: DevPtr, mode: i32, k: usize, w: DevPtr| NormQuantArgs {
+            a,
+            res: p(&b.h),
+            w_a,
+            embd: self.ptr(&self.embd.0),
+            embd_scale: (c.hidden as f64).sqrt() as f32,
+            step,
+            w,
+            eps: c.eps,
+            res_out: if mode == 0 { 0 } else { p(&b.h) },
+            y_out: 0,
+            qs: act.0,
+            qd: act.1,
+            qsum: act.2,
+            k: k as i32,
+            in_mode: mode,
+            norm: (w != 0) as i32,
         };
         let seg =
             |w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize| GemvSeg { w: self.ptr(&w.0), out: p(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() };
@@ -445,7 +400,8 @@ impl Gemma3Gpu {
             for (l, ly) in self.layers.iter().enumerate() {
                 let local = c.is_local(l);
                 let first = if l == 0 { nq(0, 0, 2, c.hidden, p(&ly.attn_norm)) } else { nq(p(&b.down), p(&self.layers[l - 1].post_ffn_norm), 1, c.hidden, p(&ly.attn_norm)) };
-                count += normed_gemv(&first, c.hidden, &[seg(&ly.q, &b.q, qd), seg(&ly.k, &b.k, kvd), seg(&ly.v, &b.v, kvd)])?;
+                k.norm_quant(s, rows, &first)?;
+                k.gemv(s, rows, c.hidden, &[seg(&ly.q, &b.q, qd), seg(&ly.k, &b.k, kvd), seg(&ly.v, &b.v, kvd)], act)?;
                 let rope = RopeArgs {
                     q: p(&b.q),
                     k: p(&b.k),
@@ -484,16 +440,16 @@ impl Gemma3Gpu {
                 };
                 k.attention(s, rows, c.head_dim, &at)?;
                 k.gemv(s, rows, qd, &[seg(&ly.o, &b.o, c.hidden)], act)?;
+                k.norm_quant(s, rows, &nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
                 let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
-                count += normed_gemv(&nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)), c.hidden, &[glu])?;
-                count += normed_gemv(&nq(p(&b.ff), 0, 0, c.ff, 0), c.ff, &[seg(&ly.down, &b.down, c.hidden)])?;
-                count += 3;
+                k.gemv(s, rows, c.hidden, &[glu], act)?;
+                k.norm_quant(s, rows, &nq(p(&b.ff), 0, 0, c.ff, 0))?;
+                k.gemv(s, rows, c.ff, &[seg(&ly.down, &b.down, c.hidden)], act)?;
+                count += 9;
             }
             let last = self.layers.last().expect("a model has layers");
-            // The LM head is staged (many rows): its norm stays a launch of its own.
             k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
             count += 1;
-            debug_assert_eq!(cur, self.final_h(), "the final residual stream's buffer");
             if !head {
                 return Ok(count);
             }
@@ -629,7 +585,7 @@ impl Gemma3Gpu {
     pub fn hidden(&self, cache: &GpuCache) -> Result<Vec<f32>> {
         let n = cache.last_rows * self.cfg.hidden;
         let mut v = vec![0f32; n];
-        self.stream.memcpy_dtoh(&self.b.h[self.final_h()].slice(..n), &mut v[..])?;
+        self.stream.memcpy_dtoh(&self.b.h.slice(..n), &mut v[..])?;
         Ok(v)
     }
 

@@ -164,68 +164,6 @@ fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType,
     Ok(Case { name: format!("gemv segments k={k} [{}]", shape.join(", ")), worst, bits: None, note: String::new() })
 }
 
-/// A GEMV with norm_quant fused into its prologue (`mode` as in [`check_norm_quant`]) against
-/// norm_quant then the GEMV, rows 1..=8: the outputs and the residual stream the same bits (the
-/// two kernels' own float64 cases hold what those bits must be).
-fn check_gemv_fused(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, mode: i32, glu: bool) -> Res<Case> {
-    let rows = MAX_ROWS;
-    let plain = mode == 3;
-    let vocab = 64;
-    let a = rng.vec(rows * k, 3.0);
-    let res = rng.vec(rows * k, 10.0);
-    let w_a: Vec<f32> = rng.vec(k, 0.5).iter().map(|x| 1.0 + x).collect();
-    let wn: Vec<f32> = rng.vec(k, 0.5).iter().map(|x| 1.0 + x).collect();
-    let embd = WeightType::Q8_0.quantize(&rng.vec(vocab * k, 1.0));
-    let w = t.quantize(&rng.vec(n * k, 0.5));
-    let w2 = t.quantize(&rng.vec(n * k, 0.5));
-    let tokens: [i32; MAX_ROWS] = std::array::from_fn(|_| (rng.next() % vocab as u64) as i32);
-    let (ad, resd, wad, wnd, ed, wd, w2d) = (dev.up(&a)?, dev.up(&res)?, dev.up(&w_a)?, dev.up(&wn)?, dev.up(&embd)?, dev.up(&w)?, dev.up(&w2)?);
-    let mut sp = StepParams::default();
-    sp.tokens = tokens;
-    let step = dev.up(&[sp])?;
-    let (qs, qd, qsum) = (dev.zeros::<i8>(rows * k)?, dev.zeros::<f32>(rows * k / QK)?, dev.zeros::<i32>(rows * k / QK)?);
-    let (res_a, res_b) = (dev.zeros::<f32>(rows * k)?, dev.zeros::<f32>(rows * k)?);
-    let (out_a, out_b) = (dev.zeros::<f32>(rows * n)?, dev.zeros::<f32>(rows * n)?);
-    let seg = |out: &CudaSlice<f32>| GemvSeg { w: dev.ptr(&wd), w2: if glu { dev.ptr(&w2d) } else { 0 }, out: dev.ptr(out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu as i32, block_start: 0 };
-    let args = |res_out: &CudaSlice<f32>| NormQuantArgs {
-        a: dev.ptr(&ad),
-        res: dev.ptr(&resd),
-        w_a: dev.ptr(&wad),
-        embd: dev.ptr(&ed),
-        embd_scale: (k as f32).sqrt(),
-        step: dev.ptr(&step),
-        w: dev.ptr(&wnd),
-        eps: 1e-6,
-        res_out: if plain { 0 } else { dev.ptr(res_out) },
-        y_out: 0,
-        qs: dev.ptr(&qs),
-        qd: dev.ptr(&qd),
-        qsum: dev.ptr(&qsum),
-        k: k as i32,
-        in_mode: if plain { 0 } else { mode },
-        norm: i32::from(!plain),
-    };
-    let mut bits = true;
-    for m in 1..=rows {
-        // SAFETY: every buffer holds `rows` rows of k (k/32 for the scales), the weights n rows
-        // of k of type t, the outputs `rows` rows of n; the embedding `vocab` rows, every token
-        // below it.
-        unsafe {
-            dev.k.norm_quant(&dev.stream, m, &args(&res_a))?;
-            dev.k.gemv(&dev.stream, m, k, &[seg(&out_a)], (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum)))?;
-            dev.k.gemv_fused(&dev.stream, m, k, &[seg(&out_b)], &args(&res_b))?;
-        }
-        let (oa, ob) = (dev.down(&out_a)?, dev.down(&out_b)?);
-        bits &= oa[..m * n].iter().zip(&ob[..m * n]).all(|(x, y)| x.to_bits() == y.to_bits());
-        if !plain {
-            let (ra, rb) = (dev.down(&res_a)?, dev.down(&res_b)?);
-            bits &= ra[..m * k].iter().zip(&rb[..m * k]).all(|(x, y)| x.to_bits() == y.to_bits());
-        }
-    }
-    let what = ["plain + norm", "post-norm + residual", "Q8_0 embedding", "quantize only"][mode as usize];
-    Ok(Case { name: format!("gemv {t:?} n={n} k={k}{} fused {what}", if glu { " glu" } else { "" }), worst: 0.0, bits: Some(bits), note: String::new() })
-}
-
 /// norm_quant in one mode, rows 1..=8.
 /// `mode` 0..=2 as the kernel's in_mode with the norm and res_out; 3: the plain quantization
 /// (in_mode 0, no norm, no res_out).
@@ -564,20 +502,6 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         }
     }
     cases.push(check_norm_quant(dev, &mut rng, 21504, 3)?);
-    // The fused prologues Gemma 3 270M's step takes (QKV after the residual + attn_norm or the
-    // embedding, GLU after the residual + ffn_norm, down after the plain quantization), then
-    // other widths and types.
-    for (t, n, k, mode, glu) in [
-        (WeightType::Q5_0, 1536, 640, 1, false),
-        (WeightType::Q5_0, 1536, 640, 2, false),
-        (WeightType::Q4K, 2048, 640, 1, true),
-        (WeightType::Q6K, 640, 2048, 3, false),
-        (WeightType::Q8_0, 300, 640, 0, false),
-        (WeightType::Q4K, 70, 2304, 1, false),
-        (WeightType::Q8_0, 33, 96, 2, true),
-    ] {
-        cases.push(check_gemv_fused(dev, &mut rng, t, n, k, mode, glu)?);
-    }
     for (h, kv, hd, pos) in [(4, 1, 256, 0), (4, 1, 256, 1000), (8, 2, 128, 77), (2, 2, 64, 31000)] {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos)?);
     }
@@ -700,16 +624,10 @@ mod bench {
             in_mode: mode,
             norm: norm_on as i32,
         };
-        // The fused prologues write the residual stream to a second buffer (it must not alias
-        // their input); steps of up to TINE_GPU_FUSE_ROWS rows fuse, as the engine does.
-        let h2 = dev.zeros::<f32>(m * HIDDEN)?;
-        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(tine_gpu::gemma3::FUSE_ROWS);
-        let nqf = |a: DevPtr, mode: i32, kk: usize, norm_on: bool| NormQuantArgs { res_out: if mode == 0 { 0 } else { p(&h2) }, ..nq(a, mode, kk, norm_on) };
         // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
         // recorded after each launch, labelled with what the launch does (the profile).
         let step_launches = |rows: usize, marks: &mut Option<Marks>, skip: Option<&str>| -> Res<usize> {
             let mut count = 0;
-            let fuse = rows <= fuse_rows;
             let mut mark = |label: &'static str| -> Res<()> {
                 if let Some(m) = marks.as_mut() {
                     m.push((label, record_node(dev)?));
@@ -722,9 +640,8 @@ mod bench {
                 for (l, ly) in layers.iter().enumerate() {
                     let global = l % 6 == 5;
                     let label = "norm_quant: residual + attn_norm";
-                    if skip != Some(label) && !fuse {
+                    if skip != Some(label) {
                         dev.k.norm_quant(&dev.stream, rows, &if l == 0 { nq(0, 2, HIDDEN, true) } else { nq(p(&down), 1, HIDDEN, true) })?;
-                        count += 1;
                     }
                     mark(label)?;
                     let seg = |w: &CudaSlice<u8>, out: &CudaSlice<f32>, n: usize, t: WeightType| GemvSeg {
@@ -736,11 +653,14 @@ mod bench {
                         ..Default::default()
                     };
                     let label = "gemv: q k v";
-                    let qkv = [seg(&ly.q, &q, HEADS * HD, WeightType::Q5_0), seg(&ly.k, &k, KV * HD, WeightType::Q5_0), seg(&ly.v, &v, KV * HD, WeightType::Q8_0)];
-                    if skip != Some(label) && fuse {
-                        dev.k.gemv_fused(&dev.stream, rows, HIDDEN, &qkv, &if l == 0 { nqf(0, 2, HIDDEN, true) } else { nqf(p(&down), 1, HIDDEN, true) })?;
-                    } else if skip != Some(label) {
-                        dev.k.gemv(&dev.stream, rows, HIDDEN, &qkv, act)?;
+                    if skip != Some(label) {
+                        dev.k.gemv(
+                            &dev.stream,
+                            rows,
+                            HIDDEN,
+                            &[seg(&ly.q, &q, HEADS * HD, WeightType::Q5_0), seg(&ly.k, &k, KV * HD, WeightType::Q5_0), seg(&ly.v, &v, KV * HD, WeightType::Q8_0)],
+                            act,
+                        )?;
                     }
                     mark(label)?;
                     let rope = RopeArgs {
@@ -794,33 +714,27 @@ mod bench {
                     }
                     mark(label)?;
                     let label = "norm_quant: residual + ffn_norm";
-                    if skip != Some(label) && !fuse {
+                    if skip != Some(label) {
                         dev.k.norm_quant(&dev.stream, rows, &nq(p(&o), 1, HIDDEN, true))?;
-                        count += 1;
                     }
                     mark(label)?;
                     let glu = GemvSeg { w: dev.ptr(&ly.gate), w2: dev.ptr(&ly.up), out: p(&ff), n: FF as i32, wtype: WeightType::Q5_0.ggml_id(), out_stride: FF as i32, glu: 1, block_start: 0 };
                     let label = "gemv: gate/up GLU";
-                    if skip != Some(label) && fuse {
-                        dev.k.gemv_fused(&dev.stream, rows, HIDDEN, &[glu], &nqf(p(&o), 1, HIDDEN, true))?;
-                    } else if skip != Some(label) {
+                    if skip != Some(label) {
                         dev.k.gemv(&dev.stream, rows, HIDDEN, &[glu], act)?;
                     }
                     mark(label)?;
                     let label = "norm_quant: ffn hidden";
-                    if skip != Some(label) && !fuse {
+                    if skip != Some(label) {
                         dev.k.norm_quant(&dev.stream, rows, &nq(p(&ff), 0, FF, false))?;
-                        count += 1;
                     }
                     mark(label)?;
                     let label = "gemv: down";
-                    if skip != Some(label) && fuse {
-                        dev.k.gemv_fused(&dev.stream, rows, FF, &[seg(&ly.down, &down, HIDDEN, WeightType::Q6K)], &nqf(p(&ff), 0, FF, false))?;
-                    } else if skip != Some(label) {
+                    if skip != Some(label) {
                         dev.k.gemv(&dev.stream, rows, FF, &[seg(&ly.down, &down, HIDDEN, WeightType::Q6K)], act)?;
                     }
                     mark(label)?;
-                    count += 6;
+                    count += 9;
                 }
                 let label = "norm_quant: output_norm";
                 if skip != Some(label) {
