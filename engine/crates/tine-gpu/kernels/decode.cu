@@ -144,85 +144,109 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
     return __half2float(b.d) * (float)b.qs[i % QK];
 }
 
-#define NQ_THREADS 256
-#define NQ_PER 32  // values per thread: k <= NQ_THREADS * NQ_PER for the norm modes
+// One row of the norm modes by one warp, in the canonical order every caller shares (the
+// standalone kernel and the GEMV epilogue give the same bits): lane l owns the 32-value blocks
+// l, l + 32, ...; a sum of squares is each lane's values block by block, value by value, then the
+// warp's xor tree. A block's quantization: amax, d = amax / 127, q = rint(y / d) and the quants'
+// sum (no order in any of it). `a` and `res` are read through L2: in a GEMV epilogue other blocks
+// of the same launch wrote them. res_out may be res (each lane rewrites only its own blocks).
+__device__ __forceinline__ float nq_residual(float r, float a, float ra, float wa) { return r + a * ra * wa; }
 
-// Quantizes y (one value per lane, the lanes a block of 32) into block b of row m.
-__device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b, float y) {
-    const int lane = threadIdx.x % WARP;
-    const size_t i = (size_t)m * p.k + (size_t)b * QK + lane;
-    if (p.y_out) p.y_out[i] = y;
-    const float amax = warp_max(fabsf(y));
-    const float d = amax / 127.0f;
-    const int q = d == 0.0f ? 0 : (int)rintf(y / d);
-    p.qs[i] = (int8_t)q;
-    const int sum = warp_sum_i(q);
-    if (lane == 0) { p.qd[(size_t)m * (p.k / QK) + b] = d; p.qsum[(size_t)m * (p.k / QK) + b] = sum; }
+__device__ __forceinline__ void nq_block_t(const NormQuantArgs& p, int m, int token, int b, float ra, float (&t)[QK]) {
+    const size_t base = (size_t)m * p.k + (size_t)b * QK;
+#pragma unroll
+    for (int e = 0; e < QK; e += 4) {
+        if (p.in_mode == 1) {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.a + base + e));
+            const float4 r = __ldcg(reinterpret_cast<const float4*>(p.res + base + e));
+            const float4 w = __ldg(reinterpret_cast<const float4*>(p.w_a + (size_t)b * QK + e));
+            t[e] = nq_residual(r.x, x.x, ra, w.x);
+            t[e + 1] = nq_residual(r.y, x.y, ra, w.y);
+            t[e + 2] = nq_residual(r.z, x.z, ra, w.z);
+            t[e + 3] = nq_residual(r.w, x.w, ra, w.w);
+        } else if (p.in_mode == 2) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) t[e + j] = embd_value(p.embd, p.k, token, b * QK + e + j) * p.embd_scale;
+        } else {
+            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.a + base + e));
+            t[e] = x.x; t[e + 1] = x.y; t[e + 2] = x.z; t[e + 3] = x.w;
+        }
+    }
 }
 
-// Grid: (blocks, M). The plain mode (in_mode 0, no norm, no res_out) spreads a row over blocks
-// of 8 warps, one warp per block of 32 values. The other modes take one block per row: thread t
-// holds values t + 256 j (so warp w's values for one j are the 32-value block 8 j + w), loads
-// all its inputs at once, and keeps them in registers through both norms and the quantization.
-extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) {
-    __shared__ float red[32];
-    const int m = blockIdx.y, k = p.k, tid = threadIdx.x;
-    const int lane = tid % WARP, warp = tid / WARP;
-    constexpr int NW = NQ_THREADS / WARP;
-    pdl_trigger();
-    pdl_wait();
-    if (p.in_mode == 0 && !p.norm && !p.res_out) {
-        const int b = blockIdx.x * NW + warp;
-        if (b >= k / QK) return;
-        quant_block(p, m, b, __ldg(p.a + (size_t)m * k + (size_t)b * QK + lane));
-        return;
-    }
-    float t[NQ_PER], w[NQ_PER];
-    float ss = 0.0f;
+__device__ void nq_row(const NormQuantArgs& p, int m) {
+    const int lane = threadIdx.x % WARP;
+    const int k = p.k, kb = k / QK;
+    const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
+    float ra = 0.0f;
     if (p.in_mode == 1) {
-        float a[NQ_PER], r[NQ_PER], wa[NQ_PER];
+        float ss = 0.0f;
+        for (int b = lane; b < kb; b += WARP) {
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) {
-            const int i = tid + NQ_THREADS * j;
-            a[j] = r[j] = wa[j] = w[j] = 0.0f;
-            if (i < k) {
-                a[j] = __ldg(p.a + (size_t)m * k + i);
-                r[j] = p.res[(size_t)m * k + i];
-                wa[j] = __ldg(p.w_a + i);
-                if (p.norm) w[j] = __ldg(p.w + i);
+            for (int e = 0; e < QK; e += 4) {
+                const float4 x = __ldcg(reinterpret_cast<const float4*>(p.a + (size_t)m * k + (size_t)b * QK + e));
+                ss += x.x * x.x; ss += x.y * x.y; ss += x.z * x.z; ss += x.w * x.w;
             }
         }
-#pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) ss += a[j] * a[j];
-        const float ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
-#pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
-    } else {
-        const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
-#pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) {
-            const int i = tid + NQ_THREADS * j;
-            t[j] = w[j] = 0.0f;
-            if (i < k) {
-                t[j] = p.in_mode == 2 ? embd_value(p.embd, k, token, i) * p.embd_scale : __ldg(p.a + (size_t)m * k + i);
-                if (p.norm) w[j] = __ldg(p.w + i);
-            }
-        }
+        ra = rsqrtf(warp_sum(ss) / (float)k + p.eps);
     }
     float rt = 1.0f;
     if (p.norm) {
         float s2 = 0.0f;
+        for (int b = lane; b < kb; b += WARP) {
+            float t[QK];
+            nq_block_t(p, m, token, b, ra, t);
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) s2 += t[j] * t[j];
-        rt = rsqrtf(block_sum_all(s2, red) / (float)k + p.eps);
+            for (int e = 0; e < QK; ++e) s2 += t[e] * t[e];
+        }
+        rt = rsqrtf(warp_sum(s2) / (float)k + p.eps);
     }
+    for (int b = lane; b < kb; b += WARP) {
+        float t[QK];
+        nq_block_t(p, m, token, b, ra, t);
+        const size_t base = (size_t)m * k + (size_t)b * QK;
+        float y[QK];
+        float amax = 0.0f;
 #pragma unroll
-    for (int j = 0; j < NQ_PER; ++j) {
-        const int b = NW * j + warp;
-        if (b >= k / QK) break;
-        if (p.res_out) p.res_out[(size_t)m * k + tid + NQ_THREADS * j] = t[j];
-        quant_block(p, m, b, p.norm ? t[j] * rt * w[j] : t[j]);
+        for (int e = 0; e < QK; e += 4) {
+            float4 w = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+            if (p.norm) w = __ldg(reinterpret_cast<const float4*>(p.w + (size_t)b * QK + e));
+            y[e] = p.norm ? t[e] * rt * w.x : t[e];
+            y[e + 1] = p.norm ? t[e + 1] * rt * w.y : t[e + 1];
+            y[e + 2] = p.norm ? t[e + 2] * rt * w.z : t[e + 2];
+            y[e + 3] = p.norm ? t[e + 3] * rt * w.w : t[e + 3];
+            if (p.res_out) *reinterpret_cast<float4*>(p.res_out + base + e) = make_float4(t[e], t[e + 1], t[e + 2], t[e + 3]);
+            if (p.y_out) *reinterpret_cast<float4*>(p.y_out + base + e) = make_float4(y[e], y[e + 1], y[e + 2], y[e + 3]);
+        }
+#pragma unroll
+        for (int e = 0; e < QK; ++e) amax = fmaxf(amax, fabsf(y[e]));
+        const float d = amax / 127.0f;
+        int sum = 0;
+        uint32_t packed[QK / 4];
+#pragma unroll
+        for (int e = 0; e < QK; e += 4) {
+            uint32_t v = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int q = d == 0.0f ? 0 : (int)rintf(y[e + j] / d);
+                sum += q;
+                v |= (uint32_t)(q & 0xFF) << (8 * j);
+            }
+            packed[e / 4] = v;
+        }
+        int4* qs = reinterpret_cast<int4*>(p.qs + base);
+        qs[0] = make_int4((int)packed[0], (int)packed[1], (int)packed[2], (int)packed[3]);
+        qs[1] = make_int4((int)packed[4], (int)packed[5], (int)packed[6], (int)packed[7]);
+        p.qd[(size_t)m * kb + b] = d;
+        p.qsum[(size_t)m * kb + b] = sum;
     }
+}
+
+// Grid: (1, M) blocks of one warp, a row each (nq_row). Every address 16-byte aligned.
+extern "C" __global__ void __launch_bounds__(WARP) norm_quant(NormQuantArgs p) {
+    pdl_trigger();
+    pdl_wait();
+    nq_row(p, blockIdx.y);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -256,8 +280,10 @@ struct GemvArgs {
     int nseg;
     int k;
     int split;  // S: warps per row (1, 2 or 4), each over its slice of the units
-    int pad;
+    int post;   // 1: the epilogue runs post_nq over the output (see gemv_post)
     const int8_t* qs; const float* qd; const int* qsum;
+    int* counter;            // the epilogue's block count (zero between launches)
+    NormQuantArgs post_nq;   // the epilogue's norm_quant (its `a`: this GEMV's output, one segment)
 };
 
 #define GEMV_WARPS 4
@@ -465,6 +491,23 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
     }
 }
 
+// The epilogue: the last block of the launch to finish runs norm_quant's row work (nq_row) on
+// the GEMV's output, a warp per row, so the next GEMV's Q8 input is ready without a launch of its
+// own. Each block fences its outputs and counts itself on `counter`; the last one fences again,
+// reads them through L2, and sets the counter back to 0 for the next launch.
+template <int M>
+__device__ void gemv_post(const GemvArgs& p) {
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(p.counter, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int m = threadIdx.x / WARP; m < M; m += GEMV_WARPS) nq_row(p.post_nq, m);
+    if (threadIdx.x == 0) *p.counter = 0;
+}
+
 template <int M>
 __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
     __shared__ float part[GEMV_WARPS][GEMV_ROWS][MAX_ROWS][2];
@@ -497,6 +540,7 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
         case W_Q6_K * 2 + 1: gemv_seg<W_Q6_K, M, true>(p, s, r0, slice, S, part); break;
         default: break;
     }
+    if (p.post) gemv_post<M>(p);
 }
 #define GEMV_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_m##M(const GemvArgs p) { gemv_body<M>(p); }
 GEMV_INST(1) GEMV_INST(2) GEMV_INST(3) GEMV_INST(4) GEMV_INST(5) GEMV_INST(6) GEMV_INST(7) GEMV_INST(8)
@@ -896,7 +940,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
 static_assert(sizeof(StepParams) == 76, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
-static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
+static_assert(sizeof(GemvArgs) == 360, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");

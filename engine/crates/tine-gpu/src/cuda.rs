@@ -17,8 +17,6 @@ use crate::blocks::WeightType;
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
-/// The widest row `norm_quant`'s norm modes take (256 threads of 32 values in registers).
-pub const NQ_MAX_K: usize = 8192;
 /// Warps per GEMV block.
 pub const GEMV_WARPS: usize = 4;
 /// Output rows per GEMV warp.
@@ -141,10 +139,15 @@ pub struct GemvArgs {
     pub k: i32,
     /// Warps per output row (1, 2 or 4): [`Kernels::gemv_split`].
     pub split: i32,
-    pub pad: i32,
+    /// 1: the epilogue runs `post_nq` over the output ([`Kernels::gemv_normed`]).
+    pub post: i32,
     pub qs: DevPtr,
     pub qd: DevPtr,
     pub qsum: DevPtr,
+    /// The epilogue's block count: an int, zero between launches.
+    pub counter: DevPtr,
+    /// The epilogue's `norm_quant`.
+    pub post_nq: NormQuantArgs,
 }
 
 /// `qk_norm_rope_kv`'s arguments.
@@ -209,7 +212,7 @@ pub struct ArgmaxArgs {
 const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
-const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
+const _: () = assert!(std::mem::size_of::<GemvArgs>() == 360);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
@@ -304,18 +307,14 @@ impl Kernels {
         unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(err)
     }
 
-    /// `norm_quant` over `rows` rows: in the plain mode (`in_mode` 0, no norm, no `res_out`)
-    /// a block of 8 warps per 256 values of a row, else one block per row.
+    /// `norm_quant` over `rows` rows: a warp per row.
     ///
     /// # Safety
-    /// Every non-zero address in `args` is live device memory of at least the extent decode.cu
-    /// gives it for `rows` rows of `args.k` values.
+    /// Every non-zero address in `args` is live device memory, 16-byte aligned, of at least the
+    /// extent decode.cu gives it for `rows` rows of `args.k` values.
     pub unsafe fn norm_quant(&self, stream: &Arc<CudaStream>, rows: usize, args: &NormQuantArgs) -> Result<(), GpuError> {
-        check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))?;
-        let plain = args.in_mode == 0 && args.norm == 0 && args.res_out == 0;
-        check(plain || args.k as usize <= NQ_MAX_K, || format!("norm_quant: k = {} is over {NQ_MAX_K}, the most a norm mode keeps in one block", args.k))?;
-        let blocks = if plain { (args.k as usize).div_ceil(256) } else { 1 };
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        check_nq(args)?;
+        let cfg = LaunchConfig { grid_dim: (1, rows as u32, 1), block_dim: (32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.norm_quant, cfg, args, "norm_quant")
     }
 
@@ -345,6 +344,27 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
     /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.gemv_with(stream, rows, k, segs, act, None) }
+    }
+
+    /// The GEMV of one segment with `norm_quant` fused into its epilogue: the launch's last
+    /// block to finish runs `post` (whose `a` is this GEMV's output, `post.k` its rows) as the
+    /// `norm_quant` kernel would, the same bits, so the next GEMV's input is ready without a
+    /// launch of its own. `counter` is an int of device memory, zero before the launch (the
+    /// kernel leaves it zero again), used by no launch that may run at the same time.
+    ///
+    /// # Safety
+    /// As for [`Kernels::gemv`], and `post` as for [`Kernels::norm_quant`].
+    pub unsafe fn gemv_normed(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, seg: &GemvSeg, act: (DevPtr, DevPtr, DevPtr), post: &NormQuantArgs, counter: DevPtr) -> Result<(), GpuError> {
+        check_nq(post)?;
+        check(post.k == seg.n && post.a == seg.out && seg.out_stride == seg.n, || format!("gemv: the epilogue reads {} values of its input, the GEMV writes {} rows", post.k, seg.n))?;
+        check(counter != 0, || "gemv: the epilogue needs a counter".to_string())?;
+        // SAFETY: the caller's contract.
+        unsafe { self.gemv_with(stream, rows, k, std::slice::from_ref(seg), act, Some((post, counter))) }
+    }
+
+    unsafe fn gemv_with(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr), post: Option<(&NormQuantArgs, DevPtr)>) -> Result<(), GpuError> {
         check((1..=MAX_ROWS).contains(&rows), || format!("gemv: {rows} rows (1..={MAX_ROWS})"))?;
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
         let split = Self::gemv_split(k);
@@ -356,7 +376,12 @@ impl Kernels {
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
             blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
         }
-        if let [one] = segs {
+        if let Some((nq, counter)) = post {
+            args.post = 1;
+            args.post_nq = *nq;
+            args.counter = counter;
+        }
+        if let (None, [one]) = (post, segs) {
             if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
                 args.split = 1;
                 let cfg = LaunchConfig { grid_dim: ((one.n as usize).div_ceil(GEMV_STAGE_ROWS) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: stage_bytes as u32 };
@@ -405,6 +430,16 @@ impl Kernels {
         let cfg = LaunchConfig { grid_dim: (ARGMAX_BLOCKS as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.argmax, cfg, args, "argmax_rows")
     }
+}
+
+/// What `norm_quant`'s row work needs of its arguments: rows of whole 32-value blocks, every
+/// row pointer 16-byte aligned (its float4 and int4 accesses).
+fn check_nq(args: &NormQuantArgs) -> Result<(), GpuError> {
+    check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))?;
+    for (name, p) in [("a", args.a), ("res", args.res), ("w_a", args.w_a), ("w", args.w), ("res_out", args.res_out), ("y_out", args.y_out), ("qs", args.qs)] {
+        check(p % 16 == 0, || format!("norm_quant: {name} is not 16-byte aligned"))?;
+    }
+    Ok(())
 }
 
 fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), GpuError> {
