@@ -144,109 +144,71 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
     return __half2float(b.d) * (float)b.qs[i % QK];
 }
 
-// One row of the norm modes by one warp, in the canonical order every caller shares (the
-// standalone kernel and the GEMV epilogue give the same bits): lane l owns the 32-value blocks
-// l, l + 32, ...; a sum of squares is each lane's values block by block, value by value, then the
-// warp's xor tree. A block's quantization: amax, d = amax / 127, q = rint(y / d) and the quants'
-// sum (no order in any of it). `a` and `res` are read through L2: in a GEMV epilogue other blocks
-// of the same launch wrote them. res_out may be res (each lane rewrites only its own blocks).
-__device__ __forceinline__ float nq_residual(float r, float a, float ra, float wa) { return r + a * ra * wa; }
+// One row of the norm modes by a block of NQ_THREADS threads, in the one order every caller
+// shares (the standalone kernel and the GEMV epilogue give the same bits): thread t takes values
+// t + NQ_THREADS j, so warp w's j-th values are the 32-value block NQ_WARPS j + w. A sum of
+// squares is each thread's values in j order, then block_sum's fixed tree. A block's
+// quantization (amax, d = amax / 127, q = rint(y / d), the quants' sum) has no order in it.
+// Nothing is kept in registers across the passes (the epilogue runs inside a GEMV, whose
+// registers it must not raise): each pass reloads its inputs. `a` and `res` are read through L2
+// (__ldcg): in a GEMV epilogue other blocks of the same launch wrote them. res_out may be res
+// (each thread rewrites only the values it read, after the passes that read them).
+#define NQ_THREADS 128
+#define NQ_WARPS (NQ_THREADS / WARP)
 
-__device__ __forceinline__ void nq_block_t(const NormQuantArgs& p, int m, int token, int b, float ra, float (&t)[QK]) {
-    const size_t base = (size_t)m * p.k + (size_t)b * QK;
-#pragma unroll
-    for (int e = 0; e < QK; e += 4) {
-        if (p.in_mode == 1) {
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.a + base + e));
-            const float4 r = __ldcg(reinterpret_cast<const float4*>(p.res + base + e));
-            const float4 w = __ldg(reinterpret_cast<const float4*>(p.w_a + (size_t)b * QK + e));
-            t[e] = nq_residual(r.x, x.x, ra, w.x);
-            t[e + 1] = nq_residual(r.y, x.y, ra, w.y);
-            t[e + 2] = nq_residual(r.z, x.z, ra, w.z);
-            t[e + 3] = nq_residual(r.w, x.w, ra, w.w);
-        } else if (p.in_mode == 2) {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) t[e + j] = embd_value(p.embd, p.k, token, b * QK + e + j) * p.embd_scale;
-        } else {
-            const float4 x = __ldcg(reinterpret_cast<const float4*>(p.a + base + e));
-            t[e] = x.x; t[e + 1] = x.y; t[e + 2] = x.z; t[e + 3] = x.w;
-        }
-    }
+__device__ __forceinline__ float nq_t(const NormQuantArgs& p, int m, int token, int i, float ra) {
+    const size_t at = (size_t)m * p.k + i;
+    if (p.in_mode == 1) return __ldcg(p.res + at) + __ldcg(p.a + at) * ra * __ldg(p.w_a + i);
+    if (p.in_mode == 2) return embd_value(p.embd, p.k, token, i) * p.embd_scale;
+    return __ldcg(p.a + at);
 }
 
-__device__ void nq_row(const NormQuantArgs& p, int m) {
-    const int lane = threadIdx.x % WARP;
+// blockDim.x must be NQ_THREADS; `red` holds 32 floats of shared memory.
+__device__ void nq_row(const NormQuantArgs& p, int m, float* red) {
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int k = p.k, kb = k / QK;
     const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
     float ra = 0.0f;
     if (p.in_mode == 1) {
         float ss = 0.0f;
-        for (int b = lane; b < kb; b += WARP) {
-#pragma unroll
-            for (int e = 0; e < QK; e += 4) {
-                const float4 x = __ldcg(reinterpret_cast<const float4*>(p.a + (size_t)m * k + (size_t)b * QK + e));
-                ss += x.x * x.x; ss += x.y * x.y; ss += x.z * x.z; ss += x.w * x.w;
-            }
+        for (int i = tid; i < k; i += NQ_THREADS) {
+            const float x = __ldcg(p.a + (size_t)m * k + i);
+            ss += x * x;
         }
-        ra = rsqrtf(warp_sum(ss) / (float)k + p.eps);
+        ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
     }
     float rt = 1.0f;
     if (p.norm) {
         float s2 = 0.0f;
-        for (int b = lane; b < kb; b += WARP) {
-            float t[QK];
-            nq_block_t(p, m, token, b, ra, t);
-#pragma unroll
-            for (int e = 0; e < QK; ++e) s2 += t[e] * t[e];
+        for (int i = tid; i < k; i += NQ_THREADS) {
+            const float t = nq_t(p, m, token, i, ra);
+            s2 += t * t;
         }
-        rt = rsqrtf(warp_sum(s2) / (float)k + p.eps);
+        rt = rsqrtf(block_sum_all(s2, red) / (float)k + p.eps);
     }
-    for (int b = lane; b < kb; b += WARP) {
-        float t[QK];
-        nq_block_t(p, m, token, b, ra, t);
-        const size_t base = (size_t)m * k + (size_t)b * QK;
-        float y[QK];
-        float amax = 0.0f;
-#pragma unroll
-        for (int e = 0; e < QK; e += 4) {
-            float4 w = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-            if (p.norm) w = __ldg(reinterpret_cast<const float4*>(p.w + (size_t)b * QK + e));
-            y[e] = p.norm ? t[e] * rt * w.x : t[e];
-            y[e + 1] = p.norm ? t[e + 1] * rt * w.y : t[e + 1];
-            y[e + 2] = p.norm ? t[e + 2] * rt * w.z : t[e + 2];
-            y[e + 3] = p.norm ? t[e + 3] * rt * w.w : t[e + 3];
-            if (p.res_out) *reinterpret_cast<float4*>(p.res_out + base + e) = make_float4(t[e], t[e + 1], t[e + 2], t[e + 3]);
-            if (p.y_out) *reinterpret_cast<float4*>(p.y_out + base + e) = make_float4(y[e], y[e + 1], y[e + 2], y[e + 3]);
-        }
-#pragma unroll
-        for (int e = 0; e < QK; ++e) amax = fmaxf(amax, fabsf(y[e]));
+    for (int b = warp; b < kb; b += NQ_WARPS) {
+        const int i = b * QK + lane;
+        const size_t at = (size_t)m * k + i;
+        const float t = nq_t(p, m, token, i, ra);
+        const float y = p.norm ? t * rt * __ldg(p.w + i) : t;
+        // Every pass has read this value; no other thread reads it.
+        if (p.res_out) p.res_out[at] = t;
+        if (p.y_out) p.y_out[at] = y;
+        const float amax = warp_max(fabsf(y));
         const float d = amax / 127.0f;
-        int sum = 0;
-        uint32_t packed[QK / 4];
-#pragma unroll
-        for (int e = 0; e < QK; e += 4) {
-            uint32_t v = 0;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const int q = d == 0.0f ? 0 : (int)rintf(y[e + j] / d);
-                sum += q;
-                v |= (uint32_t)(q & 0xFF) << (8 * j);
-            }
-            packed[e / 4] = v;
-        }
-        int4* qs = reinterpret_cast<int4*>(p.qs + base);
-        qs[0] = make_int4((int)packed[0], (int)packed[1], (int)packed[2], (int)packed[3]);
-        qs[1] = make_int4((int)packed[4], (int)packed[5], (int)packed[6], (int)packed[7]);
-        p.qd[(size_t)m * kb + b] = d;
-        p.qsum[(size_t)m * kb + b] = sum;
+        const int q = d == 0.0f ? 0 : (int)rintf(y / d);
+        p.qs[at] = (int8_t)q;
+        const int sum = warp_sum_i(q);
+        if (lane == 0) { p.qd[(size_t)m * kb + b] = d; p.qsum[(size_t)m * kb + b] = sum; }
     }
 }
 
-// Grid: (1, M) blocks of one warp, a row each (nq_row). Every address 16-byte aligned.
-extern "C" __global__ void __launch_bounds__(WARP) norm_quant(NormQuantArgs p) {
+// Grid: (1, M) blocks of NQ_THREADS threads, a row each (nq_row).
+extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) {
+    __shared__ float red[32];
     pdl_trigger();
     pdl_wait();
-    nq_row(p, blockIdx.y);
+    nq_row(p, blockIdx.y, red);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -492,19 +454,21 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
 }
 
 // The epilogue: the last block of the launch to finish runs norm_quant's row work (nq_row) on
-// the GEMV's output, a warp per row, so the next GEMV's Q8 input is ready without a launch of its
+// the GEMV's output, row after row, so the next GEMV's Q8 input is ready without a launch of its
 // own. Each block fences its outputs and counts itself on `counter`; the last one fences again,
 // reads them through L2, and sets the counter back to 0 for the next launch.
 template <int M>
 __device__ void gemv_post(const GemvArgs& p) {
+    static_assert(GEMV_WARPS * WARP == NQ_THREADS, "the epilogue's rows take the GEMV block's threads");
     __shared__ int last;
+    __shared__ float red[32];
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(p.counter, 1) == (int)gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int m = threadIdx.x / WARP; m < M; m += GEMV_WARPS) nq_row(p.post_nq, m);
+    for (int m = 0; m < M; ++m) nq_row(p.post_nq, m, red);
     if (threadIdx.x == 0) *p.counter = 0;
 }
 

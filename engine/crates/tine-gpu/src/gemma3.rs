@@ -15,8 +15,8 @@
 //!
 //! then the LM head `gemv` and the greedy argmax (a prompt's chunks before its last run a second
 //! graph without these two: the trunk alone, whose logits nobody reads). A GEMV's epilogue is
-//! `norm_quant`'s row work run by the launch's last block (`TINE_GPU_FUSE_ROWS=0`: a `norm_quant`
-//! launch after the GEMV instead, the same bits). Every kernel is batch-invariant, so a step of M
+//! `norm_quant`'s row work run by the launch's last block, for steps of up to [`FUSE_ROWS`] rows
+//! (`TINE_GPU_FUSE_ROWS`); longer steps launch `norm_quant` after the GEMV, the same bits. Every kernel is batch-invariant, so a step of M
 //! rows gives each row the bits a
 //! one-row step at its position gives.
 
@@ -136,10 +136,16 @@ pub struct Gemma3Gpu {
     layers: Vec<Layer>,
     b: Buffers,
     /// Steps of up to this many rows run each norm in the epilogue of the GEMV before it
-    /// (`TINE_GPU_FUSE_ROWS`, default all; 0: never, a `norm_quant` launch each, the same bits).
+    /// (`TINE_GPU_FUSE_ROWS`, default [`FUSE_ROWS`]; 0: never); longer steps launch `norm_quant`
+    /// after the GEMV, which gives the same bits.
     fuse_rows: usize,
     _ctx: Arc<CudaContext>,
 }
+
+/// Steps of up to this many rows run the norms in the GEMVs' epilogues: the epilogue's one
+/// block takes the rows one after another, so past a few rows a `norm_quant` launch (a block per
+/// row) is faster.
+pub const FUSE_ROWS: usize = 2;
 
 /// A captured step. The graph is launched from whichever thread steps its sequence, one launch
 /// at a time (the sequence is borrowed mutably for it), with the context bound by cudarc.
@@ -335,7 +341,7 @@ impl Gemma3Gpu {
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(MAX_ROWS);
+        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(FUSE_ROWS);
         Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, fuse_rows, _ctx: ctx })
     }
 

@@ -706,9 +706,9 @@ mod bench {
             norm: norm_on as i32,
         };
         let counter = dev.zeros::<i32>(1)?;
-        // Steps of up to TINE_GPU_FUSE_ROWS rows (default all) run the norms in the GEMVs'
+        // Steps of up to TINE_GPU_FUSE_ROWS rows (the engine's default) run the norms in the GEMVs'
         // epilogues, as the engine does.
-        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(MAX_ROWS);
+        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(tine_gpu::gemma3::FUSE_ROWS);
         // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
         // recorded after each launch, labelled with what the launch does (the profile).
         let step_launches = |rows: usize, marks: &mut Option<Marks>, skip: Option<&str>| -> Res<usize> {
