@@ -149,57 +149,97 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
 // t + NQ_THREADS j, so warp w's j-th values are the 32-value block NQ_WARPS j + w. A sum of
 // squares is each thread's values in j order, then block_sum's fixed tree. A block's
 // quantization (amax, d = amax / 127, q = rint(y / d), the quants' sum) has no order in it.
-// Nothing is kept in registers across the passes (the epilogue runs inside a GEMV, whose
-// registers it must not raise): each pass reloads its inputs. `a` and `res` are read through L2
+// A pass loads NQ_CHUNK values per thread at once (a row of up to NQ_THREADS * NQ_CHUNK values is
+// loaded once, for all three passes); longer rows reload per pass. `a` and `res` are read through L2
 // (__ldcg): in a GEMV epilogue other blocks of the same launch wrote them. res_out may be res
 // (each thread rewrites only the values it read, after the passes that read them).
 #define NQ_THREADS 128
 #define NQ_WARPS (NQ_THREADS / WARP)
 
-__device__ __forceinline__ float nq_t(const NormQuantArgs& p, int m, int token, int i, float ra) {
-    const size_t at = (size_t)m * p.k + i;
-    if (p.in_mode == 1) return __ldcg(p.res + at) + __ldcg(p.a + at) * ra * __ldg(p.w_a + i);
+#define NQ_CHUNK 8  // values per thread a pass loads at once (a row of k <= NQ_THREADS * NQ_CHUNK: once)
+
+// Row m's values of one thread, j = j0 .. j0 + NQ_CHUNK - 1 (value i = tid + NQ_THREADS j), loaded
+// together: a and res through L2, the norm weights; zeros past k.
+struct NqChunk { float a[NQ_CHUNK], r[NQ_CHUNK], wa[NQ_CHUNK], w[NQ_CHUNK]; };
+
+__device__ __forceinline__ void nq_load(const NormQuantArgs& p, int m, int j0, NqChunk& c) {
+    const int tid = threadIdx.x, k = p.k;
+#pragma unroll
+    for (int u = 0; u < NQ_CHUNK; ++u) {
+        const int i = tid + NQ_THREADS * (j0 + u);
+        const size_t at = (size_t)m * k + i;
+        const bool in = i < k;
+        c.a[u] = in && p.in_mode != 2 ? __ldcg(p.a + at) : 0.0f;
+        c.r[u] = in && p.in_mode == 1 ? __ldcg(p.res + at) : 0.0f;
+        c.wa[u] = in && p.in_mode == 1 ? __ldg(p.w_a + i) : 0.0f;
+        c.w[u] = in && p.norm ? __ldg(p.w + i) : 0.0f;
+    }
+}
+
+// The value t (the residual stream, or the row itself) of chunk entry u.
+__device__ __forceinline__ float nq_t(const NormQuantArgs& p, const NqChunk& c, int u, int token, int i, float ra) {
+    if (p.in_mode == 1) return c.r[u] + c.a[u] * ra * c.wa[u];
     if (p.in_mode == 2) return embd_value(p.embd, p.k, token, i) * p.embd_scale;
-    return __ldcg(p.a + at);
+    return c.a[u];
 }
 
 // blockDim.x must be NQ_THREADS; `red` holds 32 floats of shared memory.
 __device__ void nq_row(const NormQuantArgs& p, int m, float* red) {
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     const int k = p.k, kb = k / QK;
+    const int per = (k + NQ_THREADS - 1) / NQ_THREADS;  // values per thread
+    const bool one = per <= NQ_CHUNK;                   // one chunk: loaded once for all passes
     const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
+    NqChunk c;
+    if (one) nq_load(p, m, 0, c);
     float ra = 0.0f;
     if (p.in_mode == 1) {
         float ss = 0.0f;
-        for (int i = tid; i < k; i += NQ_THREADS) {
-            const float x = __ldcg(p.a + (size_t)m * k + i);
-            ss += x * x;
+        for (int j0 = 0; j0 < per; j0 += NQ_CHUNK) {
+            if (!one) nq_load(p, m, j0, c);
+#pragma unroll
+            for (int u = 0; u < NQ_CHUNK; ++u)
+                if (j0 + u < per) ss += c.a[u] * c.a[u];
         }
         ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
     }
     float rt = 1.0f;
     if (p.norm) {
         float s2 = 0.0f;
-        for (int i = tid; i < k; i += NQ_THREADS) {
-            const float t = nq_t(p, m, token, i, ra);
-            s2 += t * t;
+        for (int j0 = 0; j0 < per; j0 += NQ_CHUNK) {
+            if (!one) nq_load(p, m, j0, c);
+#pragma unroll
+            for (int u = 0; u < NQ_CHUNK; ++u) {
+                const int i = tid + NQ_THREADS * (j0 + u);
+                if (j0 + u < per) {
+                    const float t = i < k ? nq_t(p, c, u, token, i, ra) : 0.0f;
+                    s2 += t * t;
+                }
+            }
         }
         rt = rsqrtf(block_sum_all(s2, red) / (float)k + p.eps);
     }
-    for (int b = warp; b < kb; b += NQ_WARPS) {
-        const int i = b * QK + lane;
-        const size_t at = (size_t)m * k + i;
-        const float t = nq_t(p, m, token, i, ra);
-        const float y = p.norm ? t * rt * __ldg(p.w + i) : t;
-        // Every pass has read this value; no other thread reads it.
-        if (p.res_out) p.res_out[at] = t;
-        if (p.y_out) p.y_out[at] = y;
-        const float amax = warp_max(fabsf(y));
-        const float d = amax / 127.0f;
-        const int q = d == 0.0f ? 0 : (int)rintf(y / d);
-        p.qs[at] = (int8_t)q;
-        const int sum = warp_sum_i(q);
-        if (lane == 0) { p.qd[(size_t)m * kb + b] = d; p.qsum[(size_t)m * kb + b] = sum; }
+    for (int j0 = 0; j0 < per; j0 += NQ_CHUNK) {
+        if (!one) nq_load(p, m, j0, c);
+#pragma unroll
+        for (int u = 0; u < NQ_CHUNK; ++u) {
+            // Warp w's values of pass j are the 32-value block NQ_WARPS j + w.
+            const int b = NQ_WARPS * (j0 + u) + warp;
+            if (b >= kb) break;
+            const int i = b * QK + lane;
+            const size_t at = (size_t)m * k + i;
+            const float t = nq_t(p, c, u, token, i, ra);
+            const float y = p.norm ? t * rt * c.w[u] : t;
+            // Every pass has read this value; no other thread reads it.
+            if (p.res_out) p.res_out[at] = t;
+            if (p.y_out) p.y_out[at] = y;
+            const float amax = warp_max(fabsf(y));
+            const float d = amax / 127.0f;
+            const int q = d == 0.0f ? 0 : (int)rintf(y / d);
+            p.qs[at] = (int8_t)q;
+            const int sum = warp_sum_i(q);
+            if (lane == 0) { p.qd[(size_t)m * kb + b] = d; p.qsum[(size_t)m * kb + b] = sum; }
+        }
     }
 }
 
