@@ -144,111 +144,85 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
     return __half2float(b.d) * (float)b.qs[i % QK];
 }
 
-// One row of the norm modes by a block of NQ_THREADS threads, in the one order every caller
-// shares (the standalone kernel and the GEMV epilogue give the same bits): thread t takes values
-// t + NQ_THREADS j, so warp w's j-th values are the 32-value block NQ_WARPS j + w. A sum of
-// squares is each thread's values in j order, then block_sum's fixed tree. A block's
-// quantization (amax, d = amax / 127, q = rint(y / d), the quants' sum) has no order in it.
-// A pass loads NQ_CHUNK values per thread at once (a row of up to NQ_THREADS * NQ_CHUNK values is
-// loaded once, for all three passes); longer rows reload per pass. `a` and `res` are read through L2
-// (__ldcg): in a GEMV epilogue other blocks of the same launch wrote them. res_out may be res
-// (each thread rewrites only the values it read, after the passes that read them).
-#define NQ_THREADS 128
-#define NQ_WARPS (NQ_THREADS / WARP)
+#define NQ_THREADS 256
+#define NQ_PER 32  // values per thread: k <= NQ_THREADS * NQ_PER for the norm modes
 
-#define NQ_CHUNK 8  // values per thread a pass loads at once (a row of k <= NQ_THREADS * NQ_CHUNK: once)
+// Quantizes y (one value per lane, the lanes a block of 32) into block b of row m.
+__device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b, float y) {
+    const int lane = threadIdx.x % WARP;
+    const size_t i = (size_t)m * p.k + (size_t)b * QK + lane;
+    if (p.y_out) p.y_out[i] = y;
+    const float amax = warp_max(fabsf(y));
+    const float d = amax / 127.0f;
+    const int q = d == 0.0f ? 0 : (int)rintf(y / d);
+    p.qs[i] = (int8_t)q;
+    const int sum = warp_sum_i(q);
+    if (lane == 0) { p.qd[(size_t)m * (p.k / QK) + b] = d; p.qsum[(size_t)m * (p.k / QK) + b] = sum; }
+}
 
-// Row m's values of one thread, j = j0 .. j0 + NQ_CHUNK - 1 (value i = tid + NQ_THREADS j), loaded
-// together: a and res through L2, the norm weights; zeros past k.
-struct NqChunk { float a[NQ_CHUNK], r[NQ_CHUNK], wa[NQ_CHUNK], w[NQ_CHUNK]; };
-
-__device__ __forceinline__ void nq_load(const NormQuantArgs& p, int m, int j0, NqChunk& c) {
-    const int tid = threadIdx.x, k = p.k;
-#pragma unroll
-    for (int u = 0; u < NQ_CHUNK; ++u) {
-        const int i = tid + NQ_THREADS * (j0 + u);
-        const size_t at = (size_t)m * k + i;
-        const bool in = i < k;
-        c.a[u] = in && p.in_mode != 2 ? __ldcg(p.a + at) : 0.0f;
-        c.r[u] = in && p.in_mode == 1 ? __ldcg(p.res + at) : 0.0f;
-        c.wa[u] = in && p.in_mode == 1 ? __ldg(p.w_a + i) : 0.0f;
-        c.w[u] = in && p.norm ? __ldg(p.w + i) : 0.0f;
+// Grid: (blocks, M). The plain mode (in_mode 0, no norm, no res_out) spreads a row over blocks
+// of 8 warps, one warp per block of 32 values. The other modes take one block per row: thread t
+// holds values t + 256 j (so warp w's values for one j are the 32-value block 8 j + w), loads
+// all its inputs at once, and keeps them in registers through both norms and the quantization.
+extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) {
+    __shared__ float red[32];
+    const int m = blockIdx.y, k = p.k, tid = threadIdx.x;
+    const int lane = tid % WARP, warp = tid / WARP;
+    constexpr int NW = NQ_THREADS / WARP;
+    pdl_trigger();
+    pdl_wait();
+    if (p.in_mode == 0 && !p.norm && !p.res_out) {
+        const int b = blockIdx.x * NW + warp;
+        if (b >= k / QK) return;
+        quant_block(p, m, b, __ldg(p.a + (size_t)m * k + (size_t)b * QK + lane));
+        return;
     }
-}
-
-// The value t (the residual stream, or the row itself) of chunk entry u.
-__device__ __forceinline__ float nq_t(const NormQuantArgs& p, const NqChunk& c, int u, int token, int i, float ra) {
-    if (p.in_mode == 1) return c.r[u] + c.a[u] * ra * c.wa[u];
-    if (p.in_mode == 2) return embd_value(p.embd, p.k, token, i) * p.embd_scale;
-    return c.a[u];
-}
-
-// blockDim.x must be NQ_THREADS; `red` holds 32 floats of shared memory.
-__device__ void nq_row(const NormQuantArgs& p, int m, float* red) {
-    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
-    const int k = p.k, kb = k / QK;
-    const int per = (k + NQ_THREADS - 1) / NQ_THREADS;  // values per thread
-    const bool one = per <= NQ_CHUNK;                   // one chunk: loaded once for all passes
-    const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
-    NqChunk c;
-    if (one) nq_load(p, m, 0, c);
-    float ra = 0.0f;
+    float t[NQ_PER], w[NQ_PER];
+    float ss = 0.0f;
     if (p.in_mode == 1) {
-        float ss = 0.0f;
-        for (int j0 = 0; j0 < per; j0 += NQ_CHUNK) {
-            if (!one) nq_load(p, m, j0, c);
+        float a[NQ_PER], r[NQ_PER], wa[NQ_PER];
 #pragma unroll
-            for (int u = 0; u < NQ_CHUNK; ++u)
-                if (j0 + u < per) ss += c.a[u] * c.a[u];
+        for (int j = 0; j < NQ_PER; ++j) {
+            const int i = tid + NQ_THREADS * j;
+            a[j] = r[j] = wa[j] = w[j] = 0.0f;
+            if (i < k) {
+                a[j] = __ldg(p.a + (size_t)m * k + i);
+                r[j] = p.res[(size_t)m * k + i];
+                wa[j] = __ldg(p.w_a + i);
+                if (p.norm) w[j] = __ldg(p.w + i);
+            }
         }
-        ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) ss += a[j] * a[j];
+        const float ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
+    } else {
+        const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
+#pragma unroll
+        for (int j = 0; j < NQ_PER; ++j) {
+            const int i = tid + NQ_THREADS * j;
+            t[j] = w[j] = 0.0f;
+            if (i < k) {
+                t[j] = p.in_mode == 2 ? embd_value(p.embd, k, token, i) * p.embd_scale : __ldg(p.a + (size_t)m * k + i);
+                if (p.norm) w[j] = __ldg(p.w + i);
+            }
+        }
     }
     float rt = 1.0f;
     if (p.norm) {
         float s2 = 0.0f;
-        for (int j0 = 0; j0 < per; j0 += NQ_CHUNK) {
-            if (!one) nq_load(p, m, j0, c);
 #pragma unroll
-            for (int u = 0; u < NQ_CHUNK; ++u) {
-                const int i = tid + NQ_THREADS * (j0 + u);
-                if (j0 + u < per) {
-                    const float t = i < k ? nq_t(p, c, u, token, i, ra) : 0.0f;
-                    s2 += t * t;
-                }
-            }
-        }
+        for (int j = 0; j < NQ_PER; ++j) s2 += t[j] * t[j];
         rt = rsqrtf(block_sum_all(s2, red) / (float)k + p.eps);
     }
-    for (int j0 = 0; j0 < per; j0 += NQ_CHUNK) {
-        if (!one) nq_load(p, m, j0, c);
 #pragma unroll
-        for (int u = 0; u < NQ_CHUNK; ++u) {
-            // Warp w's values of pass j are the 32-value block NQ_WARPS j + w.
-            const int b = NQ_WARPS * (j0 + u) + warp;
-            if (b >= kb) break;
-            const int i = b * QK + lane;
-            const size_t at = (size_t)m * k + i;
-            const float t = nq_t(p, c, u, token, i, ra);
-            const float y = p.norm ? t * rt * c.w[u] : t;
-            // Every pass has read this value; no other thread reads it.
-            if (p.res_out) p.res_out[at] = t;
-            if (p.y_out) p.y_out[at] = y;
-            const float amax = warp_max(fabsf(y));
-            const float d = amax / 127.0f;
-            const int q = d == 0.0f ? 0 : (int)rintf(y / d);
-            p.qs[at] = (int8_t)q;
-            const int sum = warp_sum_i(q);
-            if (lane == 0) { p.qd[(size_t)m * kb + b] = d; p.qsum[(size_t)m * kb + b] = sum; }
-        }
+    for (int j = 0; j < NQ_PER; ++j) {
+        const int b = NW * j + warp;
+        if (b >= k / QK) break;
+        if (p.res_out) p.res_out[(size_t)m * k + tid + NQ_THREADS * j] = t[j];
+        quant_block(p, m, b, p.norm ? t[j] * rt * w[j] : t[j]);
     }
-}
-
-// Grid: (1, M) blocks of NQ_THREADS threads, a row each (nq_row).
-extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) {
-    __shared__ float red[32];
-    pdl_trigger();
-    pdl_wait();
-    nq_row(p, blockIdx.y, red);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -282,10 +256,8 @@ struct GemvArgs {
     int nseg;
     int k;
     int split;  // S: warps per row (1, 2 or 4), each over its slice of the units
-    int post;   // 1: the epilogue runs post_nq over the output (see gemv_post)
+    int pad;
     const int8_t* qs; const float* qd; const int* qsum;
-    int* counter;            // the epilogue's block count (zero between launches)
-    NormQuantArgs post_nq;   // the epilogue's norm_quant (its `a`: this GEMV's output, one segment)
 };
 
 #define GEMV_WARPS 4
@@ -493,25 +465,6 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
     }
 }
 
-// The epilogue: the last block of the launch to finish runs norm_quant's row work (nq_row) on
-// the GEMV's output, row after row, so the next GEMV's Q8 input is ready without a launch of its
-// own. Each block fences its outputs and counts itself on `counter`; the last one fences again,
-// reads them through L2, and sets the counter back to 0 for the next launch.
-template <int M>
-__device__ void gemv_post(const GemvArgs& p) {
-    static_assert(GEMV_WARPS * WARP == NQ_THREADS, "the epilogue's rows take the GEMV block's threads");
-    __shared__ int last;
-    __shared__ float red[32];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(p.counter, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    for (int m = 0; m < M; ++m) nq_row(p.post_nq, m, red);
-    if (threadIdx.x == 0) *p.counter = 0;
-}
-
 template <int M>
 __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
     __shared__ float part[GEMV_WARPS][GEMV_ROWS][MAX_ROWS][2];
@@ -544,7 +497,6 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
         case W_Q6_K * 2 + 1: gemv_seg<W_Q6_K, M, true>(p, s, r0, slice, S, part); break;
         default: break;
     }
-    if (p.post) gemv_post<M>(p);
 }
 #define GEMV_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_m##M(const GemvArgs p) { gemv_body<M>(p); }
 GEMV_INST(1) GEMV_INST(2) GEMV_INST(3) GEMV_INST(4) GEMV_INST(5) GEMV_INST(6) GEMV_INST(7) GEMV_INST(8)
@@ -944,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
 static_assert(sizeof(StepParams) == 76, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
-static_assert(sizeof(GemvArgs) == 360, "GemvArgs");
+static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");

@@ -17,8 +17,8 @@ use crate::blocks::WeightType;
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
-/// Threads of `norm_quant`'s row work (a block of its own, or a GEMV block's epilogue).
-pub const NQ_THREADS: usize = 128;
+/// The widest row `norm_quant`'s norm modes take (256 threads of 32 values in registers).
+pub const NQ_MAX_K: usize = 8192;
 /// Warps per GEMV block.
 pub const GEMV_WARPS: usize = 4;
 /// Output rows per GEMV warp.
@@ -141,15 +141,10 @@ pub struct GemvArgs {
     pub k: i32,
     /// Warps per output row (1, 2 or 4): [`Kernels::gemv_split`].
     pub split: i32,
-    /// 1: the epilogue runs `post_nq` over the output ([`Kernels::gemv_normed`]).
-    pub post: i32,
+    pub pad: i32,
     pub qs: DevPtr,
     pub qd: DevPtr,
     pub qsum: DevPtr,
-    /// The epilogue's block count: an int, zero between launches.
-    pub counter: DevPtr,
-    /// The epilogue's `norm_quant`.
-    pub post_nq: NormQuantArgs,
 }
 
 /// `qk_norm_rope_kv`'s arguments.
@@ -214,7 +209,7 @@ pub struct ArgmaxArgs {
 const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
-const _: () = assert!(std::mem::size_of::<GemvArgs>() == 360);
+const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
@@ -309,14 +304,18 @@ impl Kernels {
         unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result().map_err(err)
     }
 
-    /// `norm_quant` over `rows` rows: a block of [`NQ_THREADS`] per row.
+    /// `norm_quant` over `rows` rows: in the plain mode (`in_mode` 0, no norm, no `res_out`)
+    /// a block of 8 warps per 256 values of a row, else one block per row.
     ///
     /// # Safety
     /// Every non-zero address in `args` is live device memory of at least the extent decode.cu
     /// gives it for `rows` rows of `args.k` values.
     pub unsafe fn norm_quant(&self, stream: &Arc<CudaStream>, rows: usize, args: &NormQuantArgs) -> Result<(), GpuError> {
-        check_nq(args)?;
-        let cfg = LaunchConfig { grid_dim: (1, rows as u32, 1), block_dim: (NQ_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))?;
+        let plain = args.in_mode == 0 && args.norm == 0 && args.res_out == 0;
+        check(plain || args.k as usize <= NQ_MAX_K, || format!("norm_quant: k = {} is over {NQ_MAX_K}, the most a norm mode keeps in one block", args.k))?;
+        let blocks = if plain { (args.k as usize).div_ceil(256) } else { 1 };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.norm_quant, cfg, args, "norm_quant")
     }
 
@@ -346,28 +345,6 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
     /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
-        // SAFETY: the caller's contract.
-        unsafe { self.gemv_with(stream, rows, k, segs, act, None) }
-    }
-
-    /// The GEMV of one segment with `norm_quant` fused into its epilogue: the launch's last
-    /// block to finish runs `post` (whose `a` is this GEMV's output, `post.k` its rows) as the
-    /// `norm_quant` kernel would, the same bits, so the next GEMV's input is ready without a
-    /// launch of its own. The last block takes the rows one after another, where `norm_quant`
-    /// takes them side by side: it pays for few rows. `counter` is an int of device memory, zero before the launch (the
-    /// kernel leaves it zero again), used by no launch that may run at the same time.
-    ///
-    /// # Safety
-    /// As for [`Kernels::gemv`], and `post` as for [`Kernels::norm_quant`].
-    pub unsafe fn gemv_normed(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, seg: &GemvSeg, act: (DevPtr, DevPtr, DevPtr), post: &NormQuantArgs, counter: DevPtr) -> Result<(), GpuError> {
-        check_nq(post)?;
-        check(post.k == seg.n && post.a == seg.out && seg.out_stride == seg.n, || format!("gemv: the epilogue reads {} values of its input, the GEMV writes {} rows", post.k, seg.n))?;
-        check(counter != 0, || "gemv: the epilogue needs a counter".to_string())?;
-        // SAFETY: the caller's contract.
-        unsafe { self.gemv_with(stream, rows, k, std::slice::from_ref(seg), act, Some((post, counter))) }
-    }
-
-    unsafe fn gemv_with(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr), post: Option<(&NormQuantArgs, DevPtr)>) -> Result<(), GpuError> {
         check((1..=MAX_ROWS).contains(&rows), || format!("gemv: {rows} rows (1..={MAX_ROWS})"))?;
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
         let split = Self::gemv_split(k);
@@ -379,12 +356,7 @@ impl Kernels {
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
             blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
         }
-        if let Some((nq, counter)) = post {
-            args.post = 1;
-            args.post_nq = *nq;
-            args.counter = counter;
-        }
-        if let (None, [one]) = (post, segs) {
+        if let [one] = segs {
             if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
                 args.split = 1;
                 let cfg = LaunchConfig { grid_dim: ((one.n as usize).div_ceil(GEMV_STAGE_ROWS) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: stage_bytes as u32 };
@@ -433,11 +405,6 @@ impl Kernels {
         let cfg = LaunchConfig { grid_dim: (ARGMAX_BLOCKS as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.argmax, cfg, args, "argmax_rows")
     }
-}
-
-/// What `norm_quant`'s row work needs of its arguments: rows of whole 32-value blocks.
-fn check_nq(args: &NormQuantArgs) -> Result<(), GpuError> {
-    check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))
 }
 
 fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), GpuError> {

@@ -2,22 +2,22 @@
 //! buffers allocated once, and a step of 1..=8 rows as a fixed list of launches, captured once
 //! per row count as a CUDA graph and replayed.
 //!
-//! The step program: `norm_quant` of layer 0's input (the scaled embedding rows through
-//! `attn_norm`, as Q8 activations), then per layer 6 launches:
+//! The step program (per layer, 9 launches; after the last layer, 3):
 //!
-//! 1. `gemv`: Q, K and V in one launch (three segments, each its own weight type)
-//! 2. `qk_norm_rope_kv`: q/k norms, RoPE (local or global base), the query scale, K/V at the step's positions
-//! 3. attention (sliding window on local layers), its output written as Q8
-//! 4. `gemv`: the output projection; its epilogue `h + post_attention_norm(o)`, then `ffn_norm`, as Q8
-//! 5. `gemv`: gate and up with the GELU(tanh)·up epilogue; then the MLP's hidden row as Q8
-//! 6. `gemv`: down; its epilogue `h + post_ffw_norm(down)`, then the next layer's `attn_norm`
-//!    (after the last layer `output_norm`), as Q8
+//! 1. `norm_quant`: the residual stream (layer 0: the scaled embedding row; else
+//!    `h + post_ffw_norm(down)`), then `attn_norm`, as Q8 activations
+//! 2. `gemv`: Q, K and V in one launch (three segments, each its own weight type)
+//! 3. `qk_norm_rope_kv`: q/k norms, RoPE (local or global base), the query scale, K/V at the step's positions
+//! 4. attention (sliding window on local layers), its output written as Q8
+//! 5. `gemv`: the output projection
+//! 6. `norm_quant`: `h + post_attention_norm(o)`, then `ffn_norm`, as Q8
+//! 7. `gemv`: gate and up with the GELU(tanh)·up epilogue
+//! 8. `norm_quant`: the MLP's hidden row as Q8
+//! 9. `gemv`: down
 //!
-//! then the LM head `gemv` and the greedy argmax (a prompt's chunks before its last run a second
-//! graph without these two: the trunk alone, whose logits nobody reads). A GEMV's epilogue is
-//! `norm_quant`'s row work run by the launch's last block, for steps of up to [`FUSE_ROWS`] rows
-//! (`TINE_GPU_FUSE_ROWS`); longer steps launch `norm_quant` after the GEMV, the same bits. Every kernel is batch-invariant, so a step of M
-//! rows gives each row the bits a
+//! then `norm_quant` (`h + post_ffw_norm(down)`, `output_norm`), the LM head `gemv` and the
+//! greedy argmax (a prompt's chunks before its last run a second graph without these two: the
+//! trunk alone, whose logits nobody reads). Every kernel is batch-invariant, so a step of M rows gives each row the bits a
 //! one-row step at its position gives.
 
 use std::fs::File;
@@ -114,8 +114,6 @@ struct Buffers {
     cand_i: CudaSlice<i32>,
     argmax_counters: CudaSlice<i32>,
     ids: CudaSlice<i32>,
-    /// The GEMV epilogues' block count (launches run one at a time, so one serves them all).
-    post_counter: CudaSlice<i32>,
 }
 
 /// Gemma 3 on the GPU: weights and the step's buffers, shared by every sequence (steps run one
@@ -135,17 +133,8 @@ pub struct Gemma3Gpu {
     inv_global: CudaSlice<f32>,
     layers: Vec<Layer>,
     b: Buffers,
-    /// Steps of up to this many rows run each norm in the epilogue of the GEMV before it
-    /// (`TINE_GPU_FUSE_ROWS`, default [`FUSE_ROWS`]; 0: never); longer steps launch `norm_quant`
-    /// after the GEMV, which gives the same bits.
-    fuse_rows: usize,
     _ctx: Arc<CudaContext>,
 }
-
-/// Steps of up to this many rows run the norms in the GEMVs' epilogues: the epilogue's one
-/// block takes the rows one after another, so past a few rows a `norm_quant` launch (a block per
-/// row) is faster.
-pub const FUSE_ROWS: usize = 2;
 
 /// A captured step. The graph is launched from whichever thread steps its sequence, one launch
 /// at a time (the sequence is borrowed mutably for it), with the context bound by cudarc.
@@ -274,6 +263,9 @@ impl Gemma3Gpu {
         if !cfg.hidden.is_multiple_of(32) || !cfg.ff.is_multiple_of(32) {
             return Err(model_err(format!("widths {} and {} must be multiples of 32", cfg.hidden, cfg.ff)));
         }
+        if cfg.hidden > crate::cuda::NQ_MAX_K {
+            return Err(model_err(format!("hidden width {} is over {}, the widest row the fused norms take", cfg.hidden, crate::cuda::NQ_MAX_K)));
+        }
         // SAFETY: dlopens the driver library and closes it again (cudarc would panic without it).
         if !unsafe { sys::is_culib_present() } {
             return Err(model_err("cannot load libcuda.so.1 (the NVIDIA driver)".into()));
@@ -335,14 +327,12 @@ impl Gemma3Gpu {
             cand_i: alloc(&stream, m * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,
             ids: alloc(&stream, MAX_ROWS)?,
-            post_counter: alloc(&stream, 1)?,
         };
         let step = std::sync::Mutex::new(alloc(&stream, 1)?);
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(FUSE_ROWS);
-        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, fuse_rows, _ctx: ctx })
+        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -403,31 +393,14 @@ impl Gemma3Gpu {
         let s = &self.stream;
         let k = &self.kernels;
         let mut count = 0;
-        let fuse = rows <= self.fuse_rows;
-        // A GEMV of one segment whose output a norm reads next: the norm in its epilogue, or a
-        // launch of its own.
-        let normed = |k_in: usize, sg: GemvSeg, post: NormQuantArgs| -> std::result::Result<usize, GpuError> {
-            // SAFETY: as for the launches below.
-            unsafe {
-                if fuse {
-                    self.kernels.gemv_normed(&self.stream, rows, k_in, &sg, act, &post, self.ptr(&b.post_counter))?;
-                    Ok(1)
-                } else {
-                    self.kernels.gemv(&self.stream, rows, k_in, &[sg], act)?;
-                    self.kernels.norm_quant(&self.stream, rows, &post)?;
-                    Ok(2)
-                }
-            }
-        };
         // SAFETY: every buffer was allocated at load for MAX_ROWS rows of its width (rows <=
         // MAX_ROWS), the caches for ctx_len positions, and `forward` checks that the step's
         // positions are below ctx_len before it launches.
         unsafe {
-            // Layer 0's input: the embedding rows, scaled, through attn_norm.
-            k.norm_quant(s, rows, &nq(0, 0, 2, c.hidden, p(&self.layers[0].attn_norm)))?;
-            count += 1;
             for (l, ly) in self.layers.iter().enumerate() {
                 let local = c.is_local(l);
+                let first = if l == 0 { nq(0, 0, 2, c.hidden, p(&ly.attn_norm)) } else { nq(p(&b.down), p(&self.layers[l - 1].post_ffn_norm), 1, c.hidden, p(&ly.attn_norm)) };
+                k.norm_quant(s, rows, &first)?;
                 k.gemv(s, rows, c.hidden, &[seg(&ly.q, &b.q, qd), seg(&ly.k, &b.k, kvd), seg(&ly.v, &b.v, kvd)], act)?;
                 let rope = RopeArgs {
                     q: p(&b.q),
@@ -466,16 +439,17 @@ impl Gemma3Gpu {
                     chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
                 };
                 k.attention(s, rows, c.head_dim, &at)?;
-                count += 3;
-                count += normed(qd, seg(&ly.o, &b.o, c.hidden), nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
+                k.gemv(s, rows, qd, &[seg(&ly.o, &b.o, c.hidden)], act)?;
+                k.norm_quant(s, rows, &nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
                 let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
-                count += normed(c.hidden, glu, nq(p(&b.ff), 0, 0, c.ff, 0))?;
-                // The residual stream after the MLP, through the next layer's attn_norm or, after
-                // the last layer, the output norm (the LM head's input; the stream itself is the
-                // final hidden state).
-                let next_norm = self.layers.get(l + 1).map_or(&self.output_norm, |n| &n.attn_norm);
-                count += normed(c.ff, seg(&ly.down, &b.down, c.hidden), nq(p(&b.down), p(&ly.post_ffn_norm), 1, c.hidden, p(next_norm)))?;
+                k.gemv(s, rows, c.hidden, &[glu], act)?;
+                k.norm_quant(s, rows, &nq(p(&b.ff), 0, 0, c.ff, 0))?;
+                k.gemv(s, rows, c.ff, &[seg(&ly.down, &b.down, c.hidden)], act)?;
+                count += 9;
             }
+            let last = self.layers.last().expect("a model has layers");
+            k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
+            count += 1;
             if !head {
                 return Ok(count);
             }

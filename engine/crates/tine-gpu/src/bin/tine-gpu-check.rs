@@ -164,75 +164,6 @@ fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType,
     Ok(Case { name: format!("gemv segments k={k} [{}]", shape.join(", ")), worst, bits: None, note: String::new() })
 }
 
-/// A GEMV with norm_quant in its epilogue (`mode` 1: post-norm + residual + norm; 3: the plain
-/// quantization) against the GEMV then a norm_quant launch, rows 1..=8: the outputs, the Q8
-/// planes and the residual stream the same bits (norm_quant's own float64 cases hold what those
-/// bits must be). Run twice, so the epilogue's counter is shown to be back at zero.
-fn check_gemv_normed(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, mode: i32, glu: bool) -> Res<Case> {
-    let rows = MAX_ROWS;
-    let plain = mode == 3;
-    let w = t.quantize(&rng.vec(n * k, 0.5));
-    let w2 = t.quantize(&rng.vec(n * k, 0.5));
-    let act = ActQ8::quantize(&rng.vec(rows * k, 2.0), rows, k);
-    let res = rng.vec(rows * n, 10.0);
-    let w_a: Vec<f32> = rng.vec(n, 0.5).iter().map(|x| 1.0 + x).collect();
-    let wn: Vec<f32> = rng.vec(n, 0.5).iter().map(|x| 1.0 + x).collect();
-    let (wd, w2d, resd, wad, wnd) = (dev.up(&w)?, dev.up(&w2)?, dev.up(&res)?, dev.up(&w_a)?, dev.up(&wn)?);
-    let (qs, qd, qsum) = act_planes(dev, &act)?;
-    let step = dev.up(&[StepParams::default()])?;
-    let counter = dev.zeros::<i32>(1)?;
-    // [a, b]: the two ways, each with its own output, residual and Q8 planes.
-    let outs = [dev.zeros::<f32>(rows * n)?, dev.zeros::<f32>(rows * n)?];
-    let res_outs = [dev.zeros::<f32>(rows * n)?, dev.zeros::<f32>(rows * n)?];
-    let planes = [
-        (dev.zeros::<i8>(rows * n)?, dev.zeros::<f32>(rows * n / QK)?, dev.zeros::<i32>(rows * n / QK)?),
-        (dev.zeros::<i8>(rows * n)?, dev.zeros::<f32>(rows * n / QK)?, dev.zeros::<i32>(rows * n / QK)?),
-    ];
-    let seg = |i: usize| GemvSeg { w: dev.ptr(&wd), w2: if glu { dev.ptr(&w2d) } else { 0 }, out: dev.ptr(&outs[i]), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu as i32, block_start: 0 };
-    let post = |i: usize| NormQuantArgs {
-        a: dev.ptr(&outs[i]),
-        res: dev.ptr(&resd),
-        w_a: dev.ptr(&wad),
-        embd: 0,
-        embd_scale: 1.0,
-        step: dev.ptr(&step),
-        w: if plain { 0 } else { dev.ptr(&wnd) },
-        eps: 1e-6,
-        res_out: if plain { 0 } else { dev.ptr(&res_outs[i]) },
-        y_out: 0,
-        qs: dev.ptr(&planes[i].0),
-        qd: dev.ptr(&planes[i].1),
-        qsum: dev.ptr(&planes[i].2),
-        k: n as i32,
-        in_mode: if plain { 0 } else { mode },
-        norm: i32::from(!plain),
-    };
-    let act_p = (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum));
-    let mut bits = true;
-    for _ in 0..2 {
-        for m in 1..=rows {
-            // SAFETY: the weights hold n rows of k of type t, the activation planes `rows` rows of
-            // k, every other buffer `rows` rows of n (n/32 for the scales); the counter is zero.
-            unsafe {
-                dev.k.gemv(&dev.stream, m, k, &[seg(0)], act_p)?;
-                dev.k.norm_quant(&dev.stream, m, &post(0))?;
-                dev.k.gemv_normed(&dev.stream, m, k, &seg(1), act_p, &post(1), dev.ptr(&counter))?;
-            }
-            let same_f = |x: &CudaSlice<f32>, y: &CudaSlice<f32>, len: usize| -> Res<bool> { Ok(dev.down(x)?[..len].iter().zip(&dev.down(y)?[..len]).all(|(a, b)| a.to_bits() == b.to_bits())) };
-            bits &= same_f(&outs[0], &outs[1], m * n)?;
-            bits &= same_f(&planes[0].1, &planes[1].1, m * n / QK)?;
-            bits &= dev.down(&planes[0].0)?[..m * n] == dev.down(&planes[1].0)?[..m * n];
-            bits &= dev.down(&planes[0].2)?[..m * n / QK] == dev.down(&planes[1].2)?[..m * n / QK];
-            if !plain {
-                bits &= same_f(&res_outs[0], &res_outs[1], m * n)?;
-            }
-        }
-    }
-    let note = if dev.down(&counter)?[0] != 0 { "the epilogue's counter is not back at zero".to_string() } else { String::new() };
-    let what = if plain { "quantize" } else { "residual + norm" };
-    Ok(Case { name: format!("gemv {t:?} n={n} k={k}{} + epilogue {what}", if glu { " glu" } else { "" }), worst: 0.0, bits: Some(bits), note })
-}
-
 /// norm_quant in one mode, rows 1..=8.
 /// `mode` 0..=2 as the kernel's in_mode with the norm and res_out; 3: the plain quantization
 /// (in_mode 0, no norm, no res_out).
@@ -571,18 +502,6 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         }
     }
     cases.push(check_norm_quant(dev, &mut rng, 21504, 3)?);
-    // The epilogues of Gemma 3 270M's step (O: residual + norm; GLU: quantize; down: residual +
-    // norm), then other widths.
-    for (t, n, k, mode, glu) in [
-        (WeightType::Q4K, 640, 1024, 1, false),
-        (WeightType::Q5_0, 2048, 640, 3, true),
-        (WeightType::Q6K, 640, 2048, 1, false),
-        (WeightType::Q8_0, 2304, 256, 1, false),
-        (WeightType::Q8_0, 96, 64, 3, false),
-        (WeightType::Q4K, 32, 512, 1, true),
-    ] {
-        cases.push(check_gemv_normed(dev, &mut rng, t, n, k, mode, glu)?);
-    }
     for (h, kv, hd, pos) in [(4, 1, 256, 0), (4, 1, 256, 1000), (8, 2, 128, 77), (2, 2, 64, 31000)] {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos)?);
     }
@@ -705,15 +624,10 @@ mod bench {
             in_mode: mode,
             norm: norm_on as i32,
         };
-        let counter = dev.zeros::<i32>(1)?;
-        // Steps of up to TINE_GPU_FUSE_ROWS rows (the engine's default) run the norms in the GEMVs'
-        // epilogues, as the engine does.
-        let fuse_rows = std::env::var("TINE_GPU_FUSE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(tine_gpu::gemma3::FUSE_ROWS);
         // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
         // recorded after each launch, labelled with what the launch does (the profile).
         let step_launches = |rows: usize, marks: &mut Option<Marks>, skip: Option<&str>| -> Res<usize> {
             let mut count = 0;
-            let fuse = rows <= fuse_rows;
             let mut mark = |label: &'static str| -> Res<()> {
                 if let Some(m) = marks.as_mut() {
                     m.push((label, record_node(dev)?));
@@ -723,25 +637,13 @@ mod bench {
             // SAFETY: every buffer above is sized for MAX_ROWS rows of its width, the caches CTX
             // positions (the step's positions are 1000..1008).
             unsafe {
-                // A GEMV whose output a norm reads: the norm in its epilogue, or launched after it.
-                let normed = |rows: usize, k: usize, sg: GemvSeg, post: NormQuantArgs| -> Res<usize> {
-                    if fuse {
-                        dev.k.gemv_normed(&dev.stream, rows, k, &sg, act, &post, dev.ptr(&counter))?;
-                        Ok(1)
-                    } else {
-                        dev.k.gemv(&dev.stream, rows, k, &[sg], act)?;
-                        dev.k.norm_quant(&dev.stream, rows, &post)?;
-                        Ok(2)
-                    }
-                };
-                let label = "norm_quant: embedding + attn_norm";
-                if skip != Some(label) {
-                    dev.k.norm_quant(&dev.stream, rows, &nq(0, 2, HIDDEN, true))?;
-                    count += 1;
-                }
-                mark(label)?;
                 for (l, ly) in layers.iter().enumerate() {
                     let global = l % 6 == 5;
+                    let label = "norm_quant: residual + attn_norm";
+                    if skip != Some(label) {
+                        dev.k.norm_quant(&dev.stream, rows, &if l == 0 { nq(0, 2, HIDDEN, true) } else { nq(p(&down), 1, HIDDEN, true) })?;
+                    }
+                    mark(label)?;
                     let seg = |w: &CudaSlice<u8>, out: &CudaSlice<f32>, n: usize, t: WeightType| GemvSeg {
                         w: dev.ptr(w),
                         out: p(out),
@@ -806,24 +708,39 @@ mod bench {
                         dev.k.attention(&dev.stream, rows, HD, &at)?;
                     }
                     mark(label)?;
-                    let label = "gemv: o + residual + ffn_norm";
+                    let label = "gemv: o";
                     if skip != Some(label) {
-                        count += normed(rows, HEADS * HD, seg(&ly.o, &o, HIDDEN, WeightType::Q4K), nq(p(&o), 1, HIDDEN, true))?;
+                        dev.k.gemv(&dev.stream, rows, HEADS * HD, &[seg(&ly.o, &o, HIDDEN, WeightType::Q4K)], act)?;
+                    }
+                    mark(label)?;
+                    let label = "norm_quant: residual + ffn_norm";
+                    if skip != Some(label) {
+                        dev.k.norm_quant(&dev.stream, rows, &nq(p(&o), 1, HIDDEN, true))?;
                     }
                     mark(label)?;
                     let glu = GemvSeg { w: dev.ptr(&ly.gate), w2: dev.ptr(&ly.up), out: p(&ff), n: FF as i32, wtype: WeightType::Q5_0.ggml_id(), out_stride: FF as i32, glu: 1, block_start: 0 };
-                    let label = "gemv: gate/up GLU + quantize";
+                    let label = "gemv: gate/up GLU";
                     if skip != Some(label) {
-                        count += normed(rows, HIDDEN, glu, nq(p(&ff), 0, FF, false))?;
+                        dev.k.gemv(&dev.stream, rows, HIDDEN, &[glu], act)?;
                     }
                     mark(label)?;
-                    let label = "gemv: down + residual + norm";
+                    let label = "norm_quant: ffn hidden";
                     if skip != Some(label) {
-                        count += normed(rows, FF, seg(&ly.down, &down, HIDDEN, WeightType::Q6K), nq(p(&down), 1, HIDDEN, true))?;
+                        dev.k.norm_quant(&dev.stream, rows, &nq(p(&ff), 0, FF, false))?;
                     }
                     mark(label)?;
-                    count += 3;
+                    let label = "gemv: down";
+                    if skip != Some(label) {
+                        dev.k.gemv(&dev.stream, rows, FF, &[seg(&ly.down, &down, HIDDEN, WeightType::Q6K)], act)?;
+                    }
+                    mark(label)?;
+                    count += 9;
                 }
+                let label = "norm_quant: output_norm";
+                if skip != Some(label) {
+                    dev.k.norm_quant(&dev.stream, rows, &nq(p(&down), 1, HIDDEN, true))?;
+                }
+                mark(label)?;
                 let lm = GemvSeg { w: dev.ptr(&embd), out: p(&logits), n: VOCAB as i32, wtype: WeightType::Q8_0.ggml_id(), out_stride: VOCAB as i32, ..Default::default() };
                 let label = "gemv: LM head";
                 if skip != Some(label) {
@@ -836,7 +753,7 @@ mod bench {
                     dev.k.argmax(&dev.stream, rows, &am)?;
                 }
                 mark(label)?;
-                count += 2;
+                count += 3;
             }
             Ok(count)
         };
