@@ -9,6 +9,9 @@
 #                                        #   JIT cold/warm first token, prefill/decode, spec, serve
 #
 # A warm device machine keeps /tmp between calls, so the chunks collect there one call at a time.
+# `tine --device cuda` runs the default model on the GPU engine (tine-gpu); TINE_GPU_ENGINE=0 runs
+# candle's CUDA path (the synthetic CUDA tests run candle's path: their F32 weights are not the
+# engine's types).
 set -uo pipefail
 S="$(cd "$(dirname "$0")" && pwd)"
 P="$(dirname "$S")"

@@ -15,7 +15,8 @@
 #                                          # llama-bench pp512/tg128 against tine on the engine,
 #                                          # then /completion on both servers (serve_check.py)
 #   bash tools/cuda/engine_job.sh runtime  # `tine` (target/gpu-engine/tine.tar.xz) on the engine
-#                                          # (TINE_GPU_ENGINE=1): greedy ids against the CPU's,
+#                                          # (its default; candle's path with TINE_GPU_ENGINE=0):
+#                                          # greedy ids against the CPU's,
 #                                          # decode speed against candle's CUDA path, spec on vs
 #                                          # off at temperature 0 and seeded 0.8, spec-bench
 #
@@ -60,7 +61,7 @@ for i, line in enumerate(open(sys.argv[1])):
     json.dump(json.loads(line)["prompt_ids"], open(f"{sys.argv[2]}/prompt-{i + 1}.json", "w"))
 PY
   for i in 1 2 3 4 5 6; do
-    run "greedy-$i" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --prompt-ids "$W/prompt-$i.json" -n 64 --temp 0 --ignore-eos --json "$OUT/greedy-$i.json"
+    run "greedy-$i" 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/prompt-$i.json" -n 64 --temp 0 --ignore-eos --json "$OUT/greedy-$i.json"
   done
   python3 - "$(pick cpu-ref.jsonl)" "$OUT" <<'PY' | tee -a "$log"
 import json, sys
@@ -85,21 +86,21 @@ PY
   timeout 200 "$bin" --no-table --model "$M" --ref "$W/llama-ref.jsonl" 2>&1 | grep "prompt [0-9]" | tee -a "$log"
   # Decode speed: the engine, then candle's CUDA path, 512 tokens after a short prompt.
   for r in 1 2; do
-    run "speed-engine-$r" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-engine-$r.json"
+    run "speed-engine-$r" 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-engine-$r.json"
   done
-  run speed-candle 120 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-candle.json"
+  run speed-candle 120 env TINE_GPU_ENGINE=0 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 512 --temp 0 --ignore-eos --json "$OUT/speed-candle.json"
   # Spec on vs off on the engine: n-gram and the draft model (the target drafting itself).
   for temp in 0 0.8; do
-    run "plain-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-t$temp.json"
-    run "ngram-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --spec-type ngram -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/ngram-t$temp.json"
-    run "draft-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -md "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/draft-t$temp.json"
+    run "plain-t$temp" 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-t$temp.json"
+    run "ngram-t$temp" 60 "$T" generate --device cuda -m "$M" --spec-type ngram -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/ngram-t$temp.json"
+    run "draft-t$temp" 60 "$T" generate --device cuda -m "$M" -md "$M" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/draft-t$temp.json"
   done
   # NextN self-speculation on the engine (the trunk's hidden states read back per verify step).
   G="$W/nextn.gguf"
   run graft 120 "$T" graft-nextn --target "$M" --head "$root/drafters/gemma3-270m-nextn.gguf" -o "$G"
   for temp in 0 0.8; do
-    run "plain-mtp-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$G" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-mtp-t$temp.json"
-    run "mtp-t$temp" 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$G" --spec-type draft-mtp -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/mtp-t$temp.json"
+    run "plain-mtp-t$temp" 60 "$T" generate --device cuda -m "$G" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-mtp-t$temp.json"
+    run "mtp-t$temp" 60 "$T" generate --device cuda -m "$G" --spec-type draft-mtp -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/mtp-t$temp.json"
   done
   python3 - "$OUT" <<'PY' | tee -a "$log"
 import json, sys, os
@@ -118,7 +119,7 @@ for t in ["0", "0.8"]:
         same = d["ids"] == p["ids"]
         print(f"{s} temp {t}: spec {'IDENTICAL to' if same else 'DIFFERS from'} plain; accepted {d['draft_n_accepted']}/{d['draft_n']}; {d['predicted_per_second']:.1f} vs plain {p['predicted_per_second']:.1f} tok/s")
 PY
-  run spec-bench 240 env TINE_GPU_ENGINE=1 "$T" spec-bench --device cuda -m "$G" -md "$M" --types ngram,draft-mtp,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
+  run spec-bench 240 "$T" spec-bench --device cuda -m "$G" -md "$M" --types ngram,draft-mtp,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
   tail -n 30 "$OUT/spec-bench.md" 2>/dev/null | tee -a "$log"
   exit 0
 fi
@@ -144,9 +145,9 @@ if [ "$mode" = llama ]; then
   say "llama-bench"
   timeout 180 "$LB/llama-bench" -m "$M" -ngl 99 -p 512 -n 128 -r 5 2>&1 | tee -a "$log" | grep -E '^\|'
   for r in 1 2 3; do
-    timeout 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/tg128-$r.json" >>"$log" 2>&1
-    timeout 60 env TINE_GPU_ENGINE=1 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-engine-$r.json" >>"$log" 2>&1
-    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-candle-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/tg128-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-engine-$r.json" >>"$log" 2>&1
+    timeout 60 env TINE_GPU_ENGINE=0 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-candle-$r.json" >>"$log" 2>&1
   done
   python3 - "$OUT" <<'PY' | tee -a "$log"
 import json, statistics, sys
@@ -167,7 +168,7 @@ PY
   timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$(pick long-prompt.json)" "$OUT/serve-llama.json" 2>&1 | tee -a "$log"
   kill "$SP" 2>/dev/null; wait "$SP" 2>/dev/null
   PORT=18091
-  TINE_GPU_ENGINE=1 "$T" serve --device cuda -m "$M" --port $PORT -c 4096 >"$OUT/tine-serve.log" 2>&1 &
+  "$T" serve --device cuda -m "$M" --port $PORT -c 4096 >"$OUT/tine-serve.log" 2>&1 &
   SP=$!
   say "tine serve /completion (engine)"
   timeout 240 python3 "$root/tools/cuda/serve_check.py" "http://127.0.0.1:$PORT" "$(pick long-prompt.json)" "$OUT/serve-tine.json" 2>&1 | tee -a "$log"

@@ -54,6 +54,9 @@ pub enum Gemma3GpuError {
 
 type Result<T> = std::result::Result<T, Gemma3GpuError>;
 
+/// One layer's K and V values, `(n_kv, len, head_dim)` each ([`Gemma3Gpu::read_kv`]).
+pub type LayerKv = (Vec<f32>, Vec<f32>);
+
 /// The hyperparameters the step program needs, read from the GGUF's metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gemma3Config {
@@ -587,6 +590,51 @@ impl Gemma3Gpu {
         let mut v = vec![0f32; n];
         self.stream.memcpy_dtoh(&self.b.h.slice(..n), &mut v[..])?;
         Ok(v)
+    }
+
+    /// Every layer's K and V for `cache`'s positions, `(n_kv, len, head_dim)` f32 each, in
+    /// order (candle's cache layout, so a slot file moves between the engine and candle's path).
+    pub fn read_kv(&self, cache: &GpuCache) -> Result<Vec<LayerKv>> {
+        let (n_kv, hd, len, ctx) = (self.cfg.n_kv, self.cfg.head_dim, cache.pos, cache.ctx_len);
+        let mut out = Vec::with_capacity(self.cfg.layers);
+        for l in 0..self.cfg.layers {
+            let (mut k, mut v) = (vec![0f32; n_kv * len * hd], vec![0f32; n_kv * len * hd]);
+            for h in 0..n_kv {
+                let (src, dst) = (h * ctx * hd..h * ctx * hd + len * hd, h * len * hd..(h + 1) * len * hd);
+                self.stream.memcpy_dtoh(&cache.k[l].slice(src.clone()), &mut k[dst.clone()])?;
+                self.stream.memcpy_dtoh(&cache.v[l].slice(src), &mut v[dst])?;
+            }
+            out.push((k, v));
+        }
+        Ok(out)
+    }
+
+    /// Sets `cache` to `len` positions whose K and V are `layers` ([`Gemma3Gpu::read_kv`]'s
+    /// layout). Checked first: on a shape error the cache is unchanged; a copy that fails
+    /// part way leaves it empty.
+    pub fn write_kv(&self, cache: &mut GpuCache, len: usize, layers: &[LayerKv]) -> Result<()> {
+        let (n_kv, hd, ctx) = (self.cfg.n_kv, self.cfg.head_dim, cache.ctx_len);
+        let fail = |what: String| Gemma3GpuError::Step { rows: 0, pos: cache.pos, what };
+        if len > ctx {
+            return Err(fail(format!("{len} positions for a cache of {ctx}")));
+        }
+        if layers.len() != self.cfg.layers {
+            return Err(fail(format!("K/V of {} layers for a model of {}", layers.len(), self.cfg.layers)));
+        }
+        if let Some((k, v)) = layers.iter().find(|(k, v)| k.len() != n_kv * len * hd || v.len() != k.len()) {
+            return Err(fail(format!("a layer's K/V hold {} and {} values, expected {n_kv} x {len} x {hd}", k.len(), v.len())));
+        }
+        cache.pos = 0;
+        for (l, (k, v)) in layers.iter().enumerate() {
+            for h in 0..n_kv {
+                let (dst, src) = (h * ctx * hd..h * ctx * hd + len * hd, h * len * hd..(h + 1) * len * hd);
+                self.stream.memcpy_htod(&k[src.clone()], &mut cache.k[l].slice_mut(dst.clone()))?;
+                self.stream.memcpy_htod(&v[src], &mut cache.v[l].slice_mut(dst))?;
+            }
+        }
+        self.stream.synchronize()?;
+        cache.pos = len;
+        Ok(())
     }
 
     /// Waits for the stream.

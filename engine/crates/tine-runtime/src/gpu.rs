@@ -1,8 +1,8 @@
-//! The seam to tine-gpu's decode engine: with `--device cuda` and `TINE_GPU_ENGINE=1`, a Gemma 3
-//! whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its steps
-//! there, one captured CUDA graph per row count, instead of through candle's CUDA backend op by
-//! op. Opt-in until the engine carries every spec type; candle's path also has what the engine
-//! does not yet: the assistant head (it reads candle's KV cache) and slot files.
+//! The seam to tine-gpu's decode engine: with `--device cuda` (unless `TINE_GPU_ENGINE=0`), a
+//! Gemma 3 whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its
+//! steps there, one captured CUDA graph per row count, instead of through candle's CUDA backend
+//! op by op. What the engine does not carry yet, the assistant head (it reads candle's KV
+//! cache), runs on candle's path: [`crate::Model::leave_gpu_engine`].
 //!
 //! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
 //! always `None` and the runtime's code needs no `cfg`.
@@ -10,6 +10,9 @@
 use std::path::Path;
 
 use candle_core::Device;
+
+/// One layer's K and V values, `(kv_heads, len, head_dim)` each.
+pub type LayerKv = (Vec<f32>, Vec<f32>);
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -29,12 +32,12 @@ mod imp {
     pub const MAX_BANNED: usize = tine_gpu::cuda::MAX_BANNED;
 
     impl GpuTrunk {
-        /// The engine for a model on `device`, or why not: `Ok(None)` on the CPU or without
-        /// `TINE_GPU_ENGINE=1`; `Err(reason)` where the engine cannot run this model (the
+        /// The engine for a model on `device`, or why not: `Ok(None)` on the CPU or with
+        /// `TINE_GPU_ENGINE=0`; `Err(reason)` where the engine cannot run this model (the
         /// caller falls back to candle when the reason is the model).
         pub fn open(path: &Path, device: &Device, max_ctx: usize) -> Result<Option<GpuTrunk>, GpuError> {
             let candle_core::DeviceLocation::Cuda { gpu_id } = device.location() else { return Ok(None) };
-            if !std::env::var("TINE_GPU_ENGINE").is_ok_and(|v| v == "1") {
+            if std::env::var("TINE_GPU_ENGINE").is_ok_and(|v| v == "0") {
                 return Ok(None);
             }
             Ok(Some(GpuTrunk(Gemma3Gpu::load(path, gpu_id, max_ctx)?)))
@@ -85,6 +88,21 @@ mod imp {
         pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<Vec<u32>, GpuError> {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             self.0.argmax(&seq.0)
+        }
+    }
+
+    impl GpuTrunk {
+        /// Every layer's K and V of `seq`'s positions, `(n_kv, len, head_dim)` each.
+        pub fn read_kv(&self, seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
+            self.0.read_kv(&seq.0)
+        }
+        /// `seq` holds `len` positions with K and V `layers` (as [`GpuTrunk::read_kv`] gives).
+        pub fn write_kv(&self, seq: &mut GpuSeq, len: usize, layers: &[LayerKv]) -> Result<(), GpuError> {
+            self.0.write_kv(&mut seq.0, len, layers)
+        }
+        /// KV heads and head size (a layer's K is `(kv_heads, len, head_dim)`).
+        pub fn kv_shape(&self) -> (usize, usize) {
+            (self.0.config().n_kv, self.0.config().head_dim)
         }
     }
 
@@ -145,6 +163,15 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn forward_last(&self, _seq: &mut GpuSeq, _tokens: &[u32], _hidden: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn read_kv(&self, _seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn write_kv(&self, _seq: &mut GpuSeq, _len: usize, _layers: &[LayerKv]) -> Result<(), GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn kv_shape(&self) -> (usize, usize) {
             unreachable!("{NEVER}")
         }
         pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {

@@ -148,10 +148,17 @@ impl Reader<'_> {
 impl Sequence {
     /// This sequence's tokens and KV, to save.
     pub fn image(&self, model: &Model) -> Result<SlotImage, StepError> {
-        if self.on_gpu_engine() {
-            return Err(StepError::NotOnGpuEngine("saving a slot"));
-        }
         let mut layers = Vec::new();
+        if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_ref()) {
+            // The engine's K/V in candle's layout: a slot saved here restores on either path.
+            if g.len() > 0 {
+                let (n_kv, hd) = gpu.kv_shape();
+                for (k, v) in gpu.read_kv(g)? {
+                    layers.push(([1, n_kv, g.len(), hd], k, v));
+                }
+            }
+            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers });
+        }
         for (k, v) in self.cache.snapshot()?.unwrap_or_default() {
             let d = k.dims();
             let dims = [d[0], d[1], d[2], d[3]];
@@ -163,9 +170,6 @@ impl Sequence {
 
     /// Replaces this sequence's state with `img`. On error the sequence is unchanged.
     pub fn restore_image(&mut self, model: &Model, img: &SlotImage) -> Result<(), SlotFileError> {
-        if self.on_gpu_engine() {
-            return Err(StepError::NotOnGpuEngine("restoring a slot").into());
-        }
         let running = fingerprint(model);
         if img.model != running {
             return Err(SlotFileError::OtherModel { saved: img.model.clone(), running });
@@ -175,6 +179,31 @@ impl Sequence {
         }
         if let Some(&t) = img.tokens.iter().find(|&&t| t as usize >= model.info.vocab_size) {
             return Err(SlotFileError::Malformed(format!("token id {t} is outside the vocabulary")));
+        }
+        if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_mut()) {
+            let len = img.tokens.len();
+            let (n_kv, hd) = gpu.kv_shape();
+            if len > 0 && img.layers.len() != model.info.block_count {
+                return Err(SlotFileError::Malformed(format!("KV of {} layers for a model of {}", img.layers.len(), model.info.block_count)));
+            }
+            if let Some((dims, _, _)) = img.layers.iter().find(|(d, _, _)| *d != [1, n_kv, len, hd]) {
+                return Err(SlotFileError::Malformed(format!("a layer's KV is {dims:?}, this model's for {len} tokens is {:?}", [1, n_kv, len, hd])));
+            }
+            let layers: Vec<crate::gpu::LayerKv> = img.layers.iter().map(|(_, k, v)| (k.clone(), v.clone())).collect();
+            if len > 0 {
+                // A copy that fails part way leaves the cache empty: forget the tokens too.
+                if let Err(e) = gpu.write_kv(g, len, &layers) {
+                    self.tokens.clear();
+                    g.truncate(0);
+                    return Err(SlotFileError::Malformed(format!("the KV does not fit this model: {}", crate::error_chain(&e))));
+                }
+            } else if !layers.is_empty() {
+                return Err(SlotFileError::Malformed("KV layers for no tokens".into()));
+            } else {
+                g.truncate(0);
+            }
+            self.tokens = img.tokens.clone();
+            return Ok(());
         }
         let dev = &model.device;
         let mut kv = Vec::with_capacity(img.layers.len());

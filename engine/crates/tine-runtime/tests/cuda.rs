@@ -5,8 +5,9 @@
 //! What is checked: the CUDA forward against the float64 reference on synthetic GGUFs (every
 //! position, past the sliding window, one-shot and token by token), verify batches and the
 //! KV-cache rollback on the device, the NextN head (the assistant head is ignored: CPU-only
-//! attention, patch 0012), and on the real model: CUDA against the CPU path (greedy ids, logits
-//! where they agree) and against llama.cpp's recorded greedy ids up to near-ties.
+//! attention, patch 0012), and on the real model (which `--device cuda` runs on the GPU
+//! engine): CUDA against the CPU path (greedy ids, logits where they agree), against llama.cpp's
+//! recorded greedy ids up to near-ties, and slot images saved on the engine.
 
 use candle_core::Device;
 use tine_runtime::{Assistant, DeviceSpec, Logits, Model, NextNState};
@@ -277,4 +278,49 @@ fn cuda_argmax_picks_the_lowest_id_of_the_largest_logit_as_greedy_sampling_does(
         tok = want;
     }
     eprintln!("argmax on the GPU = greedy sampling's pick over {} rows and 16 decode steps, with and without banned ids", 5 * 7);
+}
+
+#[test]
+fn cuda_real_model_slot_image_round_trips_on_the_gpu_engine_and_moves_to_the_cpu() {
+    let Some((cpu, gpu)) = real_models() else { return };
+    assert_eq!(gpu.engine(), "tine-gpu", "--device cuda runs the default model on the GPU engine");
+    let prompt = toks(40);
+    let mut seq = gpu.new_sequence(256);
+    seq.prefill(&gpu, &prompt).expect("prefill");
+    for t in [17u32, 923, 4] {
+        seq.decode(&gpu, t).expect("decode");
+    }
+    let bytes = seq.image(&gpu).expect("the engine's KV reads back").to_bytes();
+    let img = tine_runtime::SlotImage::from_bytes(&bytes).expect("parses");
+    assert_eq!(img.layers.len(), gpu.info.block_count);
+    // Restored on the engine: the next step is the same bits as the original sequence's.
+    let mut back = gpu.new_sequence(256);
+    back.restore_image(&gpu, &img).expect("restores on the engine");
+    assert_eq!(back.tokens(), seq.tokens());
+    let (a, b) = (seq.decode(&gpu, 88).expect("decode"), back.decode(&gpu, 88).expect("decode"));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "a restored engine sequence continues bit for bit");
+    // Restored on the CPU path: the same model's KV in candle's layout, so it continues with the
+    // CPU's own next step from the engine's cache (equal to the engine's up to f32 rounding).
+    let mut on_cpu = cpu.new_sequence(256);
+    on_cpu.restore_image(&cpu, &img).expect("an engine slot restores on the CPU path");
+    let c = on_cpu.decode(&cpu, 88).expect("decode");
+    eprintln!("engine slot on the CPU: max |Δlogit| {:.4} against the engine's next step", worst(&a, &c));
+    assert!(worst(&a, &c) < 2.0, "the CPU continues an engine slot close to the engine: {}", worst(&a, &c));
+}
+
+#[test]
+fn cuda_real_model_long_prompt_prefill_through_candle_continues_like_the_engine_prefill() {
+    let Some((_cpu, gpu)) = real_models() else { return };
+    let prompt = toks(300);
+    // An empty sequence's prompt of 64 tokens or more goes through candle's batched forward, its
+    // K/V copied into the engine's cache; a prompt that continues a sequence steps the engine.
+    let mut batched = gpu.new_sequence(512);
+    let a = batched.prefill(&gpu, &prompt).expect("prefill through candle");
+    let mut stepped = gpu.new_sequence(512);
+    stepped.prefill(&gpu, &prompt[..10]).expect("a short prompt on the engine");
+    let b = stepped.prefill(&gpu, &prompt[10..]).expect("the rest on the engine");
+    let (c, d) = (batched.decode(&gpu, 88).expect("decode"), stepped.decode(&gpu, 88).expect("decode"));
+    eprintln!("prefill through candle against the engine's: max |Δlogit| {:.4} at the prompt's end, {:.4} one step later", worst(&a, &b), worst(&c, &d));
+    assert!(worst(&a, &b) < 2.0 && worst(&c, &d) < 2.0, "candle's prefill and the engine's agree up to rounding");
+    assert_eq!(batched.len(), stepped.len());
 }
