@@ -250,12 +250,6 @@ impl SpecArgs {
         })
     }
 
-    /// Whether the speculation reads candle's KV cache (the assistant head), which the GPU
-    /// engine does not keep: the target then runs on candle's path ([`leave_engine_for`]).
-    fn needs_candle(&self) -> bool {
-        self.config().is_some_and(|c| c.spec_type == SpecType::DraftAssistant)
-    }
-
     fn load(&self, model: &Model) -> anyhow::Result<Option<SpecFactory>> {
         let Some(config) = self.config() else { return Ok(None) };
         let what = format!("speculative decoding ({})", config.label());
@@ -383,24 +377,13 @@ pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
     Ok(model)
 }
 
-/// Moves `model` off the GPU engine when `needed` (a spec type the engine does not carry yet:
-/// the assistant head reads candle's KV cache), saying so.
-pub(crate) fn leave_engine_for(model: &mut Model, needed: bool) {
-    if needed && model.engine() == "tine-gpu" {
-        let why = "the assistant head (--spec-type draft-assistant) reads candle's KV cache, which the GPU engine does not keep yet";
-        model.leave_gpu_engine(why);
-        eprintln!("tine: candle's CUDA path runs this model: {why}");
-    }
-}
-
 fn parse_ids(text: &str) -> anyhow::Result<Vec<u32>> {
     let inner = text.trim().strip_prefix('[').and_then(|t| t.strip_suffix(']')).context("expected [id, id, ...]")?;
     inner.split(',').filter(|s| !s.trim().is_empty()).map(|s| Ok(s.trim().parse::<u32>()?)).collect()
 }
 
 fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let mut model = load(&a.model)?;
-    leave_engine_for(&mut model, a.spec.needs_candle());
+    let model = load(&a.model)?;
     let prompt_ids = if let Some(file) = &a.prompt_ids {
         let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         parse_ids(&text).with_context(|| format!("{} is not a JSON array of token ids", file.display()))?
@@ -508,7 +491,7 @@ pub(crate) fn sampled_run(
 }
 
 fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
-    let mut model = load(&a.model)?;
+    let model = load(&a.model)?;
     let prompts: Vec<String> = match &a.prompts {
         Some(f) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?.lines().filter(|l| !l.trim().is_empty()).map(|l| l.replace("\\n", "\n")).collect(),
         None => EQUIV_PROMPTS.iter().map(|s| s.to_string()).collect(),
@@ -530,8 +513,6 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
     } else {
         vec![base.context("give --spec-type (or --all)")?]
     };
-    // One engine for every configuration, so plain and spec runs compare on the same path.
-    leave_engine_for(&mut model, configs.iter().any(|c| c.spec_type == SpecType::DraftAssistant));
     let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| model.tokenizer.encode(p, true, true)).collect();
     eprintln!("plain greedy decoding of {} prompts x {} tokens ...", encoded.len(), a.n_predict);
     let plain: Vec<_> = encoded.iter().map(|p| greedy_run(&model, p, a.n_predict, None, true)).collect::<anyhow::Result<_>>()?;
@@ -627,9 +608,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(d) = &a.slot_save_path {
         std::fs::create_dir_all(d).with_context(|| format!("--slot-save-path {}", d.display()))?;
     }
-    let mut model = load(&a.model)?;
-    leave_engine_for(&mut model, a.spec.needs_candle());
-    let model = std::sync::Arc::new(model);
+    let model = std::sync::Arc::new(load(&a.model)?);
     let parallel = a.parallel.max(1);
     // llama-server's rule: --ctx-size is the total, each slot gets an equal share.
     let total = a.model.ctx_size.min(model.info.context_length * parallel);

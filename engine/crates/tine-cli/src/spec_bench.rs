@@ -174,9 +174,7 @@ fn report(md: &str, json: &serde_json::Value, out: Option<&PathBuf>) -> anyhow::
 pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.n_predict > 0, "--n-predict must be a positive token count, got {}", a.n_predict);
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
-    let mut model = crate::load(&a.model)?;
-    // One engine for every type, so plain and spec runs compare on the same path.
-    crate::leave_engine_for(&mut model, a.types.iter().any(|t| t.split('+').any(|k| k.parse::<SpecType>().is_ok_and(|k| k == SpecType::DraftAssistant))));
+    let model = crate::load(&a.model)?;
     if !a.forward_rows.is_empty() {
         return forward_costs(&model, &a.forward_rows, a.out.as_ref());
     }

@@ -1,8 +1,7 @@
 //! The seam to tine-gpu's decode engine: with `--device cuda` (unless `TINE_GPU_ENGINE=0`), a
 //! Gemma 3 whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its
 //! steps there, one captured CUDA graph per row count, instead of through candle's CUDA backend
-//! op by op. What the engine does not carry yet, the assistant head (it reads candle's KV
-//! cache), runs on candle's path: [`crate::Model::leave_gpu_engine`].
+//! op by op. The engine does not carry the assistant head yet (which runs on the CPU only).
 //!
 //! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
 //! always `None` and the runtime's code needs no `cfg`.

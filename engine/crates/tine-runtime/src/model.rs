@@ -239,15 +239,6 @@ impl Model {
         self.engine_note.as_deref()
     }
 
-    /// Runs this model on candle's CUDA path instead of the GPU engine, for what the engine does
-    /// not carry yet (`why` becomes [`Model::engine_note`]). Call it before making sequences:
-    /// a sequence made on the engine keeps its KV cache there. Nothing happens off the engine.
-    pub fn leave_gpu_engine(&mut self, why: &str) {
-        if self.gpu.take().is_some() {
-            self.engine_note = Some(why.to_string());
-        }
-    }
-
     /// Where the weights and the sequences' KV caches live.
     pub fn device(&self) -> &Device {
         &self.device
@@ -354,18 +345,6 @@ pub const MAX_GPU_CONTEXT: usize = 32768;
 /// Prompt tokens per forward during prefill: bounds the attention scratch memory.
 pub const PREFILL_CHUNK: usize = 512;
 
-/// The shortest prompt of an empty sequence on the GPU engine that goes through candle's batched
-/// CUDA forward rather than the engine's 8-row steps (`TINE_GPU_CANDLE_PREFILL` tokens, 0: never).
-pub const CANDLE_PREFILL_MIN: usize = 64;
-
-fn candle_prefill_min() -> usize {
-    match std::env::var("TINE_GPU_CANDLE_PREFILL").ok().and_then(|v| v.parse::<usize>().ok()) {
-        Some(0) => usize::MAX,
-        Some(n) => n,
-        None => CANDLE_PREFILL_MIN,
-    }
-}
-
 impl Sequence {
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
@@ -469,9 +448,6 @@ impl Sequence {
     /// token's logits and, with `hidden`, every token's final hidden state.
     fn gpu_prefill(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), StepError> {
         let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
-        if !hidden && self.tokens.is_empty() && tokens.len() >= candle_prefill_min() {
-            return Ok((self.candle_prefill(model, tokens)?, Vec::new()));
-        }
         let chunks = tokens.chunks(STEP_ROWS).count();
         let (mut last, mut states) = (Vec::new(), Vec::with_capacity(if hidden { tokens.len() * model.info.embedding_length } else { 0 }));
         for (i, chunk) in tokens.chunks(STEP_ROWS).enumerate() {
@@ -487,31 +463,6 @@ impl Sequence {
             self.tokens.extend_from_slice(chunk);
         }
         Ok((last, states))
-    }
-
-    /// A whole prompt of an empty engine sequence through candle's batched CUDA forward (cuBLAS
-    /// over every token at once, where the engine steps 8 rows at a time), its K/V then copied
-    /// into the engine's cache; returns the last token's logits. The engine's decode steps read
-    /// K/V that candle computed: equal to the engine's own up to f32 rounding, and the same for
-    /// plain and speculative decoding, which share the prefill.
-    fn candle_prefill(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
-        let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
-        let mut cache = model.new_cache_for(tokens.len());
-        let mut last = Vec::new();
-        for chunk in tokens.chunks(PREFILL_CHUNK) {
-            let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
-            last = model.weights.forward_with_cache(&x, &mut cache)?.squeeze(0)?.to_vec1::<f32>()?;
-        }
-        let mut layers = Vec::new();
-        for (k, v) in cache.snapshot()?.unwrap_or_default() {
-            let flat = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
-            layers.push((flat(&k)?, flat(&v)?));
-        }
-        let g = self.gpu.as_mut().expect("on the engine");
-        gpu.write_kv(g, tokens.len(), &layers)?;
-        self.injected()?;
-        self.tokens.extend_from_slice(tokens);
-        Ok(last)
     }
 
     /// Appends one token and returns its logits.

@@ -551,6 +551,8 @@ impl SpecConfig {
 pub enum SetupError {
     #[error("--spec-type draft-assistant needs --mtp-head FILE")]
     MissingHead,
+    #[error("--spec-type draft-assistant runs on the CPU only for now: the assistant head's attention over the target's KV cache is a CPU kernel, and the GPU engine does not carry the head yet")]
+    AssistantOnCpuOnly,
     #[error("--spec-type draft needs a draft model (-md FILE)")]
     MissingDraftModel,
     #[error("n-gram sizes must satisfy 1 <= min <= max, got {0}..={1}")]
@@ -617,6 +619,9 @@ impl SpecFactory {
             SpecType::DraftMtp => {}
             SpecType::DraftAssistant => {
                 let path = config.mtp_head.as_ref().ok_or(SetupError::MissingHead)?;
+                if !target.device().is_cpu() {
+                    return Err(SetupError::AssistantOnCpuOnly);
+                }
                 let head = tine_runtime::Assistant::load(path, target).map_err(|source| SetupError::Load { what: "the assistant head", source: Box::new(source) })?;
                 assistant = Some(std::sync::Arc::new(head));
             }
