@@ -281,7 +281,9 @@ pub(crate) struct ModelArgs {
     #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
     ctx_size: usize,
     /// Where the model runs: cpu, or cuda / cuda:N (needs a build with the `cuda` feature:
-    /// tools/cuda/build.sh). Draft models and heads run on the same device.
+    /// tools/cuda/build.sh; the GPU engine runs the model where it reads its weights,
+    /// TINE_GPU_ENGINE=0 candle's CUDA path). Draft models and the NextN head run on the same
+    /// device; the assistant head (draft-assistant) on the CPU only.
     #[arg(long, value_name = "cpu|cuda[:N]", default_value = "cpu")]
     device: tine_runtime::DeviceSpec,
 }

@@ -177,9 +177,12 @@ impl GpuCache {
         self.ctx_len
     }
 
-    /// Forgets every position from `len` on (O(1): the next step overwrites them).
+    /// Forgets every position from `len` on (O(1): the next step overwrites them), and the last
+    /// step's logits and ids with them.
     pub fn truncate(&mut self, len: usize) {
         self.pos = self.pos.min(len);
+        self.last_rows = 0;
+        self.last_head = false;
     }
 }
 
@@ -624,7 +627,7 @@ impl Gemma3Gpu {
         if let Some((k, v)) = layers.iter().find(|(k, v)| k.len() != n_kv * len * hd || v.len() != k.len()) {
             return Err(fail(format!("a layer's K/V hold {} and {} values, expected {n_kv} x {len} x {hd}", k.len(), v.len())));
         }
-        cache.pos = 0;
+        cache.truncate(0);
         for (l, (k, v)) in layers.iter().enumerate() {
             for h in 0..n_kv {
                 let (dst, src) = (h * ctx * hd..h * ctx * hd + len * hd, h * len * hd..(h + 1) * len * hd);

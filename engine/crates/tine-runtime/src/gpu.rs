@@ -103,12 +103,18 @@ mod imp {
         pub fn kv_shape(&self) -> (usize, usize) {
             (self.0.config().n_kv, self.0.config().head_dim)
         }
+        /// The most positions a sequence's cache on the engine holds.
+        pub fn max_context(&self) -> usize {
+            self.0.max_ctx()
+        }
     }
 
     /// Whether `e` says the engine cannot run this model (a weight type or layout it does not
     /// read), as opposed to a failure of the GPU itself.
+    /// (Also a GPU the embedded kernels were not built for: the module does not load there, and
+    /// candle's CUDA path, which carries PTX for it, runs instead.)
     pub fn is_unsupported_model(e: &GpuError) -> bool {
-        matches!(e, GpuError::Unsupported { .. } | GpuError::Model { .. })
+        matches!(e, GpuError::Unsupported { .. } | GpuError::Model { .. } | GpuError::Kernel(tine_gpu::cuda::GpuError::Module { .. }))
     }
 
     impl GpuSeq {
@@ -171,6 +177,9 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn kv_shape(&self) -> (usize, usize) {
+            unreachable!("{NEVER}")
+        }
+        pub fn max_context(&self) -> usize {
             unreachable!("{NEVER}")
         }
         pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {

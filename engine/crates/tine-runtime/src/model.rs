@@ -70,7 +70,7 @@ pub enum StepError {
     Candle(#[from] candle_core::Error),
     #[error("GPU engine step failed")]
     Gpu(#[source] Box<GpuError>),
-    #[error("{0} is not on the GPU engine yet (with TINE_GPU_ENGINE=0 candle's CUDA path runs, which has it)")]
+    #[error("{0} is not on the GPU engine yet")]
     NotOnGpuEngine(&'static str),
     /// A failure injected by [`Sequence::inject_failure`] (failure-injection tests).
     #[error("injected failure after the forward's KV writes (failure-injection test)")]
@@ -268,11 +268,13 @@ impl Model {
         &self.eog
     }
 
-    /// A new, empty sequence able to hold `context` positions (capped at the model's context).
+    /// A new, empty sequence able to hold `context` positions (capped at the model's context,
+    /// and on the GPU engine at its caches' size, [`MAX_GPU_CONTEXT`]).
     pub fn new_sequence(&self, context: usize) -> Sequence {
         let context = context.min(self.info.context_length).max(1);
         match &self.gpu {
             Some(gpu) => {
+                let context = context.min(gpu.max_context());
                 let seq = gpu.new_seq(context).expect("GPU memory for a sequence's KV cache");
                 // candle's cache stays empty: the engine's holds the positions.
                 Sequence { cache: self.new_cache_for(1), tokens: Vec::new(), context, fail_after: None, gpu: Some(seq) }

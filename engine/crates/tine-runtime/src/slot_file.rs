@@ -168,7 +168,8 @@ impl Sequence {
         Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers })
     }
 
-    /// Replaces this sequence's state with `img`. On error the sequence is unchanged.
+    /// Replaces this sequence's state with `img`. On error the sequence is unchanged, but for a
+    /// GPU failure while the KV is copied onto the GPU engine, which leaves it empty.
     pub fn restore_image(&mut self, model: &Model, img: &SlotImage) -> Result<(), SlotFileError> {
         let running = fingerprint(model);
         if img.model != running {
@@ -191,11 +192,12 @@ impl Sequence {
             }
             let layers: Vec<crate::gpu::LayerKv> = img.layers.iter().map(|(_, k, v)| (k.clone(), v.clone())).collect();
             if len > 0 {
-                // A copy that fails part way leaves the cache empty: forget the tokens too.
+                // The shapes are checked above, so this fails only on the GPU, part way through
+                // the copy: the cache is then empty, and so is the sequence.
                 if let Err(e) = gpu.write_kv(g, len, &layers) {
                     self.tokens.clear();
                     g.truncate(0);
-                    return Err(SlotFileError::Malformed(format!("the KV does not fit this model: {}", crate::error_chain(&e))));
+                    return Err(StepError::from(e).into());
                 }
             } else if !layers.is_empty() {
                 return Err(SlotFileError::Malformed("KV layers for no tokens".into()));

@@ -239,9 +239,13 @@ fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [S
     match action {
         SlotAction::Save => Ok(SlotOutcome::Saved(Box::new(slot.seq.image(model).map_err(SlotError::Read)?))),
         SlotAction::Restore(img) => {
-            slot.seq.restore_image(model, &img).map_err(SlotError::File)?;
-            // The drafter's per-position state described the old tokens.
-            slot.spec = new_speculator(model, factory, &slot.seq);
+            let restored = slot.seq.restore_image(model, &img);
+            // The drafter's per-position state described the old tokens (a failed restore on the
+            // GPU engine may have emptied the sequence).
+            if restored.is_ok() || slot.seq.is_empty() {
+                slot.spec = new_speculator(model, factory, &slot.seq);
+            }
+            restored.map_err(SlotError::File)?;
             Ok(SlotOutcome::Restored { n_restored: slot.seq.len() })
         }
         SlotAction::Erase => {
