@@ -246,7 +246,9 @@ pub fn harness_manifest(tests: &BTreeMap<String, String>) -> String {
          [dependencies]\n\
          candle.workspace = true\n\
          candle-nn.workspace = true\n\
-         candle-transformers.workspace = true\n",
+         candle-transformers.workspace = true\n\
+         # candle-core's GGUF tokenizer builds a `tokenizers::Tokenizer` (as candle-core takes it).\n\
+         tokenizers = { version = \"0.23.1\", default-features = false, features = [\"fancy-regex\"] }\n",
     );
     // Sorted by path, as the files sit in the tree.
     let mut by_path: Vec<(&String, &String)> = tests.iter().collect();
