@@ -152,18 +152,22 @@ impl Sampler {
     /// Greedy sampling gives the argmax with probability 1.
     pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Vec<(u32, f32)> {
         let p = &self.params;
-        let mut logits = logits.to_vec();
-        apply_penalties(&mut logits, history, p);
+        // The row is copied only when a penalty changes it.
+        let penalized;
+        let logits = if p.has_penalties() {
+            let mut l = logits.to_vec();
+            apply_penalties(&mut l, history, p);
+            penalized = l;
+            &penalized[..]
+        } else {
+            logits
+        };
         if p.is_greedy() {
-            return vec![(argmax(&logits), 1.0)];
+            return vec![(argmax(logits), 1.0)];
         }
         // Candidates sorted by logit, best first (ties: lower id).
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        let k = if p.top_k <= 0 { cand.len() } else { (p.top_k as usize).min(cand.len()) };
-        if k < cand.len() {
-            cand.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            cand.truncate(k);
-        }
+        let k = if p.top_k <= 0 { logits.len() } else { (p.top_k as usize).min(logits.len()) };
+        let mut cand = if k < logits.len() { top_k(logits, k) } else { logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect() };
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         // top-p over the softmax of the remaining candidates.
         if p.top_p < 1.0 {
@@ -216,6 +220,67 @@ impl Sampler {
         }
         dist.last().expect("a distribution is never empty").0
     }
+}
+
+/// A kept candidate in [`top_k`]'s heap, ordered worst first: a lower logit (`total_cmp`), then
+/// on equal logits a higher id, is "greater", so the heap's top is the candidate to drop.
+#[derive(Debug, Clone, Copy)]
+struct Kept(u32, f32);
+
+impl Ord for Kept {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        other.1.total_cmp(&self.1).then(self.0.cmp(&other.0))
+    }
+}
+impl PartialOrd for Kept {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl PartialEq for Kept {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other).is_eq()
+    }
+}
+impl Eq for Kept {}
+
+/// The `k` best `(id, logit)` of `logits` (`1 <= k < len`) under the sampler's order (logit by
+/// `total_cmp`, descending; ties to the lower id), unsorted: one pass with a heap of `k`, where
+/// a row of a vocabulary's size is mostly one comparison a value. The order is total, so the set
+/// is the one a full sort would keep.
+fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    // A row that keeps improving on the kept set (rising logits) would pay a heap update a value:
+    // past this many the pass gives up for a selection over the whole row, the same set.
+    let budget = k + logits.len() / 16;
+    let mut updates = 0usize;
+    let mut heap = std::collections::BinaryHeap::with_capacity(k + 1);
+    // The worst kept logit, once k are kept: a value below it (a plain float comparison, false
+    // for NaN and for -0.0 against 0.0, which take the full comparison) is below it in
+    // `total_cmp` too, and is dropped without touching the heap.
+    let mut floor = f32::NEG_INFINITY;
+    for (i, &l) in logits.iter().enumerate() {
+        if l < floor {
+            continue;
+        }
+        let c = Kept(i as u32, l);
+        if heap.len() < k {
+            heap.push(c);
+            if heap.len() == k {
+                floor = heap.peek().expect("k >= 1 kept").1;
+            }
+        } else if c < *heap.peek().expect("k >= 1 kept") {
+            *heap.peek_mut().expect("k >= 1 kept") = c;
+            floor = heap.peek().expect("k >= 1 kept").1;
+            updates += 1;
+            if updates > budget {
+                let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+                all.select_nth_unstable_by(k - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                all.truncate(k);
+                return all;
+            }
+        }
+    }
+    heap.into_iter().map(|c| (c.0, c.1)).collect()
 }
 
 fn apply_penalties(logits: &mut [f32], history: &[u32], p: &SamplingParams) {

@@ -63,3 +63,70 @@ fn bad_params_are_named() {
     let p = SamplingParams { top_p: 1.5, ..Default::default() };
     assert_eq!(p.validate().expect_err("invalid").to_string(), "top_p must lie in [0, 1], got 1.5");
 }
+
+/// The distribution as the sampler computed it before its one-pass top-k: every candidate
+/// sorted by (logit desc by `total_cmp`, id asc), cut at top_k, then top-p, min-p, temperature.
+fn reference_distribution(p: &SamplingParams, logits: &[f32]) -> Vec<(u32, f32)> {
+    let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        cand.truncate(p.top_k as usize);
+    }
+    if p.top_p < 1.0 {
+        let probs = tine_sampling::softmax(&cand.iter().map(|c| c.1).collect::<Vec<_>>());
+        let mut cum = 0.0f32;
+        let mut keep = cand.len();
+        for (i, pr) in probs.iter().enumerate() {
+            cum += pr;
+            if cum >= p.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        cand.truncate(keep.max(1));
+    }
+    if p.min_p > 0.0 && !cand.is_empty() {
+        let threshold = cand[0].1 + p.min_p.ln();
+        let keep = cand.iter().take_while(|c| c.1 >= threshold).count().max(1);
+        cand.truncate(keep);
+    }
+    let probs = tine_sampling::softmax(&cand.iter().map(|c| c.1 / p.temperature).collect::<Vec<_>>());
+    cand.iter().zip(probs).map(|(c, pr)| (c.0, pr)).collect()
+}
+
+#[test]
+fn the_one_pass_top_k_gives_the_full_sorts_distribution_bit_for_bit_with_ties() {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    for case in 0..200 {
+        let n = [5usize, 64, 1000, 4099][case % 4];
+        // Few distinct values, so ties are everywhere; some -inf (banned ids, a grammar's mask).
+        let logits: Vec<f32> = match case % 5 {
+            // Rising logits: every value improves on the kept set (the pass gives up for a
+            // selection over the row).
+            4 => (0..n).map(|i| i as f32 * 1e-3).collect(),
+            _ => (0..n)
+                .map(|_| match next() % 11 {
+                    0 => f32::NEG_INFINITY,
+                    r => (r as f32) * 0.5 - (next() % 3) as f32,
+                })
+                .collect(),
+        };
+        for top_k in [1, 2, 40, n as i32 - 1, n as i32, 0] {
+            for (top_p, min_p, temperature) in [(1.0, 0.0, 0.8), (0.95, 0.05, 0.8), (0.5, 0.0, 1.3)] {
+                let params = SamplingParams { temperature, top_k, top_p, min_p, ..Default::default() };
+                let got = Sampler::new(params.clone()).distribution(&logits, &[]);
+                let want = reference_distribution(&params, &logits);
+                assert_eq!(got.len(), want.len(), "case {case}: top_k {top_k}");
+                for (g, w) in got.iter().zip(&want) {
+                    assert!(g.0 == w.0 && g.1.to_bits() == w.1.to_bits(), "case {case}, top_k {top_k}: {g:?} against {w:?}");
+                }
+            }
+        }
+    }
+}
