@@ -615,7 +615,7 @@ impl Gemma3Gpu {
     /// Sets `cache` to `len` positions whose K and V are `layers` ([`Gemma3Gpu::read_kv`]'s
     /// layout). Checked first: on a shape error the cache is unchanged; a copy that fails
     /// part way leaves it empty.
-    pub fn write_kv(&self, cache: &mut GpuCache, len: usize, layers: &[LayerKv]) -> Result<()> {
+    pub fn write_kv(&self, cache: &mut GpuCache, len: usize, layers: &[(&[f32], &[f32])]) -> Result<()> {
         let (n_kv, hd, ctx) = (self.cfg.n_kv, self.cfg.head_dim, cache.ctx_len);
         let fail = |what: String| Gemma3GpuError::Step { rows: 0, pos: cache.pos, what };
         if len > ctx {

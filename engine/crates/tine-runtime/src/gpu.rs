@@ -74,13 +74,11 @@ mod imp {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
         }
-        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`, or
-        /// nothing without `logits`) and final hidden states (`rows × hidden`, before the output
-        /// norm).
-        pub fn forward_hidden(&self, seq: &mut GpuSeq, tokens: &[u32], logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`) and
+        /// final hidden states (`rows × hidden`, before the output norm).
+        pub fn forward_hidden(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             self.0.forward(&mut seq.0, tokens)?;
-            let l = if logits { self.0.logits(&seq.0)? } else { Vec::new() };
-            Ok((l, self.0.hidden(&seq.0)?))
+            Ok((self.0.logits(&seq.0)?, self.0.hidden(&seq.0)?))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
         /// `banned` (at most [`MAX_BANNED`]); only the ids cross to the host.
@@ -88,15 +86,12 @@ mod imp {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             self.0.argmax(&seq.0)
         }
-    }
-
-    impl GpuTrunk {
         /// Every layer's K and V of `seq`'s positions, `(n_kv, len, head_dim)` each.
         pub fn read_kv(&self, seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
             self.0.read_kv(&seq.0)
         }
         /// `seq` holds `len` positions with K and V `layers` (as [`GpuTrunk::read_kv`] gives).
-        pub fn write_kv(&self, seq: &mut GpuSeq, len: usize, layers: &[LayerKv]) -> Result<(), GpuError> {
+        pub fn write_kv(&self, seq: &mut GpuSeq, len: usize, layers: &[(&[f32], &[f32])]) -> Result<(), GpuError> {
             self.0.write_kv(&mut seq.0, len, layers)
         }
         /// KV heads and head size (a layer's K is `(kv_heads, len, head_dim)`).
@@ -173,7 +168,7 @@ mod imp {
         pub fn read_kv(&self, _seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
             unreachable!("{NEVER}")
         }
-        pub fn write_kv(&self, _seq: &mut GpuSeq, _len: usize, _layers: &[LayerKv]) -> Result<(), GpuError> {
+        pub fn write_kv(&self, _seq: &mut GpuSeq, _len: usize, _layers: &[(&[f32], &[f32])]) -> Result<(), GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn kv_shape(&self) -> (usize, usize) {
@@ -182,7 +177,7 @@ mod imp {
         pub fn max_context(&self) -> usize {
             unreachable!("{NEVER}")
         }
-        pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _logits: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+        pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             unreachable!("{NEVER}")
         }
     }

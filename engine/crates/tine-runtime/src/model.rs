@@ -547,7 +547,7 @@ impl Sequence {
                 for chunk in tokens.chunks(STEP_ROWS) {
                     let g = seq.gpu.as_mut().expect("matched above");
                     if hidden {
-                        let (l, h) = gpu.forward_hidden(g, chunk, true)?;
+                        let (l, h) = gpu.forward_hidden(g, chunk)?;
                         data.extend(l);
                         states.extend(h);
                     } else {

@@ -190,7 +190,7 @@ impl Sequence {
             if let Some((dims, _, _)) = img.layers.iter().find(|(d, _, _)| *d != [1, n_kv, len, hd]) {
                 return Err(SlotFileError::Malformed(format!("a layer's KV is {dims:?}, this model's for {len} tokens is {:?}", [1, n_kv, len, hd])));
             }
-            let layers: Vec<crate::gpu::LayerKv> = img.layers.iter().map(|(_, k, v)| (k.clone(), v.clone())).collect();
+            let layers: Vec<(&[f32], &[f32])> = img.layers.iter().map(|(_, k, v)| (&k[..], &v[..])).collect();
             if len > 0 {
                 // The shapes are checked above, so this fails only on the GPU, part way through
                 // the copy: the cache is then empty, and so is the sequence.
