@@ -124,7 +124,8 @@ struct StepParams {
 // Modes:
 //   in_mode 0: t = a                                       (a: [M, k] f32)
 //   in_mode 1: t = res + rmsnorm(a) * w_a                   (post-norm and residual add)
-//   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the Q8_0 embedding row)
+//   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the Q8_0 embedding row;
+//              token_m from `tokens` when set, else from the step block)
 // If res_out is set, t is stored there (the residual stream). Then
 //   y = norm ? rmsnorm(t) * w : t
 // is written as Q8 blocks (qs/d/sum) and, if y_out is set, as f32.
@@ -136,6 +137,7 @@ struct NormQuantArgs {
     float* res_out; float* y_out;
     int8_t* qs; float* qd; int* qsum;
     int k; int in_mode; int norm;
+    const int* tokens;  // in_mode 2: the rows' token ids (null: the step block's)
 };
 
 __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int token, int i) {
@@ -198,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
 #pragma unroll
         for (int j = 0; j < NQ_PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
     } else {
-        const int token = p.in_mode == 2 ? p.step->tokens[m] : 0;
+        const int token = p.in_mode != 2 ? 0 : p.tokens ? p.tokens[m] : p.step->tokens[m];
 #pragma unroll
         for (int j = 0; j < NQ_PER; ++j) {
             const int i = tid + NQ_THREADS * j;
@@ -237,7 +239,9 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
 // Nothing in that depends on M: row m's result is the same bits for any M.
 //
 // A launch covers up to 4 segments (for example Q, K and V, each its own weight type), each
-// with its own output. With `glu`, a segment's warp computes a gate row and an up row of two
+// with its own output. Grid: (blocks over the segments' rows, groups of M activation rows): group
+// g reads activation rows g*M .. g*M + M - 1 and writes those output rows (a prompt's rows in
+// groups of 8, each computed as a decode step computes it). With `glu`, a segment's warp computes a gate row and an up row of two
 // weights and stores gelu_tanh(gate) * up.
 
 struct GemvSeg {
@@ -355,7 +359,7 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
 // slices, slice s takes the units of the groups of 8 numbered s, s + S, s + 2S, ... Returns each
 // row's warp sum (in every lane) in v (and the up rows' in v2).
 template <int T, int M, bool GLU, bool SM>
-__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
+__device__ __forceinline__ void gemv_rows(const GemvArgs& p, int m0, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
     const int lane = threadIdx.x % WARP, l4 = lane % 4;
     const int k = p.k, units = k / QK, kb = k / QK;
     const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
@@ -399,9 +403,9 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, c
             if (u >= units) break;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const int2 a = __ldg(reinterpret_cast<const int2*>(p.qs + (size_t)m * k + 32 * u + 8 * l4));
-                const float d = __ldg(p.qd + (size_t)m * kb + u);
-                const float sm = (float)__ldg(p.qsum + (size_t)m * kb + u);
+                const int2 a = __ldg(reinterpret_cast<const int2*>(p.qs + (size_t)(m0 + m) * k + 32 * u + 8 * l4));
+                const float d = __ldg(p.qd + (size_t)(m0 + m) * kb + u);
+                const float sm = (float)__ldg(p.qsum + (size_t)(m0 + m) * kb + u);
 #pragma unroll
                 for (int i = 0; i < GEMV_ROWS; ++i) {
                     const int dot = __dp4a(w1[i][j], a.y, __dp4a(w0[i][j], a.x, 0));
@@ -428,9 +432,10 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, c
 template <int T, int M, bool GLU>
 __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (*part)[GEMV_ROWS][MAX_ROWS][2]) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int m0 = (int)blockIdx.y * M;  // the launch's group of M activation rows
     float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
     const bool active = r0 < s.n;
-    gemv_rows<T, M, GLU, false>(p, s.w, s.w2, s.n, r0, slice, S, v, v2);
+    gemv_rows<T, M, GLU, false>(p, m0, s.w, s.w2, s.n, r0, slice, S, v, v2);
     if (S > 1) {
         if (lane == 0) {
 #pragma unroll
@@ -460,7 +465,7 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
                 const float g = y;
                 y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * v2[i][m];
             }
-            s.out[(size_t)m * s.out_stride + r0 + i] = y;
+            s.out[(size_t)(m0 + m) * s.out_stride + r0 + i] = y;
         }
     }
 }
@@ -541,7 +546,7 @@ __device__ __forceinline__ void gemv_staged_body(const GemvArgs& p, uint8_t* sta
     for (int half = 0; half < GEMV_STAGE_ROWS / (2 * GEMV_WARPS); ++half) {
         const int lr = half * 2 * GEMV_WARPS + 2 * warp;
         float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
-        gemv_rows<T, M, false, true>(p, stage, nullptr, nr, lr, 0, 1, v, v2);
+        gemv_rows<T, M, false, true>(p, 0, stage, nullptr, nr, lr, 0, 1, v, v2);
         if (lane == 0) {
 #pragma unroll
             for (int i = 0; i < GEMV_ROWS; ++i) {
@@ -813,6 +818,151 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(con
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256>(p); }
 
 // ---------------------------------------------------------------------------------------------
+// Attention for a prompt's many rows, each row computed exactly as attn_body computes it (the
+// same chunks, sub-chunks, order of operations and merge), so a prompt run in one launch gives
+// the bits of one-token steps. A block takes one absolute chunk of keys for one query head and a
+// group of ATTN_RG consecutive rows: each warp loads its sub-chunk's K and V rows once and
+// scores them against every row of the group that sees them, so the keys are read once per
+// group instead of once per row.
+//
+// Grid: (chunks a group spans at most, n_head, groups of ATTN_RG rows); the step block's `rows`
+// rows. Block x is chunk lo(first row of the group) / ATTN_CHUNK + x. partials and counters as
+// for attn_body, for step->rows rows.
+
+#define ATTN_RG 8
+
+template <int HD>
+__device__ void attn_rows_body(const AttnArgs& p) {
+    constexpr int E = HD / WARP;
+    __shared__ float wmax[ATTN_WARPS], wsum[ATTN_WARPS];
+    __shared__ float wacc[ATTN_WARPS][HD];
+    __shared__ float stat[2];
+    __shared__ int last;
+    const int h = blockIdx.y;
+    const int g = h / (p.n_head / p.n_kv);
+    const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
+    pdl_trigger();
+    pdl_wait();
+    const int pos0 = p.step->pos, rows = p.step->rows;
+    const int m0 = (int)blockIdx.z * ATTN_RG, m1 = min(rows, m0 + ATTN_RG);
+    if (m0 >= rows) return;
+    const int lo_first = p.window > 0 ? max(0, pos0 + m0 - p.window + 1) : 0;
+    const int hi_last = pos0 + m1 - 1;
+    const int a = lo_first / ATTN_CHUNK + (int)blockIdx.x;
+    if (a > hi_last / ATTN_CHUNK) return;
+    // The warp's sub-chunk, keys base .. base + ATTN_SUB - 1, those some row of the group sees.
+    const int base = a * ATTN_CHUNK + warp * ATTN_SUB;
+    const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
+    const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
+    float kv[ATTN_SUB][E], vv[ATTN_SUB][E];
+#pragma unroll
+    for (int j = 0; j < ATTN_SUB; ++j) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
+        const int key = base + j;
+        if (key >= lo_first && key <= hi_last) {
+            VecF<E>::load(kc + (size_t)key * HD, kv[j]);
+            VecF<E>::load(vc + (size_t)key * HD, vv[j]);
+        }
+    }
+    for (int m = m0; m < m1; ++m) {
+        const int hi = pos0 + m;
+        const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
+        const int c0 = lo / ATTN_CHUNK, nchunks = hi / ATTN_CHUNK - c0 + 1;
+        const int c = a - c0;
+        if (c < 0 || c >= nchunks) continue;  // the same for the whole block
+        // attn_body's sub-chunk for this row: keys s0 .. s0 + nk - 1 (slots s0 - base ..).
+        const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
+        const int j0 = s0 - base;
+        float qr[E];
+        VecF<E>::load(p.q + ((size_t)m * p.n_head + h) * HD + lane * E, qr);
+        float sc[ATTN_SUB], mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) {
+            float t = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
+            sc[j] = warp_sum(t);
+        }
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) if (j >= j0 && j < j0 + nk) mx = fmaxf(mx, sc[j]);
+        float acc[E], sum = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) {
+            if (j >= j0 && j < j0 + nk) {
+                const float w = expf(sc[j] - mx);
+                sum += w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[e] += w * vv[j][e];
+            }
+        }
+        if (lane == 0) { wmax[warp] = mx; wsum[warp] = sum; }
+        __syncthreads();
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, wmax[w]);
+        float den = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATTN_WARPS; ++w) den += wmax[w] == -INFINITY ? 0.0f : wsum[w] * expf(wmax[w] - M);
+        const float scale = mx == -INFINITY ? 0.0f : expf(mx - M);
+#pragma unroll
+        for (int e = 0; e < E; ++e) wacc[warp][e * WARP + lane] = acc[e] * scale;
+        __syncthreads();
+        float o = 0.0f;
+        if (tid < HD) {
+            const int idx = (tid % E) * WARP + tid / E;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) o += wacc[w][idx];
+        }
+        if (nchunks == 1) {
+            if (tid < HD) attn_emit<HD>(p, m, h, o / den);
+            __syncthreads();  // wmax/wacc are the next row's
+            continue;
+        }
+        float* ph = p.partials + ((size_t)m * p.n_head + h) * p.chunks_max * (HD + 2);
+        if (tid < HD) ph[(size_t)c * (HD + 2) + 2 + tid] = o;
+        if (tid == 0) { ph[(size_t)c * (HD + 2)] = M; ph[(size_t)c * (HD + 2) + 1] = den; }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) {
+            const int done = atomicAdd(&p.counters[m * p.n_head + h], 1);
+            last = done == nchunks - 1;
+        }
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            if (warp == 0) {
+                float M2 = -INFINITY;
+                for (int cc = lane; cc < nchunks; cc += WARP) M2 = fmaxf(M2, __ldcg(ph + (size_t)cc * (HD + 2)));
+                M2 = warp_max(M2);
+                float den2 = 0.0f;
+                for (int cc = lane; cc < nchunks; cc += WARP) den2 += __ldcg(ph + (size_t)cc * (HD + 2) + 1) * expf(__ldcg(ph + (size_t)cc * (HD + 2)) - M2);
+                den2 = warp_sum(den2);
+                if (lane == 0) { stat[0] = M2; stat[1] = den2; }
+            }
+            __syncthreads();
+            if (tid < HD) {
+                const float M2 = stat[0];
+                float o2 = 0.0f;
+                for (int cc = 0; cc < nchunks; ++cc) {
+                    const float* pc = ph + (size_t)cc * (HD + 2);
+                    o2 += __ldcg(pc + 2 + tid) * expf(__ldcg(pc) - M2);
+                }
+                attn_emit<HD>(p, m, h, o2 / stat[1]);
+            }
+            if (tid == 0) p.counters[m * p.n_head + h] = 0;
+        }
+        __syncthreads();  // shared memory is the next row's
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_rows_hd64(const AttnArgs p) { attn_rows_body<64>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_rows_hd128(const AttnArgs p) { attn_rows_body<128>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_rows_hd256(const AttnArgs p) { attn_rows_body<256>(p); }
+
+// ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the
 // sampler does), passing over the step's banned ids (the sampler's -inf for them). Grid: (ARGMAX_BLOCKS, M); each block scans a fixed slice, the last block of a row
 // to finish reduces the blocks' candidates in block order. Writes ids[m] and, if feed is set,
@@ -894,7 +1044,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
 
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
 static_assert(sizeof(StepParams) == 76, "StepParams");
-static_assert(sizeof(NormQuantArgs) == 120, "NormQuantArgs");
+static_assert(sizeof(NormQuantArgs) == 128, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");

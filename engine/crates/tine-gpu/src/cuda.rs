@@ -31,6 +31,8 @@ pub const GEMV_STAGE_MIN_ROWS: usize = 8192;
 pub const ATTN_CHUNK: usize = 64;
 /// Threads per attention block (a warp per sub-chunk of `ATTN_CHUNK / 8` keys).
 pub const ATTN_THREADS: usize = 256;
+/// Rows per block of the prompt attention (`attn_rows_hd*`): they share the block's key loads.
+pub const ATTN_RG: usize = 8;
 
 /// Blocks per row of the argmax.
 pub const ARGMAX_BLOCKS: usize = 128;
@@ -116,6 +118,8 @@ pub struct NormQuantArgs {
     pub k: i32,
     pub in_mode: i32,
     pub norm: i32,
+    /// `in_mode` 2: the rows' token ids, one i32 each (0: the step block's `tokens`).
+    pub tokens: DevPtr,
 }
 
 /// One segment of a GEMV launch.
@@ -207,7 +211,7 @@ pub struct ArgmaxArgs {
 
 // The sizes decode.cu asserts for the same structs.
 const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
-const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 120);
+const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 128);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
@@ -230,6 +234,7 @@ pub struct Kernels {
     gemv_staged: Vec<CudaFunction>,
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 3],
+    attn_rows: [(usize, CudaFunction); 3],
     argmax: CudaFunction,
     /// Launch with programmatic dependent launch (each kernel may start while the previous one
     /// runs, up to its `griddepcontrol.wait`): `TINE_GPU_PDL=0` turns it off.
@@ -255,6 +260,7 @@ impl Kernels {
             gemv_staged: (1..=MAX_ROWS).map(|m| f(&format!("gemv_staged_m{m}"))).collect::<Result<_, _>>()?,
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
+            attn_rows: [(64, f("attn_rows_hd64")?), (128, f("attn_rows_hd128")?), (256, f("attn_rows_hd256")?)],
             argmax: f("argmax_rows")?,
             pdl: AtomicBool::new(std::env::var("TINE_GPU_PDL").map_or(true, |v| v != "0")),
             _module: module,
@@ -339,13 +345,30 @@ impl Kernels {
     }
 
     /// The GEMV over `rows` activation rows for the segments `segs` (filled in: each segment's
-    /// `block_start`).
+    /// `block_start`). More than [`MAX_ROWS`] rows (a prompt) go as groups of 8 in one launch and
+    /// the rest in a second, each row computed as a step of up to 8 rows computes it.
     ///
     /// # Safety
     /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
     /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
-        check((1..=MAX_ROWS).contains(&rows), || format!("gemv: {rows} rows (1..={MAX_ROWS})"))?;
+        check(rows >= 1, || "gemv: no rows".to_string())?;
+        let (groups, rest) = if rows <= MAX_ROWS { (0, rows) } else { (rows / MAX_ROWS, rows % MAX_ROWS) };
+        if groups > 0 {
+            self.gemv_groups(stream, MAX_ROWS, groups, k, segs, act)?;
+        }
+        if rest > 0 {
+            // The rows after the groups: every address moved on by as many rows.
+            let r0 = (groups * MAX_ROWS) as u64;
+            let kb = (k / 32) as u64;
+            let moved: Vec<GemvSeg> = segs.iter().map(|s| GemvSeg { out: s.out + r0 * s.out_stride as u64 * 4, ..*s }).collect();
+            self.gemv_groups(stream, rest, 1, k, &moved, (act.0 + r0 * k as u64, act.1 + r0 * kb * 4, act.2 + r0 * kb * 4))?;
+        }
+        Ok(())
+    }
+
+    /// `gemv_m{m}` over `groups` groups of `m` rows.
+    unsafe fn gemv_groups(&self, stream: &Arc<CudaStream>, m: usize, groups: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
         let split = Self::gemv_split(k);
         let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
@@ -357,14 +380,14 @@ impl Kernels {
             blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
         }
         if let [one] = segs {
-            if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
+            if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split).filter(|_| groups == 1) {
                 args.split = 1;
                 let cfg = LaunchConfig { grid_dim: ((one.n as usize).div_ceil(GEMV_STAGE_ROWS) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: stage_bytes as u32 };
-                return self.launch(stream, &self.gemv_staged[rows - 1], cfg, &args, "gemv_staged");
+                return self.launch(stream, &self.gemv_staged[m - 1], cfg, &args, "gemv_staged");
             }
         }
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
-        self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, groups as u32, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gemv[m - 1], cfg, &args, "gemv")
     }
 
     /// `qk_norm_rope_kv` for `rows` rows.
@@ -394,6 +417,33 @@ impl Kernels {
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_head as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, f, cfg, args, "attention")
+    }
+
+    /// The width of the prompt attention's grid for `rows` rows from position `pos` (the most
+    /// chunks a group of [`ATTN_RG`] rows spans).
+    pub fn attn_rows_width(pos: usize, rows: usize, window: usize) -> usize {
+        (0..rows.div_ceil(ATTN_RG))
+            .map(|g| {
+                let (m0, m1) = (g * ATTN_RG, ((g + 1) * ATTN_RG).min(rows));
+                let lo = if window > 0 { (pos + m0 + 1).saturating_sub(window) } else { 0 };
+                (pos + m1 - 1) / ATTN_CHUNK - lo / ATTN_CHUNK + 1
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Causal attention for a prompt's `rows` rows from position `pos` (the step block's `pos`
+    /// and `rows` must say the same), each row's bits those of [`Kernels::attention`]'s.
+    ///
+    /// # Safety
+    /// As for [`Kernels::attention`], for `rows` rows: `partials` holds `rows * n_head *
+    /// chunks_max * (hd + 2)` floats and `counters` `rows * n_head` zeroed ints.
+    pub unsafe fn attention_rows(&self, stream: &Arc<CudaStream>, pos: usize, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
+        let f = self.attn_rows.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+        check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
+        let width = Self::attn_rows_width(pos, rows, args.window.max(0) as usize);
+        let cfg = LaunchConfig { grid_dim: (width as u32, args.n_head as u32, rows.div_ceil(ATTN_RG) as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, f, cfg, args, "attention_rows")
     }
 
     /// The greedy id of each of `rows` rows of logits.

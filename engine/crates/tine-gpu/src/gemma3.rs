@@ -19,6 +19,11 @@
 //! greedy argmax (a prompt's chunks before its last run a second graph without these two: the
 //! trunk alone, whose logits nobody reads). Every kernel is batch-invariant, so a step of M rows gives each row the bits a
 //! one-row step at its position gives.
+//!
+//! A prompt step of more than 8 rows (up to [`Gemma3Gpu::prompt_rows`]) runs the same program
+//! launched directly instead of through a graph: the GEMVs over the rows in groups of 8 in one
+//! launch, the attention as `attn_rows` (a block's keys read once for 8 rows), the LM head and
+//! argmax on the last row only. Each row still gets the bits of a one-row step.
 
 use std::fs::File;
 use std::path::Path;
@@ -53,6 +58,12 @@ pub enum Gemma3GpuError {
 }
 
 type Result<T> = std::result::Result<T, Gemma3GpuError>;
+
+/// The most rows of one prompt step.
+pub const PROMPT_ROWS: usize = 512;
+/// The most bytes of attention partials a prompt step's rows may take over the longest cache
+/// (past it, prompt steps get fewer rows).
+const PARTIALS_BUDGET: usize = 256 << 20;
 
 /// One layer's K and V values, `(n_kv, len, head_dim)` each ([`Gemma3Gpu::read_kv`]).
 pub type LayerKv = (Vec<f32>, Vec<f32>);
@@ -98,7 +109,8 @@ struct Layer {
     post_ffn_norm: CudaSlice<f32>,
 }
 
-/// Activation buffers, each sized for [`MAX_ROWS`] rows, allocated once.
+/// Activation buffers, each sized for [`Gemma3Gpu::prompt_rows`] rows (the logits, ids and
+/// argmax scratch for [`MAX_ROWS`]), allocated once.
 struct Buffers {
     h: CudaSlice<f32>,
     q: CudaSlice<f32>,
@@ -119,15 +131,35 @@ struct Buffers {
     ids: CudaSlice<i32>,
 }
 
+/// The step's inputs in device memory, written by the host before each step's launches.
+struct StepBlock {
+    params: CudaSlice<StepParams>,
+    /// A prompt step's token ids ([`Gemma3Gpu::prompt_rows`] of them).
+    tokens: CudaSlice<i32>,
+}
+
+/// Called after each launch of a step with what the launch does.
+type Mark<'a> = dyn FnMut(&'static str) -> std::result::Result<(), GpuError> + 'a;
+
+/// Where a prompt step (more than [`MAX_ROWS`] rows, launched without a graph) starts and
+/// where its token ids are.
+#[derive(Clone, Copy)]
+struct Prompt {
+    pos: usize,
+    tokens: DevPtr,
+}
+
 /// Gemma 3 on the GPU: weights and the step's buffers, shared by every sequence (steps run one
 /// at a time on the model's stream). Each sequence holds a [`GpuCache`].
 pub struct Gemma3Gpu {
     cfg: Gemma3Config,
     /// The longest cache [`Gemma3Gpu::new_cache`] makes (the attention partials are sized for it).
     max_ctx: usize,
+    /// The most rows of one prompt step.
+    prompt_rows: usize,
     stream: Arc<CudaStream>,
-    /// The step's parameter block; locked for the upload and launch of a step.
-    step: std::sync::Mutex<CudaSlice<StepParams>>,
+    /// The step's parameter block and prompt tokens; locked for the upload and launch of a step.
+    step: std::sync::Mutex<StepBlock>,
     kernels: Kernels,
     embd: (CudaSlice<u8>, WeightType),
     output: Option<(CudaSlice<u8>, WeightType)>,
@@ -157,6 +189,9 @@ pub struct GpuCache {
     last_rows: usize,
     /// Whether the last step ran the LM head (its logits and ids are this cache's).
     last_head: bool,
+    /// The first row of the last step that ran the LM head (a prompt step runs it on its last
+    /// row alone); the logits and ids buffers hold rows `head_row0..last_rows`.
+    head_row0: usize,
     /// Per row count, the full step's graph (index `rows - 1`) and the trunk's alone (index
     /// `MAX_ROWS + rows - 1`: no LM head or argmax, for prompt chunks whose logits nobody reads).
     graphs: Vec<Option<Graph>>,
@@ -183,6 +218,7 @@ impl GpuCache {
         self.pos = self.pos.min(len);
         self.last_rows = 0;
         self.last_head = false;
+        self.head_row0 = 0;
     }
 }
 
@@ -312,9 +348,13 @@ impl Gemma3Gpu {
             }
             layers.push(layer);
         }
-        let m = MAX_ROWS;
         let kmax = cfg.ff.max(qd).max(cfg.hidden);
         let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
+        // A prompt step's rows: up to PROMPT_ROWS, fewer where the attention partials of that
+        // many rows over the longest cache would pass PARTIALS_BUDGET bytes.
+        let partial_row = cfg.n_head * chunks_max * (cfg.head_dim + 2) * 4;
+        let prompt_rows = (PARTIALS_BUDGET / partial_row).clamp(MAX_ROWS, PROMPT_ROWS) / MAX_ROWS * MAX_ROWS;
+        let m = prompt_rows;
         let b = Buffers {
             h: alloc(&stream, m * cfg.hidden)?,
             q: alloc(&stream, m * qd)?,
@@ -323,22 +363,22 @@ impl Gemma3Gpu {
             o: alloc(&stream, m * cfg.hidden)?,
             ff: alloc(&stream, m * cfg.ff)?,
             down: alloc(&stream, m * cfg.hidden)?,
-            logits: alloc(&stream, m * cfg.vocab)?,
+            logits: alloc(&stream, MAX_ROWS * cfg.vocab)?,
             qs: alloc(&stream, m * kmax)?,
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, m * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
-            attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
-            cand_v: alloc(&stream, m * ARGMAX_BLOCKS)?,
-            cand_i: alloc(&stream, m * ARGMAX_BLOCKS)?,
+            attn_counters: alloc(&stream, m * cfg.n_head)?,
+            cand_v: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
+            cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,
             ids: alloc(&stream, MAX_ROWS)?,
         };
-        let step = std::sync::Mutex::new(alloc(&stream, 1)?);
+        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, _ctx: ctx })
+        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, prompt_rows, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -348,6 +388,12 @@ impl Gemma3Gpu {
     /// The longest cache the model makes.
     pub fn max_ctx(&self) -> usize {
         self.max_ctx
+    }
+
+    /// The most rows (tokens) of one step: a prompt step of more than [`MAX_ROWS`] rows runs
+    /// without a graph.
+    pub fn prompt_rows(&self) -> usize {
+        self.prompt_rows
     }
 
     /// An empty KV cache of `ctx_len` positions (at most [`Gemma3Gpu::max_ctx`]).
@@ -360,7 +406,7 @@ impl Gemma3Gpu {
             k.push(alloc(&self.stream, kvd * ctx_len)?);
             v.push(alloc(&self.stream, kvd * ctx_len)?);
         }
-        Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, last_head: false, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, last_head: false, head_row0: 0, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
@@ -369,7 +415,10 @@ impl Gemma3Gpu {
 
     /// The launches of one step of `rows` rows over `cache` (what a graph captures); without
     /// `head`, the trunk alone (the residual stream after the last layer, no logits or ids).
-    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize, head: bool) -> std::result::Result<usize, GpuError> {
+    /// With `prompt` (the step's position), a prompt step of up to [`Gemma3Gpu::prompt_rows`]
+    /// rows: the tokens from the tokens buffer, the rows' attention, the head on the last row.
+    /// `mark` is called after each launch with what it does (the profile's events).
+    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize, head: bool, prompt: Option<Prompt>, mark: &mut Mark) -> std::result::Result<usize, GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -393,21 +442,25 @@ impl Gemma3Gpu {
             k: k as i32,
             in_mode: mode,
             norm: (w != 0) as i32,
+            tokens: prompt.map_or(0, |p| p.tokens),
         };
         let seg =
             |w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize| GemvSeg { w: self.ptr(&w.0), out: p(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() };
         let s = &self.stream;
         let k = &self.kernels;
         let mut count = 0;
-        // SAFETY: every buffer was allocated at load for MAX_ROWS rows of its width (rows <=
-        // MAX_ROWS), the caches for ctx_len positions, and `forward` checks that the step's
-        // positions are below ctx_len before it launches.
+        // SAFETY: every buffer was allocated at load for prompt_rows rows of its width (the
+        // logits and argmax scratch for MAX_ROWS; `step` keeps rows <= MAX_ROWS unless `prompt`,
+        // whose head runs on one row), the caches for ctx_len positions, and `step` checks that
+        // the step's positions are below ctx_len before it launches.
         unsafe {
             for (l, ly) in self.layers.iter().enumerate() {
                 let local = c.is_local(l);
                 let first = if l == 0 { nq(0, 0, 2, c.hidden, p(&ly.attn_norm)) } else { nq(p(&b.down), p(&self.layers[l - 1].post_ffn_norm), 1, c.hidden, p(&ly.attn_norm)) };
                 k.norm_quant(s, rows, &first)?;
+                mark("norm_quant")?;
                 k.gemv(s, rows, c.hidden, &[seg(&ly.q, &b.q, qd), seg(&ly.k, &b.k, kvd), seg(&ly.v, &b.v, kvd)], act)?;
+                mark("gemv qkv")?;
                 let rope = RopeArgs {
                     q: p(&b.q),
                     k: p(&b.k),
@@ -426,6 +479,7 @@ impl Gemma3Gpu {
                     hd: c.head_dim as i32,
                 };
                 k.qk_norm_rope_kv(s, rows, &rope)?;
+                mark("qk_norm_rope_kv")?;
                 let window = if local { c.window } else { 0 };
                 let at = AttnArgs {
                     q: p(&b.q),
@@ -444,26 +498,47 @@ impl Gemma3Gpu {
                     n_kv: c.n_kv as i32,
                     chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
                 };
-                k.attention(s, rows, c.head_dim, &at)?;
+                match prompt {
+                    Some(pr) => k.attention_rows(s, pr.pos, rows, c.head_dim, &at)?,
+                    None => k.attention(s, rows, c.head_dim, &at)?,
+                }
+                mark(if local { "attention local" } else { "attention global" })?;
                 k.gemv(s, rows, qd, &[seg(&ly.o, &b.o, c.hidden)], act)?;
+                mark("gemv o")?;
                 k.norm_quant(s, rows, &nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
+                mark("norm_quant")?;
                 let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
                 k.gemv(s, rows, c.hidden, &[glu], act)?;
+                mark("gemv gate·up")?;
                 k.norm_quant(s, rows, &nq(p(&b.ff), 0, 0, c.ff, 0))?;
+                mark("norm_quant")?;
                 k.gemv(s, rows, c.ff, &[seg(&ly.down, &b.down, c.hidden)], act)?;
+                mark("gemv down")?;
                 count += 9;
             }
             let last = self.layers.last().expect("a model has layers");
             k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
+            mark("norm_quant")?;
             count += 1;
             if !head {
                 return Ok(count);
             }
             let head = self.output.as_ref().unwrap_or(&self.embd);
-            k.gemv(s, rows, c.hidden, &[seg(head, &b.logits, c.vocab)], act)?;
+            // A prompt step: the last row's Q8 activations alone.
+            let (head_rows, act) = match prompt {
+                None => (rows, act),
+                Some(_) => {
+                    let r = (rows - 1) as u64;
+                    let kb = (c.hidden / QK) as u64;
+                    (1, (act.0 + r * c.hidden as u64, act.1 + r * kb * 4, act.2 + r * kb * 4))
+                }
+            };
+            k.gemv(s, head_rows, c.hidden, &[seg(head, &b.logits, c.vocab)], act)?;
+            mark("lm head")?;
             let am =
                 ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
-            k.argmax(s, rows, &am)?;
+            k.argmax(s, head_rows, &am)?;
+            mark("argmax")?;
             count += 2;
         }
         Ok(count)
@@ -475,7 +550,7 @@ impl Gemma3Gpu {
         let at = if head { rows - 1 } else { MAX_ROWS + rows - 1 };
         if cache.graphs[at].is_none() {
             self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let launched = self.launch_step(cache, step, rows, head);
+            let launched = self.launch_step(cache, step, rows, head, None, &mut |_| Ok(()));
             // End the capture whatever happened, so the stream is usable again.
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             launched?;
@@ -488,7 +563,7 @@ impl Gemma3Gpu {
 
     /// Kernel launches (graph nodes) of a step of `rows` rows.
     pub fn graph_nodes(&self, cache: &mut GpuCache, rows: usize) -> Result<usize> {
-        let step = self.ptr(&*self.step.lock().expect("a step panicked holding the step block"));
+        let step = self.ptr(&self.step.lock().expect("a step panicked holding the step block").params);
         let g = self.graph(cache, step, rows, true)?;
         let mut n = 0usize;
         // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
@@ -510,18 +585,65 @@ impl Gemma3Gpu {
         self.step(cache, tokens, banned, true)
     }
 
-    /// Runs `tokens` (1..=8) through the trunk alone: their K/V enter the cache and their final
-    /// hidden states are ready for [`Gemma3Gpu::hidden`]; no LM head runs, so there are no
-    /// logits or ids (a prompt chunk whose logits nobody reads).
+    /// Runs `tokens` (1..=[`Gemma3Gpu::prompt_rows`]) through the trunk alone: their K/V enter
+    /// the cache and their final hidden states are ready for [`Gemma3Gpu::hidden`]; no LM head
+    /// runs, so there are no logits or ids (a prompt chunk whose logits nobody reads).
     pub fn forward_trunk(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
         self.step(cache, tokens, &[], false)
+    }
+
+    /// Runs a prompt's `tokens` (1..=[`Gemma3Gpu::prompt_rows`]): their K/V enter the cache,
+    /// their final hidden states are ready for [`Gemma3Gpu::hidden`], and the last row's logits
+    /// and greedy id for [`Gemma3Gpu::logits_row`] and [`Gemma3Gpu::argmax`] (steps of up to
+    /// [`MAX_ROWS`] rows give every row's, as [`Gemma3Gpu::forward`] does).
+    pub fn forward_prompt(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
+        self.step(cache, tokens, &[], true)
+    }
+
+    /// Runs a prompt step of `tokens` (more than [`MAX_ROWS`], up to
+    /// [`Gemma3Gpu::prompt_rows`]) as [`Gemma3Gpu::forward_prompt`] does, with an event after
+    /// each launch, and returns each kind of launch's device time in microseconds, summed over
+    /// the step, in the order first launched (the events keep launches from overlapping, so the
+    /// sum is somewhat above the step's time).
+    pub fn profile_prompt(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<Vec<(&'static str, f64)>> {
+        let rows = tokens.len();
+        if !(MAX_ROWS + 1..=self.prompt_rows).contains(&rows) || cache.pos + rows > cache.ctx_len {
+            return Err(Gemma3GpuError::Step { rows, pos: cache.pos, what: format!("a profiled prompt step takes {} to {} tokens within the cache", MAX_ROWS + 1, self.prompt_rows) });
+        }
+        let params = StepParams { pos: cache.pos as i32, rows: rows as i32, ..Default::default() };
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let mut block = self.step.lock().expect("a step panicked holding the step block");
+        self.stream.memcpy_htod(&[params][..], &mut block.params)?;
+        self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
+        let prompt = Prompt { pos: cache.pos, tokens: self.ptr(&block.tokens) };
+        let event = |stream: &Arc<CudaStream>| stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|source| GpuError::Launch { kernel: "event", source });
+        let mut marks = vec![("start", event(&self.stream)?)];
+        self.launch_step(cache, self.ptr(&block.params), rows, true, Some(prompt), &mut |what| {
+            marks.push((what, event(&self.stream)?));
+            Ok(())
+        })?;
+        drop(block);
+        self.stream.synchronize()?;
+        let mut out: Vec<(&'static str, f64)> = Vec::new();
+        for w in marks.windows(2) {
+            let us = w[0].1.elapsed_ms(&w[1].1)? as f64 * 1e3;
+            match out.iter_mut().find(|(k, _)| *k == w[1].0) {
+                Some(e) => e.1 += us,
+                None => out.push((w[1].0, us)),
+            }
+        }
+        cache.pos += rows;
+        cache.last_rows = rows;
+        cache.last_head = true;
+        cache.head_row0 = rows - 1;
+        Ok(out)
     }
 
     fn step(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], head: bool) -> Result<()> {
         let rows = tokens.len();
         let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
-        if !(1..=MAX_ROWS).contains(&rows) {
-            return Err(fail(format!("a step takes 1 to {MAX_ROWS} tokens")));
+        if !(1..=self.prompt_rows).contains(&rows) {
+            return Err(fail(format!("a step takes 1 to {} tokens", self.prompt_rows)));
         }
         if cache.pos + rows > cache.ctx_len {
             return Err(fail(format!("the cache holds {} positions", cache.ctx_len)));
@@ -541,13 +663,22 @@ impl Gemma3Gpu {
         }
         let mut block = self.step.lock().expect("a step panicked holding the step block");
         // Ordered on the stream after the previous step, which may still be reading the block.
-        self.stream.memcpy_htod(&[params][..], &mut *block)?;
-        let step = self.ptr(&*block);
-        self.graph(cache, step, rows, head)?.launch()?;
+        self.stream.memcpy_htod(&[params][..], &mut block.params)?;
+        let step = self.ptr(&block.params);
+        if rows <= MAX_ROWS {
+            self.graph(cache, step, rows, head)?.launch()?;
+        } else {
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            // Ordered like the parameters; rows <= prompt_rows, the buffer's length (checked above).
+            self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
+            let prompt = Prompt { pos: cache.pos, tokens: self.ptr(&block.tokens) };
+            self.launch_step(cache, step, rows, head, Some(prompt), &mut |_| Ok(()))?;
+        }
         drop(block);
         cache.pos += rows;
         cache.last_rows = rows;
         cache.last_head = head;
+        cache.head_row0 = if rows > MAX_ROWS { rows - 1 } else { 0 };
         Ok(())
     }
 
@@ -558,17 +689,19 @@ impl Gemma3Gpu {
         Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: "the last step ran the trunk alone: it has no logits or ids".into() })
     }
 
-    /// The greedy ids of `cache`'s last step (lowest id among equal maxima).
+    /// The greedy ids of `cache`'s last step (lowest id among equal maxima): every row's, or
+    /// after a prompt step of more than [`MAX_ROWS`] rows the last row's alone.
     pub fn argmax(&self, cache: &GpuCache) -> Result<Vec<u32>> {
         self.headed(cache)?;
         let ids = self.stream.clone_dtoh(&self.b.ids)?;
-        Ok(ids[..cache.last_rows].iter().map(|&i| i as u32).collect())
+        Ok(ids[..cache.last_rows - cache.head_row0].iter().map(|&i| i as u32).collect())
     }
 
-    /// The logits of `cache`'s last step, `rows × vocab`.
+    /// The logits of `cache`'s last step, `rows × vocab` (after a prompt step of more than
+    /// [`MAX_ROWS`] rows, the last row's alone).
     pub fn logits(&self, cache: &GpuCache) -> Result<Vec<f32>> {
         self.headed(cache)?;
-        let n = cache.last_rows * self.cfg.vocab;
+        let n = (cache.last_rows - cache.head_row0) * self.cfg.vocab;
         let mut v = vec![0f32; n];
         self.stream.memcpy_dtoh(&self.b.logits.slice(..n), &mut v[..])?;
         Ok(v)
@@ -577,12 +710,13 @@ impl Gemma3Gpu {
     /// The logits of row `row` of `cache`'s last step (`vocab` values; a prompt's last row).
     pub fn logits_row(&self, cache: &GpuCache, row: usize) -> Result<Vec<f32>> {
         self.headed(cache)?;
-        if row >= cache.last_rows {
-            return Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: format!("no row {row}") });
+        if row >= cache.last_rows || row < cache.head_row0 {
+            return Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: format!("no logits for row {row}") });
         }
         let vocab = self.cfg.vocab;
         let mut v = vec![0f32; vocab];
-        self.stream.memcpy_dtoh(&self.b.logits.slice(row * vocab..(row + 1) * vocab), &mut v[..])?;
+        let at = row - cache.head_row0;
+        self.stream.memcpy_dtoh(&self.b.logits.slice(at * vocab..(at + 1) * vocab), &mut v[..])?;
         Ok(v)
     }
 

@@ -49,8 +49,8 @@ mod imp {
             self.0.forward(&mut seq.0, tokens)?;
             self.0.logits(&seq.0)
         }
-        /// Runs `tokens` (at most [`STEP_ROWS`]) through the trunk alone (a prompt chunk before
-        /// the last: no LM head runs) and returns their final hidden states when asked
+        /// Runs `tokens` (at most [`GpuTrunk::prompt_rows`]) through the trunk alone (a prompt
+        /// chunk before the last: no LM head runs) and returns their final hidden states when asked
         /// (`rows × hidden`, before the output norm), else nothing.
         pub fn forward_trunk(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<Vec<f32>, GpuError> {
             self.0.forward_trunk(&mut seq.0, tokens)?;
@@ -60,11 +60,11 @@ mod imp {
                 Ok(Vec::new())
             }
         }
-        /// Runs `tokens` (at most [`STEP_ROWS`], a prompt's last chunk) and returns the last
-        /// one's logits (only that row crosses to the host) and, when asked, every row's final
-        /// hidden state.
+        /// Runs `tokens` (at most [`GpuTrunk::prompt_rows`], a prompt's last chunk) and returns
+        /// the last one's logits (only that row crosses to the host) and, when asked, every
+        /// row's final hidden state.
         pub fn forward_last(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
-            self.0.forward(&mut seq.0, tokens)?;
+            self.0.forward_prompt(&mut seq.0, tokens)?;
             let row = self.0.logits_row(&seq.0, tokens.len() - 1)?;
             Ok((row, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
         }
@@ -101,6 +101,11 @@ mod imp {
         /// The most positions a sequence's cache on the engine holds.
         pub fn max_context(&self) -> usize {
             self.0.max_ctx()
+        }
+        /// The most tokens of one prompt step ([`GpuTrunk::forward_trunk`],
+        /// [`GpuTrunk::forward_last`]).
+        pub fn prompt_rows(&self) -> usize {
+            self.0.prompt_rows()
         }
     }
 
@@ -175,6 +180,9 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn max_context(&self) -> usize {
+            unreachable!("{NEVER}")
+        }
+        pub fn prompt_rows(&self) -> usize {
             unreachable!("{NEVER}")
         }
         pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {

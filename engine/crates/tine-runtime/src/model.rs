@@ -445,14 +445,16 @@ impl Sequence {
         })
     }
 
-    /// A prompt on the GPU engine, inside an atomic step: in steps of [`STEP_ROWS`], the trunk
-    /// alone for every step but the last (no LM head, nothing copied back), then the last
-    /// token's logits and, with `hidden`, every token's final hidden state.
+    /// A prompt on the GPU engine, inside an atomic step: in prompt steps of up to
+    /// [`GpuTrunk::prompt_rows`], the trunk alone for every step but the last (no LM head,
+    /// nothing copied back), then the last token's logits and, with `hidden`, every token's
+    /// final hidden state. Each row's bits are those of one-token steps.
     fn gpu_prefill(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), StepError> {
         let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
-        let chunks = tokens.chunks(STEP_ROWS).count();
+        let rows = gpu.prompt_rows();
+        let chunks = tokens.chunks(rows).count();
         let (mut last, mut states) = (Vec::new(), Vec::with_capacity(if hidden { tokens.len() * model.info.embedding_length } else { 0 }));
-        for (i, chunk) in tokens.chunks(STEP_ROWS).enumerate() {
+        for (i, chunk) in tokens.chunks(rows).enumerate() {
             let g = self.gpu.as_mut().expect("on the engine");
             if i + 1 == chunks {
                 let (row, h) = gpu.forward_last(g, chunk, hidden)?;

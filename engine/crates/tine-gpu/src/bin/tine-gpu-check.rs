@@ -136,6 +136,115 @@ fn check_gemv(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: 
     Ok(Case { name: format!("gemv {t:?} n={n} k={k}{}", if glu { " glu" } else { "" }), worst, bits: Some(bits), note: String::new() })
 }
 
+/// The GEMV over a prompt's `rows` rows (groups of 8 in one launch, the rest in another)
+/// against float64 and one-row launches, bit for bit.
+fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<Case> {
+    let w = t.quantize(&rng.vec(n * k, 0.5));
+    let w2 = t.quantize(&rng.vec(n * k, 0.5));
+    let act = ActQ8::quantize(&rng.vec(rows * k, 2.0), rows, k);
+    let (wd, w2d) = (dev.up(&w)?, dev.up(&w2)?);
+    let (qs, qd, qsum) = act_planes(dev, &act)?;
+    let (gref, gmag) = reference::gemv(t, &w, n, k, &act);
+    let (uref, umag) = reference::gemv(t, &w2, n, k, &act);
+    let out = dev.zeros::<f32>(rows * n)?;
+    let kb = k / QK;
+    let run = |m_rows: usize, row0: usize| -> Res<Vec<f32>> {
+        let seg = GemvSeg { w: dev.ptr(&wd), w2: if glu { dev.ptr(&w2d) } else { 0 }, out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu as i32, block_start: 0 };
+        let planes = (dev.ptr(&qs) + (row0 * k) as u64, dev.ptr(&qd) + (row0 * kb * 4) as u64, dev.ptr(&qsum) + (row0 * kb * 4) as u64);
+        // SAFETY: the weights hold n rows of k values of type t, the planes `rows` rows of k
+        // (row0 + m_rows <= rows), out `rows` rows of n.
+        unsafe { dev.k.gemv(&dev.stream, m_rows, k, &[seg], planes)? };
+        let mut v = dev.down(&out)?;
+        v.truncate(m_rows * n);
+        Ok(v)
+    };
+    let singles: Vec<Vec<f32>> = (0..rows).map(|m| run(1, m)).collect::<Res<_>>()?;
+    let got = run(rows, 0)?;
+    let (mut worst, mut bits) = (0f64, true);
+    for m in 0..rows {
+        for r in 0..n {
+            let i = m * n + r;
+            let (want, tol) = if glu {
+                let (g, u) = (gref[i], uref[i]);
+                let gl = reference::gelu_tanh(g);
+                (gl * u, 1e-5 * (gmag[i] * u.abs() * 1.2 + umag[i] * gl.abs()) + 1e-6)
+            } else {
+                (gref[i], 1e-5 * gmag[i] + 1e-6)
+            };
+            worst = worst.max((got[i] as f64 - want).abs() / tol);
+            bits &= got[i].to_bits() == singles[m][r].to_bits();
+        }
+    }
+    Ok(Case { name: format!("gemv prompt {t:?} n={n} k={k} rows={rows}{}", if glu { " glu" } else { "" }), worst, bits: Some(bits), note: String::new() })
+}
+
+/// The prompt attention (`attn_rows`) for `rows` rows from `pos` against float64 and the decode
+/// attention's one-row launches, bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn check_attention_rows(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, ctx: usize, window: usize, pos: usize, rows: usize) -> Res<Case> {
+    let kc = rng.vec(n_kv * ctx * hd, 1.0);
+    let vc = rng.vec(n_kv * ctx * hd, 1.0);
+    let q = rng.vec(rows * n_head * hd, 3.0 / (hd as f32).sqrt());
+    let chunks_max = Kernels::attn_chunks_max(ctx, window);
+    let (kd, vd, qd) = (dev.up(&kc)?, dev.up(&vc)?, dev.up(&q)?);
+    let width = n_head * hd;
+    let out = dev.zeros::<f32>(rows * width)?;
+    let partials = dev.zeros::<f32>(rows * n_head * chunks_max * (hd + 2))?;
+    let counters = dev.zeros::<i32>(rows * n_head)?;
+    let mut step = dev.up(&[StepParams::default()])?;
+    let (aqs, aqd, aqsum) = (dev.zeros::<i8>(rows * width)?, dev.zeros::<f32>(rows * width / QK)?, dev.zeros::<i32>(rows * width / QK)?);
+    let mut run = |row0: usize, n_rows: usize, many: bool| -> Res<(Vec<f32>, Vec<i8>)> {
+        dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
+        let args = AttnArgs {
+            q: dev.ptr(&qd) + (row0 * width * 4) as u64,
+            k_cache: dev.ptr(&kd),
+            v_cache: dev.ptr(&vd),
+            out: dev.ptr(&out),
+            partials: dev.ptr(&partials),
+            counters: dev.ptr(&counters),
+            step: dev.ptr(&step),
+            qs: dev.ptr(&aqs),
+            qd: dev.ptr(&aqd),
+            qsum: dev.ptr(&aqsum),
+            ctx: ctx as i32,
+            window: window as i32,
+            n_head: n_head as i32,
+            n_kv: n_kv as i32,
+            chunks_max: chunks_max as i32,
+        };
+        // SAFETY: q holds `rows` rows (row0 + n_rows <= rows), the caches ctx positions (pos +
+        // rows <= ctx), the partials and counters `rows` rows, the Q8 planes `rows` rows.
+        unsafe {
+            if many {
+                dev.k.attention_rows(&dev.stream, pos + row0, n_rows, hd, &args)?
+            } else {
+                dev.k.attention(&dev.stream, n_rows, hd, &args)?
+            }
+        };
+        let mut v = dev.down(&out)?;
+        v.truncate(n_rows * width);
+        let mut qs = dev.down(&aqs)?;
+        qs.truncate(n_rows * width);
+        Ok((v, qs))
+    };
+    let singles: Vec<(Vec<f32>, Vec<i8>)> = (0..rows).map(|m| run(m, 1, false)).collect::<Res<_>>()?;
+    let (got, got_q) = run(0, rows, true)?;
+    let vmax = vc.iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+    let (mut worst, mut bits) = (0f64, true);
+    for m in 0..rows {
+        let qm: Vec<f64> = q[m * width..(m + 1) * width].iter().map(|&x| x as f64).collect();
+        let want = reference::attention(&qm, &kc, &vc, ctx, n_head, n_kv, hd, pos + m, window);
+        for (i, w) in want.iter().enumerate() {
+            let g = got[m * width + i];
+            worst = worst.max((g as f64 - w).abs() / (2e-6 * vmax + 1e-7));
+            bits &= g.to_bits() == singles[m].0[i].to_bits();
+        }
+        bits &= got_q[m * width..(m + 1) * width] == singles[m].1[..];
+    }
+    let note = if dev.down(&counters)?.iter().any(|&c| c != 0) { "counters not left at zero".to_string() } else { String::new() };
+    Ok(Case { name: format!("attention rows={rows} heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window} pos={pos}"), worst, bits: Some(bits), note })
+}
+
 /// Q, K and V in one launch of three segments of two types.
 fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType, usize)]) -> Res<Case> {
     let act = ActQ8::quantize(&rng.vec(4 * k, 1.0), 4, k);
@@ -229,6 +338,7 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
                 k: k as i32,
                 in_mode: if plain { 0 } else { mode },
                 norm: i32::from(!plain),
+                tokens: 0,
             };
             // SAFETY: every buffer holds `rows` rows of k (and k/32 per row for the scales), the
             // table `vocab` rows, and row0 + n_rows <= rows.
@@ -525,6 +635,21 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     for n in [262144, 1000, 5] {
         cases.push(check_argmax(dev, &mut rng, n)?);
     }
+    // A prompt's rows in one launch.
+    for (t, n, k, glu, rows) in [(WeightType::Q5_0, 1024, 640, false, 29), (WeightType::Q4K, 2048, 768, true, 16), (WeightType::Q6K, 640, 2048, false, 43), (WeightType::Q8_0, 256, 640, false, 9)] {
+        cases.push(check_gemv_prompt(dev, &mut rng, t, n, k, glu, rows)?);
+    }
+    for (h, kv, hd, ctx, window, pos, rows) in [
+        (4, 1, 256, 1024, 0, 0, 200),
+        (4, 1, 256, 2048, 512, 300, 333),
+        (4, 1, 256, 2048, 512, 1100, 64),
+        (8, 2, 128, 1024, 100, 37, 90),
+        (2, 1, 64, 600, 7, 500, 41),
+        (16, 2, 256, 4096, 0, 3000, 19),
+        (3, 1, 64, 300, 0, 0, 9),
+    ] {
+        cases.push(check_attention_rows(dev, &mut rng, h, kv, hd, ctx, window, pos, rows)?);
+    }
     Ok(cases)
 }
 
@@ -623,6 +748,7 @@ mod bench {
             k: kk as i32,
             in_mode: mode,
             norm: norm_on as i32,
+            tokens: 0,
         };
         // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
         // recorded after each launch, labelled with what the launch does (the profile).
@@ -1095,6 +1221,87 @@ mod model {
         let same = after[0].iter().zip(&after[1]).all(|(a, b)| a.to_bits() == b.to_bits());
         println!("model: the step after a trunk-alone prompt: {}", if same { "bit-identical" } else { "DIFFERS" });
         ok &= same;
+        let kv_steps = g.read_kv(&c)?;
+        // The same prompt as prompt steps (up to prompt_rows rows each, no graph): the last row's
+        // logits, the K/V and the next step must be the 8-row steps' bits.
+        let pr = g.prompt_rows();
+        let bits_eq = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        c.truncate(0);
+        let mut last_row = Vec::new();
+        let chunks = long.chunks(pr).count();
+        for (i, chunk) in long.chunks(pr).enumerate() {
+            if i + 1 < chunks {
+                g.forward_trunk(&mut c, chunk)?;
+            } else {
+                g.forward_prompt(&mut c, chunk)?;
+                last_row = g.logits_row(&c, chunk.len() - 1)?;
+            }
+        }
+        g.forward(&mut c, &[ids[0]])?;
+        let next = g.logits(&c)?;
+        let kv_prompt = g.read_kv(&c)?;
+        c.truncate(0);
+        for chunk in long.chunks(MAX_ROWS) {
+            g.forward(&mut c, chunk)?;
+        }
+        let want_last = g.logits(&c)?[(long.len() - 1) % MAX_ROWS * vocab..][..vocab].to_vec();
+        let kv_same = kv_steps.iter().zip(&kv_prompt).all(|((k1, v1), (k2, v2))| bits_eq(&k1[..], &k2[..k1.len()]) && bits_eq(&v1[..], &v2[..v1.len()]));
+        let same = bits_eq(&last_row, &want_last) && bits_eq(&next, &after[0]) && kv_same;
+        println!(
+            "model: 512-token prompt in prompt steps of up to {pr} rows: last row's logits, K/V and the next step {}",
+            if same { "bit-identical to 8-row steps" } else { "DIFFER from 8-row steps" }
+        );
+        ok &= same;
+        // A prompt step after 8 positions, across window and chunk edges.
+        let tail: Vec<u32> = (0..700u32).map(|i| 50 + (i * 104729) % 30000).collect();
+        let mut rows_after = Vec::new();
+        for wide in [false, true] {
+            c.truncate(0);
+            g.forward(&mut c, &prompt)?;
+            for chunk in tail.chunks(if wide { pr } else { MAX_ROWS }) {
+                g.forward(&mut c, &chunk[..chunk.len().min(MAX_ROWS)])?;
+                if chunk.len() > MAX_ROWS {
+                    g.forward_prompt(&mut c, &chunk[MAX_ROWS..])?;
+                }
+            }
+            g.forward(&mut c, &[ids[0]])?;
+            rows_after.push(g.logits(&c)?);
+        }
+        let same = bits_eq(&rows_after[0], &rows_after[1]);
+        println!("model: 700 tokens after 16 in prompt steps: the next step {}", if same { "bit-identical to 8-row steps" } else { "DIFFERS from 8-row steps" });
+        ok &= same;
+        // Prefill speed: llama-bench's pp512 (a 512-token prompt into an empty cache) and longer.
+        for n_tok in [512usize, 2048] {
+            let toks: Vec<u32> = (0..n_tok as u32).map(|i| 100 + (i * 7919) % 20000).collect();
+            let mut best = f64::MAX;
+            for _ in 0..5 {
+                c.truncate(0);
+                g.synchronize()?;
+                let t0 = std::time::Instant::now();
+                let chunks = toks.chunks(pr).count();
+                for (i, chunk) in toks.chunks(pr).enumerate() {
+                    if i + 1 < chunks {
+                        g.forward_trunk(&mut c, chunk)?;
+                    } else {
+                        g.forward_prompt(&mut c, chunk)?;
+                    }
+                }
+                let _ = g.logits_row(&c, toks.chunks(pr).last().map_or(0, |l| l.len()) - 1)?;
+                best = best.min(t0.elapsed().as_secs_f64());
+            }
+            println!("model: {n_tok}-token prompt in prompt steps (best of 5, last row's logits read): {:.2} ms, {:.0} tok/s", best * 1e3, n_tok as f64 / best);
+        }
+        // Where a 512-row prompt step's time goes (each launch followed by an event).
+        c.truncate(0);
+        let toks: Vec<u32> = (0..pr.min(512) as u32).map(|i| 100 + (i * 7919) % 20000).collect();
+        let _ = g.profile_prompt(&mut c, &toks)?;
+        c.truncate(0);
+        let prof = g.profile_prompt(&mut c, &toks)?;
+        let total: f64 = prof.iter().map(|(_, us)| us).sum();
+        println!("model: profile of a {}-row prompt step, {total:.0} us in all:", toks.len());
+        for (what, us) in &prof {
+            println!("model:   {what:<18} {us:>9.1} us  {:>5.1}%", 100.0 * us / total);
+        }
         // Against the CPU path's greedy ids.
         if let Some(refs) = refs {
             for (i, line) in std::fs::read_to_string(refs)?.lines().enumerate() {
