@@ -239,9 +239,7 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
 // Nothing in that depends on M: row m's result is the same bits for any M.
 //
 // A launch covers up to 4 segments (for example Q, K and V, each its own weight type), each
-// with its own output. Grid: (blocks over the segments' rows, groups of M activation rows): group
-// g reads activation rows g*M .. g*M + M - 1 and writes those output rows (a prompt's rows in
-// groups of 8, each computed as a decode step computes it). With `glu`, a segment's warp computes a gate row and an up row of two
+// with its own output. With `glu`, a segment's warp computes a gate row and an up row of two
 // weights and stores gelu_tanh(gate) * up.
 
 struct GemvSeg {
@@ -260,7 +258,7 @@ struct GemvArgs {
     int nseg;
     int k;
     int split;  // S: warps per row (1, 2 or 4), each over its slice of the units
-    int pad;
+    int rows;   // activation rows (read by mmq)
     const int8_t* qs; const float* qd; const int* qsum;
 };
 
@@ -359,7 +357,7 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
 // slices, slice s takes the units of the groups of 8 numbered s, s + S, s + 2S, ... Returns each
 // row's warp sum (in every lane) in v (and the up rows' in v2).
 template <int T, int M, bool GLU, bool SM>
-__device__ __forceinline__ void gemv_rows(const GemvArgs& p, int m0, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
+__device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, const uint8_t* w2, int n, int r0, int slice, int S, float (&v)[GEMV_ROWS][M], float (&v2)[GEMV_ROWS][M]) {
     const int lane = threadIdx.x % WARP, l4 = lane % 4;
     const int k = p.k, units = k / QK, kb = k / QK;
     const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
@@ -403,9 +401,9 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, int m0, const uint8
             if (u >= units) break;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const int2 a = __ldg(reinterpret_cast<const int2*>(p.qs + (size_t)(m0 + m) * k + 32 * u + 8 * l4));
-                const float d = __ldg(p.qd + (size_t)(m0 + m) * kb + u);
-                const float sm = (float)__ldg(p.qsum + (size_t)(m0 + m) * kb + u);
+                const int2 a = __ldg(reinterpret_cast<const int2*>(p.qs + (size_t)m * k + 32 * u + 8 * l4));
+                const float d = __ldg(p.qd + (size_t)m * kb + u);
+                const float sm = (float)__ldg(p.qsum + (size_t)m * kb + u);
 #pragma unroll
                 for (int i = 0; i < GEMV_ROWS; ++i) {
                     const int dot = __dp4a(w1[i][j], a.y, __dp4a(w0[i][j], a.x, 0));
@@ -432,10 +430,9 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, int m0, const uint8
 template <int T, int M, bool GLU>
 __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, int r0, int slice, int S, float (*part)[GEMV_ROWS][MAX_ROWS][2]) {
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int m0 = (int)blockIdx.y * M;  // the launch's group of M activation rows
     float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
     const bool active = r0 < s.n;
-    gemv_rows<T, M, GLU, false>(p, m0, s.w, s.w2, s.n, r0, slice, S, v, v2);
+    gemv_rows<T, M, GLU, false>(p, s.w, s.w2, s.n, r0, slice, S, v, v2);
     if (S > 1) {
         if (lane == 0) {
 #pragma unroll
@@ -465,7 +462,7 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
                 const float g = y;
                 y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * v2[i][m];
             }
-            s.out[(size_t)(m0 + m) * s.out_stride + r0 + i] = y;
+            s.out[(size_t)m * s.out_stride + r0 + i] = y;
         }
     }
 }
@@ -546,7 +543,7 @@ __device__ __forceinline__ void gemv_staged_body(const GemvArgs& p, uint8_t* sta
     for (int half = 0; half < GEMV_STAGE_ROWS / (2 * GEMV_WARPS); ++half) {
         const int lr = half * 2 * GEMV_WARPS + 2 * warp;
         float v[GEMV_ROWS][M], v2[GEMV_ROWS][M];
-        gemv_rows<T, M, false, true>(p, 0, stage, nullptr, nr, lr, 0, 1, v, v2);
+        gemv_rows<T, M, false, true>(p, stage, nullptr, nr, lr, 0, 1, v, v2);
         if (lane == 0) {
 #pragma unroll
             for (int i = 0; i < GEMV_ROWS; ++i) {
@@ -572,6 +569,177 @@ __device__ __forceinline__ void gemv_staged(const GemvArgs& p) {
 }
 #define GEMV_STAGED_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_staged_m##M(const GemvArgs p) { gemv_staged<M>(p); }
 GEMV_STAGED_INST(1) GEMV_STAGED_INST(2) GEMV_STAGED_INST(3) GEMV_STAGED_INST(4) GEMV_STAGED_INST(5) GEMV_STAGED_INST(6) GEMV_STAGED_INST(7) GEMV_STAGED_INST(8)
+
+// ---------------------------------------------------------------------------------------------
+// The GEMM for a prompt's many rows: the same weights, Q8 activation planes, segments and GLU
+// epilogue as gemv, with the integer dot products of each 32-value unit on the tensor cores
+// (mma.sync s8). A block stages MMQ_KU units of MMQ_BR weight rows (unpacked to int8 with each
+// unit's factors, by load_unit) and of MMQ_BM activation rows in shared memory; warp (wr, wm)
+// computes weight rows wr*16.. and activation rows wm*32.. (four 16x8 tiles). Each unit's dot
+// enters its output as  d_m * (fw0 * dot(first 16) + fw1 * dot(last 16) + fmin * sum_m)  (the
+// factors load_unit gives for quarters 0 and 2; fw0 == fw1 except for Q6_K), added over the
+// units in order. The sums are not gemv's (which splits a unit over four lanes): a prompt's
+// rows match one-token steps to float rounding, not bit for bit.
+//
+// Grid: (blocks over the segments' rows, MMQ_BR each; activation rows / MMQ_BM). GemvArgs as for
+// gemv (`rows`: the activation rows).
+
+#define MMQ_BR 32
+#define MMQ_BM 64
+#define MMQ_KU 8
+#define MMQ_THREADS 128
+#define MMQ_STRIDE (MMQ_KU * 32 + 16)  // bytes per staged row: 16 bytes of padding keep the fragment loads off one bank
+
+struct MmqSmem {
+    int8_t w[2][MMQ_BR][MMQ_STRIDE];  // [gate or plain, up][row][value]
+    float fw0[2][MMQ_BR][MMQ_KU], fw1[2][MMQ_BR][MMQ_KU], fmin[2][MMQ_BR][MMQ_KU];
+    int8_t a[MMQ_BM][MMQ_STRIDE];
+    float ad[MMQ_BM][MMQ_KU];
+    float asum[MMQ_BM][MMQ_KU];
+};
+
+__device__ __forceinline__ void mma_k32(int (&c)[4], int a0, int a1, int a2, int a3, int b0, int b1) {
+    asm volatile("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+                 : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// Stages weight rows r0.. of `w` (n rows), units ku0 .. ku0 + MMQ_KU - 1, as int8 with factors.
+template <int T>
+__device__ __forceinline__ void mmq_stage_w(MmqSmem& sm, int which, const uint8_t* w, int n, int r0, int ku0, int units, size_t row_bytes) {
+    const int t = threadIdx.x, l4 = t & 3, uu = (t >> 2) % MMQ_KU;
+#pragma unroll
+    for (int i = 0; i < MMQ_BR * MMQ_KU * 4 / MMQ_THREADS; ++i) {
+        const int row = (t / (4 * MMQ_KU)) + i * (MMQ_THREADS / (4 * MMQ_KU));
+        const int r = r0 + row, u = ku0 + uu;
+        int w0 = 0, w1 = 0;
+        float fw = 0.0f, fmin = 0.0f;
+        if (r < n && u < units) load_unit<T, false>(w + (size_t)r * row_bytes, u, l4, w0, w1, fw, fmin);
+        *reinterpret_cast<int2*>(&sm.w[which][row][uu * 32 + 8 * l4]) = make_int2(w0, w1);
+        if (l4 == 0) { sm.fw0[which][row][uu] = fw; sm.fmin[which][row][uu] = fmin; }
+        if (l4 == 2) sm.fw1[which][row][uu] = fw;
+    }
+}
+
+template <int T, bool GLU>
+__device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& sm) {
+    constexpr bool TWO = T == W_Q6_K;  // two scales per unit: two k16 products
+    const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    const int g = lane / 4, tig = lane % 4;
+    const int wr = warp % 2, wm = warp / 2;
+    const int k = p.k, units = k / QK, rows = p.rows;
+    const int m0 = blockIdx.y * MMQ_BM;
+    const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
+    float acc[4][4], acc2[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = acc2[j][e] = 0.0f;
+    for (int ku0 = 0; ku0 < units; ku0 += MMQ_KU) {
+        __syncthreads();  // the previous stage is consumed
+        mmq_stage_w<T>(sm, 0, s.w, s.n, r0, ku0, units, row_bytes);
+        if (GLU) mmq_stage_w<T>(sm, 1, s.w2, s.n, r0, ku0, units, row_bytes);
+#pragma unroll
+        for (int i = 0; i < MMQ_BM * MMQ_KU * 2 / MMQ_THREADS; ++i) {
+            const int idx = t + i * MMQ_THREADS, tl = idx / (MMQ_KU * 2), piece = idx % (MMQ_KU * 2);
+            const int u = ku0 + piece / 2, m = m0 + tl;
+            int4 v = make_int4(0, 0, 0, 0);
+            if (m < rows && u < units) v = __ldg(reinterpret_cast<const int4*>(p.qs + (size_t)m * k + (size_t)ku0 * 32 + piece * 16));
+            *reinterpret_cast<int4*>(&sm.a[tl][piece * 16]) = v;
+        }
+#pragma unroll
+        for (int i = 0; i < MMQ_BM * MMQ_KU / MMQ_THREADS; ++i) {
+            const int idx = t + i * MMQ_THREADS, tl = idx / MMQ_KU, uu = idx % MMQ_KU;
+            const int u = ku0 + uu, m = m0 + tl;
+            const bool in = m < rows && u < units;
+            sm.ad[tl][uu] = in ? __ldg(p.qd + (size_t)m * (k / QK) + u) : 0.0f;
+            sm.asum[tl][uu] = in ? (float)__ldg(p.qsum + (size_t)m * (k / QK) + u) : 0.0f;
+        }
+        __syncthreads();
+        const int nu = min(MMQ_KU, units - ku0);
+        for (int uu = 0; uu < nu; ++uu) {
+            const int ra = wr * 16 + g, kb = uu * 32 + tig * 4;
+            // Row factors of this thread's two rows (g and g + 8 of the warp's 16).
+            float f0[2][2], f1[2][2], fm[2][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int q = 0; q < (GLU ? 2 : 1); ++q) {
+                    f0[q][h] = sm.fw0[q][ra + 8 * h][uu];
+                    f1[q][h] = sm.fw1[q][ra + 8 * h][uu];
+                    fm[q][h] = sm.fmin[q][ra + 8 * h][uu];
+                }
+#pragma unroll
+            for (int q = 0; q < (GLU ? 2 : 1); ++q) {
+                const int a0 = *reinterpret_cast<const int*>(&sm.w[q][ra][kb]);
+                const int a1 = *reinterpret_cast<const int*>(&sm.w[q][ra + 8][kb]);
+                const int a2 = *reinterpret_cast<const int*>(&sm.w[q][ra][kb + 16]);
+                const int a3 = *reinterpret_cast<const int*>(&sm.w[q][ra + 8][kb + 16]);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int tb = wm * 32 + j * 8;
+                    const int b0 = *reinterpret_cast<const int*>(&sm.a[tb + g][kb]);
+                    const int b1 = *reinterpret_cast<const int*>(&sm.a[tb + g][kb + 16]);
+                    int c[4] = {0, 0, 0, 0}, c2[4] = {0, 0, 0, 0};
+                    if (TWO) {
+                        mma_k16(c, a0, a1, b0);
+                        mma_k16(c2, a2, a3, b1);
+                    } else {
+                        mma_k32(c, a0, a1, a2, a3, b0, b1);
+                    }
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e >> 1, tl = tb + tig * 2 + (e & 1);
+                        const float d = sm.ad[tl][uu], su = sm.asum[tl][uu];
+                        const float dot = TWO ? f0[q][h] * (float)c[e] + f1[q][h] * (float)c2[e] : f0[q][h] * (float)c[e];
+                        const float y = d * (dot + fm[q][h] * su);
+                        if (q == 0) acc[j][e] += y; else acc2[j][e] += y;
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = r0 + wr * 16 + g + 8 * (e >> 1), m = m0 + wm * 32 + j * 8 + tig * 2 + (e & 1);
+            if (r >= s.n || m >= rows) continue;
+            float y = acc[j][e];
+            if (GLU) {
+                const float gt = y;
+                y = 0.5f * gt * (1.0f + tanhf(0.7978845608028654f * (gt + 0.044715f * gt * gt * gt))) * acc2[j][e];
+            }
+            s.out[(size_t)m * s.out_stride + r] = y;
+        }
+}
+
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) {
+    __shared__ MmqSmem sm;
+    int si = 0;
+#pragma unroll
+    for (int i = 1; i < 4; ++i) if (i < p.nseg && (int)blockIdx.x >= p.seg[i].block_start) si = i;
+    const GemvSeg& s = p.seg[si];
+    const int r0 = ((int)blockIdx.x - s.block_start) * MMQ_BR;
+    pdl_trigger();
+    pdl_wait();
+    switch (s.type * 2 + (s.glu ? 1 : 0)) {
+        case W_Q8_0 * 2: mmq_body<W_Q8_0, false>(p, s, r0, sm); break;
+        case W_Q5_0 * 2: mmq_body<W_Q5_0, false>(p, s, r0, sm); break;
+        case W_Q4_K * 2: mmq_body<W_Q4_K, false>(p, s, r0, sm); break;
+        case W_Q6_K * 2: mmq_body<W_Q6_K, false>(p, s, r0, sm); break;
+        case W_Q8_0 * 2 + 1: mmq_body<W_Q8_0, true>(p, s, r0, sm); break;
+        case W_Q5_0 * 2 + 1: mmq_body<W_Q5_0, true>(p, s, r0, sm); break;
+        case W_Q4_K * 2 + 1: mmq_body<W_Q4_K, true>(p, s, r0, sm); break;
+        case W_Q6_K * 2 + 1: mmq_body<W_Q6_K, true>(p, s, r0, sm); break;
+        default: break;
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Per-head RMSNorm of q and k, RoPE (NeoX halves: pair (i, i + hd/2)), the query scale, and the

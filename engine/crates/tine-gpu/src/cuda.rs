@@ -23,6 +23,12 @@ pub const NQ_MAX_K: usize = 8192;
 pub const GEMV_WARPS: usize = 4;
 /// Output rows per GEMV warp.
 pub const GEMV_ROWS: usize = 2;
+/// Weight rows per block of the prompt GEMM (`mmq`).
+pub const MMQ_ROWS: usize = 32;
+/// Activation rows (tokens) per block of the prompt GEMM.
+pub const MMQ_TOKENS: usize = 64;
+/// Threads per block of the prompt GEMM.
+pub const MMQ_THREADS: usize = 128;
 /// Rows per block of the staged GEMV.
 pub const GEMV_STAGE_ROWS: usize = 16;
 /// The fewest rows for which a single-segment GEMV is staged through shared memory.
@@ -145,7 +151,8 @@ pub struct GemvArgs {
     pub k: i32,
     /// Warps per output row (1, 2 or 4): [`Kernels::gemv_split`].
     pub split: i32,
-    pub pad: i32,
+    /// Activation rows (read by `mmq`, the prompt GEMM).
+    pub rows: i32,
     pub qs: DevPtr,
     pub qd: DevPtr,
     pub qsum: DevPtr,
@@ -232,6 +239,7 @@ pub struct Kernels {
     norm_quant: CudaFunction,
     gemv: Vec<CudaFunction>,
     gemv_staged: Vec<CudaFunction>,
+    mmq: CudaFunction,
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 3],
     attn_rows: [(usize, CudaFunction); 3],
@@ -258,6 +266,7 @@ impl Kernels {
             norm_quant: f("norm_quant")?,
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
             gemv_staged: (1..=MAX_ROWS).map(|m| f(&format!("gemv_staged_m{m}"))).collect::<Result<_, _>>()?,
+            mmq: f("mmq")?,
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
             attn_rows: [(64, f("attn_rows_hd64")?), (128, f("attn_rows_hd128")?), (256, f("attn_rows_hd256")?)],
@@ -345,49 +354,38 @@ impl Kernels {
     }
 
     /// The GEMV over `rows` activation rows for the segments `segs` (filled in: each segment's
-    /// `block_start`). More than [`MAX_ROWS`] rows (a prompt) go as groups of 8 in one launch and
-    /// the rest in a second, each row computed as a step of up to 8 rows computes it.
+    /// `block_start`): `gemv_m{rows}` for up to [`MAX_ROWS`] rows (each row's bits the same for
+    /// any count), the tensor-core `mmq` for more (a prompt; its rows match to float rounding).
     ///
     /// # Safety
     /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
     /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
         check(rows >= 1, || "gemv: no rows".to_string())?;
-        let (groups, rest) = if rows <= MAX_ROWS { (0, rows) } else { (rows / MAX_ROWS, rows % MAX_ROWS) };
-        if groups > 0 {
-            self.gemv_groups(stream, MAX_ROWS, groups, k, segs, act)?;
-        }
-        if rest > 0 {
-            // The rows after the groups: every address moved on by as many rows.
-            let r0 = (groups * MAX_ROWS) as u64;
-            let kb = (k / 32) as u64;
-            let moved: Vec<GemvSeg> = segs.iter().map(|s| GemvSeg { out: s.out + r0 * s.out_stride as u64 * 4, ..*s }).collect();
-            self.gemv_groups(stream, rest, 1, k, &moved, (act.0 + r0 * k as u64, act.1 + r0 * kb * 4, act.2 + r0 * kb * 4))?;
-        }
-        Ok(())
-    }
-
-    /// `gemv_m{m}` over `groups` groups of `m` rows.
-    unsafe fn gemv_groups(&self, stream: &Arc<CudaStream>, m: usize, groups: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
+        let many = rows > MAX_ROWS;
         let split = Self::gemv_split(k);
-        let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
+        let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, rows: rows as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
         let mut blocks = 0usize;
         for (slot, s) in args.seg.iter_mut().zip(segs) {
             let bv = WeightType::from_ggml_id(s.wtype).ok_or_else(|| GpuError::Shape(format!("gemv: weight type {} is not one the kernels read", s.wtype)))?.block_values();
             check(k.is_multiple_of(bv), || format!("gemv: k = {k} is not a multiple of the weight type's {bv}"))?;
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
-            blocks += (s.n as usize).div_ceil(GEMV_WARPS / split * GEMV_ROWS);
+            blocks += (s.n as usize).div_ceil(if many { MMQ_ROWS } else { GEMV_WARPS / split * GEMV_ROWS });
+        }
+        if many {
+            let cfg = LaunchConfig { grid_dim: (blocks as u32, rows.div_ceil(MMQ_TOKENS) as u32, 1), block_dim: (MMQ_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+            return self.launch(stream, &self.mmq, cfg, &args, "mmq");
         }
         if let [one] = segs {
-            if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split).filter(|_| groups == 1) {
+            if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
                 args.split = 1;
                 let cfg = LaunchConfig { grid_dim: ((one.n as usize).div_ceil(GEMV_STAGE_ROWS) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: stage_bytes as u32 };
-                return self.launch(stream, &self.gemv_staged[m - 1], cfg, &args, "gemv_staged");
+                return self.launch(stream, &self.gemv_staged[rows - 1], cfg, &args, "gemv_staged");
             }
         }
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, groups as u32, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
-        self.launch(stream, &self.gemv[m - 1], cfg, &args, "gemv")
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
     }
 
     /// `qk_norm_rope_kv` for `rows` rows.

@@ -21,9 +21,11 @@
 //! one-row step at its position gives.
 //!
 //! A prompt step of more than 8 rows (up to [`Gemma3Gpu::prompt_rows`]) runs the same program
-//! launched directly instead of through a graph: the GEMVs over the rows in groups of 8 in one
-//! launch, the attention as `attn_rows` (a block's keys read once for 8 rows), the LM head and
-//! argmax on the last row only. Each row still gets the bits of a one-row step.
+//! launched directly instead of through a graph: the GEMVs as `mmq` (int8 tensor-core products
+//! over the same quantized weights and activations), the attention as `attn_rows` (a block's keys
+//! read once for 8 rows, each row's bits those of the decode attention), the LM head and argmax on
+//! the last row only. A prompt's rows match one-row steps to float rounding (the GEMM sums each
+//! row in another order), not bit for bit; verify steps (up to 8 rows) stay bit-identical.
 
 use std::fs::File;
 use std::path::Path;

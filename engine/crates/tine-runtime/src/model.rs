@@ -448,7 +448,7 @@ impl Sequence {
     /// A prompt on the GPU engine, inside an atomic step: in prompt steps of up to
     /// [`GpuTrunk::prompt_rows`], the trunk alone for every step but the last (no LM head,
     /// nothing copied back), then the last token's logits and, with `hidden`, every token's
-    /// final hidden state. Each row's bits are those of one-token steps.
+    /// final hidden state (the engine's prompt GEMM: to float rounding of one-token steps).
     fn gpu_prefill(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), StepError> {
         let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
         let rows = gpu.prompt_rows();

@@ -136,8 +136,8 @@ fn check_gemv(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: 
     Ok(Case { name: format!("gemv {t:?} n={n} k={k}{}", if glu { " glu" } else { "" }), worst, bits: Some(bits), note: String::new() })
 }
 
-/// The GEMV over a prompt's `rows` rows (groups of 8 in one launch, the rest in another)
-/// against float64 and one-row launches, bit for bit.
+/// The GEMM over a prompt's `rows` rows (`mmq`, more than 8) against float64, and the first row
+/// against a one-row launch (to the same tolerance: the sums are taken in another order).
 fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<Case> {
     let w = t.quantize(&rng.vec(n * k, 0.5));
     let w2 = t.quantize(&rng.vec(n * k, 0.5));
@@ -158,9 +158,9 @@ fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize
         v.truncate(m_rows * n);
         Ok(v)
     };
-    let singles: Vec<Vec<f32>> = (0..rows).map(|m| run(1, m)).collect::<Res<_>>()?;
+    let single = run(1, 0)?;
     let got = run(rows, 0)?;
-    let (mut worst, mut bits) = (0f64, true);
+    let mut worst = 0f64;
     for m in 0..rows {
         for r in 0..n {
             let i = m * n + r;
@@ -172,10 +172,12 @@ fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize
                 (gref[i], 1e-5 * gmag[i] + 1e-6)
             };
             worst = worst.max((got[i] as f64 - want).abs() / tol);
-            bits &= got[i].to_bits() == singles[m][r].to_bits();
+            if m == 0 {
+                worst = worst.max((got[i] as f64 - single[r] as f64).abs() / tol);
+            }
         }
     }
-    Ok(Case { name: format!("gemv prompt {t:?} n={n} k={k} rows={rows}{}", if glu { " glu" } else { "" }), worst, bits: Some(bits), note: String::new() })
+    Ok(Case { name: format!("mmq {t:?} n={n} k={k} rows={rows}{}", if glu { " glu" } else { "" }), worst, bits: None, note: String::new() })
 }
 
 /// The prompt attention (`attn_rows`) for `rows` rows from `pos` against float64 and the decode
@@ -243,6 +245,33 @@ fn check_attention_rows(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd
     }
     let note = if dev.down(&counters)?.iter().any(|&c| c != 0) { "counters not left at zero".to_string() } else { String::new() };
     Ok(Case { name: format!("attention rows={rows} heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window} pos={pos}"), worst, bits: Some(bits), note })
+}
+
+/// Q, K and V in one `mmq` launch over a prompt's `rows` rows.
+fn check_mmq_segments(dev: &Dev, rng: &mut Rng, k: usize, rows: usize, parts: &[(WeightType, usize)]) -> Res<Case> {
+    let act = ActQ8::quantize(&rng.vec(rows * k, 1.0), rows, k);
+    let (qs, qd, qsum) = act_planes(dev, &act)?;
+    let mut keep = Vec::new();
+    let mut segs = Vec::new();
+    let mut refs = Vec::new();
+    for &(t, n) in parts {
+        let w = t.quantize(&rng.vec(n * k, 0.5));
+        let wd = dev.up(&w)?;
+        let out = dev.zeros::<f32>(rows * n)?;
+        segs.push(GemvSeg { w: dev.ptr(&wd), out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, ..Default::default() });
+        refs.push(reference::gemv(t, &w, n, k, &act));
+        keep.push((wd, out));
+    }
+    // SAFETY: as in check_gemv, for each segment, with `rows` rows.
+    unsafe { dev.k.gemv(&dev.stream, rows, k, &segs, (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum)))? };
+    let mut worst = 0f64;
+    for ((_, out), (want, mag)) in keep.iter().zip(&refs) {
+        for (i, g) in dev.down(out)?.iter().enumerate() {
+            worst = worst.max((*g as f64 - want[i]).abs() / (1e-5 * mag[i] + 1e-6));
+        }
+    }
+    let shape: Vec<String> = parts.iter().map(|(t, n)| format!("{t:?}x{n}")).collect();
+    Ok(Case { name: format!("mmq segments k={k} rows={rows} [{}]", shape.join(", ")), worst, bits: None, note: String::new() })
 }
 
 /// Q, K and V in one launch of three segments of two types.
@@ -636,9 +665,19 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         cases.push(check_argmax(dev, &mut rng, n)?);
     }
     // A prompt's rows in one launch.
-    for (t, n, k, glu, rows) in [(WeightType::Q5_0, 1024, 640, false, 29), (WeightType::Q4K, 2048, 768, true, 16), (WeightType::Q6K, 640, 2048, false, 43), (WeightType::Q8_0, 256, 640, false, 9)] {
+    for (t, n, k, glu, rows) in [
+        (WeightType::Q5_0, 1024, 640, false, 29),
+        (WeightType::Q4K, 2048, 768, true, 16),
+        (WeightType::Q6K, 640, 2048, false, 143),
+        (WeightType::Q8_0, 256, 640, false, 9),
+        (WeightType::Q8_0, 37, 96, true, 70),
+        (WeightType::Q5_0, 45, 160, true, 200),
+        (WeightType::Q6K, 33, 256, true, 65),
+        (WeightType::Q4K, 100, 1280, false, 512),
+    ] {
         cases.push(check_gemv_prompt(dev, &mut rng, t, n, k, glu, rows)?);
     }
+    cases.push(check_mmq_segments(dev, &mut rng, 640, 77, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)])?);
     for (h, kv, hd, ctx, window, pos, rows) in [
         (4, 1, 256, 1024, 0, 0, 200),
         (4, 1, 256, 2048, 512, 300, 333),
@@ -1222,10 +1261,18 @@ mod model {
         println!("model: the step after a trunk-alone prompt: {}", if same { "bit-identical" } else { "DIFFERS" });
         ok &= same;
         let kv_steps = g.read_kv(&c)?;
-        // The same prompt as prompt steps (up to prompt_rows rows each, no graph): the last row's
-        // logits, the K/V and the next step must be the 8-row steps' bits.
+        // The same prompt as prompt steps (up to prompt_rows rows each, no graph; the GEMMs on
+        // the tensor cores, summed in another order): the last row's logits, the K/V and the next
+        // step against the 8-row steps', to float rounding. `near` gives the largest difference
+        // over the largest magnitude of the reference, and whether the greedy ids agree (or the
+        // reference's top-2 gap is under 0.1, a near-tie rounding may turn).
         let pr = g.prompt_rows();
-        let bits_eq = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        let near = |got: &[f32], want: &[f32]| -> (f64, bool) {
+            let scale = want.iter().fold(0f32, |a, v| a.max(v.abs())).max(1e-6) as f64;
+            let diff = got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((*x as f64 - *y as f64).abs()));
+            let same_id = reference::argmax(got) == reference::argmax(want) || top2_gap(want) < 0.1;
+            (diff / scale, same_id)
+        };
         c.truncate(0);
         let mut last_row = Vec::new();
         let chunks = long.chunks(pr).count();
@@ -1245,13 +1292,19 @@ mod model {
             g.forward(&mut c, chunk)?;
         }
         let want_last = g.logits(&c)?[(long.len() - 1) % MAX_ROWS * vocab..][..vocab].to_vec();
-        let kv_same = kv_steps.iter().zip(&kv_prompt).all(|((k1, v1), (k2, v2))| bits_eq(&k1[..], &k2[..k1.len()]) && bits_eq(&v1[..], &v2[..v1.len()]));
-        let same = bits_eq(&last_row, &want_last) && bits_eq(&next, &after[0]) && kv_same;
+        let (d_last, id_last) = near(&last_row, &want_last);
+        let (d_next, id_next) = near(&next, &after[0]);
+        let d_kv = kv_steps.iter().zip(&kv_prompt).map(|((k1, v1), (k2, v2))| near(k2, k1).0.max(near(v2, v1).0)).fold(0f64, f64::max);
+        // Bounds: the Q8 activations, re-quantized at every layer, carry a rounding difference
+        // on through 18 layers (measured: logits 4e-2, K/V 1.1e-1); tine-runtime's CUDA test
+        // holds the engine's K/V to the CPU's at 0.2 the same way.
+        let pass = id_last && id_next && d_last < 0.1 && d_next < 0.1 && d_kv < 0.2;
         println!(
-            "model: 512-token prompt in prompt steps of up to {pr} rows: last row's logits, K/V and the next step {}",
-            if same { "bit-identical to 8-row steps" } else { "DIFFER from 8-row steps" }
+            "model: 512-token prompt in prompt steps of up to {pr} rows against 8-row steps: last row's logits {d_last:.2e}, next step {d_next:.2e}, K/V {d_kv:.2e} (largest difference over largest value), greedy ids {}: {}",
+            if id_last && id_next { "agree" } else { "DIFFER" },
+            if pass { "ok" } else { "FAIL" }
         );
-        ok &= same;
+        ok &= pass;
         // A prompt step after 8 positions, across window and chunk edges.
         let tail: Vec<u32> = (0..700u32).map(|i| 50 + (i * 104729) % 30000).collect();
         let mut rows_after = Vec::new();
@@ -1267,9 +1320,10 @@ mod model {
             g.forward(&mut c, &[ids[0]])?;
             rows_after.push(g.logits(&c)?);
         }
-        let same = bits_eq(&rows_after[0], &rows_after[1]);
-        println!("model: 700 tokens after 16 in prompt steps: the next step {}", if same { "bit-identical to 8-row steps" } else { "DIFFERS from 8-row steps" });
-        ok &= same;
+        let (d, id) = near(&rows_after[1], &rows_after[0]);
+        let pass = id && d < 0.1;
+        println!("model: 700 tokens after 16 in prompt steps against 8-row steps: the next step {d:.2e}, greedy id {}: {}", if id { "agrees" } else { "DIFFERS" }, if pass { "ok" } else { "FAIL" });
+        ok &= pass;
         // Prefill speed: llama-bench's pp512 (a 512-token prompt into an empty cache) and longer.
         for n_tok in [512usize, 2048] {
             let toks: Vec<u32> = (0..n_tok as u32).map(|i| 100 + (i * 7919) % 20000).collect();
