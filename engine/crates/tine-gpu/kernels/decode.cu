@@ -148,6 +148,7 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
 
 #define NQ_THREADS 256
 #define NQ_PER 32  // values per thread: k <= NQ_THREADS * NQ_PER for the norm modes
+#define NQ_PER_SHORT 4  // norm_quant_short: rows of up to 1024 values (fewer registers, more blocks per SM)
 
 // Quantizes y (one value per lane, the lanes a block of 32) into block b of row m.
 __device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b, float y) {
@@ -166,7 +167,10 @@ __device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b
 // of 8 warps, one warp per block of 32 values. The other modes take one block per row: thread t
 // holds values t + 256 j (so warp w's values for one j are the 32-value block 8 j + w), loads
 // all its inputs at once, and keeps them in registers through both norms and the quantization.
-extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) {
+// The values a thread holds, PER, only bounds k (k <= 256 PER): the zeros past k add nothing,
+// so norm_quant and norm_quant_short give the same bits for a row both take.
+template <int PER>
+__device__ __forceinline__ void norm_quant_body(const NormQuantArgs& p) {
     __shared__ float red[32];
     const int m = blockIdx.y, k = p.k, tid = threadIdx.x;
     const int lane = tid % WARP, warp = tid / WARP;
@@ -179,12 +183,12 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
         quant_block(p, m, b, __ldg(p.a + (size_t)m * k + (size_t)b * QK + lane));
         return;
     }
-    float t[NQ_PER], w[NQ_PER];
+    float t[PER], w[PER];
     float ss = 0.0f;
     if (p.in_mode == 1) {
-        float a[NQ_PER], r[NQ_PER], wa[NQ_PER];
+        float a[PER], r[PER], wa[PER];
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) {
+        for (int j = 0; j < PER; ++j) {
             const int i = tid + NQ_THREADS * j;
             a[j] = r[j] = wa[j] = w[j] = 0.0f;
             if (i < k) {
@@ -195,14 +199,14 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
             }
         }
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) ss += a[j] * a[j];
+        for (int j = 0; j < PER; ++j) ss += a[j] * a[j];
         const float ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
+        for (int j = 0; j < PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
     } else {
         const int token = p.in_mode != 2 ? 0 : p.tokens ? p.tokens[m] : p.step->tokens[m];
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) {
+        for (int j = 0; j < PER; ++j) {
             const int i = tid + NQ_THREADS * j;
             t[j] = w[j] = 0.0f;
             if (i < k) {
@@ -215,17 +219,19 @@ extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArg
     if (p.norm) {
         float s2 = 0.0f;
 #pragma unroll
-        for (int j = 0; j < NQ_PER; ++j) s2 += t[j] * t[j];
+        for (int j = 0; j < PER; ++j) s2 += t[j] * t[j];
         rt = rsqrtf(block_sum_all(s2, red) / (float)k + p.eps);
     }
 #pragma unroll
-    for (int j = 0; j < NQ_PER; ++j) {
+    for (int j = 0; j < PER; ++j) {
         const int b = NW * j + warp;
         if (b >= k / QK) break;
         if (p.res_out) p.res_out[(size_t)m * k + tid + NQ_THREADS * j] = t[j];
         quant_block(p, m, b, p.norm ? t[j] * rt * w[j] : t[j]);
     }
 }
+extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) { norm_quant_body<NQ_PER>(p); }
+extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant_short(NormQuantArgs p) { norm_quant_body<NQ_PER_SHORT>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Quantized GEMV over M activation rows: out[m][r] = sum_i W[r][i] * y[m][i].
@@ -986,149 +992,121 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(con
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256>(p); }
 
 // ---------------------------------------------------------------------------------------------
-// Attention for a prompt's many rows, each row computed exactly as attn_body computes it (the
-// same chunks, sub-chunks, order of operations and merge), so a prompt run in one launch gives
-// the bits of one-token steps. A block takes one absolute chunk of keys for one query head and a
-// group of ATTN_RG consecutive rows: each warp loads its sub-chunk's K and V rows once and
-// scores them against every row of the group that sees them, so the keys are read once per
-// group instead of once per row.
+// Attention for a prompt's many rows. A block takes ATTN_PROWS consecutive rows of one query
+// head; its warps take turns over the keys the rows see (warp w: sub-chunks of ATTN_PSUB keys
+// numbered w, w + 8, ...), load each sub-chunk's K and V rows once into registers and score them
+// against every row that sees them, each row with a running softmax per warp. The warps' states
+// are merged per row at the end (in warp order). No partials and no merge across blocks; the
+// sums are not attn_body's, so a prompt's rows match the decode attention to float rounding.
 //
-// Grid: (chunks a group spans at most, n_head, groups of ATTN_RG rows); the step block's `rows`
-// rows. Block x is chunk lo(first row of the group) / ATTN_CHUNK + x. partials and counters as
-// for attn_body, for step->rows rows.
+// Grid: (ceil(step->rows / ATTN_PROWS), n_head); block ATTN_THREADS. Output as attn_body's.
 
-#define ATTN_RG 8
+#define ATTN_PROWS 8
+#define ATTN_PSUB 4
 
 template <int HD>
-__device__ void attn_rows_body(const AttnArgs& p) {
+__device__ void attn_prompt_body(const AttnArgs& p) {
     constexpr int E = HD / WARP;
-    __shared__ float wmax[ATTN_WARPS], wsum[ATTN_WARPS];
-    __shared__ float wacc[ATTN_WARPS][HD];
-    __shared__ float stat[2];
-    __shared__ int last;
+    __shared__ float qsm[ATTN_PROWS][HD];
+    __shared__ float st[ATTN_WARPS][HD + 2];
     const int h = blockIdx.y;
     const int g = h / (p.n_head / p.n_kv);
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
     pdl_trigger();
     pdl_wait();
     const int pos0 = p.step->pos, rows = p.step->rows;
-    const int m0 = (int)blockIdx.z * ATTN_RG, m1 = min(rows, m0 + ATTN_RG);
-    if (m0 >= rows) return;
-    const int lo_first = p.window > 0 ? max(0, pos0 + m0 - p.window + 1) : 0;
-    const int hi_last = pos0 + m1 - 1;
-    const int a = lo_first / ATTN_CHUNK + (int)blockIdx.x;
-    if (a > hi_last / ATTN_CHUNK) return;
-    // The warp's sub-chunk, keys base .. base + ATTN_SUB - 1, those some row of the group sees.
-    const int base = a * ATTN_CHUNK + warp * ATTN_SUB;
+    const int m0 = (int)blockIdx.x * ATTN_PROWS, nr = min(ATTN_PROWS, rows - m0);
+    if (nr <= 0) return;
+    for (int i = tid; i < nr * HD; i += ATTN_THREADS) qsm[i / HD][i % HD] = p.q[((size_t)(m0 + i / HD) * p.n_head + h) * HD + i % HD];
+    __syncthreads();
+    const int lo_first = p.window > 0 ? max(0, pos0 + m0 - p.window + 1) : 0, hi_last = pos0 + m0 + nr - 1;
     const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
     const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
-    float kv[ATTN_SUB][E], vv[ATTN_SUB][E];
+    float rmax[ATTN_PROWS], rsum[ATTN_PROWS], acc[ATTN_PROWS][E];
 #pragma unroll
-    for (int j = 0; j < ATTN_SUB; ++j) {
+    for (int r = 0; r < ATTN_PROWS; ++r) {
+        rmax[r] = -INFINITY;
+        rsum[r] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
-        const int key = base + j;
-        if (key >= lo_first && key <= hi_last) {
-            VecF<E>::load(kc + (size_t)key * HD, kv[j]);
-            VecF<E>::load(vc + (size_t)key * HD, vv[j]);
+        for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
+    }
+    for (int base = lo_first + warp * ATTN_PSUB; base <= hi_last; base += ATTN_WARPS * ATTN_PSUB) {
+        const int nk = min(ATTN_PSUB, hi_last - base + 1);
+        float kv[ATTN_PSUB][E], vv[ATTN_PSUB][E];
+#pragma unroll
+        for (int j = 0; j < ATTN_PSUB; ++j) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
+            if (j < nk) {
+                VecF<E>::load(kc + (size_t)(base + j) * HD, kv[j]);
+                VecF<E>::load(vc + (size_t)(base + j) * HD, vv[j]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < ATTN_PROWS; ++r) {
+            const int hi = pos0 + m0 + r;
+            const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
+            // Keys base + j with lo <= base + j <= hi (the same for the whole warp).
+            const int j0 = max(0, lo - base), j1 = min(nk, hi - base + 1);
+            if (r >= nr || j0 >= j1) continue;
+            float qr[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) qr[e] = qsm[r][lane * E + e];
+            float sc[ATTN_PSUB], mx = -INFINITY;
+#pragma unroll
+            for (int j = 0; j < ATTN_PSUB; ++j) {
+                float t = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
+                sc[j] = warp_sum(t);
+                if (j >= j0 && j < j1) mx = fmaxf(mx, sc[j]);
+            }
+            const float nm = fmaxf(rmax[r], mx);
+            const float keep = rmax[r] == -INFINITY ? 0.0f : expf(rmax[r] - nm);
+            rsum[r] *= keep;
+#pragma unroll
+            for (int e = 0; e < E; ++e) acc[r][e] *= keep;
+#pragma unroll
+            for (int j = 0; j < ATTN_PSUB; ++j) {
+                if (j >= j0 && j < j1) {
+                    const float w = expf(sc[j] - nm);
+                    rsum[r] += w;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[r][e] += w * vv[j][e];
+                }
+            }
+            rmax[r] = nm;
         }
     }
-    for (int m = m0; m < m1; ++m) {
-        const int hi = pos0 + m;
-        const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
-        const int c0 = lo / ATTN_CHUNK, nchunks = hi / ATTN_CHUNK - c0 + 1;
-        const int c = a - c0;
-        if (c < 0 || c >= nchunks) continue;  // the same for the whole block
-        // attn_body's sub-chunk for this row: keys s0 .. s0 + nk - 1 (slots s0 - base ..).
-        const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
-        const int j0 = s0 - base;
-        float qr[E];
-        VecF<E>::load(p.q + ((size_t)m * p.n_head + h) * HD + lane * E, qr);
-        float sc[ATTN_SUB], mx = -INFINITY;
+    // Per row: the warps' states merged in warp order; thread t < HD writes dim t.
 #pragma unroll
-        for (int j = 0; j < ATTN_SUB; ++j) {
-            float t = 0.0f;
+    for (int r = 0; r < ATTN_PROWS; ++r) {
+        if (r >= nr) break;
+        if (lane == 0) { st[warp][0] = rmax[r]; st[warp][1] = rsum[r]; }
 #pragma unroll
-            for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
-            sc[j] = warp_sum(t);
-        }
-#pragma unroll
-        for (int j = 0; j < ATTN_SUB; ++j) if (j >= j0 && j < j0 + nk) mx = fmaxf(mx, sc[j]);
-        float acc[E], sum = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = 0.0f;
-#pragma unroll
-        for (int j = 0; j < ATTN_SUB; ++j) {
-            if (j >= j0 && j < j0 + nk) {
-                const float w = expf(sc[j] - mx);
-                sum += w;
-#pragma unroll
-                for (int e = 0; e < E; ++e) acc[e] += w * vv[j][e];
-            }
-        }
-        if (lane == 0) { wmax[warp] = mx; wsum[warp] = sum; }
+        for (int e = 0; e < E; ++e) st[warp][2 + lane * E + e] = acc[r][e];
         __syncthreads();
-        float M = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, wmax[w]);
-        float den = 0.0f;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) den += wmax[w] == -INFINITY ? 0.0f : wsum[w] * expf(wmax[w] - M);
-        const float scale = mx == -INFINITY ? 0.0f : expf(mx - M);
-#pragma unroll
-        for (int e = 0; e < E; ++e) wacc[warp][e * WARP + lane] = acc[e] * scale;
-        __syncthreads();
-        float o = 0.0f;
         if (tid < HD) {
-            const int idx = (tid % E) * WARP + tid / E;
+            float M = -INFINITY;
 #pragma unroll
-            for (int w = 0; w < ATTN_WARPS; ++w) o += wacc[w][idx];
-        }
-        if (nchunks == 1) {
-            if (tid < HD) attn_emit<HD>(p, m, h, o / den);
-            __syncthreads();  // wmax/wacc are the next row's
-            continue;
-        }
-        float* ph = p.partials + ((size_t)m * p.n_head + h) * p.chunks_max * (HD + 2);
-        if (tid < HD) ph[(size_t)c * (HD + 2) + 2 + tid] = o;
-        if (tid == 0) { ph[(size_t)c * (HD + 2)] = M; ph[(size_t)c * (HD + 2) + 1] = den; }
-        __threadfence();
-        __syncthreads();
-        if (tid == 0) {
-            const int done = atomicAdd(&p.counters[m * p.n_head + h], 1);
-            last = done == nchunks - 1;
+            for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, st[w][0]);
+            float den = 0.0f, o = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) {
+                if (st[w][0] == -INFINITY) continue;
+                const float f = expf(st[w][0] - M);
+                den += st[w][1] * f;
+                o += st[w][2 + tid] * f;
+            }
+            attn_emit<HD>(p, m0 + r, h, o / den);
         }
         __syncthreads();
-        if (last) {
-            __threadfence();
-            if (warp == 0) {
-                float M2 = -INFINITY;
-                for (int cc = lane; cc < nchunks; cc += WARP) M2 = fmaxf(M2, __ldcg(ph + (size_t)cc * (HD + 2)));
-                M2 = warp_max(M2);
-                float den2 = 0.0f;
-                for (int cc = lane; cc < nchunks; cc += WARP) den2 += __ldcg(ph + (size_t)cc * (HD + 2) + 1) * expf(__ldcg(ph + (size_t)cc * (HD + 2)) - M2);
-                den2 = warp_sum(den2);
-                if (lane == 0) { stat[0] = M2; stat[1] = den2; }
-            }
-            __syncthreads();
-            if (tid < HD) {
-                const float M2 = stat[0];
-                float o2 = 0.0f;
-                for (int cc = 0; cc < nchunks; ++cc) {
-                    const float* pc = ph + (size_t)cc * (HD + 2);
-                    o2 += __ldcg(pc + 2 + tid) * expf(__ldcg(pc) - M2);
-                }
-                attn_emit<HD>(p, m, h, o2 / stat[1]);
-            }
-            if (tid == 0) p.counters[m * p.n_head + h] = 0;
-        }
-        __syncthreads();  // shared memory is the next row's
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_rows_hd64(const AttnArgs p) { attn_rows_body<64>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_rows_hd128(const AttnArgs p) { attn_rows_body<128>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_rows_hd256(const AttnArgs p) { attn_rows_body<256>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd64(const AttnArgs p) { attn_prompt_body<64>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd128(const AttnArgs p) { attn_prompt_body<128>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd256(const AttnArgs p) { attn_prompt_body<256>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the

@@ -19,6 +19,8 @@ use crate::blocks::WeightType;
 pub const MAX_ROWS: usize = 8;
 /// The widest row `norm_quant`'s norm modes take (256 threads of 32 values in registers).
 pub const NQ_MAX_K: usize = 8192;
+/// The widest row of `norm_quant_short` (256 threads of 4 values).
+pub const NQ_SHORT_K: usize = 1024;
 /// Warps per GEMV block.
 pub const GEMV_WARPS: usize = 4;
 /// Output rows per GEMV warp.
@@ -37,8 +39,8 @@ pub const GEMV_STAGE_MIN_ROWS: usize = 8192;
 pub const ATTN_CHUNK: usize = 64;
 /// Threads per attention block (a warp per sub-chunk of `ATTN_CHUNK / 8` keys).
 pub const ATTN_THREADS: usize = 256;
-/// Rows per block of the prompt attention (`attn_rows_hd*`): they share the block's key loads.
-pub const ATTN_RG: usize = 8;
+/// Rows per block of the prompt attention (`attn_prompt_hd*`).
+pub const ATTN_PROMPT_ROWS: usize = 8;
 
 /// Blocks per row of the argmax.
 pub const ARGMAX_BLOCKS: usize = 128;
@@ -237,12 +239,14 @@ unsafe impl DeviceRepr for ArgmaxArgs {}
 pub struct Kernels {
     _module: Arc<CudaModule>,
     norm_quant: CudaFunction,
+    /// `norm_quant` for rows of up to [`NQ_SHORT_K`] values (fewer registers: more rows at once).
+    norm_quant_short: CudaFunction,
     gemv: Vec<CudaFunction>,
     gemv_staged: Vec<CudaFunction>,
     mmq: CudaFunction,
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 3],
-    attn_rows: [(usize, CudaFunction); 3],
+    attn_prompt: [(usize, CudaFunction); 3],
     argmax: CudaFunction,
     /// Launch with programmatic dependent launch (each kernel may start while the previous one
     /// runs, up to its `griddepcontrol.wait`): `TINE_GPU_PDL=0` turns it off.
@@ -264,12 +268,13 @@ impl Kernels {
         let f = |name: &str| module.load_function(name).map_err(|source| GpuError::Function { name: name.to_string(), source });
         Ok(Kernels {
             norm_quant: f("norm_quant")?,
+            norm_quant_short: f("norm_quant_short")?,
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
             gemv_staged: (1..=MAX_ROWS).map(|m| f(&format!("gemv_staged_m{m}"))).collect::<Result<_, _>>()?,
             mmq: f("mmq")?,
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
-            attn_rows: [(64, f("attn_rows_hd64")?), (128, f("attn_rows_hd128")?), (256, f("attn_rows_hd256")?)],
+            attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?)],
             argmax: f("argmax_rows")?,
             pdl: AtomicBool::new(std::env::var("TINE_GPU_PDL").map_or(true, |v| v != "0")),
             _module: module,
@@ -331,7 +336,9 @@ impl Kernels {
         check(plain || args.k as usize <= NQ_MAX_K, || format!("norm_quant: k = {} is over {NQ_MAX_K}, the most a norm mode keeps in one block", args.k))?;
         let blocks = if plain { (args.k as usize).div_ceil(256) } else { 1 };
         let cfg = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        self.launch(stream, &self.norm_quant, cfg, args, "norm_quant")
+        // The same bits either way (the short variant holds fewer zeros past k).
+        let f = if args.k as usize <= NQ_SHORT_K { &self.norm_quant_short } else { &self.norm_quant };
+        self.launch(stream, f, cfg, args, "norm_quant")
     }
 
     /// Warps per output row for rows of `k` values: a row of many 32-value units is cut into up
@@ -417,31 +424,17 @@ impl Kernels {
         self.launch(stream, f, cfg, args, "attention")
     }
 
-    /// The width of the prompt attention's grid for `rows` rows from position `pos` (the most
-    /// chunks a group of [`ATTN_RG`] rows spans).
-    pub fn attn_rows_width(pos: usize, rows: usize, window: usize) -> usize {
-        (0..rows.div_ceil(ATTN_RG))
-            .map(|g| {
-                let (m0, m1) = (g * ATTN_RG, ((g + 1) * ATTN_RG).min(rows));
-                let lo = if window > 0 { (pos + m0 + 1).saturating_sub(window) } else { 0 };
-                (pos + m1 - 1) / ATTN_CHUNK - lo / ATTN_CHUNK + 1
-            })
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Causal attention for a prompt's `rows` rows from position `pos` (the step block's `pos`
-    /// and `rows` must say the same), each row's bits those of [`Kernels::attention`]'s.
+    /// Causal attention for a prompt's `rows` rows (the step block's `rows`): a block per 8 rows
+    /// and query head, its warps over the rows' keys, each key's K/V loaded once for the 8 rows
+    /// (to float rounding of [`Kernels::attention`]'s rows). No partials or counters.
     ///
     /// # Safety
-    /// As for [`Kernels::attention`], for `rows` rows: `partials` holds `rows * n_head *
-    /// chunks_max * (hd + 2)` floats and `counters` `rows * n_head` zeroed ints.
-    pub unsafe fn attention_rows(&self, stream: &Arc<CudaStream>, pos: usize, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        let f = self.attn_rows.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+    /// As for [`Kernels::attention`], for `rows` rows.
+    pub unsafe fn attention_prompt(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
+        let f = self.attn_prompt.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
-        let width = Self::attn_rows_width(pos, rows, args.window.max(0) as usize);
-        let cfg = LaunchConfig { grid_dim: (width as u32, args.n_head as u32, rows.div_ceil(ATTN_RG) as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
-        self.launch(stream, f, cfg, args, "attention_rows")
+        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(ATTN_PROMPT_ROWS) as u32, args.n_head as u32, 1), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, f, cfg, args, "attention_prompt")
     }
 
     /// The greedy id of each of `rows` rows of logits.

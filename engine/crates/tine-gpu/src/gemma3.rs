@@ -22,9 +22,9 @@
 //!
 //! A prompt step of more than 8 rows (up to [`Gemma3Gpu::prompt_rows`]) runs the same program
 //! launched directly instead of through a graph: the GEMVs as `mmq` (int8 tensor-core products
-//! over the same quantized weights and activations), the attention as `attn_rows` (a block's keys
-//! read once for 8 rows, each row's bits those of the decode attention), the LM head and argmax on
-//! the last row only. A prompt's rows match one-row steps to float rounding (the GEMM sums each
+//! over the same quantized weights and activations), the attention as `attn_prompt` (a warp per
+//! row and head over all its keys with a running softmax), the LM head and argmax on the last row
+//! only. A prompt's rows match one-row steps to float rounding (the GEMM sums each
 //! row in another order), not bit for bit; verify steps (up to 8 rows) stay bit-identical.
 
 use std::fs::File;
@@ -63,9 +63,6 @@ type Result<T> = std::result::Result<T, Gemma3GpuError>;
 
 /// The most rows of one prompt step.
 pub const PROMPT_ROWS: usize = 512;
-/// The most bytes of attention partials a prompt step's rows may take over the longest cache
-/// (past it, prompt steps get fewer rows).
-const PARTIALS_BUDGET: usize = 256 << 20;
 
 /// One layer's K and V values, `(n_kv, len, head_dim)` each ([`Gemma3Gpu::read_kv`]).
 pub type LayerKv = (Vec<f32>, Vec<f32>);
@@ -111,8 +108,8 @@ struct Layer {
     post_ffn_norm: CudaSlice<f32>,
 }
 
-/// Activation buffers, each sized for [`Gemma3Gpu::prompt_rows`] rows (the logits, ids and
-/// argmax scratch for [`MAX_ROWS`]), allocated once.
+/// Activation buffers, each sized for [`Gemma3Gpu::prompt_rows`] rows (the logits, the argmax
+/// scratch and the decode attention's partials for [`MAX_ROWS`]), allocated once.
 struct Buffers {
     h: CudaSlice<f32>,
     q: CudaSlice<f32>,
@@ -142,14 +139,6 @@ struct StepBlock {
 
 /// Called after each launch of a step with what the launch does.
 type Mark<'a> = dyn FnMut(&'static str) -> std::result::Result<(), GpuError> + 'a;
-
-/// Where a prompt step (more than [`MAX_ROWS`] rows, launched without a graph) starts and
-/// where its token ids are.
-#[derive(Clone, Copy)]
-struct Prompt {
-    pos: usize,
-    tokens: DevPtr,
-}
 
 /// Gemma 3 on the GPU: weights and the step's buffers, shared by every sequence (steps run one
 /// at a time on the model's stream). Each sequence holds a [`GpuCache`].
@@ -352,10 +341,7 @@ impl Gemma3Gpu {
         }
         let kmax = cfg.ff.max(qd).max(cfg.hidden);
         let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
-        // A prompt step's rows: up to PROMPT_ROWS, fewer where the attention partials of that
-        // many rows over the longest cache would pass PARTIALS_BUDGET bytes.
-        let partial_row = cfg.n_head * chunks_max * (cfg.head_dim + 2) * 4;
-        let prompt_rows = (PARTIALS_BUDGET / partial_row).clamp(MAX_ROWS, PROMPT_ROWS) / MAX_ROWS * MAX_ROWS;
+        let prompt_rows = PROMPT_ROWS;
         let m = prompt_rows;
         let b = Buffers {
             h: alloc(&stream, m * cfg.hidden)?,
@@ -369,8 +355,8 @@ impl Gemma3Gpu {
             qs: alloc(&stream, m * kmax)?,
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
-            partials: alloc(&stream, m * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
-            attn_counters: alloc(&stream, m * cfg.n_head)?,
+            partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
+            attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
             cand_v: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
             cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,
@@ -417,10 +403,10 @@ impl Gemma3Gpu {
 
     /// The launches of one step of `rows` rows over `cache` (what a graph captures); without
     /// `head`, the trunk alone (the residual stream after the last layer, no logits or ids).
-    /// With `prompt` (the step's position), a prompt step of up to [`Gemma3Gpu::prompt_rows`]
+    /// With `prompt` (the address of the step's token ids), a prompt step of up to [`Gemma3Gpu::prompt_rows`]
     /// rows: the tokens from the tokens buffer, the rows' attention, the head on the last row.
     /// `mark` is called after each launch with what it does (the profile's events).
-    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize, head: bool, prompt: Option<Prompt>, mark: &mut Mark) -> std::result::Result<usize, GpuError> {
+    fn launch_step(&self, cache: &GpuCache, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<usize, GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -444,7 +430,7 @@ impl Gemma3Gpu {
             k: k as i32,
             in_mode: mode,
             norm: (w != 0) as i32,
-            tokens: prompt.map_or(0, |p| p.tokens),
+            tokens: prompt.unwrap_or(0),
         };
         let seg =
             |w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize| GemvSeg { w: self.ptr(&w.0), out: p(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() };
@@ -501,7 +487,7 @@ impl Gemma3Gpu {
                     chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
                 };
                 match prompt {
-                    Some(pr) => k.attention_rows(s, pr.pos, rows, c.head_dim, &at)?,
+                    Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
                     None => k.attention(s, rows, c.head_dim, &at)?,
                 }
                 mark(if local { "attention local" } else { "attention global" })?;
@@ -617,7 +603,7 @@ impl Gemma3Gpu {
         let mut block = self.step.lock().expect("a step panicked holding the step block");
         self.stream.memcpy_htod(&[params][..], &mut block.params)?;
         self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
-        let prompt = Prompt { pos: cache.pos, tokens: self.ptr(&block.tokens) };
+        let prompt = self.ptr(&block.tokens);
         let event = |stream: &Arc<CudaStream>| stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|source| GpuError::Launch { kernel: "event", source });
         let mut marks = vec![("start", event(&self.stream)?)];
         self.launch_step(cache, self.ptr(&block.params), rows, true, Some(prompt), &mut |what| {
@@ -673,7 +659,7 @@ impl Gemma3Gpu {
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             // Ordered like the parameters; rows <= prompt_rows, the buffer's length (checked above).
             self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
-            let prompt = Prompt { pos: cache.pos, tokens: self.ptr(&block.tokens) };
+            let prompt = self.ptr(&block.tokens);
             self.launch_step(cache, step, rows, head, Some(prompt), &mut |_| Ok(()))?;
         }
         drop(block);

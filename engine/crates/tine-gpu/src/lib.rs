@@ -12,10 +12,13 @@
 //! | `qk_norm_rope_kv` | per-head q/k RMSNorm, RoPE (NeoX halves), the query scale, K/V written to the cache at the step's positions |
 //! | `attn_decode_hd{64,128,256}` | causal attention, GQA, sliding window, split over the keys by absolute position with the combine in the same launch |
 //! | `argmax_rows` | greedy id per row (lowest id on ties), optionally fed back as the next step's token |
+//! | `mmq` | a prompt step's GEMMs (more than 8 rows): the GEMV's segments and epilogue as int8 tensor-core tiles |
+//! | `attn_prompt_hd{64,128,256}` | a prompt step's attention: a block per 8 rows and query head, a running softmax per warp |
 //!
-//! Every kernel computes a row (one token of a step) with the same operations in the same order
-//! whatever the number of rows M of the step, so a verify step reproduces one-token decodes bit
-//! for bit. Positions and tokens are read from a [`StepParams`](cuda::StepParams) block in device
+//! Every decode kernel computes a row (one token of a step) with the same operations in the same
+//! order whatever the number of rows M of the step (1..=8), so a verify step reproduces one-token
+//! decodes bit for bit. The prompt kernels sum in another order: a prompt's rows match one-token
+//! steps to float rounding. Positions and tokens are read from a [`StepParams`](cuda::StepParams) block in device
 //! memory, so a graph captured once serves every position.
 //!
 //! Without the `cuda` feature the crate is [`blocks`] (weight and activation formats) and
