@@ -27,7 +27,9 @@ enum Cmd {
     Generate(GenerateArgs),
     /// Serve a llama-server-compatible HTTP API (/completion, /v1/completions, /v1/chat/completions, ...).
     Serve(ServeArgs),
-    /// Print the token ids of a text (special tokens parsed), one JSON array.
+    /// Print the token ids of a text (special tokens parsed), one JSON array. Reads only the
+    /// GGUF's tokenizer (SentencePiece `llama` or byte-level BPE `gpt2` vocabularies, any
+    /// architecture); --device and --ctx-size are accepted and unused.
     Tokenize(TokenizeArgs),
     /// Check that speculative decoding is lossless: greedy output identical to plain decoding,
     /// and the logit-equivalence figures (real_frac, frac_full_agree, mean_top1_mae, max |Δlogit|)
@@ -356,17 +358,22 @@ struct LogitEquivArgs {
     json: Option<PathBuf>,
 }
 
-pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
-    let path = match &args.model {
-        Some(p) => p.clone(),
+/// `--model`, or the cached default model.
+fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
+    match &args.model {
+        Some(p) => Ok(p.clone()),
         None => {
             let p = tine_runtime::default_model_path();
             if !p.exists() {
                 anyhow::bail!("no --model given and the default model is not cached at {}; run `cargo xtask fetch-model`", p.display());
             }
-            p
+            Ok(p)
         }
-    };
+    }
+}
+
+pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
+    let path = model_path(args)?;
     let t0 = Instant::now();
     let device = args.device.open()?;
     let opened_ms = t0.elapsed().as_secs_f64() * 1e3;
@@ -591,11 +598,12 @@ fn graft(a: GraftArgs) -> anyhow::Result<()> {
 }
 
 fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
-    let model = load(&a.model)?;
-    let ids = model.tokenizer.encode(&a.prompt, !a.no_bos, true);
+    // The tokenizer alone: any GGUF whose vocabulary Tine reads, whatever its architecture.
+    let tokenizer = Model::load_tokenizer(&model_path(&a.model)?)?;
+    let ids = tokenizer.encode(&a.prompt, !a.no_bos, true);
     if a.pieces {
         for id in &ids {
-            println!("{id}\t{:?}", model.tokenizer.token_text(*id).unwrap_or(""));
+            println!("{id}\t{:?}", tokenizer.token_text(*id).unwrap_or(""));
         }
     } else {
         println!("{ids:?}");

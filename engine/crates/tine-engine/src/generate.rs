@@ -181,6 +181,9 @@ pub struct Generation {
     recorded: Vec<Vec<f32>>,
     /// The next token when the last decode computed only its argmax (see `argmax_only`).
     next: Option<u32>,
+    /// The best `(id, logit)` of the next row when the last decode read only those (see
+    /// `top_k_only`).
+    top: Option<Vec<(u32, f32)>>,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -252,6 +255,7 @@ impl Generation {
             record_logits: false,
             recorded: Vec::new(),
             next: None,
+            top: None,
         })
     }
 
@@ -345,9 +349,10 @@ impl Generation {
         let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, ids_only, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
         let (token, row) = match self.decided.pop_front() {
             Some(decided) => decided,
-            None => match self.next.take() {
-                Some(token) => (token, Vec::new()),
-                None => {
+            None => match (self.next.take(), self.top.take()) {
+                (Some(token), _) => (token, Vec::new()),
+                (None, Some(top)) => (self.sampler.sample_top_k(top), Vec::new()),
+                (None, None) => {
                     filter.apply(&mut self.logits)?;
                     let token = self.sampler.sample(&self.logits, seq.tokens());
                     (token, std::mem::take(&mut self.logits))
@@ -413,7 +418,16 @@ impl Generation {
                     let banned = if self.req.ignore_eos { eog } else { &[][..] };
                     self.next = Some(seq.decode_argmax_banning(model, token, banned)?);
                 } else {
-                    self.logits = seq.decode(model, token)?;
+                    let banned = if self.req.ignore_eos { eog } else { &[][..] };
+                    // A draw with top-k reads only the k best logits: on the GPU engine only
+                    // those cross to the host (None elsewhere: the row).
+                    self.top = match self.top_k_only() {
+                        Some(k) => seq.decode_top_k(model, token, k, banned)?,
+                        None => None,
+                    };
+                    if self.top.is_none() {
+                        self.logits = seq.decode(model, token)?;
+                    }
                 }
                 let safe = self.stops.safe_len(&self.text);
                 let text = if safe > self.sent { self.text[self.sent..safe].to_owned() } else { String::new() };
@@ -439,6 +453,18 @@ impl Generation {
             && self.req.grammar.is_none()
             && self.req.n_probs == 0
             && !self.record_logits
+    }
+
+    /// Whether the next draw reads only the `k` best raw logits (less the end-of-generation ids
+    /// with `ignore_eos`) and nothing else reads the row (no bias, grammar, penalty, logprobs or
+    /// recording): then a decode on the GPU engine returns only those (`Sequence::decode_top_k`)
+    /// and `Sampler::sample_top_k` draws what `Sampler::sample` would from the row.
+    fn top_k_only(&self) -> Option<usize> {
+        let on_host = std::env::var_os("TINE_ARGMAX_ON_HOST").is_some_and(|v| v == "1");
+        if on_host || !self.req.logit_bias.is_empty() || self.req.grammar.is_some() || self.req.n_probs != 0 || self.record_logits {
+            return None;
+        }
+        self.sampler.params().top_k_only(usize::MAX)
     }
 
     /// The tokens a shift keeps at the front: `n_keep` (the prompt for `-1`), at least the first.

@@ -53,7 +53,7 @@ impl std::fmt::Debug for Grammars {
 
 struct SpmEnv {
     trie: TokTrie,
-    tokenizer: tine_runtime::SpmTokenizer,
+    tokenizer: tine_runtime::Tokenizer,
 }
 
 impl TokenizerEnv for SpmEnv {

@@ -1188,6 +1188,94 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The k best logits of each row (k <= TOPK_MAX) under the sampler's order: the logit by total
+// order (Rust's f32::total_cmp), descending, ties to the lower id; the step's banned ids left
+// out. Exact: block b sorts its slice of TOPK_SLICE values by a 64-bit key (the logit's bits
+// made order-preserving, then the inverted id) with a bitonic sort in shared memory and keeps its
+// TOPK_MAX best; the last block of a row to finish sorts the blocks' candidates and writes the
+// row's k best (a sampled request then reads k pairs instead of the row). Rows of up to
+// TOPK_SLICE * TOPK_SLICE / TOPK_MAX values.
+//
+// Grid: (ceil(n / TOPK_SLICE), M); block TOPK_THREADS.
+
+#define TOPK_MAX 64
+#define TOPK_SLICE 4096
+#define TOPK_THREADS 512
+
+struct TopKArgs {
+    const float* logits; int n; int k;
+    unsigned long long* cand;  // [M][blocks][TOPK_MAX]
+    int* counters;             // [MAX_ROWS], zero at the start and left at zero
+    int* ids; float* vals;     // [M][k]; an id of -1 where the row has fewer than k values
+    const StepParams* step;    // the banned ids (or null: none)
+};
+
+__device__ __forceinline__ unsigned long long topk_key(float v, int id) {
+    int i = __float_as_int(v);
+    i ^= (int)(((unsigned)(i >> 31)) >> 1);
+    const unsigned u = (unsigned)i ^ 0x80000000u;
+    return ((unsigned long long)u << 32) | (unsigned long long)(0xFFFFFFFFu - (unsigned)id);
+}
+__device__ __forceinline__ float topk_value(unsigned long long key) {
+    int i = (int)((unsigned)(key >> 32) ^ 0x80000000u);
+    i ^= (int)(((unsigned)(i >> 31)) >> 1);
+    return __int_as_float(i);
+}
+__device__ __forceinline__ int topk_id(unsigned long long key) { return key == 0 ? -1 : (int)(0xFFFFFFFFu - (unsigned)(key & 0xFFFFFFFFu)); }
+
+// Sorts s[0..N) descending (N a power of two) with all threads of the block.
+template <int N>
+__device__ void bitonic_desc(unsigned long long* s) {
+    for (int size = 2; size <= N; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int t = threadIdx.x; t < N / 2; t += blockDim.x) {
+                const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;
+                const bool desc = (lo & size) == 0;
+                const unsigned long long a = s[lo], b = s[hi];
+                if ((a < b) == desc && a != b) { s[lo] = b; s[hi] = a; }
+            }
+        }
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopKArgs p) {
+    __shared__ unsigned long long s[TOPK_SLICE];
+    __shared__ int last;
+    const int b = blockIdx.x, m = blockIdx.y, nb = gridDim.x;
+    pdl_trigger();
+    pdl_wait();
+    const int nb_ban = p.step ? min(p.step->n_banned, MAX_BANNED) : 0;
+    for (int t = threadIdx.x; t < TOPK_SLICE; t += blockDim.x) {
+        const int i = b * TOPK_SLICE + t;
+        unsigned long long key = 0;
+        if (i < p.n) {
+            bool banned = false;
+            for (int j = 0; j < nb_ban; ++j) banned |= p.step->banned[j] == i;
+            if (!banned) key = topk_key(p.logits[(size_t)m * p.n + i], i);
+        }
+        s[t] = key;
+    }
+    bitonic_desc<TOPK_SLICE>(s);
+    unsigned long long* c = p.cand + ((size_t)m * nb + b) * TOPK_MAX;
+    for (int t = threadIdx.x; t < TOPK_MAX; t += blockDim.x) c[t] = s[t];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&p.counters[m], 1) == nb - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int t = threadIdx.x; t < TOPK_SLICE; t += blockDim.x) s[t] = t < nb * TOPK_MAX ? __ldcg(p.cand + (size_t)m * nb * TOPK_MAX + t) : 0ull;
+    bitonic_desc<TOPK_SLICE>(s);
+    for (int t = threadIdx.x; t < p.k; t += blockDim.x) {
+        p.ids[m * p.k + t] = topk_id(s[t]);
+        p.vals[m * p.k + t] = topk_value(s[t]);
+    }
+    if (threadIdx.x == 0) p.counters[m] = 0;
+}
+
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
 static_assert(sizeof(StepParams) == 76, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 128, "NormQuantArgs");
@@ -1196,3 +1284,4 @@ static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
+static_assert(sizeof(TopKArgs) == 56, "TopKArgs");

@@ -44,6 +44,12 @@ pub const ATTN_PROMPT_ROWS: usize = 8;
 
 /// Blocks per row of the argmax.
 pub const ARGMAX_BLOCKS: usize = 128;
+/// The most candidates `topk_rows` gives a row.
+pub const TOPK_MAX: usize = 64;
+/// Values of a row each `topk_rows` block sorts.
+pub const TOPK_SLICE: usize = 4096;
+/// The longest row `topk_rows` takes (its blocks' candidates fit one sort).
+pub const TOPK_MAX_N: usize = TOPK_SLICE * TOPK_SLICE / TOPK_MAX;
 
 /// The module built from `kernels/decode.cu` by build.rs (sm machine code for the build's
 /// `CUDA_COMPUTE_CAP`).
@@ -218,6 +224,24 @@ pub struct ArgmaxArgs {
     pub step: DevPtr,
 }
 
+/// `topk_rows`'s arguments.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TopKArgs {
+    pub logits: DevPtr,
+    pub n: i32,
+    pub k: i32,
+    /// `rows * blocks * TOPK_MAX` u64 of scratch.
+    pub cand: DevPtr,
+    /// `MAX_ROWS` zeroed ints.
+    pub counters: DevPtr,
+    /// `rows * k` i32 ids and f32 logits (-1 where a row has fewer than k values).
+    pub ids: DevPtr,
+    pub vals: DevPtr,
+    /// The step block whose banned ids are left out (0: none).
+    pub step: DevPtr,
+}
+
 // The sizes decode.cu asserts for the same structs.
 const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 128);
@@ -226,6 +250,7 @@ const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
+const _: () = assert!(std::mem::size_of::<TopKArgs>() == 56);
 
 // SAFETY: each is a repr(C) struct of integers and floats, the layout of its namesake in decode.cu
 // (sizes asserted on both sides), passed by value as a kernel parameter.
@@ -234,6 +259,7 @@ unsafe impl DeviceRepr for GemvArgs {}
 unsafe impl DeviceRepr for RopeArgs {}
 unsafe impl DeviceRepr for AttnArgs {}
 unsafe impl DeviceRepr for ArgmaxArgs {}
+unsafe impl DeviceRepr for TopKArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -248,6 +274,7 @@ pub struct Kernels {
     attn: [(usize, CudaFunction); 3],
     attn_prompt: [(usize, CudaFunction); 3],
     argmax: CudaFunction,
+    topk: CudaFunction,
     /// Launch with programmatic dependent launch (each kernel may start while the previous one
     /// runs, up to its `griddepcontrol.wait`): `TINE_GPU_PDL=0` turns it off.
     pdl: AtomicBool,
@@ -276,6 +303,7 @@ impl Kernels {
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
             attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?)],
             argmax: f("argmax_rows")?,
+            topk: f("topk_rows")?,
             pdl: AtomicBool::new(std::env::var("TINE_GPU_PDL").map_or(true, |v| v != "0")),
             _module: module,
         })
@@ -445,6 +473,27 @@ impl Kernels {
     pub unsafe fn argmax(&self, stream: &Arc<CudaStream>, rows: usize, args: &ArgmaxArgs) -> Result<(), GpuError> {
         let cfg = LaunchConfig { grid_dim: (ARGMAX_BLOCKS as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.argmax, cfg, args, "argmax_rows")
+    }
+}
+
+impl Kernels {
+    /// The blocks per row of `topk_rows` for rows of `n` values (its scratch is `rows * blocks *
+    /// TOPK_MAX` u64).
+    pub fn topk_blocks(n: usize) -> usize {
+        n.div_ceil(TOPK_SLICE)
+    }
+
+    /// The `k` best logits of each of `rows` rows of `n` (the sampler's order; banned ids left
+    /// out).
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]; the scratch and outputs as [`TopKArgs`] gives them.
+    pub unsafe fn top_k(&self, stream: &Arc<CudaStream>, rows: usize, args: &TopKArgs) -> Result<(), GpuError> {
+        let n = args.n as usize;
+        check((1..=TOPK_MAX_N).contains(&n), || format!("top_k: rows of {n} values (1..={TOPK_MAX_N})"))?;
+        check((1..=TOPK_MAX as i32).contains(&args.k), || format!("top_k: k = {} (1..={TOPK_MAX})", args.k))?;
+        let cfg = LaunchConfig { grid_dim: (Self::topk_blocks(n) as u32, rows as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.topk, cfg, args, "topk_rows")
     }
 }
 

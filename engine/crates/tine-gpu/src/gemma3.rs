@@ -36,7 +36,7 @@ use candle_core::quantized::GgmlDType;
 use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use crate::blocks::{WeightType, QK};
-use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS};
+use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX, TOPK_MAX_N};
 
 /// Why a model could not be loaded or stepped on the GPU.
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +128,10 @@ struct Buffers {
     cand_i: CudaSlice<i32>,
     argmax_counters: CudaSlice<i32>,
     ids: CudaSlice<i32>,
+    topk_cand: CudaSlice<u64>,
+    topk_counters: CudaSlice<i32>,
+    topk_ids: CudaSlice<i32>,
+    topk_vals: CudaSlice<f32>,
 }
 
 /// The step's inputs in device memory, written by the host before each step's launches.
@@ -361,6 +365,10 @@ impl Gemma3Gpu {
             cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,
             ids: alloc(&stream, MAX_ROWS)?,
+            topk_cand: alloc(&stream, Kernels::topk_blocks(cfg.vocab) * TOPK_MAX)?,
+            topk_counters: alloc(&stream, MAX_ROWS)?,
+            topk_ids: alloc(&stream, TOPK_MAX)?,
+            topk_vals: alloc(&stream, TOPK_MAX)?,
         };
         let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
@@ -668,6 +676,40 @@ impl Gemma3Gpu {
         cache.last_head = head;
         cache.head_row0 = if rows > MAX_ROWS { rows - 1 } else { 0 };
         Ok(())
+    }
+
+    /// Runs `tokens` as [`Gemma3Gpu::forward_banning`] does and returns the `k` best `(id, logit)`
+    /// of the last row's logits (1 <= k <= [`TOPK_MAX`]; the sampler's order: logit by total
+    /// order, ties to the lower id; `banned` left out), best first: what a sampled step with
+    /// top-k reads, instead of the vocabulary-wide row.
+    pub fn forward_top_k(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
+            return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
+        }
+        self.step(cache, tokens, banned, true)?;
+        let row = cache.last_rows - 1 - cache.head_row0;
+        let vocab = self.cfg.vocab;
+        let block = self.step.lock().expect("a step panicked holding the step block");
+        let args = TopKArgs {
+            logits: self.ptr(&self.b.logits) + (row * vocab * 4) as u64,
+            n: vocab as i32,
+            k: k as i32,
+            cand: self.ptr(&self.b.topk_cand),
+            counters: self.ptr(&self.b.topk_counters),
+            ids: self.ptr(&self.b.topk_ids),
+            vals: self.ptr(&self.b.topk_vals),
+            step: self.ptr(&block.params),
+        };
+        // SAFETY: the logits row lies in the logits buffer (row < MAX_ROWS), the scratch holds
+        // topk_blocks(vocab) * TOPK_MAX keys, the outputs TOPK_MAX values, the counters MAX_ROWS
+        // zeroed ints; the step block is the one this step's banned ids were written to.
+        unsafe { self.kernels.top_k(&self.stream, 1, &args)? };
+        drop(block);
+        let (mut ids, mut vals) = (vec![0i32; k], vec![0f32; k]);
+        self.stream.memcpy_dtoh(&self.b.topk_ids.slice(..k), &mut ids[..])?;
+        self.stream.memcpy_dtoh(&self.b.topk_vals.slice(..k), &mut vals[..])?;
+        self.stream.synchronize()?;
+        Ok(ids.into_iter().zip(vals).filter(|&(i, _)| i >= 0).map(|(i, v)| (i as u32, v)).collect())
     }
 
     fn headed(&self, cache: &GpuCache) -> Result<()> {

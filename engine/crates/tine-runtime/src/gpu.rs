@@ -29,6 +29,10 @@ mod imp {
     pub const STEP_ROWS: usize = tine_gpu::cuda::MAX_ROWS;
     /// The most ids the engine's greedy argmax passes over.
     pub const MAX_BANNED: usize = tine_gpu::cuda::MAX_BANNED;
+    /// The most candidates [`GpuTrunk::forward_top_k`] gives.
+    pub const TOP_K_MAX: usize = tine_gpu::cuda::TOPK_MAX;
+    /// The largest vocabulary [`GpuTrunk::forward_top_k`] takes.
+    pub const TOP_K_MAX_VOCAB: usize = tine_gpu::cuda::TOPK_MAX_N;
 
     impl GpuTrunk {
         /// The engine for a model on `device`, or why not: `Ok(None)` on the CPU or with
@@ -73,6 +77,12 @@ mod imp {
         pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<u32, GpuError> {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
+        }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the `k` best `(id, logit)` of the last
+        /// one's logits (at most [`TOP_K_MAX`]; the sampler's order, `banned` left out): only
+        /// those cross to the host.
+        pub fn forward_top_k(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>, GpuError> {
+            self.0.forward_top_k(&mut seq.0, tokens, banned, k)
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`) and
         /// final hidden states (`rows × hidden`, before the output norm).
@@ -141,6 +151,8 @@ mod imp {
     pub struct GpuError(());
     pub const STEP_ROWS: usize = 8;
     pub const MAX_BANNED: usize = 8;
+    pub const TOP_K_MAX: usize = 64;
+    pub const TOP_K_MAX_VOCAB: usize = 0;
 
     pub fn is_unsupported_model(_e: &GpuError) -> bool {
         false
@@ -162,6 +174,9 @@ mod imp {
             unreachable!("{NEVER}")
         }
         pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<Vec<u32>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_top_k(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32], _k: usize) -> Result<Vec<(u32, f32)>, GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_trunk(&self, _seq: &mut GpuSeq, _tokens: &[u32], _hidden: bool) -> Result<Vec<f32>, GpuError> {
@@ -200,4 +215,4 @@ mod imp {
     }
 }
 
-pub use imp::{is_unsupported_model, GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS};
+pub use imp::{is_unsupported_model, GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};

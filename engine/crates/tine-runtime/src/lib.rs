@@ -10,6 +10,7 @@ mod gpu;
 mod graft;
 mod model;
 mod slot_file;
+mod tokenizer;
 
 pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 
@@ -50,6 +51,7 @@ pub fn cache_root() -> std::path::PathBuf {
 pub fn default_model_path() -> std::path::PathBuf {
     cache_root().join("models").join(DEFAULT_MODEL_FILE)
 }
-pub use candle_core::quantized::spm_tokenizer::{SpmTokenizer, TokenType};
+pub use candle_core::quantized::spm_tokenizer::TokenType;
 /// candle's device type, so callers need not depend on candle to hold one.
 pub use candle_core::Device;
+pub use tokenizer::{BpeTokenizer, Tokenizer};

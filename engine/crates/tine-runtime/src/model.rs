@@ -5,12 +5,11 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
-use candle_core::quantized::spm_tokenizer::SpmTokenizer;
-use candle_core::quantized::tokenizer::TokenizerFromGguf;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
 
-use crate::gpu::{GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS};
+use crate::gpu::{GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
+use crate::tokenizer::Tokenizer;
 
 /// Errors of [`Model::load`].
 #[derive(Debug, thiserror::Error)]
@@ -104,7 +103,7 @@ pub struct ModelInfo {
 /// A loaded model: weights and tokenizer. Shared read-only by all sequences.
 pub struct Model {
     weights: ModelWeights,
-    pub tokenizer: SpmTokenizer,
+    pub tokenizer: Tokenizer,
     pub info: ModelInfo,
     /// End-of-generation tokens: EOS and `<end_of_turn>`-like control tokens.
     eog: Vec<u32>,
@@ -169,6 +168,16 @@ impl Model {
         Self::load_on(path, &Device::Cpu)
     }
 
+    /// The tokenizer of a GGUF alone (its metadata; no weights are read), for any model whose
+    /// tokenizer Tine reads (SentencePiece-style `llama` or byte-level BPE `gpt2` vocabularies),
+    /// whether or not Tine runs its architecture.
+    pub fn load_tokenizer(path: &Path) -> Result<Tokenizer, LoadError> {
+        let p = || path.to_owned();
+        let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
+        let ct = gguf_file::Content::read(&mut BufReader::new(file)).map_err(|source| LoadError::Gguf { path: p(), source })?;
+        Tokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })
+    }
+
     /// Loads a GGUF with its weights (and every sequence's KV cache) on `device`
     /// ([`DeviceSpec::open`] makes one from `--device`).
     pub fn load_on(path: &Path, device: &Device) -> Result<Model, LoadError> {
@@ -182,7 +191,7 @@ impl Model {
         if arch != "gemma3" {
             return Err(LoadError::Architecture { path: p(), found: arch });
         }
-        let tokenizer = SpmTokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
+        let tokenizer = Tokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
         let info = ModelInfo {
             path: p(),
             name: ct.metadata.get("general.name").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()),
@@ -499,6 +508,26 @@ impl Sequence {
                 return Ok(id);
             }
             model.argmax(&seq.forward_chunk(model, &[token])?.flatten_all()?)
+        })
+    }
+
+    /// Appends one token and returns the `k` best `(id, logit)` of its logits, best first (the
+    /// sampler's order: logit by `total_cmp`, ties to the lower id), passing over `banned`: what
+    /// a draw with top-k reads (`tine_sampling::Sampler::sample_top_k`). Only on the GPU engine,
+    /// where only those pairs cross to the host; `None` elsewhere, or for `k` above
+    /// [`TOP_K_MAX`] or more than [`MAX_BANNED`] banned ids, with nothing appended (the caller
+    /// decodes the row). Atomic like [`Sequence::decode`].
+    pub fn decode_top_k(&mut self, model: &Model, token: u32, k: usize, banned: &[u32]) -> Result<Option<Vec<(u32, f32)>>, StepError> {
+        if !self.on_gpu_engine() || k == 0 || k > TOP_K_MAX || banned.len() > MAX_BANNED || model.info.vocab_size > TOP_K_MAX_VOCAB {
+            return Ok(None);
+        }
+        self.check(model, &[token])?;
+        self.atomic(|seq| {
+            let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
+            let top = gpu.forward_top_k(seq.gpu.as_mut().expect("on the engine"), &[token], banned, k)?;
+            seq.injected()?;
+            seq.tokens.push(token);
+            Ok(Some(top))
         })
     }
 

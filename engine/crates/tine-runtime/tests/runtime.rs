@@ -12,6 +12,8 @@ use tine_test_support::{Reference, TinyGemma3, Weights};
 #[path = "cuda.rs"]
 mod cuda;
 
+mod tokenizer;
+
 /// Two f32 paths over the same positions (one-shot, token by token, chunks) may differ only by
 /// reduction order.
 const PATH_TOLERANCE: f32 = 1e-4;

@@ -62,6 +62,13 @@ impl SamplingParams {
         self.is_greedy() && !self.has_penalties()
     }
 
+    /// The `k` of a draw that reads only the `k` best logits of a row (the raw logits: no
+    /// penalty), so a caller may find them where the logits are (on the GPU) and pass them to
+    /// [`Sampler::sample_top_k`] instead of the row: temperature above 0, `1 <= top_k <= max`.
+    pub fn top_k_only(&self, max: usize) -> Option<usize> {
+        (!self.is_greedy() && !self.has_penalties() && self.top_k >= 1 && self.top_k as usize <= max).then_some(self.top_k as usize)
+    }
+
     /// Whether a repeat, presence or frequency penalty changes the logits.
     fn has_penalties(&self) -> bool {
         self.repeat_last_n != 0 && (self.repeat_penalty != 1.0 || self.presence_penalty != 0.0 || self.frequency_penalty != 0.0)
@@ -165,9 +172,30 @@ impl Sampler {
         if p.is_greedy() {
             return vec![(argmax(logits), 1.0)];
         }
-        // Candidates sorted by logit, best first (ties: lower id).
         let k = if p.top_k <= 0 { logits.len() } else { (p.top_k as usize).min(logits.len()) };
-        let mut cand = if k < logits.len() { top_k(logits, k) } else { logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect() };
+        let cand = if k < logits.len() { top_k(logits, k) } else { logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect() };
+        self.filter(cand)
+    }
+
+    /// [`Sampler::distribution`] from the `top_k` best `(id, logit)` of a row (in any order)
+    /// instead of the row, where [`SamplingParams::top_k_only`] allows it: the same distribution
+    /// bit for bit, since the draw reads nothing else.
+    pub fn distribution_top_k(&self, cand: Vec<(u32, f32)>) -> Vec<(u32, f32)> {
+        debug_assert!(self.params.top_k_only(usize::MAX).is_some_and(|k| cand.len() <= k), "distribution_top_k: {} candidates for {:?}", cand.len(), self.params);
+        self.filter(cand)
+    }
+
+    /// Draws the next token from the `top_k` best `(id, logit)` of a row
+    /// ([`Sampler::distribution_top_k`]): what [`Sampler::sample`] draws from the row.
+    pub fn sample_top_k(&mut self, cand: Vec<(u32, f32)>) -> u32 {
+        let dist = self.distribution_top_k(cand);
+        self.draw(&dist)
+    }
+
+    /// Top-p, min-p and temperature over the candidates the penalties and top-k left.
+    fn filter(&self, mut cand: Vec<(u32, f32)>) -> Vec<(u32, f32)> {
+        let p = &self.params;
+        // Candidates sorted by logit, best first (ties: lower id).
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         // top-p over the softmax of the remaining candidates.
         if p.top_p < 1.0 {

@@ -130,3 +130,42 @@ fn the_one_pass_top_k_gives_the_full_sorts_distribution_bit_for_bit_with_ties() 
         }
     }
 }
+
+/// A draw from a row's `top_k` best logits (found elsewhere: on the GPU) is the draw from the row,
+/// bit for bit and on the same random stream, with ties at the cut and in any order.
+#[test]
+fn sampling_from_the_top_k_candidates_draws_what_sampling_the_row_draws() {
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    for case in 0..40 {
+        let n = 1000 + case * 37;
+        // Coarse values, so ties (at the cut too) are common.
+        let row: Vec<f32> = (0..n).map(|_| (next() % 64) as f32 * 0.25 - 8.0).collect();
+        for top_k in [1, 2, 40, 64] {
+            let params = SamplingParams { top_k, seed: Some(case as u64), ..Default::default() };
+            assert_eq!(params.top_k_only(64), Some(top_k as usize));
+            let mut cand: Vec<(u32, f32)> = row.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            cand.truncate(top_k as usize);
+            cand.reverse(); // any order
+            let (mut a, mut b) = (Sampler::new(params.clone()), Sampler::new(params.clone()));
+            let full = a.distribution(&row, &[]);
+            let from_top = b.distribution_top_k(cand.clone());
+            assert_eq!(full.len(), from_top.len());
+            assert!(full.iter().zip(&from_top).all(|(x, y)| x.0 == y.0 && x.1.to_bits() == y.1.to_bits()), "case {case}, top_k {top_k}");
+            for _ in 0..5 {
+                assert_eq!(a.sample(&row, &[]), b.sample_top_k(cand.clone()));
+            }
+        }
+    }
+    // Where the row alone can decide: not greedy, no penalty, top_k within the bound.
+    assert_eq!(SamplingParams::greedy().top_k_only(64), None);
+    assert_eq!(SamplingParams { top_k: 0, ..Default::default() }.top_k_only(64), None);
+    assert_eq!(SamplingParams { top_k: 65, ..Default::default() }.top_k_only(64), None);
+    assert_eq!(SamplingParams { repeat_penalty: 1.1, ..Default::default() }.top_k_only(64), None);
+}

@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, WeightType, QK};
-use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, ARGMAX_BLOCKS, MAX_ROWS};
+use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
 use tine_gpu::reference;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -528,6 +528,42 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
     Ok(Case { name: format!("attention heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window} pos={pos}"), worst, bits: Some(bits), note })
 }
 
+/// The k best logits of each row against a full sort by the sampler's order (`total_cmp`
+/// descending, ties to the lower id), the banned ids left out: the same ids and bits.
+fn check_topk(dev: &Dev, rng: &mut Rng, n: usize, k: usize, rows: usize, coarse: bool) -> Res<Case> {
+    // Coarse values make ties common (at the cut too); -0.0 and 0.0 are distinct in the order.
+    let logits: Vec<f32> = (0..rows * n).map(|_| if coarse { ((rng.next() % 32) as f32 - 16.0) * 0.5 } else { rng.f() * 20.0 }).collect();
+    let mut logits = logits;
+    for m in 0..rows {
+        logits[m * n + (rng.next() as usize) % n] = -0.0;
+        logits[m * n + (rng.next() as usize) % n] = 0.0;
+    }
+    let banned: Vec<i32> = (0..3).map(|_| (rng.next() as usize % n) as i32).collect();
+    let mut params = StepParams { n_banned: banned.len() as i32, ..Default::default() };
+    params.banned[..banned.len()].copy_from_slice(&banned);
+    let step = dev.up(&[params])?;
+    let ld = dev.up(&logits)?;
+    let cand = dev.zeros::<u64>(rows * Kernels::topk_blocks(n) * TOPK_MAX)?;
+    let counters = dev.zeros::<i32>(MAX_ROWS)?;
+    let (ids, vals) = (dev.zeros::<i32>(rows * k)?, dev.zeros::<f32>(rows * k)?);
+    let args = TopKArgs { logits: dev.ptr(&ld), n: n as i32, k: k as i32, cand: dev.ptr(&cand), counters: dev.ptr(&counters), ids: dev.ptr(&ids), vals: dev.ptr(&vals), step: dev.ptr(&step) };
+    // SAFETY: the logits hold rows x n values, the scratch rows x blocks x TOPK_MAX keys, the
+    // outputs rows x k, the counters MAX_ROWS zeroed ints.
+    unsafe { dev.k.top_k(&dev.stream, rows, &args)? };
+    let (gi, gv) = (dev.down(&ids)?, dev.down(&vals)?);
+    let mut same = true;
+    for m in 0..rows {
+        let mut want: Vec<(i32, f32)> = (0..n).filter(|i| !banned.contains(&(*i as i32))).map(|i| (i as i32, logits[m * n + i])).collect();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        want.resize(k, (-1, 0.0));
+        for (j, w) in want.iter().enumerate() {
+            same &= gi[m * k + j] == w.0 && (w.0 < 0 || gv[m * k + j].to_bits() == w.1.to_bits());
+        }
+    }
+    let note = if dev.down(&counters)?.iter().any(|&c| c != 0) { "counters not left at zero".to_string() } else { String::new() };
+    Ok(Case { name: format!("top_k n={n} k={k} rows={rows}{}", if coarse { " ties" } else { "" }), worst: if same { 0.0 } else { f64::INFINITY }, bits: Some(same), note })
+}
+
 /// Greedy argmax with planted ties.
 fn check_argmax(dev: &Dev, rng: &mut Rng, n: usize) -> Res<Case> {
     let rows = MAX_ROWS;
@@ -651,6 +687,9 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     }
     for n in [262144, 1000, 5] {
         cases.push(check_argmax(dev, &mut rng, n)?);
+    }
+    for (n, k, rows, coarse) in [(262144, 40, 1, false), (262144, 64, 3, true), (151936, 40, 2, true), (5000, 1, 1, false), (10, 20, 1, true), (4096, 64, 8, true)] {
+        cases.push(check_topk(dev, &mut rng, n, k, rows, coarse)?);
     }
     // A prompt's rows in one launch.
     for (t, n, k, glu, rows) in [
@@ -1201,6 +1240,27 @@ mod model {
             let ms = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
             println!("model: {rows}-row steps back to back (no read-back): {ms:.3} ms/step, {:.0} tok/s", rows as f64 * 1e3 / ms);
         }
+        // A sampled step's top-k on the device against the row's own sort, and its speed.
+        c.truncate(prompt.len());
+        g.forward(&mut c, &[ids[0]])?;
+        let row = g.logits(&c)?;
+        c.truncate(prompt.len());
+        let top = g.forward_top_k(&mut c, &[ids[0]], &[], 40)?;
+        let mut want: Vec<(u32, f32)> = row.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
+        want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        want.truncate(40);
+        let same = top.len() == 40 && top.iter().zip(&want).all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits());
+        println!("model: top-40 of a step on the device: {}", if same { "the row's own 40 best, bit for bit" } else { "DIFFERS from the row's sort" });
+        ok &= same;
+        c.truncate(prompt.len());
+        let mut next = ids[0];
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            let top = g.forward_top_k(&mut c, &[next], &[], 40)?;
+            next = top[0].0;
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        println!("model: decode with the top-40 read back each step (a sampled request's step): {:.1} tok/s ({:.3} ms/token)", n as f64 / secs, secs * 1e3 / n as f64);
         // Verify rows: steps of M rows against the one-row steps, bit for bit.
         let (ids, rows, _) = greedy(&g, &mut c, &prompt, 24)?;
         let vocab = g.config().vocab;

@@ -1,0 +1,255 @@
+//! The model's tokenizer, whichever kind its GGUF declares (`tokenizer.ggml.model`):
+//!
+//! - `llama`: SentencePiece-style (Gemma 3), candle's [`SpmTokenizer`] (patch 0003);
+//! - `gpt2`: byte-level BPE (Qwen3.5/3.6 and others), the `tokenizers` crate built from the GGUF's
+//!   vocabulary, merges and pre-tokenizer by candle's `TokenizerFromGguf` (the `qwen35`
+//!   pre-tokenizer is patch 0023).
+//!
+//! Both answer the same calls with llama.cpp's semantics: `encode(text, add_special,
+//! parse_special)` adds BOS/EOS as the metadata asks and, with `parse_special`, turns special
+//! tokens written in the text (`<|im_start|>`) into their ids, longest first; otherwise their text
+//! is tokenized as plain text. `token_bytes(id, special)` gives the bytes a token stands for
+//! (control and unknown tokens only when `special`).
+
+use std::collections::HashMap;
+
+use candle_core::quantized::gguf_file;
+use candle_core::quantized::spm_tokenizer::{SpmTokenizer, TokenType};
+use candle_core::quantized::tokenizer::TokenizerFromGguf;
+
+/// A GGUF's tokenizer.
+#[derive(Debug, Clone)]
+pub enum Tokenizer {
+    /// SentencePiece-style (`tokenizer.ggml.model = llama`).
+    Spm(SpmTokenizer),
+    /// Byte-level BPE (`tokenizer.ggml.model = gpt2`).
+    Bpe(Box<BpeTokenizer>),
+}
+
+/// Byte-level BPE as llama.cpp reads a `gpt2` GGUF vocabulary.
+#[derive(Debug, Clone)]
+pub struct BpeTokenizer {
+    /// Built from the vocabulary, merges and pre-tokenizer alone: no special tokens and no
+    /// post-processor, so that this type decides what is special and where BOS goes.
+    inner: tokenizers::Tokenizer,
+    tokens: Vec<String>,
+    types: Vec<TokenType>,
+    token_to_id: HashMap<String, u32>,
+    /// Control and user-defined tokens, longest text first (ties: lower id): what
+    /// `parse_special` finds in a text.
+    specials: Vec<u32>,
+    /// GPT-2's byte-level alphabet, char -> byte.
+    byte_of: HashMap<char, u8>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: bool,
+    add_eos: bool,
+}
+
+impl Tokenizer {
+    /// The tokenizer a GGUF's metadata describes.
+    pub fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<Tokenizer> {
+        let kind = ct.metadata.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).map(|s| s.to_lowercase()).unwrap_or_default();
+        match kind.as_str() {
+            "gpt2" => Ok(Tokenizer::Bpe(Box::new(BpeTokenizer::from_gguf(ct)?))),
+            _ => Ok(Tokenizer::Spm(SpmTokenizer::from_gguf(ct)?)),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Spm(t) => t.vocab_size(),
+            Tokenizer::Bpe(t) => t.tokens.len(),
+        }
+    }
+    pub fn bos_token(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Spm(t) => t.bos_token(),
+            Tokenizer::Bpe(t) => t.bos,
+        }
+    }
+    pub fn eos_token(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Spm(t) => t.eos_token(),
+            Tokenizer::Bpe(t) => t.eos,
+        }
+    }
+    pub fn token_type(&self, id: u32) -> Option<TokenType> {
+        match self {
+            Tokenizer::Spm(t) => t.token_type(id),
+            Tokenizer::Bpe(t) => t.types.get(id as usize).copied(),
+        }
+    }
+    /// The token's text as the vocabulary writes it (a BPE token in GPT-2's byte alphabet).
+    pub fn token_text(&self, id: u32) -> Option<&str> {
+        match self {
+            Tokenizer::Spm(t) => t.token_text(id),
+            Tokenizer::Bpe(t) => t.tokens.get(id as usize).map(|s| s.as_str()),
+        }
+    }
+    /// The id of a token written as the vocabulary writes it.
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        match self {
+            Tokenizer::Spm(t) => t.token_id(text),
+            Tokenizer::Bpe(t) => t.token_to_id.get(text).copied(),
+        }
+    }
+    /// Whether generation should stop at this token (end-of-generation control tokens).
+    pub fn is_control(&self, id: u32) -> bool {
+        matches!(self.token_type(id), Some(TokenType::Control))
+    }
+
+    /// Token ids of `text`. `add_special` adds BOS/EOS as the metadata asks; `parse_special`
+    /// lets special tokens written in the text become their ids.
+    pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        match self {
+            Tokenizer::Spm(t) => t.encode(text, add_special, parse_special),
+            Tokenizer::Bpe(t) => t.encode(text, add_special, parse_special),
+        }
+    }
+
+    /// The bytes a token stands for. Control and unknown tokens give nothing unless `special`.
+    pub fn token_bytes(&self, id: u32, special: bool) -> Vec<u8> {
+        match self {
+            Tokenizer::Spm(t) => t.token_bytes(id, special),
+            Tokenizer::Bpe(t) => t.token_bytes(id, special),
+        }
+    }
+
+    /// Text of `ids` (invalid UTF-8 replaced); control tokens shown only when `special`.
+    pub fn decode(&self, ids: &[u32], special: bool) -> String {
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| self.token_bytes(id, special)).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// GPT-2's map from bytes to printable chars (the alphabet byte-level BPE vocabularies are
+/// written in): printable Latin-1 bytes stand for themselves, the others for 256 + n.
+fn gpt2_byte_chars() -> [char; 256] {
+    let mut out = ['\0'; 256];
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        out[b as usize] = if printable {
+            char::from(b)
+        } else {
+            n += 1;
+            char::from_u32(255 + n).expect("256..=323 are chars")
+        };
+    }
+    out
+}
+
+fn token_type(n: u32) -> TokenType {
+    // llama.cpp's llama_token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+    match n {
+        2 => TokenType::Unknown,
+        3 => TokenType::Control,
+        4 => TokenType::UserDefined,
+        5 => TokenType::Unused,
+        6 => TokenType::Byte,
+        _ => TokenType::Normal,
+    }
+}
+
+impl BpeTokenizer {
+    fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<BpeTokenizer> {
+        let strings = |key: &str| -> candle_core::Result<Vec<String>> {
+            let v = ct.metadata.get(key).ok_or_else(|| candle_core::Error::msg(format!("missing GGUF metadata key `{key}`")))?;
+            v.to_vec()?.iter().map(|s| s.to_string().cloned()).collect()
+        };
+        let id = |key: &str| ct.metadata.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|i| i as u32)));
+        let flag = |key: &str| ct.metadata.get(key).and_then(|v| v.to_bool().ok());
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let types: Vec<TokenType> = match ct.metadata.get("tokenizer.ggml.token_type") {
+            Some(v) => v.to_vec()?.iter().map(|t| t.to_i32().map(|n| token_type(n as u32)).or_else(|_| t.to_u32().map(token_type))).collect::<candle_core::Result<_>>()?,
+            None => vec![TokenType::Normal; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            candle_core::bail!("tokenizer.ggml.token_type has {} entries for {} tokens", types.len(), tokens.len());
+        }
+        // The BPE alone: candle's builder with the keys that add special tokens and BOS/EOS
+        // templates taken out (this type handles both, as llama.cpp does).
+        let mut plain = gguf_file::Content { magic: ct.magic, metadata: HashMap::new(), tensor_infos: HashMap::new(), tensor_data_offset: 0 };
+        for key in ["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.ggml.byte_fallback", "tokenizer.ggml.ignore_merges"] {
+            if let Some(v) = ct.metadata.get(key) {
+                plain.metadata.insert(key.to_string(), v.clone());
+            }
+        }
+        let inner = tokenizers::Tokenizer::from_gguf(&plain)?;
+        let mut token_to_id = HashMap::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            // llama.cpp keeps the last id for a duplicated text.
+            token_to_id.insert(t.clone(), i as u32);
+        }
+        let mut specials: Vec<u32> = (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
+        specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
+        let byte_of = gpt2_byte_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
+        Ok(BpeTokenizer {
+            inner,
+            tokens,
+            types,
+            token_to_id,
+            specials,
+            byte_of,
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos: id("tokenizer.ggml.eos_token_id"),
+            // llama.cpp's default for BPE vocabularies: no BOS unless the metadata asks.
+            add_bos: flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
+            add_eos: flag("tokenizer.ggml.add_eos_token").unwrap_or(false),
+        })
+    }
+
+    fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
+        let mut out = Vec::new();
+        if add_special && self.add_bos {
+            out.extend(self.bos);
+        }
+        let mut rest = text;
+        while !rest.is_empty() {
+            // The earliest special token in the rest (the longest where two start together).
+            let found = if parse_special { self.specials.iter().filter_map(|&id| rest.find(self.tokens[id as usize].as_str()).map(|at| (at, id))).min_by_key(|&(at, _)| at) } else { None };
+            let (plain, special) = match found {
+                Some((at, id)) => (&rest[..at], Some(id)),
+                None => (rest, None),
+            };
+            if !plain.is_empty() {
+                let enc = self.inner.encode_fast(plain, false).expect("a BPE without added tokens encodes any text");
+                out.extend_from_slice(enc.get_ids());
+            }
+            match special {
+                Some(id) => {
+                    out.push(id);
+                    rest = &rest[plain.len() + self.tokens[id as usize].len()..];
+                }
+                None => break,
+            }
+        }
+        if add_special && self.add_eos {
+            out.extend(self.eos);
+        }
+        out
+    }
+
+    fn token_bytes(&self, id: u32, special: bool) -> Vec<u8> {
+        let Some(&ty) = self.types.get(id as usize) else { return Vec::new() };
+        let text = &self.tokens[id as usize];
+        match ty {
+            TokenType::Control | TokenType::Unknown if !special => Vec::new(),
+            TokenType::Control | TokenType::Unknown | TokenType::UserDefined => text.as_bytes().to_vec(),
+            TokenType::Unused => Vec::new(),
+            // Normal and byte tokens are written in GPT-2's byte alphabet; a char outside it
+            // (a vocabulary that writes raw text) stands for its own UTF-8.
+            TokenType::Normal | TokenType::Byte => {
+                let mut out = Vec::with_capacity(text.len());
+                for c in text.chars() {
+                    match self.byte_of.get(&c) {
+                        Some(&b) => out.push(b),
+                        None => out.extend_from_slice(c.encode_utf8(&mut [0u8; 4]).as_bytes()),
+                    }
+                }
+                out
+            }
+        }
+    }
+}
