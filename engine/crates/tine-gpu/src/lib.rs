@@ -14,6 +14,7 @@
 //! | `argmax_rows` | greedy id per row (lowest id on ties), optionally fed back as the next step's token |
 //! | `mmq` | a prompt step's GEMMs (more than 8 rows): the GEMV's segments and epilogue as int8 tensor-core tiles |
 //! | `attn_prompt_hd{64,128,256}` | a prompt step's attention: a block per 8 rows and query head, a running softmax per warp |
+//! | `topk_rows` | the k best logits of each row (k <= 64) under the sampler's order, banned ids left out |
 //!
 //! Every decode kernel computes a row (one token of a step) with the same operations in the same
 //! order whatever the number of rows M of the step (1..=8), so a verify step reproduces one-token
