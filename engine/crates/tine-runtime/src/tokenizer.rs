@@ -1,9 +1,11 @@
 //! The model's tokenizer, whichever kind its GGUF declares (`tokenizer.ggml.model`):
 //!
 //! - `llama`: SentencePiece-style (Gemma 3), candle's [`SpmTokenizer`] (patch 0003);
-//! - `gpt2`: byte-level BPE (Qwen3.5/3.6 and others), the `tokenizers` crate built from the GGUF's
+//! - `gpt2`: byte-level BPE (Qwen3.5/3.6), the `tokenizers` crate built from the GGUF's
 //!   vocabulary, merges and pre-tokenizer by candle's `TokenizerFromGguf` (the `qwen35`
-//!   pre-tokenizer is patch 0023).
+//!   pre-tokenizer is patch 0023). Only pre-tokenizers whose ids were checked against
+//!   llama.cpp's are taken (`qwen35`); others are refused with an error, not tokenized
+//!   differently.
 //!
 //! Both answer the same calls with llama.cpp's semantics: `encode(text, add_special,
 //! parse_special)` adds BOS/EOS as the metadata asks and, with `parse_special`, turns special
@@ -35,8 +37,8 @@ pub struct BpeTokenizer {
     tokens: Vec<String>,
     types: Vec<TokenType>,
     token_to_id: HashMap<String, u32>,
-    /// Control and user-defined tokens, longest text first (ties: lower id): what
-    /// `parse_special` finds in a text.
+    /// Control, unknown and user-defined tokens, longest text first (ties: lower id): what a
+    /// text is split on before BPE (user-defined always, the others with `parse_special`).
     specials: Vec<u32>,
     /// GPT-2's byte-level alphabet, char -> byte.
     byte_of: HashMap<char, u8>,
@@ -140,6 +142,15 @@ fn gpt2_byte_chars() -> [char; 256] {
     out
 }
 
+/// `tokenizer.ggml.pre` values whose ids equal llama.cpp's on its own vocabulary tests.
+const CHECKED_PRE: &[&str] = &["qwen35"];
+
+/// A piece of a text being tokenized: text still to split, or a special token found in it.
+enum Fragment<'t> {
+    Text(&'t str),
+    Token(u32),
+}
+
 fn token_type(n: u32) -> TokenType {
     // llama.cpp's llama_token_type: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
     match n {
@@ -160,6 +171,13 @@ impl BpeTokenizer {
         };
         let id = |key: &str| ct.metadata.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|i| i as u32)));
         let flag = |key: &str| ct.metadata.get(key).and_then(|v| v.to_bool().ok());
+        // The pre-tokenizers whose ids are checked against llama.cpp's (its own vocabulary tests):
+        // candle's pipelines for the others differ from llama.cpp's (a prefix space, a
+        // normalizer), so they are refused rather than tokenized differently.
+        let pre = ct.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+        if !CHECKED_PRE.contains(&pre.as_str()) {
+            candle_core::bail!("tokenizer.ggml.pre = {pre:?}: the BPE pre-tokenizers checked against llama.cpp are {CHECKED_PRE:?}");
+        }
         let tokens = strings("tokenizer.ggml.tokens")?;
         let types: Vec<TokenType> = match ct.metadata.get("tokenizer.ggml.token_type") {
             Some(v) => v.to_vec()?.iter().map(|t| t.to_i32().map(|n| token_type(n as u32)).or_else(|_| t.to_u32().map(token_type))).collect::<candle_core::Result<_>>()?,
@@ -182,7 +200,8 @@ impl BpeTokenizer {
             // llama.cpp keeps the last id for a duplicated text.
             token_to_id.insert(t.clone(), i as u32);
         }
-        let mut specials: Vec<u32> = (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
+        let mut specials: Vec<u32> =
+            (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::Unknown | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
         specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
         let byte_of = gpt2_byte_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
         Ok(BpeTokenizer {
@@ -205,30 +224,55 @@ impl BpeTokenizer {
         if add_special && self.add_bos {
             out.extend(self.bos);
         }
-        let mut rest = text;
-        while !rest.is_empty() {
-            // The earliest special token in the rest (the longest where two start together).
-            let found = if parse_special { self.specials.iter().filter_map(|&id| rest.find(self.tokens[id as usize].as_str()).map(|at| (at, id))).min_by_key(|&(at, _)| at) } else { None };
-            let (plain, special) = match found {
-                Some((at, id)) => (&rest[..at], Some(id)),
-                None => (rest, None),
-            };
-            if !plain.is_empty() {
-                let enc = self.inner.encode_fast(plain, false).expect("a BPE without added tokens encodes any text");
-                out.extend_from_slice(enc.get_ids());
-            }
-            match special {
-                Some(id) => {
-                    out.push(id);
-                    rest = &rest[plain.len() + self.tokens[id as usize].len()..];
+        for frag in self.partition(text, parse_special) {
+            match frag {
+                Fragment::Token(id) => out.push(id),
+                Fragment::Text(t) => {
+                    let enc = self.inner.encode_fast(t, false).expect("a BPE without added tokens encodes any text");
+                    out.extend_from_slice(enc.get_ids());
                 }
-                None => break,
             }
         }
         if add_special && self.add_eos {
             out.extend(self.eos);
         }
         out
+    }
+
+    /// llama.cpp's `tokenizer_st_partition`: the text split on each special token in turn,
+    /// longest first, every occurrence in every text fragment left; control and unknown tokens
+    /// only with `parse_special`, user-defined tokens always.
+    fn partition<'t>(&self, text: &'t str, parse_special: bool) -> Vec<Fragment<'t>> {
+        let mut frags = vec![Fragment::Text(text)];
+        for &id in &self.specials {
+            if !parse_special && matches!(self.types[id as usize], TokenType::Control | TokenType::Unknown) {
+                continue;
+            }
+            let needle = self.tokens[id as usize].as_str();
+            if !frags.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(needle))) {
+                continue;
+            }
+            let mut next = Vec::with_capacity(frags.len() + 2);
+            for f in frags {
+                match f {
+                    Fragment::Text(mut t) => {
+                        while let Some(pos) = t.find(needle) {
+                            if pos > 0 {
+                                next.push(Fragment::Text(&t[..pos]));
+                            }
+                            next.push(Fragment::Token(id));
+                            t = &t[pos + needle.len()..];
+                        }
+                        if !t.is_empty() {
+                            next.push(Fragment::Text(t));
+                        }
+                    }
+                    tok => next.push(tok),
+                }
+            }
+            frags = next;
+        }
+        frags
     }
 
     fn token_bytes(&self, id: u32, special: bool) -> Vec<u8> {

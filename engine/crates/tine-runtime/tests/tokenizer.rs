@@ -33,6 +33,12 @@ fn vocab(extra: Vec<(&str, Value)>) -> (Content, HashMap<String, u32>) {
         tokens.push(special.to_string());
         types.push(3);
     }
+    // User-defined tokens (as converters mark `<think>`): split out of any text, parsed or not;
+    // `xa` and `abc` overlap in `xabc`, where llama.cpp takes the longer first.
+    for user in ["<think>", "xa", "abc"] {
+        tokens.push(user.to_string());
+        types.push(4);
+    }
     let ids: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let s = |v: &str| Value::String(v.to_string());
     let mut metadata = HashMap::from([
@@ -85,6 +91,26 @@ fn special_tokens_in_text_become_ids_only_when_parsed() {
 }
 
 #[test]
+fn user_defined_tokens_are_split_out_always_and_longest_first() {
+    let (ct, ids) = vocab(vec![]);
+    let tok = Tokenizer::from_gguf(&ct).expect("builds");
+    for parse in [false, true] {
+        assert_eq!(tok.encode("<think>hello", false, parse), [ids["<think>"], ids["hello"]], "parse_special {parse}");
+    }
+    // llama.cpp splits on each special token in turn, longest first: `abc` before `xa`.
+    let got = tok.encode("xabc", false, true);
+    assert_eq!(got.last(), Some(&ids["abc"]), "{got:?}");
+    assert!(!got.contains(&ids["xa"]), "{got:?}");
+}
+
+#[test]
+fn a_pre_tokenizer_not_checked_against_llama_cpp_is_refused() {
+    let (ct, _) = vocab(vec![("tokenizer.ggml.pre", Value::String("gpt-2".into()))]);
+    let err = Tokenizer::from_gguf(&ct).expect_err("gpt-2's pipeline is not llama.cpp's here");
+    assert!(err.to_string().contains("qwen35"), "{err}");
+}
+
+#[test]
 fn bos_and_eos_are_added_as_the_metadata_asks() {
     let (ct, ids) = vocab(vec![("tokenizer.ggml.bos_token_id", Value::U32(300)), ("tokenizer.ggml.add_bos_token", Value::Bool(true)), ("tokenizer.ggml.add_eos_token", Value::Bool(true))]);
     let tok = Tokenizer::from_gguf(&ct).expect("builds");
@@ -96,7 +122,7 @@ fn bos_and_eos_are_added_as_the_metadata_asks() {
 #[test]
 fn a_vocabulary_whose_types_do_not_match_its_tokens_is_refused() {
     let (ct, _) = vocab(vec![("tokenizer.ggml.token_type", Value::Array(vec![Value::I32(1); 3]))]);
-    let err = Tokenizer::from_gguf(&ct).expect_err("3 types for 268 tokens");
+    let err = Tokenizer::from_gguf(&ct).expect_err("3 types for 271 tokens");
     assert!(err.to_string().contains("token_type"), "{err}");
 }
 
