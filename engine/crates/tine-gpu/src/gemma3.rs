@@ -578,14 +578,14 @@ impl Gemma3Gpu {
     /// over `banned` (at most [`MAX_BANNED`] ids: `ignore_eos`'s end-of-generation ids). The
     /// logits are not changed.
     pub fn forward_banning(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32]) -> Result<()> {
-        self.step(cache, tokens, banned, true)
+        self.step(cache, tokens, banned, true, &mut |_| Ok(()))
     }
 
     /// Runs `tokens` (1..=[`Gemma3Gpu::prompt_rows`]) through the trunk alone: their K/V enter
     /// the cache and their final hidden states are ready for [`Gemma3Gpu::hidden`]; no LM head
     /// runs, so there are no logits or ids (a prompt chunk whose logits nobody reads).
     pub fn forward_trunk(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
-        self.step(cache, tokens, &[], false)
+        self.step(cache, tokens, &[], false, &mut |_| Ok(()))
     }
 
     /// Runs a prompt's `tokens` (1..=[`Gemma3Gpu::prompt_rows`]): their K/V enter the cache,
@@ -593,7 +593,7 @@ impl Gemma3Gpu {
     /// and greedy id for [`Gemma3Gpu::logits_row`] and [`Gemma3Gpu::argmax`] (steps of up to
     /// [`MAX_ROWS`] rows give every row's, as [`Gemma3Gpu::forward`] does).
     pub fn forward_prompt(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<()> {
-        self.step(cache, tokens, &[], true)
+        self.step(cache, tokens, &[], true, &mut |_| Ok(()))
     }
 
     /// Runs a prompt step of `tokens` (more than [`MAX_ROWS`], up to
@@ -602,23 +602,15 @@ impl Gemma3Gpu {
     /// the step, in the order first launched (the events keep launches from overlapping, so the
     /// sum is somewhat above the step's time).
     pub fn profile_prompt(&self, cache: &mut GpuCache, tokens: &[u32]) -> Result<Vec<(&'static str, f64)>> {
-        let rows = tokens.len();
-        if !(MAX_ROWS + 1..=self.prompt_rows).contains(&rows) || cache.pos + rows > cache.ctx_len {
-            return Err(Gemma3GpuError::Step { rows, pos: cache.pos, what: format!("a profiled prompt step takes {} to {} tokens within the cache", MAX_ROWS + 1, self.prompt_rows) });
+        if tokens.len() <= MAX_ROWS {
+            return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("a profiled prompt step takes more than {MAX_ROWS} tokens") });
         }
-        let params = StepParams { pos: cache.pos as i32, rows: rows as i32, ..Default::default() };
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let mut block = self.step.lock().expect("a step panicked holding the step block");
-        self.stream.memcpy_htod(&[params][..], &mut block.params)?;
-        self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
-        let prompt = self.ptr(&block.tokens);
         let event = |stream: &Arc<CudaStream>| stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|source| GpuError::Launch { kernel: "event", source });
-        let mut marks = vec![("start", event(&self.stream)?)];
-        self.launch_step(cache, self.ptr(&block.params), rows, true, Some(prompt), &mut |what| {
+        let mut marks = Vec::new();
+        self.step(cache, tokens, &[], true, &mut |what| {
             marks.push((what, event(&self.stream)?));
             Ok(())
         })?;
-        drop(block);
         self.stream.synchronize()?;
         let mut out: Vec<(&'static str, f64)> = Vec::new();
         for w in marks.windows(2) {
@@ -628,14 +620,12 @@ impl Gemma3Gpu {
                 None => out.push((w[1].0, us)),
             }
         }
-        cache.pos += rows;
-        cache.last_rows = rows;
-        cache.last_head = true;
-        cache.head_row0 = rows - 1;
         Ok(out)
     }
 
-    fn step(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], head: bool) -> Result<()> {
+    /// One step of `tokens`; a prompt step (more than [`MAX_ROWS`] rows) calls `mark` once before
+    /// its launches ("start") and after each ([`Gemma3Gpu::profile_prompt`]).
+    fn step(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], head: bool, mark: &mut Mark) -> Result<()> {
         let rows = tokens.len();
         let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
         if !(1..=self.prompt_rows).contains(&rows) {
@@ -668,7 +658,8 @@ impl Gemma3Gpu {
             // Ordered like the parameters; rows <= prompt_rows, the buffer's length (checked above).
             self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
             let prompt = self.ptr(&block.tokens);
-            self.launch_step(cache, step, rows, head, Some(prompt), &mut |_| Ok(()))?;
+            mark("start")?;
+            self.launch_step(cache, step, rows, head, Some(prompt), mark)?;
         }
         drop(block);
         cache.pos += rows;
@@ -686,7 +677,7 @@ impl Gemma3Gpu {
         if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
             return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
         }
-        self.step(cache, tokens, banned, true)?;
+        self.step(cache, tokens, banned, true, &mut |_| Ok(()))?;
         let row = cache.last_rows - 1 - cache.head_row0;
         let vocab = self.cfg.vocab;
         let block = self.step.lock().expect("a step panicked holding the step block");

@@ -94,15 +94,19 @@ fn reference_distribution(p: &SamplingParams, logits: &[f32]) -> Vec<(u32, f32)>
     cand.iter().zip(probs).map(|(c, pr)| (c.0, pr)).collect()
 }
 
-#[test]
-fn the_one_pass_top_k_gives_the_full_sorts_distribution_bit_for_bit_with_ties() {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
+/// A reproducible stream of u64 (xorshift64).
+fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+    move || {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         state
-    };
+    }
+}
+
+#[test]
+fn the_one_pass_top_k_gives_the_full_sorts_distribution_bit_for_bit_with_ties() {
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d);
     for case in 0..200 {
         let n = [5usize, 64, 1000, 4099][case % 4];
         // Few distinct values, so ties are everywhere; some -inf (banned ids, a grammar's mask).
@@ -135,13 +139,7 @@ fn the_one_pass_top_k_gives_the_full_sorts_distribution_bit_for_bit_with_ties() 
 /// bit for bit and on the same random stream, with ties at the cut and in any order.
 #[test]
 fn sampling_from_the_top_k_candidates_draws_what_sampling_the_row_draws() {
-    let mut rng = 0x2545_f491_4f6c_dd1du64;
-    let mut next = || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        rng
-    };
+    let mut next = xorshift(0x2545_f491_4f6c_dd1d);
     for case in 0..40 {
         let n = 1000 + case * 37;
         // Coarse values, so ties (at the cut too) are common.

@@ -92,92 +92,103 @@ fn act_planes(dev: &Dev, a: &ActQ8) -> Res<(CudaSlice<i8>, CudaSlice<f32>, CudaS
     Ok((dev.up(&a.qs)?, dev.up(&a.d)?, dev.up(&a.sum)?))
 }
 
-/// The GEMV of one weight type and shape, M = 1..=8, against float64 and one-row launches.
-fn check_gemv(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool) -> Res<Case> {
-    let w = t.quantize(&rng.vec(n * k, 0.5));
-    let w2 = t.quantize(&rng.vec(n * k, 0.5));
-    let act = ActQ8::quantize(&rng.vec(MAX_ROWS * k, 2.0), MAX_ROWS, k);
-    let (wd, w2d) = (dev.up(&w)?, dev.up(&w2)?);
-    let (qs, qd, qsum) = act_planes(dev, &act)?;
-    let (gref, gmag) = reference::gemv(t, &w, n, k, &act);
-    let (uref, umag) = reference::gemv(t, &w2, n, k, &act);
-    let out = dev.zeros::<f32>(MAX_ROWS * n)?;
-    let kb = k / QK;
-    let run = |rows: usize, row0: usize| -> Res<Vec<f32>> {
-        let seg = GemvSeg { w: dev.ptr(&wd), w2: if glu { dev.ptr(&w2d) } else { 0 }, out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu as i32, block_start: 0 };
-        let planes = (dev.ptr(&qs) + (row0 * k) as u64, dev.ptr(&qd) + (row0 * kb * 4) as u64, dev.ptr(&qsum) + (row0 * kb * 4) as u64);
-        // SAFETY: the weights hold n rows of k values of type t, the planes MAX_ROWS rows of k
-        // (row0 + rows <= MAX_ROWS), out MAX_ROWS rows of n.
+/// A GEMV check's inputs: weights of one type and shape (and the up weights for GLU) over `rows`
+/// random activation rows, on the device, with the float64 references.
+struct GemvFixture {
+    t: WeightType,
+    n: usize,
+    k: usize,
+    glu: bool,
+    w: CudaSlice<u8>,
+    w2: CudaSlice<u8>,
+    act: (CudaSlice<i8>, CudaSlice<f32>, CudaSlice<i32>),
+    out: CudaSlice<f32>,
+    gate: (Vec<f64>, Vec<f64>),
+    up: (Vec<f64>, Vec<f64>),
+}
+
+impl GemvFixture {
+    fn new(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<GemvFixture> {
+        let w = t.quantize(&rng.vec(n * k, 0.5));
+        let w2 = t.quantize(&rng.vec(n * k, 0.5));
+        let act = ActQ8::quantize(&rng.vec(rows * k, 2.0), rows, k);
+        let (gate, up) = (reference::gemv(t, &w, n, k, &act), reference::gemv(t, &w2, n, k, &act));
+        Ok(GemvFixture { t, n, k, glu, w: dev.up(&w)?, w2: dev.up(&w2)?, act: act_planes(dev, &act)?, out: dev.zeros::<f32>(rows * n)?, gate, up })
+    }
+
+    /// The launch over activation rows row0 .. row0 + rows (the output's first `rows` rows).
+    fn run(&self, dev: &Dev, rows: usize, row0: usize) -> Res<Vec<f32>> {
+        let (n, k, kb) = (self.n, self.k, self.k / QK);
+        let seg = GemvSeg {
+            w: dev.ptr(&self.w),
+            w2: if self.glu { dev.ptr(&self.w2) } else { 0 },
+            out: dev.ptr(&self.out),
+            n: n as i32,
+            wtype: self.t.ggml_id(),
+            out_stride: n as i32,
+            glu: self.glu as i32,
+            block_start: 0,
+        };
+        let planes = (dev.ptr(&self.act.0) + (row0 * k) as u64, dev.ptr(&self.act.1) + (row0 * kb * 4) as u64, dev.ptr(&self.act.2) + (row0 * kb * 4) as u64);
+        // SAFETY: the weights hold n rows of k values of type t, the planes the fixture's rows of
+        // k (the callers keep row0 + rows within them), out as many rows of n.
         unsafe { dev.k.gemv(&dev.stream, rows, k, &[seg], planes)? };
-        let mut v = dev.down(&out)?;
+        let mut v = dev.down(&self.out)?;
         v.truncate(rows * n);
         Ok(v)
-    };
+    }
+
+    /// Output `i` (row-major over activation rows) in float64 and its tolerance.
+    fn want(&self, i: usize) -> (f64, f64) {
+        let ((g, gmag), (u, umag)) = ((self.gate.0[i], self.gate.1[i]), (self.up.0[i], self.up.1[i]));
+        if self.glu {
+            let gl = reference::gelu_tanh(g);
+            (gl * u, 1e-5 * (gmag * u.abs() * 1.2 + umag * gl.abs()) + 1e-6)
+        } else {
+            (g, 1e-5 * gmag + 1e-6)
+        }
+    }
+
+    fn label(&self) -> String {
+        format!("{:?} n={} k={}{}", self.t, self.n, self.k, if self.glu { " glu" } else { "" })
+    }
+}
+
+/// The GEMV of one weight type and shape, M = 1..=8, against float64 and one-row launches.
+fn check_gemv(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool) -> Res<Case> {
+    let f = GemvFixture::new(dev, rng, t, n, k, glu, MAX_ROWS)?;
     let mut worst = 0f64;
     let mut bits = true;
-    let singles: Vec<Vec<f32>> = (0..MAX_ROWS).map(|m| run(1, m)).collect::<Res<_>>()?;
+    let singles: Vec<Vec<f32>> = (0..MAX_ROWS).map(|m| f.run(dev, 1, m)).collect::<Res<_>>()?;
     for rows in 1..=MAX_ROWS {
-        let got = run(rows, 0)?;
+        let got = f.run(dev, rows, 0)?;
         for m in 0..rows {
             for r in 0..n {
                 let i = m * n + r;
-                let (want, tol) = if glu {
-                    let (g, u) = (gref[i], uref[i]);
-                    let gl = reference::gelu_tanh(g);
-                    (gl * u, 1e-5 * (gmag[i] * u.abs() * 1.2 + umag[i] * gl.abs()) + 1e-6)
-                } else {
-                    (gref[i], 1e-5 * gmag[i] + 1e-6)
-                };
+                let (want, tol) = f.want(i);
                 worst = worst.max((got[i] as f64 - want).abs() / tol);
                 bits &= got[i].to_bits() == singles[m][r].to_bits();
             }
         }
     }
-    Ok(Case { name: format!("gemv {t:?} n={n} k={k}{}", if glu { " glu" } else { "" }), worst, bits: Some(bits), note: String::new() })
+    Ok(Case { name: format!("gemv {}", f.label()), worst, bits: Some(bits), note: String::new() })
 }
 
 /// The GEMM over a prompt's `rows` rows (`mmq`, more than 8) against float64, and the first row
 /// against a one-row launch (to the same tolerance: the sums are taken in another order).
 fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<Case> {
-    let w = t.quantize(&rng.vec(n * k, 0.5));
-    let w2 = t.quantize(&rng.vec(n * k, 0.5));
-    let act = ActQ8::quantize(&rng.vec(rows * k, 2.0), rows, k);
-    let (wd, w2d) = (dev.up(&w)?, dev.up(&w2)?);
-    let (qs, qd, qsum) = act_planes(dev, &act)?;
-    let (gref, gmag) = reference::gemv(t, &w, n, k, &act);
-    let (uref, umag) = reference::gemv(t, &w2, n, k, &act);
-    let out = dev.zeros::<f32>(rows * n)?;
-    let kb = k / QK;
-    let run = |m_rows: usize, row0: usize| -> Res<Vec<f32>> {
-        let seg = GemvSeg { w: dev.ptr(&wd), w2: if glu { dev.ptr(&w2d) } else { 0 }, out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu as i32, block_start: 0 };
-        let planes = (dev.ptr(&qs) + (row0 * k) as u64, dev.ptr(&qd) + (row0 * kb * 4) as u64, dev.ptr(&qsum) + (row0 * kb * 4) as u64);
-        // SAFETY: the weights hold n rows of k values of type t, the planes `rows` rows of k
-        // (row0 + m_rows <= rows), out `rows` rows of n.
-        unsafe { dev.k.gemv(&dev.stream, m_rows, k, &[seg], planes)? };
-        let mut v = dev.down(&out)?;
-        v.truncate(m_rows * n);
-        Ok(v)
-    };
-    let single = run(1, 0)?;
-    let got = run(rows, 0)?;
+    let f = GemvFixture::new(dev, rng, t, n, k, glu, rows)?;
+    let single = f.run(dev, 1, 0)?;
+    let got = f.run(dev, rows, 0)?;
     let mut worst = 0f64;
-    for m in 0..rows {
-        for r in 0..n {
-            let i = m * n + r;
-            let (want, tol) = if glu {
-                let (g, u) = (gref[i], uref[i]);
-                let gl = reference::gelu_tanh(g);
-                (gl * u, 1e-5 * (gmag[i] * u.abs() * 1.2 + umag[i] * gl.abs()) + 1e-6)
-            } else {
-                (gref[i], 1e-5 * gmag[i] + 1e-6)
-            };
-            worst = worst.max((got[i] as f64 - want).abs() / tol);
-            if m == 0 {
-                worst = worst.max((got[i] as f64 - single[r] as f64).abs() / tol);
-            }
+    for i in 0..rows * n {
+        let (want, tol) = f.want(i);
+        worst = worst.max((got[i] as f64 - want).abs() / tol);
+        if i < n {
+            worst = worst.max((got[i] as f64 - single[i] as f64).abs() / tol);
         }
     }
-    Ok(Case { name: format!("mmq {t:?} n={n} k={k} rows={rows}{}", if glu { " glu" } else { "" }), worst, bits: None, note: String::new() })
+    Ok(Case { name: format!("mmq {} rows={rows}", f.label()), worst, bits: None, note: String::new() })
 }
 
 /// The prompt attention (`attn_prompt`) for `rows` rows from `pos` against float64, and its Q8
