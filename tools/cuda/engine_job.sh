@@ -5,7 +5,8 @@
 #   bash tools/cuda/engine_job.sh chunk    # move the model chunks that arrived to /tmp (warm machine)
 #   bash tools/cuda/engine_job.sh kernels  # the kernel table (embedded cubin, then one nvcc compiled
 #                                          # here from the checkout's decode.cu) and the step bench
-#   bash tools/cuda/engine_job.sh model    # + the real model: nodes, speed, verify rows, CPU ids
+#   bash tools/cuda/engine_job.sh model    # + the real model: nodes, speed, verify rows, CPU ids;
+#                                          # then with the NextN head grafted on (needs tine.tar.xz)
 #   bash tools/cuda/engine_job.sh profile  # the table, then the bench's per-launch profile for the
 #                                          # embedded kernels and for each target/gpu-engine/*.cu
 #                                          # (compiled here), and one step under ncu
@@ -18,7 +19,8 @@
 #                                          # (its default; candle's path with TINE_GPU_ENGINE=0):
 #                                          # greedy ids against the CPU's,
 #                                          # decode speed against candle's CUDA path, spec on vs
-#                                          # off at temperature 0 and seeded 0.8, spec-bench
+#                                          # off at temperature 0 and seeded 0.8 (n-gram, draft
+#                                          # model, NextN, assistant head), spec-bench
 #
 # Writes $OUT/engine-log.txt; prints the tail.
 set -uo pipefail
@@ -102,6 +104,11 @@ PY
     run "plain-mtp-t$temp" 60 "$T" generate --device cuda -m "$G" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/plain-mtp-t$temp.json"
     run "mtp-t$temp" 60 "$T" generate --device cuda -m "$G" --spec-type draft-mtp -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/mtp-t$temp.json"
   done
+  # The assistant head on the engine (drafting over the sequence's KV cache there).
+  A="$root/drafters/gemma3-270m-assistant.gguf"
+  for temp in 0 0.8; do
+    run "assistant-t$temp" 60 "$T" generate --device cuda -m "$M" --spec-type draft-assistant --mtp-head "$A" -p "Once upon a time" -n 256 --temp $temp --seed 7 --ignore-eos --json "$OUT/assistant-t$temp.json"
+  done
   python3 - "$OUT" <<'PY' | tee -a "$log"
 import json, sys, os
 o = sys.argv[1]
@@ -112,14 +119,14 @@ for n in ["speed-engine-1", "speed-engine-2", "speed-candle"]:
     d = load(n)
     print(f"{n}: " + ("no result" if d is None else f"{d.get('engine', '?')}: decode {d['predicted_per_second']:.1f} tok/s, first token {d['first_token_ms']:.1f} ms"))
 for t in ["0", "0.8"]:
-    for s, plain in [("ngram", "plain"), ("draft", "plain"), ("mtp", "plain-mtp")]:
+    for s, plain in [("ngram", "plain"), ("draft", "plain"), ("mtp", "plain-mtp"), ("assistant", "plain")]:
         p = load(f"{plain}-t{t}")
         d = load(f"{s}-t{t}")
         if p is None or d is None: print(f"{s} temp {t}: no result"); continue
         same = d["ids"] == p["ids"]
         print(f"{s} temp {t}: spec {'IDENTICAL to' if same else 'DIFFERS from'} plain; accepted {d['draft_n_accepted']}/{d['draft_n']}; {d['predicted_per_second']:.1f} vs plain {p['predicted_per_second']:.1f} tok/s")
 PY
-  run spec-bench 240 "$T" spec-bench --device cuda -m "$G" -md "$M" --types ngram,draft-mtp,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
+  run spec-bench 300 "$T" spec-bench --device cuda -m "$G" -md "$M" --mtp-head "$A" --types ngram,draft-mtp,draft-assistant,draft,reject --depths 1,3 --rounds 1 --sets mtp9 -n 128 --out "$OUT/spec-bench.md"
   tail -n 30 "$OUT/spec-bench.md" 2>/dev/null | tee -a "$log"
   exit 0
 fi
@@ -218,6 +225,16 @@ if [ "$mode" = model ]; then
   M="$W/model.gguf"
   [ -s "$M" ] || cat $(ls "$W"/m.* | sort) >"$M"
   say "model sha256 $(sha256sum "$M" | cut -d' ' -f1) want $(cat "$(pick model.sha256)")"
-  timeout 400 "$bin" --model "$M" --ref "$(pick cpu-ref.jsonl)" 2>&1 | grep -v '^ok ' | tee -a "$log"
+  timeout 400 "$bin" --model "$M" --ref "$(pick cpu-ref.jsonl)" --assistant "$root/drafters/gemma3-270m-assistant.gguf" 2>&1 | grep -v '^ok ' | tee -a "$log"
   say "rc=${PIPESTATUS[0]}"
+  # The same trunk with the NextN head grafted on (tine graft-nextn, from tine.tar.xz): the trunk
+  # must still give the CPU's ids, and the head on the engine is checked against itself in steps.
+  if [ -e "$(pick tine.tar.xz)" ]; then
+    [ -x "$W/tine" ] || { python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$(pick tine.tar.xz)" "$W" && chmod +x "$W/tine"; }
+    G="$W/nextn.gguf"
+    [ -s "$G" ] || "$W/tine" graft-nextn --target "$M" --head "$root/drafters/gemma3-270m-nextn.gguf" -o "$G" >>"$log" 2>&1
+    say "grafted NextN model"
+    timeout 400 "$bin" --no-table --model "$G" --ref "$(pick cpu-ref.jsonl)" 2>&1 | grep -v '^ok ' | tee -a "$log"
+    say "rc=${PIPESTATUS[0]}"
+  fi
 fi

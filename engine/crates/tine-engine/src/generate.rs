@@ -345,7 +345,9 @@ impl Generation {
         }
         let (keep, shiftable) = (self.keep_len(seq), self.can_shift(seq));
         let eog = model.end_of_generation_tokens();
-        let ids_only = self.argmax_only();
+        // A verify then returns each row's greedy id, or its top-k for a sampled draw, instead of
+        // the rows (the spec driver picks which from the sampler).
+        let ids_only = self.rows_unread();
         let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, ids_only, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
         let (token, row) = match self.decided.pop_front() {
             Some(decided) => decided,
@@ -445,10 +447,15 @@ impl Generation {
     /// on a GPU keeps the vocabulary-wide row there.
     /// Greedy sampling draws nothing from the random stream, so the seed's path is unchanged.
     fn argmax_only(&self) -> bool {
-        // `TINE_ARGMAX_ON_HOST=1` copies every row to the host anyway (to measure the difference).
+        self.rows_unread() && self.sampler.params().is_plain_argmax()
+    }
+
+    /// Whether nothing but the draw reads the next logits rows: no bias, grammar, logprobs or
+    /// recording. `TINE_ARGMAX_ON_HOST=1` copies every row to the host anyway (to measure the
+    /// difference).
+    fn rows_unread(&self) -> bool {
         static ON_HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         !*ON_HOST.get_or_init(|| std::env::var_os("TINE_ARGMAX_ON_HOST").is_some_and(|v| v == "1"))
-            && self.sampler.params().is_plain_argmax()
             && self.req.logit_bias.is_empty()
             && self.req.grammar.is_none()
             && self.req.n_probs == 0
@@ -460,11 +467,7 @@ impl Generation {
     /// recording): then a decode on the GPU engine returns only those (`Sequence::decode_top_k`)
     /// and `Sampler::sample_top_k` draws what `Sampler::sample` would from the row.
     fn top_k_only(&self) -> Option<usize> {
-        let on_host = std::env::var_os("TINE_ARGMAX_ON_HOST").is_some_and(|v| v == "1");
-        if on_host || !self.req.logit_bias.is_empty() || self.req.grammar.is_some() || self.req.n_probs != 0 || self.record_logits {
-            return None;
-        }
-        self.sampler.params().top_k_only(usize::MAX)
+        self.rows_unread().then(|| self.sampler.params().top_k_only(usize::MAX)).flatten()
     }
 
     /// The tokens a shift keeps at the front: `n_keep` (the prompt for `-1`), at least the first.
@@ -523,7 +526,7 @@ fn shift(model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, keep:
 struct Filter<'a> {
     bias: &'a [(u32, f32)],
     ignore_eos: bool,
-    /// Whether the decisions are greedy picks nobody reads the rows of ([`Generation::argmax_only`]).
+    /// Whether nobody but the draw reads the rows ([`Generation::rows_unread`]).
     ids_only: bool,
     eog: &'a [u32],
     grammar: Option<&'a mut Grammar>,

@@ -116,6 +116,8 @@ struct StepParams {
     int tokens[MAX_ROWS]; // the token ids of the rows
     int n_banned;         // ids the greedy argmax passes over (ignore_eos: the end-of-generation ids)
     int banned[MAX_BANNED];
+    int kv_end;           // decode attention: keys below kv_end only (0: up to the row's own
+                          // position); an assistant head's query past the cache it reads
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -123,12 +125,15 @@ struct StepParams {
 //
 // Modes:
 //   in_mode 0: t = a                                       (a: [M, k] f32)
-//   in_mode 1: t = res + rmsnorm(a) * w_a                   (post-norm and residual add)
+//   in_mode 1: t = res + rmsnorm(a) * w_a                   (post-norm and residual add;
+//              times res_scale when set: a block's layer_output_scale)
 //   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the Q8_0 embedding row;
 //              token_m from `tokens` when set, else from the step block)
 // If res_out is set, t is stored there (the residual stream). Then
 //   y = norm ? rmsnorm(t) * w : t
-// is written as Q8 blocks (qs/d/sum) and, if y_out is set, as f32.
+// is written as Q8 blocks (qs/d/sum) and, if y_out is set, as f32, into rows of q_stride values
+// (0: k) from value q_off on (a multiple of 32): two launches can fill the halves of a
+// concatenated row, [enorm(e); hnorm(h)] for a NextN head's eh_proj.
 
 struct NormQuantArgs {
     const float* a; const float* res; const float* w_a;
@@ -138,6 +143,8 @@ struct NormQuantArgs {
     int8_t* qs; float* qd; int* qsum;
     int k; int in_mode; int norm;
     const int* tokens;  // in_mode 2: the rows' token ids (null: the step block's)
+    int q_stride; int q_off;  // the Q8 (and y_out) rows: q_stride values each (0: k), written from q_off
+    float res_scale; int pad_;  // in_mode 1: t is scaled by res_scale (0: not scaled)
 };
 
 __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int token, int i) {
@@ -153,14 +160,16 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int toke
 // Quantizes y (one value per lane, the lanes a block of 32) into block b of row m.
 __device__ __forceinline__ void quant_block(const NormQuantArgs& p, int m, int b, float y) {
     const int lane = threadIdx.x % WARP;
-    const size_t i = (size_t)m * p.k + (size_t)b * QK + lane;
+    const int ks = p.q_stride ? p.q_stride : p.k;
+    const size_t i = (size_t)m * ks + p.q_off + (size_t)b * QK + lane;
     if (p.y_out) p.y_out[i] = y;
     const float amax = warp_max(fabsf(y));
     const float d = amax / 127.0f;
     const int q = d == 0.0f ? 0 : (int)rintf(y / d);
     p.qs[i] = (int8_t)q;
     const int sum = warp_sum_i(q);
-    if (lane == 0) { p.qd[(size_t)m * (p.k / QK) + b] = d; p.qsum[(size_t)m * (p.k / QK) + b] = sum; }
+    const size_t bi = (size_t)m * (ks / QK) + p.q_off / QK + b;
+    if (lane == 0) { p.qd[bi] = d; p.qsum[bi] = sum; }
 }
 
 // Grid: (blocks, M). The plain mode (in_mode 0, no norm, no res_out) spreads a row over blocks
@@ -203,6 +212,10 @@ __device__ __forceinline__ void norm_quant_body(const NormQuantArgs& p) {
         const float ra = rsqrtf(block_sum_all(ss, red) / (float)k + p.eps);
 #pragma unroll
         for (int j = 0; j < PER; ++j) t[j] = r[j] + a[j] * ra * wa[j];
+        if (p.res_scale != 0.0f) {
+#pragma unroll
+            for (int j = 0; j < PER; ++j) t[j] *= p.res_scale;
+        }
     } else {
         const int token = p.in_mode != 2 ? 0 : p.tokens ? p.tokens[m] : p.step->tokens[m];
 #pragma unroll
@@ -801,8 +814,10 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
 // ---------------------------------------------------------------------------------------------
 // Decode attention, split over the keys by absolute position.
 //
-// Row m (at position pos + m) sees keys [lo, hi] with hi = pos + m and lo = max(0, hi - window + 1)
-// (window 0: no window). The keys are cut into chunks of ATTN_CHUNK by absolute index, and each
+// Row m (at position pos + m) sees keys [lo, hi] with hi = pos + m and lo = max(0, pos + m -
+// window + 1) (window 0: no window); with the step's kv_end set, hi = min(pos + m, kv_end - 1)
+// (an assistant head's query at a position past the target cache it reads; the host keeps
+// lo <= hi). The keys are cut into chunks of ATTN_CHUNK by absolute index, and each
 // chunk into ATTN_WARPS sub-chunks of ATTN_SUB keys, one per warp. Block (c, query head h, m)
 // takes chunk lo / ATTN_CHUNK + c of KV head h / (n_head / n_kv). A warp loads its keys' K and V
 // rows at once (lane l holds dims l*E .. l*E+E-1 of q, of each key and of the weighted sum), scores
@@ -865,8 +880,9 @@ __device__ void attn_body(const AttnArgs& p) {
     __shared__ int last;
     const int c = blockIdx.x, h = blockIdx.y, m = blockIdx.z;
     const int g = h / (p.n_head / p.n_kv);
-    const int hi = p.step->pos + m;
-    const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
+    const int qpos = p.step->pos + m;
+    const int hi = p.step->kv_end > 0 ? min(qpos, p.step->kv_end - 1) : qpos;
+    const int lo = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
     const int c0 = lo / ATTN_CHUNK, nchunks = hi / ATTN_CHUNK - c0 + 1;
     if (c >= nchunks) return;
     const int tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP;
@@ -1277,8 +1293,8 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopKA
 }
 
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
-static_assert(sizeof(StepParams) == 76, "StepParams");
-static_assert(sizeof(NormQuantArgs) == 128, "NormQuantArgs");
+static_assert(sizeof(StepParams) == 80, "StepParams");
+static_assert(sizeof(NormQuantArgs) == 144, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");

@@ -101,6 +101,9 @@ pub struct StepParams {
     pub n_banned: i32,
     /// Ids the greedy argmax passes over (`ignore_eos`: the end-of-generation ids).
     pub banned: [i32; MAX_BANNED],
+    /// The decode attention reads keys below `kv_end` only (0: up to each row's own position):
+    /// an assistant head's query at a position past the target cache it reads.
+    pub kv_end: i32,
 }
 // SAFETY: plain repr(C) integers, the layout of `StepParams` in decode.cu; all zeros is a valid value.
 unsafe impl DeviceRepr for StepParams {}
@@ -134,6 +137,15 @@ pub struct NormQuantArgs {
     pub norm: i32,
     /// `in_mode` 2: the rows' token ids, one i32 each (0: the step block's `tokens`).
     pub tokens: DevPtr,
+    /// Values per row of the Q8 output (and `y_out`); 0: `k`.
+    pub q_stride: i32,
+    /// Where in its row the output starts (a multiple of 32): two launches fill the halves of a
+    /// concatenated row.
+    pub q_off: i32,
+    /// `in_mode` 1: the residual sum is scaled by this (0: not scaled), a block's
+    /// `layer_output_scale`.
+    pub res_scale: f32,
+    pub pad_: i32,
 }
 
 /// One segment of a GEMV launch.
@@ -243,8 +255,8 @@ pub struct TopKArgs {
 }
 
 // The sizes decode.cu asserts for the same structs.
-const _: () = assert!(std::mem::size_of::<StepParams>() == 76);
-const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 128);
+const _: () = assert!(std::mem::size_of::<StepParams>() == 80);
+const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 144);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
@@ -362,6 +374,9 @@ impl Kernels {
         check(args.k > 0 && args.k % 32 == 0, || format!("norm_quant: k = {} is not a multiple of 32", args.k))?;
         let plain = args.in_mode == 0 && args.norm == 0 && args.res_out == 0;
         check(plain || args.k as usize <= NQ_MAX_K, || format!("norm_quant: k = {} is over {NQ_MAX_K}, the most a norm mode keeps in one block", args.k))?;
+        check(args.q_off >= 0 && args.q_off % 32 == 0 && (args.q_stride == 0 && args.q_off == 0 || args.q_stride % 32 == 0 && args.q_stride >= args.q_off + args.k), || {
+            format!("norm_quant: output at {} of rows of {} values does not hold {} values in whole blocks", args.q_off, args.q_stride, args.k)
+        })?;
         let blocks = if plain { (args.k as usize).div_ceil(256) } else { 1 };
         let cfg = LaunchConfig { grid_dim: (blocks as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // The same bits either way (the short variant holds fewer zeros past k).

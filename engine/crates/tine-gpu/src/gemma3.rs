@@ -20,6 +20,18 @@
 //! trunk alone, whose logits nobody reads). Every kernel is batch-invariant, so a step of M rows gives each row the bits a
 //! one-row step at its position gives.
 //!
+//! A NextN head baked into the GGUF (`gemma3.nextn_predict_layers = 1`: the last block is the
+//! head's, not the trunk's) runs as 14 launches over the same kernels and buffers, its own KV
+//! cache per sequence ([`NextNCache`]) and a graph per entry count: `norm_quant` twice into the
+//! halves of each row's activations (`enorm` of the next token's scaled embedding, `hnorm` of
+//! the input hidden state), `eh_proj`, the block (8 launches after its first `norm_quant`),
+//! `shared_head_norm` with the residual, and the head's projection of the last entry (over its
+//! draft vocabulary when it has one). Entries past 8 run the prompt kernels.
+//!
+//! An assistant head (a separate `gemma4-assistant` GGUF, [`AssistantGpu`]) drafts over a
+//! sequence's [`GpuCache`] itself: its queries attend over the trunk's last local (or global)
+//! layer with the step's `kv_end`, 16 launches for a one-block head (the `assistant` module).
+//!
 //! A prompt step of more than 8 rows (up to [`Gemma3Gpu::prompt_rows`]) runs the same program
 //! launched directly instead of through a graph: the GEMVs as `mmq` (int8 tensor-core products
 //! over the same quantized weights and activations), the attention as `attn_prompt` (a warp per
@@ -36,6 +48,9 @@ use candle_core::quantized::GgmlDType;
 use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
 use crate::blocks::{WeightType, QK};
+mod assistant;
+pub use assistant::AssistantGpu;
+
 use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX, TOPK_MAX_N};
 
 /// Why a model could not be loaded or stepped on the GPU.
@@ -67,30 +82,7 @@ pub const PROMPT_ROWS: usize = 512;
 /// One layer's K and V values, `(n_kv, len, head_dim)` each ([`Gemma3Gpu::read_kv`]).
 pub type LayerKv = (Vec<f32>, Vec<f32>);
 
-/// The hyperparameters the step program needs, read from the GGUF's metadata.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Gemma3Config {
-    pub hidden: usize,
-    pub layers: usize,
-    pub n_head: usize,
-    pub n_kv: usize,
-    pub head_dim: usize,
-    pub ff: usize,
-    pub vocab: usize,
-    pub eps: f32,
-    pub rope_global: f32,
-    pub rope_local: f32,
-    pub window: usize,
-    /// Every `sliding_pattern`-th layer is global, the rest local.
-    pub sliding_pattern: usize,
-}
-
-impl Gemma3Config {
-    /// Whether layer `l` attends over a sliding window (candle's and llama.cpp's rule).
-    pub fn is_local(&self, l: usize) -> bool {
-        !(l + 1).is_multiple_of(self.sliding_pattern)
-    }
-}
+pub use crate::config::Gemma3Config;
 
 struct Layer {
     attn_norm: CudaSlice<f32>,
@@ -106,6 +98,29 @@ struct Layer {
     up: (CudaSlice<u8>, WeightType),
     down: (CudaSlice<u8>, WeightType),
     post_ffn_norm: CudaSlice<f32>,
+}
+
+/// A NextN head (block `layers` of a `gemma3` GGUF with `nextn_predict_layers = 1`): at entry `j`
+/// it reads the trunk's hidden state `H_j` (before the output norm) and the token at `j + 1`:
+/// `x = eh_proj([enorm(E·√n); hnorm(H)])`, one Gemma 3 block over its own KV cache (position `j`),
+/// then `shared_head_norm` and its output projection on the last row. Its output hidden state
+/// (before `shared_head_norm`) chains into the next draft step in place of `H`.
+struct NextNHead {
+    eh_proj: (CudaSlice<u8>, WeightType),
+    enorm: CudaSlice<f32>,
+    hnorm: CudaSlice<f32>,
+    shared_head_norm: CudaSlice<f32>,
+    /// `None`: the trunk's output projection.
+    head: Option<(CudaSlice<u8>, WeightType)>,
+    /// Rows of its logits: the draft vocabulary's size, else the vocabulary's.
+    rows: usize,
+    /// `None`: the trunk's embedding table.
+    embed: Option<(CudaSlice<u8>, WeightType)>,
+    draft_vocab: Option<Vec<u32>>,
+    block: Layer,
+    local: bool,
+    /// The last entry's logits.
+    logits: CudaSlice<f32>,
 }
 
 /// Activation buffers, each sized for [`Gemma3Gpu::prompt_rows`] rows (the logits, the argmax
@@ -139,6 +154,8 @@ struct StepBlock {
     params: CudaSlice<StepParams>,
     /// A prompt step's token ids ([`Gemma3Gpu::prompt_rows`] of them).
     tokens: CudaSlice<i32>,
+    /// A NextN step's input hidden states ([`Gemma3Gpu::prompt_rows`] rows; none without a head).
+    hin: CudaSlice<f32>,
 }
 
 /// Called after each launch of a step with what the launch does.
@@ -162,6 +179,7 @@ pub struct Gemma3Gpu {
     inv_local: CudaSlice<f32>,
     inv_global: CudaSlice<f32>,
     layers: Vec<Layer>,
+    nextn: Option<NextNHead>,
     b: Buffers,
     _ctx: Arc<CudaContext>,
 }
@@ -217,6 +235,34 @@ impl GpuCache {
     }
 }
 
+/// One sequence's NextN cache on the GPU (the head block's K and V), with the head's step graphs
+/// captured over it.
+pub struct NextNCache {
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    ctx_len: usize,
+    /// Entries the cache holds.
+    pos: usize,
+    /// Per entry count (index `rows - 1`), the head's step graph.
+    graphs: Vec<Option<Graph>>,
+}
+
+impl NextNCache {
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+
+    /// Forgets every entry from `len` on (O(1)).
+    pub fn truncate(&mut self, len: usize) {
+        self.pos = self.pos.min(len);
+    }
+}
+
 /// Reads tensors of one GGUF onto the device.
 struct Reader<'a> {
     content: &'a gguf_file::Content,
@@ -252,6 +298,111 @@ impl Reader<'_> {
     }
 }
 
+impl Reader<'_> {
+    fn model_err(&self, what: String) -> Gemma3GpuError {
+        Gemma3GpuError::Model { path: self.path.to_string(), what }
+    }
+
+    /// Block `l`'s attention and MLP weights.
+    fn layer(&mut self, cfg: &Gemma3Config, l: usize) -> Result<Layer> {
+        let (qd, kvd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim);
+        let p = format!("blk.{l}");
+        let layer = Layer {
+            attn_norm: self.norm(&format!("{p}.attn_norm.weight"), cfg.hidden)?,
+            q: self.weight(&format!("{p}.attn_q.weight"), qd, cfg.hidden)?,
+            k: self.weight(&format!("{p}.attn_k.weight"), kvd, cfg.hidden)?,
+            v: self.weight(&format!("{p}.attn_v.weight"), kvd, cfg.hidden)?,
+            q_norm: self.norm(&format!("{p}.attn_q_norm.weight"), cfg.head_dim)?,
+            k_norm: self.norm(&format!("{p}.attn_k_norm.weight"), cfg.head_dim)?,
+            o: self.weight(&format!("{p}.attn_output.weight"), cfg.hidden, qd)?,
+            post_attn_norm: self.norm(&format!("{p}.post_attention_norm.weight"), cfg.hidden)?,
+            ffn_norm: self.norm(&format!("{p}.ffn_norm.weight"), cfg.hidden)?,
+            gate: self.weight(&format!("{p}.ffn_gate.weight"), cfg.ff, cfg.hidden)?,
+            up: self.weight(&format!("{p}.ffn_up.weight"), cfg.ff, cfg.hidden)?,
+            down: self.weight(&format!("{p}.ffn_down.weight"), cfg.hidden, cfg.ff)?,
+            post_ffn_norm: self.norm(&format!("{p}.post_ffw_norm.weight"), cfg.hidden)?,
+        };
+        if layer.gate.1 != layer.up.1 {
+            return Err(self.model_err(format!("{p}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
+        }
+        Ok(layer)
+    }
+
+    /// The NextN head in block `cfg.layers` (candle's patch 0011 reads the same layout): its
+    /// block, `eh_proj`, the three norms, and its output projection: `shared_head_head`, else
+    /// the trunk's tied embedding rows at `gemma3.nextn.draft_vocab` when the head scores a
+    /// subset of the vocabulary, else the trunk's own.
+    fn nextn(&mut self, cfg: &Gemma3Config, md: &std::collections::HashMap<String, gguf_file::Value>) -> Result<NextNHead> {
+        let l = cfg.layers;
+        let name = |s: &str| format!("blk.{l}.nextn.{s}");
+        let key = "gemma3.nextn.draft_vocab";
+        let draft_vocab = match md.get(key) {
+            None => None,
+            Some(v) => Some(draft_ids(v, key, cfg.vocab).map_err(|what| self.model_err(what))?),
+        };
+        let rows = draft_vocab.as_ref().map_or(cfg.vocab, Vec::len);
+        let head = if self.content.tensor_infos.contains_key(&name("shared_head_head.weight")) {
+            Some(self.weight(&name("shared_head_head.weight"), rows, cfg.hidden)?)
+        } else if let Some(ids) = &draft_vocab {
+            Some(self.rows_of("token_embd.weight", ids, cfg.vocab, cfg.hidden)?)
+        } else {
+            None
+        };
+        let embed = if self.content.tensor_infos.contains_key(&name("embed_tokens.weight")) {
+            let e = self.weight(&name("embed_tokens.weight"), cfg.vocab, cfg.hidden)?;
+            if e.1 != WeightType::Q8_0 {
+                return Err(self.model_err(format!("{} is {:?}: the embedding gather reads Q8_0", name("embed_tokens.weight"), e.1)));
+            }
+            Some(e)
+        } else {
+            None
+        };
+        Ok(NextNHead {
+            eh_proj: self.weight(&name("eh_proj.weight"), cfg.hidden, 2 * cfg.hidden)?,
+            enorm: self.norm(&name("enorm.weight"), cfg.hidden)?,
+            hnorm: self.norm(&name("hnorm.weight"), cfg.hidden)?,
+            shared_head_norm: self.norm(&name("shared_head_norm.weight"), cfg.hidden)?,
+            head,
+            rows,
+            embed,
+            draft_vocab,
+            block: self.layer(cfg, l)?,
+            local: cfg.is_local(l),
+            logits: alloc(self.stream, rows)?,
+        })
+    }
+
+    /// Rows `ids` of the `(rows, k)` quantized matrix `name`, still quantized.
+    fn rows_of(&mut self, name: &str, ids: &[u32], rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
+        let t = self.tensor(name)?;
+        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
+        if t.shape().dims() != [rows, k] {
+            return Err(self.model_err(format!("{name} has shape {:?}, expected [{rows}, {k}]", t.shape().dims())));
+        }
+        let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
+        let rb = wt.row_bytes(k);
+        let mut out = Vec::with_capacity(ids.len() * rb);
+        for &id in ids {
+            out.extend_from_slice(&data[id as usize * rb..][..rb]);
+        }
+        Ok((self.stream.clone_htod(&out)?, wt))
+    }
+}
+
+/// Distinct token ids below `vocab` from a GGUF array (a NextN head's draft vocabulary).
+fn draft_ids(v: &gguf_file::Value, key: &str, vocab: usize) -> std::result::Result<Vec<u32>, String> {
+    let items = v.to_vec().map_err(|e| format!("{key}: {e}"))?;
+    let ids = items.iter().map(|x| x.to_u32().or_else(|_| x.to_i32().map(|i| i as u32))).collect::<std::result::Result<Vec<u32>, _>>().map_err(|e| format!("{key}: {e}"))?;
+    let mut seen = std::collections::HashSet::new();
+    if ids.is_empty() || !ids.iter().all(|id| seen.insert(*id)) {
+        return Err(format!("{key} must list distinct token ids ({} given, {} distinct)", ids.len(), seen.len()));
+    }
+    if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
+        return Err(format!("{key}: token {bad} is past the vocabulary of {vocab}"));
+    }
+    Ok(ids)
+}
+
 fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
     Ok(stream.alloc_zeros::<T>(n.max(1))?)
 }
@@ -275,25 +426,8 @@ impl Gemma3Gpu {
         if arch != "gemma3" {
             return Err(model_err(format!("architecture `{arch}`: the GPU engine runs gemma3")));
         }
-        let md = |key: &str| content.metadata.get(&format!("gemma3.{key}"));
-        let md_u = |key: &str| -> Result<usize> { md(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize).ok_or_else(|| model_err(format!("metadata gemma3.{key} missing"))) };
-        let md_f = |key: &str, default: f32| md(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
         let embd_info = content.tensor_infos.get("token_embd.weight").ok_or_else(|| model_err("no token_embd.weight".into()))?;
-        let vocab = embd_info.shape.dims()[0];
-        let cfg = Gemma3Config {
-            hidden: md_u("embedding_length")?,
-            layers: md_u("block_count")?,
-            n_head: md_u("attention.head_count")?,
-            n_kv: md_u("attention.head_count_kv")?,
-            head_dim: md_u("attention.key_length")?,
-            ff: md_u("feed_forward_length")?,
-            vocab,
-            eps: md_f("attention.layer_norm_rms_epsilon", 1e-6),
-            rope_global: md_f("rope.freq_base", 1_000_000.0),
-            rope_local: md_f("rope.local_freq_base", 10_000.0),
-            window: md_u("attention.sliding_window")?,
-            sliding_pattern: md_u("attention.sliding_window_type").unwrap_or(6),
-        };
+        let cfg = Gemma3Config::from_metadata(&content.metadata, embd_info.shape.dims()[0]).map_err(model_err)?;
         if !matches!(cfg.head_dim, 64 | 128 | 256) || !cfg.n_head.is_multiple_of(cfg.n_kv) || cfg.n_head / cfg.n_kv > 8 {
             return Err(model_err(format!("head layout {} heads / {} KV heads of {} dims is not one the GPU kernels take", cfg.n_head, cfg.n_kv, cfg.head_dim)));
         }
@@ -322,28 +456,11 @@ impl Gemma3Gpu {
         let (qd, kvd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim);
         let mut layers = Vec::new();
         for l in 0..cfg.layers {
-            let p = format!("blk.{l}");
-            let layer = Layer {
-                attn_norm: r.norm(&format!("{p}.attn_norm.weight"), cfg.hidden)?,
-                q: r.weight(&format!("{p}.attn_q.weight"), qd, cfg.hidden)?,
-                k: r.weight(&format!("{p}.attn_k.weight"), kvd, cfg.hidden)?,
-                v: r.weight(&format!("{p}.attn_v.weight"), kvd, cfg.hidden)?,
-                q_norm: r.norm(&format!("{p}.attn_q_norm.weight"), cfg.head_dim)?,
-                k_norm: r.norm(&format!("{p}.attn_k_norm.weight"), cfg.head_dim)?,
-                o: r.weight(&format!("{p}.attn_output.weight"), cfg.hidden, qd)?,
-                post_attn_norm: r.norm(&format!("{p}.post_attention_norm.weight"), cfg.hidden)?,
-                ffn_norm: r.norm(&format!("{p}.ffn_norm.weight"), cfg.hidden)?,
-                gate: r.weight(&format!("{p}.ffn_gate.weight"), cfg.ff, cfg.hidden)?,
-                up: r.weight(&format!("{p}.ffn_up.weight"), cfg.ff, cfg.hidden)?,
-                down: r.weight(&format!("{p}.ffn_down.weight"), cfg.hidden, cfg.ff)?,
-                post_ffn_norm: r.norm(&format!("{p}.post_ffw_norm.weight"), cfg.hidden)?,
-            };
-            if layer.gate.1 != layer.up.1 {
-                return Err(model_err(format!("{p}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
-            }
-            layers.push(layer);
+            layers.push(r.layer(&cfg, l)?);
         }
-        let kmax = cfg.ff.max(qd).max(cfg.hidden);
+        let nextn = if cfg.nextn { Some(r.nextn(&cfg, &content.metadata)?) } else { None };
+        // A NextN head's eh_proj reads rows of twice the hidden width.
+        let kmax = cfg.ff.max(qd).max(2 * cfg.hidden);
         let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
         let prompt_rows = PROMPT_ROWS;
         let m = prompt_rows;
@@ -365,16 +482,18 @@ impl Gemma3Gpu {
             cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
             argmax_counters: alloc(&stream, MAX_ROWS)?,
             ids: alloc(&stream, MAX_ROWS)?,
-            topk_cand: alloc(&stream, Kernels::topk_blocks(cfg.vocab) * TOPK_MAX)?,
+            topk_cand: alloc(&stream, MAX_ROWS * Kernels::topk_blocks(cfg.vocab) * TOPK_MAX)?,
             topk_counters: alloc(&stream, MAX_ROWS)?,
-            topk_ids: alloc(&stream, TOPK_MAX)?,
-            topk_vals: alloc(&stream, TOPK_MAX)?,
+            topk_ids: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
+            topk_vals: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
         };
-        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
+        // A NextN step's rows, or an assistant step's one row.
+        let hin = alloc(&stream, if nextn.is_some() { m * cfg.hidden } else { cfg.hidden })?;
+        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)?, hin });
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, prompt_rows, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, b, _ctx: ctx })
+        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, prompt_rows, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, nextn, b, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -409,6 +528,132 @@ impl Gemma3Gpu {
         s.device_ptr(&self.stream).0
     }
 
+    /// `norm_quant`'s arguments over the step's buffers: the residual stream is `b.h` (written
+    /// back in mode 1 and 2), the output the Q8 activation planes.
+    #[allow(clippy::too_many_arguments)]
+    fn nq(&self, step: DevPtr, prompt: Option<DevPtr>, a: DevPtr, w_a: DevPtr, mode: i32, k: usize, w: DevPtr) -> NormQuantArgs {
+        let b = &self.b;
+        NormQuantArgs {
+            a,
+            res: self.ptr(&b.h),
+            w_a,
+            embd: self.ptr(&self.embd.0),
+            embd_scale: (self.cfg.hidden as f64).sqrt() as f32,
+            step,
+            w,
+            eps: self.cfg.eps,
+            res_out: if mode == 0 { 0 } else { self.ptr(&b.h) },
+            y_out: 0,
+            qs: self.ptr(&b.qs),
+            qd: self.ptr(&b.qd),
+            qsum: self.ptr(&b.qsum),
+            k: k as i32,
+            in_mode: mode,
+            norm: (w != 0) as i32,
+            tokens: prompt.unwrap_or(0),
+            q_stride: 0,
+            q_off: 0,
+            res_scale: 0.0,
+            pad_: 0,
+        }
+    }
+
+    /// One GEMV segment: `w` times the activation rows into `out` (rows of `n`).
+    fn seg(&self, w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize) -> GemvSeg {
+        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() }
+    }
+
+    /// The activation planes (`qs`, `qd`, `qsum`) from row `row` on, for rows of `k` values.
+    fn act(&self, row: usize, k: usize) -> (DevPtr, DevPtr, DevPtr) {
+        let (r, kb) = (row as u64, (k / QK) as u64);
+        (self.ptr(&self.b.qs) + r * k as u64, self.ptr(&self.b.qd) + r * kb * 4, self.ptr(&self.b.qsum) + r * kb * 4)
+    }
+
+    /// A block's launches after its first `norm_quant` (which leaves `attn_norm(h)` as Q8
+    /// activations, `h` the residual stream in `b.h`): Q/K/V, q/k norms with RoPE and the K/V
+    /// write into `kv` (the block's cache of `ctx_len` positions), the attention, the output
+    /// projection, `h + post_attention_norm(o)` with `ffn_norm`, the GLU and `down` into `b.down`
+    /// (the caller adds `post_ffw_norm(down)` to `h` in the next `norm_quant`). 8 launches.
+    ///
+    /// # Safety
+    /// As [`Gemma3Gpu::launch_step`]: the buffers hold the step's rows, the caches `ctx_len`
+    /// positions past the step's.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_block(
+        &self,
+        ly: &Layer,
+        local: bool,
+        kv: (DevPtr, DevPtr),
+        ctx_len: usize,
+        step: DevPtr,
+        rows: usize,
+        prompt: Option<DevPtr>,
+        mark: &mut Mark,
+    ) -> std::result::Result<(), GpuError> {
+        let c = &self.cfg;
+        let b = &self.b;
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let act = self.act(0, 0);
+        let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
+        let (s, k) = (&self.stream, &self.kernels);
+        k.gemv(s, rows, c.hidden, &[self.seg(&ly.q, &b.q, qd), self.seg(&ly.k, &b.k, kvd), self.seg(&ly.v, &b.v, kvd)], act)?;
+        mark("gemv qkv")?;
+        let rope = RopeArgs {
+            q: p(&b.q),
+            k: p(&b.k),
+            v: p(&b.v),
+            q_norm: p(&ly.q_norm),
+            k_norm: p(&ly.k_norm),
+            eps: c.eps,
+            inv_freq: if local { p(&self.inv_local) } else { p(&self.inv_global) },
+            q_scale: 1.0 / (c.head_dim as f32).sqrt(),
+            k_cache: kv.0,
+            v_cache: kv.1,
+            ctx: ctx_len as i32,
+            step,
+            n_head: c.n_head as i32,
+            n_kv: c.n_kv as i32,
+            hd: c.head_dim as i32,
+        };
+        k.qk_norm_rope_kv(s, rows, &rope)?;
+        mark("qk_norm_rope_kv")?;
+        let window = if local { c.window } else { 0 };
+        let at = AttnArgs {
+            q: p(&b.q),
+            k_cache: kv.0,
+            v_cache: kv.1,
+            out: 0,
+            partials: p(&b.partials),
+            counters: self.ptr(&b.attn_counters),
+            step,
+            qs: act.0,
+            qd: act.1,
+            qsum: act.2,
+            ctx: ctx_len as i32,
+            window: window as i32,
+            n_head: c.n_head as i32,
+            n_kv: c.n_kv as i32,
+            chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
+        };
+        match prompt {
+            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
+            None => k.attention(s, rows, c.head_dim, &at)?,
+        }
+        mark(if local { "attention local" } else { "attention global" })?;
+        k.gemv(s, rows, qd, &[self.seg(&ly.o, &b.o, c.hidden)], act)?;
+        mark("gemv o")?;
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
+        mark("norm_quant")?;
+        let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
+        k.gemv(s, rows, c.hidden, &[glu], act)?;
+        mark("gemv gate·up")?;
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, c.ff, 0))?;
+        mark("norm_quant")?;
+        k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
+        mark("gemv down")?;
+        Ok(())
+    }
+
     /// The launches of one step of `rows` rows over `cache` (what a graph captures); without
     /// `head`, the trunk alone (the residual stream after the last layer, no logits or ids).
     /// With `prompt` (the address of the step's token ids), a prompt step of up to [`Gemma3Gpu::prompt_rows`]
@@ -418,32 +663,7 @@ impl Gemma3Gpu {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
-        let act = (self.ptr(&b.qs), self.ptr(&b.qd), self.ptr(&b.qsum));
-        let ctx_len = cache.ctx_len;
-        let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
-        let nq = |a: DevPtr, w_a: DevPtr, mode: i32, k: usize, w: DevPtr| NormQuantArgs {
-            a,
-            res: p(&b.h),
-            w_a,
-            embd: self.ptr(&self.embd.0),
-            embd_scale: (c.hidden as f64).sqrt() as f32,
-            step,
-            w,
-            eps: c.eps,
-            res_out: if mode == 0 { 0 } else { p(&b.h) },
-            y_out: 0,
-            qs: act.0,
-            qd: act.1,
-            qsum: act.2,
-            k: k as i32,
-            in_mode: mode,
-            norm: (w != 0) as i32,
-            tokens: prompt.unwrap_or(0),
-        };
-        let seg =
-            |w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize| GemvSeg { w: self.ptr(&w.0), out: p(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() };
-        let s = &self.stream;
-        let k = &self.kernels;
+        let (s, k) = (&self.stream, &self.kernels);
         let mut count = 0;
         // SAFETY: every buffer was allocated at load for prompt_rows rows of its width (the
         // logits and argmax scratch for MAX_ROWS; `step` keeps rows <= MAX_ROWS unless `prompt`,
@@ -451,69 +671,18 @@ impl Gemma3Gpu {
         // the step's positions are below ctx_len before it launches.
         unsafe {
             for (l, ly) in self.layers.iter().enumerate() {
-                let local = c.is_local(l);
-                let first = if l == 0 { nq(0, 0, 2, c.hidden, p(&ly.attn_norm)) } else { nq(p(&b.down), p(&self.layers[l - 1].post_ffn_norm), 1, c.hidden, p(&ly.attn_norm)) };
+                let first = if l == 0 {
+                    self.nq(step, prompt, 0, 0, 2, c.hidden, p(&ly.attn_norm))
+                } else {
+                    self.nq(step, prompt, p(&b.down), p(&self.layers[l - 1].post_ffn_norm), 1, c.hidden, p(&ly.attn_norm))
+                };
                 k.norm_quant(s, rows, &first)?;
                 mark("norm_quant")?;
-                k.gemv(s, rows, c.hidden, &[seg(&ly.q, &b.q, qd), seg(&ly.k, &b.k, kvd), seg(&ly.v, &b.v, kvd)], act)?;
-                mark("gemv qkv")?;
-                let rope = RopeArgs {
-                    q: p(&b.q),
-                    k: p(&b.k),
-                    v: p(&b.v),
-                    q_norm: p(&ly.q_norm),
-                    k_norm: p(&ly.k_norm),
-                    eps: c.eps,
-                    inv_freq: if local { p(&self.inv_local) } else { p(&self.inv_global) },
-                    q_scale: 1.0 / (c.head_dim as f32).sqrt(),
-                    k_cache: p(&cache.k[l]),
-                    v_cache: p(&cache.v[l]),
-                    ctx: ctx_len as i32,
-                    step,
-                    n_head: c.n_head as i32,
-                    n_kv: c.n_kv as i32,
-                    hd: c.head_dim as i32,
-                };
-                k.qk_norm_rope_kv(s, rows, &rope)?;
-                mark("qk_norm_rope_kv")?;
-                let window = if local { c.window } else { 0 };
-                let at = AttnArgs {
-                    q: p(&b.q),
-                    k_cache: p(&cache.k[l]),
-                    v_cache: p(&cache.v[l]),
-                    out: 0,
-                    partials: p(&b.partials),
-                    counters: self.ptr(&b.attn_counters),
-                    step,
-                    qs: act.0,
-                    qd: act.1,
-                    qsum: act.2,
-                    ctx: ctx_len as i32,
-                    window: window as i32,
-                    n_head: c.n_head as i32,
-                    n_kv: c.n_kv as i32,
-                    chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
-                };
-                match prompt {
-                    Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
-                    None => k.attention(s, rows, c.head_dim, &at)?,
-                }
-                mark(if local { "attention local" } else { "attention global" })?;
-                k.gemv(s, rows, qd, &[seg(&ly.o, &b.o, c.hidden)], act)?;
-                mark("gemv o")?;
-                k.norm_quant(s, rows, &nq(p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
-                mark("norm_quant")?;
-                let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
-                k.gemv(s, rows, c.hidden, &[glu], act)?;
-                mark("gemv gate·up")?;
-                k.norm_quant(s, rows, &nq(p(&b.ff), 0, 0, c.ff, 0))?;
-                mark("norm_quant")?;
-                k.gemv(s, rows, c.ff, &[seg(&ly.down, &b.down, c.hidden)], act)?;
-                mark("gemv down")?;
+                self.launch_block(ly, c.is_local(l), (p(&cache.k[l]), p(&cache.v[l])), cache.ctx_len, step, rows, prompt, mark)?;
                 count += 9;
             }
             let last = self.layers.last().expect("a model has layers");
-            k.norm_quant(s, rows, &nq(p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
+            k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.down), p(&last.post_ffn_norm), 1, c.hidden, p(&self.output_norm)))?;
             mark("norm_quant")?;
             count += 1;
             if !head {
@@ -522,14 +691,10 @@ impl Gemma3Gpu {
             let head = self.output.as_ref().unwrap_or(&self.embd);
             // A prompt step: the last row's Q8 activations alone.
             let (head_rows, act) = match prompt {
-                None => (rows, act),
-                Some(_) => {
-                    let r = (rows - 1) as u64;
-                    let kb = (c.hidden / QK) as u64;
-                    (1, (act.0 + r * c.hidden as u64, act.1 + r * kb * 4, act.2 + r * kb * 4))
-                }
+                None => (rows, self.act(0, c.hidden)),
+                Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            k.gemv(s, head_rows, c.hidden, &[seg(head, &b.logits, c.vocab)], act)?;
+            k.gemv(s, head_rows, c.hidden, &[self.seg(head, &b.logits, c.vocab)], act)?;
             mark("lm head")?;
             let am =
                 ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
@@ -538,6 +703,45 @@ impl Gemma3Gpu {
             count += 2;
         }
         Ok(count)
+    }
+
+    /// The launches of a NextN step of `rows` entries over `cache` (what its graph captures):
+    /// the entries' input hidden states are at `hin`, their next tokens in the step block (or,
+    /// with `prompt`, at that address). `[enorm(E·√n); hnorm(H)]` as the two halves of each
+    /// row's Q8 activations, `eh_proj`, the head's block over its own cache, `h +
+    /// post_ffw_norm(down)` (the output hidden states, left in `b.h`) with `shared_head_norm`,
+    /// and the output projection of the last row into the head's logits. 14 launches.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_nextn(&self, head: &NextNHead, cache: &NextNCache, step: DevPtr, hin: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<usize, GpuError> {
+        let c = &self.cfg;
+        let b = &self.b;
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let (s, k) = (&self.stream, &self.kernels);
+        let h = c.hidden;
+        let embd = head.embed.as_ref().unwrap_or(&self.embd);
+        // SAFETY: as launch_step's: the buffers hold prompt_rows rows (the activation planes of
+        // 2 * hidden values a row, kmax at load), the head's cache ctx_len positions past the
+        // step's (checked by nextn_forward), its logits buffer `head.rows` values.
+        unsafe {
+            let e = NormQuantArgs { embd: self.ptr(&embd.0), res_out: 0, q_stride: (2 * h) as i32, q_off: 0, ..self.nq(step, prompt, 0, 0, 2, h, p(&head.enorm)) };
+            k.norm_quant(s, rows, &e)?;
+            mark("norm_quant enorm")?;
+            let hh = NormQuantArgs { q_stride: (2 * h) as i32, q_off: h as i32, ..self.nq(step, prompt, hin, 0, 0, h, p(&head.hnorm)) };
+            k.norm_quant(s, rows, &hh)?;
+            mark("norm_quant hnorm")?;
+            k.gemv(s, rows, 2 * h, &[self.seg(&head.eh_proj, &b.o, h)], self.act(0, 0))?;
+            mark("gemv eh_proj")?;
+            let x = NormQuantArgs { res_out: p(&b.h), ..self.nq(step, prompt, p(&b.o), 0, 0, h, p(&head.block.attn_norm)) };
+            k.norm_quant(s, rows, &x)?;
+            mark("norm_quant")?;
+            self.launch_block(&head.block, head.local, (p(&cache.k), p(&cache.v)), cache.ctx_len, step, rows, prompt, mark)?;
+            k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.down), p(&head.block.post_ffn_norm), 1, h, p(&head.shared_head_norm)))?;
+            mark("norm_quant")?;
+            let out = head.head.as_ref().or(self.output.as_ref()).unwrap_or(&self.embd);
+            k.gemv(s, 1, h, &[self.seg(out, &head.logits, head.rows)], self.act(rows - 1, h))?;
+            mark("nextn head")?;
+        }
+        Ok(14)
     }
 
     /// The step of `rows` rows over `cache` (without `head`, the trunk's), captured as a graph
@@ -555,6 +759,102 @@ impl Gemma3Gpu {
             cache.graphs[at] = Some(Graph(graph));
         }
         Ok(&cache.graphs[at].as_ref().expect("captured just above").0)
+    }
+
+    /// Whether the model carries a NextN head (`gemma3.nextn_predict_layers = 1`).
+    pub fn has_nextn(&self) -> bool {
+        self.nextn.is_some()
+    }
+
+    /// The token of each NextN logit, when the head scores a subset of the vocabulary
+    /// (`gemma3.nextn.draft_vocab`).
+    pub fn nextn_draft_vocab(&self) -> Option<&[u32]> {
+        self.nextn.as_ref().and_then(|h| h.draft_vocab.as_deref())
+    }
+
+    /// An empty NextN cache of `ctx_len` entries (at most [`Gemma3Gpu::max_ctx`]), if the model
+    /// has a NextN head.
+    pub fn new_nextn_cache(&self, ctx_len: usize) -> Result<Option<NextNCache>> {
+        if self.nextn.is_none() {
+            return Ok(None);
+        }
+        let ctx_len = ctx_len.clamp(1, self.max_ctx);
+        let kvd = self.cfg.n_kv * self.cfg.head_dim;
+        Ok(Some(NextNCache { k: alloc(&self.stream, kvd * ctx_len)?, v: alloc(&self.stream, kvd * ctx_len)?, ctx_len, pos: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() }))
+    }
+
+    /// Runs the NextN head over entries `cache.len()..` (1..=[`Gemma3Gpu::prompt_rows`] of
+    /// them): `hidden` holds their input hidden states (`rows × hidden`: the trunk's, before the
+    /// output norm, or the head's own when chaining) and `tokens` the token after each. Returns
+    /// the last entry's logits (over [`Gemma3Gpu::nextn_draft_vocab`] when the head has one) and
+    /// every entry's output hidden state (`rows × hidden`, before `shared_head_norm`). Steps of up
+    /// to [`MAX_ROWS`] entries replay a graph captured per row count; longer ones launch
+    /// directly with the prompt kernels.
+    pub fn nextn_forward(&self, cache: &mut NextNCache, hidden: &[f32], tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let rows = tokens.len();
+        let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
+        let Some(head) = self.nextn.as_ref() else { return Err(fail("this model has no NextN head".into())) };
+        if !(1..=self.prompt_rows).contains(&rows) {
+            return Err(fail(format!("a NextN step takes 1 to {} entries", self.prompt_rows)));
+        }
+        if hidden.len() != rows * self.cfg.hidden {
+            return Err(fail(format!("{} hidden values for {rows} entries of {}", hidden.len(), self.cfg.hidden)));
+        }
+        if cache.pos + rows > cache.ctx_len {
+            return Err(fail(format!("the NextN cache holds {} entries", cache.ctx_len)));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
+        }
+        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, ..Default::default() };
+        for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        let mut block = self.step.lock().expect("a step panicked holding the step block");
+        // Ordered on the stream after the previous step, which may still read the block and hin.
+        self.stream.memcpy_htod(&[params][..], &mut block.params)?;
+        // hin holds prompt_rows rows (allocated with the head); rows <= prompt_rows (checked above).
+        self.stream.memcpy_htod(hidden, &mut block.hin.slice_mut(..hidden.len()))?;
+        let (step, hin) = (self.ptr(&block.params), self.ptr(&block.hin));
+        if rows <= MAX_ROWS {
+            let at = rows - 1;
+            if cache.graphs[at].is_none() {
+                self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let launched = self.launch_nextn(head, cache, step, hin, rows, None, &mut |_| Ok(()));
+                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                launched?;
+                let graph = graph?.ok_or_else(|| fail("the capture made no graph".into()))?;
+                graph.upload()?;
+                cache.graphs[at] = Some(Graph(graph));
+            }
+            cache.graphs[at].as_ref().expect("captured just above").0.launch()?;
+        } else {
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
+            let prompt = self.ptr(&block.tokens);
+            self.launch_nextn(head, cache, step, hin, rows, Some(prompt), &mut |_| Ok(()))?;
+        }
+        drop(block);
+        cache.pos += rows;
+        let mut logits = vec![0f32; head.rows];
+        self.stream.memcpy_dtoh(&head.logits, &mut logits[..])?;
+        let mut out = vec![0f32; hidden.len()];
+        self.stream.memcpy_dtoh(&self.b.h.slice(..hidden.len()), &mut out[..])?;
+        self.stream.synchronize()?;
+        Ok((logits, out))
+    }
+
+    /// Kernel launches (graph nodes) of a NextN step of `rows` entries.
+    pub fn nextn_graph_nodes(&self, cache: &mut NextNCache, rows: usize) -> Result<usize> {
+        let pos = cache.pos;
+        let hidden = vec![0f32; rows * self.cfg.hidden];
+        self.nextn_forward(cache, &hidden, &vec![0; rows])?;
+        cache.truncate(pos);
+        let g = &cache.graphs[rows - 1].as_ref().expect("captured by the step").0;
+        let mut n = 0usize;
+        // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result()?;
+        Ok(n)
     }
 
     /// Kernel launches (graph nodes) of a step of `rows` rows.
@@ -674,15 +974,39 @@ impl Gemma3Gpu {
     /// order, ties to the lower id; `banned` left out), best first: what a sampled step with
     /// top-k reads, instead of the vocabulary-wide row.
     pub fn forward_top_k(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        self.check_top_k(cache, tokens, k)?;
+        self.step(cache, tokens, banned, true, &mut |_| Ok(()))?;
+        let row = cache.last_rows - 1 - cache.head_row0;
+        Ok(self.top_k_rows(row, 1, k)?.pop().expect("one row asked for"))
+    }
+
+    /// Runs `tokens` (at most [`MAX_ROWS`]) as [`Gemma3Gpu::forward_banning`] does and returns the
+    /// `k` best `(id, logit)` of every row, in [`Gemma3Gpu::forward_top_k`]'s order: a sampled
+    /// verify step, which reads `rows × k` pairs instead of `rows × vocab` logits.
+    pub fn forward_top_k_all(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        self.check_top_k(cache, tokens, k)?;
+        if tokens.len() > MAX_ROWS {
+            return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("every row's top {k} of a step of more than {MAX_ROWS} rows") });
+        }
+        self.step(cache, tokens, banned, true, &mut |_| Ok(()))?;
+        self.top_k_rows(0, tokens.len(), k)
+    }
+
+    fn check_top_k(&self, cache: &GpuCache, tokens: &[u32], k: usize) -> Result<()> {
         if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
             return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
         }
-        self.step(cache, tokens, banned, true, &mut |_| Ok(()))?;
-        let row = cache.last_rows - 1 - cache.head_row0;
+        Ok(())
+    }
+
+    /// The `k` best of the last step's logits rows `first..first + rows` (rows of the logits
+    /// buffer; at most [`MAX_ROWS`]), one list per row, best first.
+    fn top_k_rows(&self, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        debug_assert!(first + rows <= MAX_ROWS && rows > 0);
         let vocab = self.cfg.vocab;
         let block = self.step.lock().expect("a step panicked holding the step block");
         let args = TopKArgs {
-            logits: self.ptr(&self.b.logits) + (row * vocab * 4) as u64,
+            logits: self.ptr(&self.b.logits) + (first * vocab * 4) as u64,
             n: vocab as i32,
             k: k as i32,
             cand: self.ptr(&self.b.topk_cand),
@@ -691,16 +1015,17 @@ impl Gemma3Gpu {
             vals: self.ptr(&self.b.topk_vals),
             step: self.ptr(&block.params),
         };
-        // SAFETY: the logits row lies in the logits buffer (row < MAX_ROWS), the scratch holds
-        // topk_blocks(vocab) * TOPK_MAX keys, the outputs TOPK_MAX values, the counters MAX_ROWS
-        // zeroed ints; the step block is the one this step's banned ids were written to.
-        unsafe { self.kernels.top_k(&self.stream, 1, &args)? };
+        // SAFETY: the logits rows lie in the logits buffer (first + rows <= MAX_ROWS), the scratch
+        // holds MAX_ROWS * topk_blocks(vocab) * TOPK_MAX keys, the outputs MAX_ROWS * TOPK_MAX
+        // values, the counters MAX_ROWS zeroed ints; the step block is the one this step's banned
+        // ids were written to.
+        unsafe { self.kernels.top_k(&self.stream, rows, &args)? };
         drop(block);
-        let (mut ids, mut vals) = (vec![0i32; k], vec![0f32; k]);
-        self.stream.memcpy_dtoh(&self.b.topk_ids.slice(..k), &mut ids[..])?;
-        self.stream.memcpy_dtoh(&self.b.topk_vals.slice(..k), &mut vals[..])?;
+        let (mut ids, mut vals) = (vec![0i32; rows * k], vec![0f32; rows * k]);
+        self.stream.memcpy_dtoh(&self.b.topk_ids.slice(..rows * k), &mut ids[..])?;
+        self.stream.memcpy_dtoh(&self.b.topk_vals.slice(..rows * k), &mut vals[..])?;
         self.stream.synchronize()?;
-        Ok(ids.into_iter().zip(vals).filter(|&(i, _)| i >= 0).map(|(i, v)| (i as u32, v)).collect())
+        Ok(ids.chunks(k).zip(vals.chunks(k)).map(|(i, v)| i.iter().zip(v).filter(|&(&i, _)| i >= 0).map(|(&i, &v)| (i as u32, v)).collect()).collect())
     }
 
     fn headed(&self, cache: &GpuCache) -> Result<()> {

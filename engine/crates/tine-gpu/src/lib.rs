@@ -22,10 +22,12 @@
 //! steps to float rounding. Positions and tokens are read from a [`StepParams`](cuda::StepParams) block in device
 //! memory, so a graph captured once serves every position.
 //!
-//! Without the `cuda` feature the crate is [`blocks`] (weight and activation formats) and
-//! [`reference`] (the kernels in float64, and the GEMV's lane split on the CPU), which CI tests.
+//! Without the `cuda` feature the crate is [`blocks`] (weight and activation formats),
+//! [`config`] (a GGUF's shape as the engine reads it) and [`reference`] (the kernels in float64,
+//! and the GEMV's lane split on the CPU), which CI tests.
 
 pub mod blocks;
+pub mod config;
 pub mod reference;
 
 #[cfg(feature = "cuda")]

@@ -1,7 +1,8 @@
 //! The seam to tine-gpu's decode engine: with `--device cuda` (unless `TINE_GPU_ENGINE=0`), a
 //! Gemma 3 whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its
 //! steps there, one captured CUDA graph per row count, instead of through candle's CUDA backend
-//! op by op. The engine does not carry the assistant head yet (which runs on the CPU only).
+//! op by op; a NextN head baked into the GGUF and an assistant head (`--mtp-head`, reading the
+//! sequence's KV cache there) run there too.
 //!
 //! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
 //! always `None` and the runtime's code needs no `cfg`.
@@ -13,16 +14,23 @@ use candle_core::Device;
 /// One layer's K and V values, `(kv_heads, len, head_dim)` each.
 pub type LayerKv = (Vec<f32>, Vec<f32>);
 
+/// Each row's `k` best `(id, logit)`, best first.
+pub type RowsTopK = Vec<Vec<(u32, f32)>>;
+
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
-    use tine_gpu::gemma3::{Gemma3Gpu, GpuCache};
+    use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
 
     /// The model's trunk on the engine.
     pub struct GpuTrunk(Gemma3Gpu);
     /// One sequence's KV cache on the engine.
     pub struct GpuSeq(GpuCache);
+    /// One sequence's NextN cache on the engine.
+    pub struct GpuNextN(NextNCache);
+    /// An assistant head on the engine, reading the sequences' KV caches.
+    pub struct GpuAssistant(AssistantGpu);
 
     /// The most tokens one engine step takes (verify batches up to this; longer inputs go in
     /// steps of it).
@@ -96,6 +104,47 @@ mod imp {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
             self.0.argmax(&seq.0)
         }
+        /// [`GpuTrunk::forward_argmax_all`] that also returns the rows' final hidden states
+        /// (`rows × hidden`, before the output norm): a greedy verify step for a drafter that reads
+        /// them. The logits stay on the device.
+        pub fn forward_argmax_hidden(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
+            self.0.forward_banning(&mut seq.0, tokens, banned)?;
+            Ok((self.0.argmax(&seq.0)?, self.0.hidden(&seq.0)?))
+        }
+        /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's `k` best `(id, logit)`
+        /// ([`GpuTrunk::forward_top_k`]'s order, `banned` left out) and, when asked, the rows'
+        /// final hidden states: a sampled verify step, the logits left on the device.
+        pub fn forward_top_k_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], k: usize, hidden: bool) -> Result<(RowsTopK, Vec<f32>), GpuError> {
+            let top = self.0.forward_top_k_all(&mut seq.0, tokens, banned, k)?;
+            Ok((top, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
+        }
+        /// A NextN cache of `context` entries, if the model has a NextN head the engine runs.
+        pub fn new_nextn(&self, context: usize) -> Result<Option<GpuNextN>, GpuError> {
+            Ok(self.0.new_nextn_cache(context)?.map(GpuNextN))
+        }
+        /// Runs the NextN head over entries `state.len()..`: `hidden` (`rows × hidden`) and the
+        /// token after each, in steps of up to [`GpuTrunk::prompt_rows`]. Returns the last entry's
+        /// logits and every entry's output hidden state. On an error the state keeps its
+        /// entries before the call.
+        pub fn nextn_forward(&self, state: &mut GpuNextN, hidden: &[f32], tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            let (len, width, rows) = (state.0.len(), self.0.config().hidden, self.0.prompt_rows());
+            let mut logits = Vec::new();
+            let mut out = Vec::with_capacity(hidden.len());
+            for (i, chunk) in tokens.chunks(rows).enumerate() {
+                let h = hidden.get(i * rows * width..(i * rows + chunk.len()) * width).unwrap_or(&[]);
+                match self.0.nextn_forward(&mut state.0, h, chunk) {
+                    Ok((l, o)) => {
+                        logits = l;
+                        out.extend(o);
+                    }
+                    Err(e) => {
+                        state.0.truncate(len);
+                        return Err(e);
+                    }
+                }
+            }
+            Ok((logits, out))
+        }
         /// Every layer's K and V of `seq`'s positions, `(n_kv, len, head_dim)` each.
         pub fn read_kv(&self, seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
             self.0.read_kv(&seq.0)
@@ -117,6 +166,16 @@ mod imp {
         pub fn prompt_rows(&self) -> usize {
             self.0.prompt_rows()
         }
+        /// Loads an assistant head (a `gemma4-assistant` GGUF) for this trunk.
+        pub fn load_assistant(&self, path: &Path) -> Result<GpuAssistant, GpuError> {
+            Ok(GpuAssistant(self.0.load_assistant(path)?))
+        }
+        /// One draft step of `head` at `position` for `token`, reading `hidden` (`hidden` values)
+        /// and `seq`'s cache (positions below `position`). Returns the logits (over the head's
+        /// draft vocabulary when it has one) and the next step's hidden state.
+        pub fn assistant_step(&self, head: &GpuAssistant, seq: &GpuSeq, hidden: &[f32], token: u32, position: usize) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            self.0.assistant_step(&head.0, &seq.0, hidden, token, position)
+        }
     }
 
     /// Whether `e` says the engine cannot run this model (a weight type or layout it does not
@@ -135,6 +194,15 @@ mod imp {
             self.0.truncate(len)
         }
     }
+
+    impl GpuNextN {
+        pub fn len(&self) -> usize {
+            self.0.len()
+        }
+        pub fn truncate(&mut self, len: usize) {
+            self.0.truncate(len)
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -145,6 +213,10 @@ mod imp {
     pub struct GpuTrunk(());
     /// No engine in a build without CUDA (never made).
     pub struct GpuSeq(());
+    /// No engine in a build without CUDA (never made).
+    pub struct GpuNextN(());
+    /// No engine in a build without CUDA (never made).
+    pub struct GpuAssistant(());
     /// No engine in a build without CUDA (never made).
     #[derive(Debug, thiserror::Error)]
     #[error("this build has no GPU engine")]
@@ -176,6 +248,12 @@ mod imp {
         pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<Vec<u32>, GpuError> {
             unreachable!("{NEVER}")
         }
+        pub fn forward_argmax_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn forward_top_k_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32], _k: usize, _hidden: bool) -> Result<(RowsTopK, Vec<f32>), GpuError> {
+            unreachable!("{NEVER}")
+        }
         pub fn forward_top_k(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32], _k: usize) -> Result<Vec<(u32, f32)>, GpuError> {
             unreachable!("{NEVER}")
         }
@@ -203,6 +281,27 @@ mod imp {
         pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             unreachable!("{NEVER}")
         }
+        pub fn new_nextn(&self, _context: usize) -> Result<Option<GpuNextN>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn load_assistant(&self, _path: &Path) -> Result<GpuAssistant, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn assistant_step(&self, _head: &GpuAssistant, _seq: &GpuSeq, _hidden: &[f32], _token: u32, _position: usize) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn nextn_forward(&self, _state: &mut GpuNextN, _hidden: &[f32], _tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+            unreachable!("{NEVER}")
+        }
+    }
+
+    impl GpuNextN {
+        pub fn len(&self) -> usize {
+            unreachable!("{NEVER}")
+        }
+        pub fn truncate(&mut self, _len: usize) {
+            unreachable!("{NEVER}")
+        }
     }
 
     impl GpuSeq {
@@ -215,4 +314,4 @@ mod imp {
     }
 }
 
-pub use imp::{is_unsupported_model, GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
+pub use imp::{is_unsupported_model, GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};

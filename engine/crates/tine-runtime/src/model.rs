@@ -8,7 +8,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
 
-use crate::gpu::{GpuError, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
+use crate::gpu::{GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
 use crate::tokenizer::Tokenizer;
 
 /// Errors of [`Model::load`].
@@ -42,6 +42,12 @@ pub enum LoadError {
     },
     #[error("{path}: the GPU engine cannot start (with TINE_GPU_ENGINE=0 candle's CUDA path runs instead)")]
     Gpu {
+        path: PathBuf,
+        #[source]
+        source: Box<GpuError>,
+    },
+    #[error("{path}: the GPU engine cannot run this head for its target")]
+    GpuHead {
         path: PathBuf,
         #[source]
         source: Box<GpuError>,
@@ -264,9 +270,16 @@ impl Model {
     }
 
     /// A fresh NextN drafting state for `context` positions, if the model has a NextN head.
+    /// On the GPU engine the head runs there (falling back to candle's head if its cache
+    /// cannot be allocated).
     pub fn new_nextn_state(&self, context: usize) -> Option<NextNState> {
         let context = context.min(self.info.context_length).max(1);
-        self.weights.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache, tokens: Vec::new() })
+        if let Some(gpu) = &self.gpu {
+            if let Ok(Some(state)) = gpu.new_nextn(context.min(gpu.max_context())) {
+                return Some(NextNState { cache: NextNCacheOn::Gpu(state), tokens: Vec::new() });
+            }
+        }
+        self.weights.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() })
     }
 
     pub fn is_end_of_generation(&self, id: u32) -> bool {
@@ -531,6 +544,32 @@ impl Sequence {
         })
     }
 
+    /// Appends `tokens` in one forward (a verify batch) and returns every position's `k` best
+    /// `(id, logit)` as [`Sequence::decode_top_k`] does for one, and with `hidden` every
+    /// position's hidden state: a sampled verify whose draws read only those. Only on the GPU
+    /// engine, where the logits stay on the device; `None` where `decode_top_k` gives `None`, with
+    /// nothing appended (the caller verifies with the rows). Atomic.
+    pub fn forward_all_top_k(&mut self, model: &Model, tokens: &[u32], banned: &[u32], k: usize, hidden: bool) -> Result<Option<(RowsTopK, Option<Hidden>)>, StepError> {
+        if !self.on_gpu_engine() || k == 0 || k > TOP_K_MAX || banned.len() > MAX_BANNED || model.info.vocab_size > TOP_K_MAX_VOCAB {
+            return Ok(None);
+        }
+        self.check(model, tokens)?;
+        self.atomic(|seq| {
+            let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
+            let mut top = Vec::with_capacity(tokens.len());
+            let mut states = Vec::with_capacity(if hidden { tokens.len() * model.info.embedding_length } else { 0 });
+            for chunk in tokens.chunks(STEP_ROWS) {
+                let (t, h) = gpu.forward_top_k_all(seq.gpu.as_mut().expect("on the engine"), chunk, banned, k, hidden)?;
+                top.extend(t);
+                states.extend(h);
+                seq.injected()?;
+                seq.tokens.extend_from_slice(chunk);
+            }
+            let hidden = hidden.then(|| Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)).transpose()?.map(Hidden);
+            Ok(Some((top, hidden)))
+        })
+    }
+
     /// One forward over `chunk`, inside an atomic step: appends it and returns the logits of its
     /// last position, `(1, vocab)`.
     fn forward_chunk(&mut self, model: &Model, chunk: &[u32]) -> Result<Tensor, StepError> {
@@ -568,6 +607,30 @@ impl Sequence {
         })
     }
 
+    /// [`Sequence::forward_all_argmax`] that also returns every position's hidden state: a
+    /// greedy verify batch for a drafter that reads them (NextN). On the GPU engine the ids and
+    /// the hidden states cross to the host, not the `rows × vocab` logits. Atomic.
+    pub fn forward_all_argmax_hidden(&mut self, model: &Model, tokens: &[u32], banned: &[u32]) -> Result<(Vec<u32>, Hidden), StepError> {
+        if !self.on_gpu_engine() || banned.len() > MAX_BANNED {
+            let (logits, hidden) = self.forward_all_hidden(model, tokens)?;
+            return Ok(((0..logits.positions()).map(|i| banned_argmax(logits.row(i), banned)).collect(), hidden));
+        }
+        self.check(model, tokens)?;
+        self.atomic(|seq| {
+            let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
+            let mut ids = Vec::with_capacity(tokens.len());
+            let mut states = Vec::with_capacity(tokens.len() * model.info.embedding_length);
+            for chunk in tokens.chunks(STEP_ROWS) {
+                let (i, h) = gpu.forward_argmax_hidden(seq.gpu.as_mut().expect("on the engine"), chunk, banned)?;
+                ids.extend(i);
+                states.extend(h);
+                seq.injected()?;
+                seq.tokens.extend_from_slice(chunk);
+            }
+            Ok((ids, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)?)))
+        })
+    }
+
     /// One forward over `tokens`, every position's logits and (when asked) hidden states.
     fn forward_batch(&mut self, model: &Model, tokens: &[u32], hidden: bool) -> Result<(Logits, Option<Hidden>), StepError> {
         self.check(model, tokens)?;
@@ -588,7 +651,7 @@ impl Sequence {
                     seq.tokens.extend_from_slice(chunk);
                 }
                 let vocab = data.len() / tokens.len();
-                let hidden = hidden.then(|| Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &model.device)).transpose()?.map(Hidden);
+                let hidden = hidden.then(|| Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)).transpose()?.map(Hidden);
                 return Ok((Logits { data, vocab }, hidden));
             }
             let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
@@ -625,7 +688,8 @@ impl Sequence {
 }
 
 /// Hidden states of consecutive positions, `(positions, embedding_length)`, before the output
-/// norm: what multi-token-prediction heads read.
+/// norm: what multi-token-prediction heads read. On the model's device, or in host memory when
+/// the GPU engine made them (its NextN head uploads the rows it reads).
 #[derive(Debug, Clone)]
 pub struct Hidden(Tensor);
 
@@ -656,7 +720,7 @@ impl Sequence {
         self.atomic(|seq| {
             if model.gpu.is_some() && seq.gpu.is_some() {
                 let (row, states) = seq.gpu_prefill(model, tokens, true)?;
-                return Ok((row, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &model.device)?)));
+                return Ok((row, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)?)));
             }
             let mut hidden = Vec::new();
             for chunk in tokens.chunks(PREFILL_CHUNK) {
@@ -681,8 +745,12 @@ impl Sequence {
     /// The target side of an assistant head's draft step (it reads this sequence's KV cache).
     /// The logits cover the head's draft vocabulary ([`Assistant::draft_vocab`]) when it has one.
     pub fn assistant_step(&self, model: &Model, head: &Assistant, hidden: &Hidden, token: u32, position: usize) -> Result<(Vec<f32>, Hidden), StepError> {
-        if self.on_gpu_engine() {
-            return Err(StepError::NotOnGpuEngine("the assistant head"));
+        if let (Some(gpu), Some(seq)) = (&model.gpu, &self.gpu) {
+            let on = head.gpu.as_ref().ok_or(StepError::NotOnGpuEngine("an assistant head loaded for another model"))?;
+            let h = hidden.0.flatten_all()?.to_vec1::<f32>()?;
+            let (logits, next) = gpu.assistant_step(on, seq, &h, token, position)?;
+            let width = next.len();
+            return Ok((logits, Hidden(Tensor::from_vec(next, (1, width), &Device::Cpu)?)));
         }
         let x = Tensor::new(&[[token]], &model.device)?;
         let h = hidden.0.unsqueeze(0)?;
@@ -696,9 +764,39 @@ impl Sequence {
 /// Entry `j` reads the target's hidden state at `j` and the token at `j + 1`, so it stays valid
 /// as long as the target's tokens `0..=j + 1` do.
 pub struct NextNState {
-    cache: NextNCache,
+    cache: NextNCacheOn,
     /// `tokens[j + 1]` is the token entry `j` read (`tokens[0]` the first target token).
     tokens: Vec<u32>,
+}
+
+/// Where a NextN head keeps its KV cache: candle's head, or the GPU engine's.
+enum NextNCacheOn {
+    Candle(NextNCache),
+    Gpu(GpuNextN),
+}
+
+impl NextNCacheOn {
+    fn len(&self) -> usize {
+        match self {
+            NextNCacheOn::Candle(c) => c.len(),
+            NextNCacheOn::Gpu(g) => g.len(),
+        }
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<(), StepError> {
+        match self {
+            NextNCacheOn::Candle(c) => c.truncate(len)?,
+            NextNCacheOn::Gpu(g) => g.truncate(len),
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        match self {
+            NextNCacheOn::Candle(c) => c.reset(),
+            NextNCacheOn::Gpu(g) => g.truncate(0),
+        }
+    }
 }
 
 impl NextNState {
@@ -707,7 +805,12 @@ impl NextNState {
         self.cache.len()
     }
     pub fn is_empty(&self) -> bool {
-        self.cache.is_empty()
+        self.cache.len() == 0
+    }
+
+    /// Whether the head runs on the GPU engine.
+    pub fn on_gpu_engine(&self) -> bool {
+        matches!(self.cache, NextNCacheOn::Gpu(_))
     }
 
     /// Entries still valid for a sequence starting with `tokens`.
@@ -733,11 +836,20 @@ impl NextNState {
             return Err(StepError::Empty);
         }
         let (len, n_tokens) = (self.cache.len(), self.tokens.len());
-        let out = (|| {
-            let x = Tensor::new(next_tokens, &model.device)?.unsqueeze(0)?;
-            let out = model.weights.nextn_forward(&hidden.0.unsqueeze(0)?, &x, &mut self.cache)?;
-            Ok::<_, StepError>((out.logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(out.hidden.squeeze(0)?)))
-        })();
+        let out = match &mut self.cache {
+            NextNCacheOn::Candle(cache) => (|| {
+                let x = Tensor::new(next_tokens, &model.device)?.unsqueeze(0)?;
+                let h = hidden.0.to_device(&model.device)?.unsqueeze(0)?;
+                let out = model.weights.nextn_forward(&h, &x, cache)?;
+                Ok::<_, StepError>((out.logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(out.hidden.squeeze(0)?)))
+            })(),
+            NextNCacheOn::Gpu(state) => (|| {
+                let gpu = model.gpu.as_ref().expect("a NextN state on the engine has a model on it");
+                let h = hidden.0.flatten_all()?.to_vec1::<f32>()?;
+                let (logits, out) = gpu.nextn_forward(state, &h, next_tokens)?;
+                Ok((logits, Hidden(Tensor::from_vec(out, (next_tokens.len(), model.info.embedding_length), &Device::Cpu)?)))
+            })(),
+        };
         match out {
             Ok(out) => {
                 if self.tokens.is_empty() {
@@ -764,6 +876,8 @@ impl NextNState {
 /// the target it was loaded for.
 pub struct Assistant {
     head: AssistantHead,
+    /// The head on the GPU engine, when the target runs there.
+    gpu: Option<GpuAssistant>,
     pub path: PathBuf,
 }
 
@@ -786,6 +900,10 @@ impl Assistant {
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
         let head = AssistantHead::from_gguf(&ct, &mut reader, &target.device, &target.weights).map_err(|source| LoadError::Weights { path: p(), source })?;
         target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
-        Ok(Assistant { head, path: p() })
+        let gpu = match &target.gpu {
+            Some(trunk) => Some(trunk.load_assistant(path).map_err(|e| LoadError::GpuHead { path: p(), source: Box::new(e) })?),
+            None => None,
+        };
+        Ok(Assistant { head, gpu, path: p() })
     }
 }

@@ -4,7 +4,8 @@
 //!
 //! What is checked: the CUDA forward against the float64 reference on synthetic GGUFs (every
 //! position, past the sliding window, one-shot and token by token), verify batches and the
-//! KV-cache rollback on the device, the NextN head (the assistant head is ignored: CPU-only
+//! KV-cache rollback on the device, the NextN head (on candle's path, and on the engine for the
+//! grafted real model; the assistant head is ignored: CPU-only
 //! attention, patch 0012), and on the real model (which `--device cuda` runs on the GPU
 //! engine): CUDA against the CPU path (greedy ids, logits where they agree), against llama.cpp's
 //! recorded greedy ids up to near-ties, and slot images saved on the engine.
@@ -141,10 +142,11 @@ fn cuda_nextn_head_matches_the_cpu() {
 
 /// Patch 0012's assistant head attends with the CPU's batch-invariant kernel only
 /// (`candle_nn::attention::batch_invariant::causal_attention`), which refuses device tensors:
-/// `--spec-type draft-assistant` fails on CUDA until a patch gives it a device path
-/// (docs/evaluations/gpu.md). Run with `--ignored` to see it.
+/// on candle's CUDA path (a model the engine does not run, as this synthetic one)
+/// `--spec-type draft-assistant` is refused; the engine runs the head itself
+/// (`cuda_real_model_assistant_head_on_the_engine_matches_the_cpu`). Run with `--ignored` to see it.
 #[test]
-#[ignore = "the assistant head's attention is CPU-only (patch 0012); needs a patch"]
+#[ignore = "the assistant head's attention is CPU-only on candle's path (patch 0012); the engine carries its own"]
 fn cuda_assistant_head_matches_the_cpu() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (tp, ap) = head_fixture(dir.path());
@@ -324,4 +326,102 @@ fn cuda_real_model_slot_image_round_trips_on_the_gpu_engine_and_moves_to_the_cpu
     assert!(c.iter().all(|x| x.is_finite()));
     eprintln!("the CPU from the engine's slot against from its own prefill: max |Δlogit| {:.4}", worst(&c, &e));
     assert!(worst(&c, &e) < 4.0, "the CPU continues an engine slot as its own: {}", worst(&c, &e));
+}
+
+/// The default model with the repository's NextN head grafted on (tine graft-nextn), on both
+/// paths: the engine runs the trunk without the head's block and the head itself on its kernels.
+fn real_nextn_models(dir: &std::path::Path) -> Option<(Model, Model)> {
+    let path = tine_runtime::default_model_path();
+    assert!(path.exists(), "no default model at {}: `cargo xtask fetch-model` fetches it (or leave these tests out with --skip real_model)", path.display());
+    let head = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../drafters/gemma3-270m-nextn.gguf");
+    let grafted = dir.join("nextn.gguf");
+    tine_runtime::graft_nextn(&path, &head, &grafted).expect("grafts the repository's NextN head");
+    Some((Model::load(&grafted).expect("cpu"), Model::load_on(&grafted, &gpu()).expect("gpu")))
+}
+
+#[test]
+fn cuda_real_model_nextn_head_on_the_engine_matches_the_cpu() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let Some((cpu, gpu)) = real_nextn_models(dir.path()) else { return };
+    assert_eq!(gpu.engine(), "tine-gpu", "the grafted model runs on the engine");
+    let prompt = toks(40);
+    // The trunk alone is the plain model's (the head's block is not a trunk layer).
+    let plain = Model::load_on(&tine_runtime::default_model_path(), &gpu()).expect("plain model");
+    let (a, b) = (gpu.new_sequence(256).prefill(&gpu, &prompt).expect("prefill"), plain.new_sequence(256).prefill(&plain, &prompt).expect("prefill"));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "a grafted model's trunk on the engine gives the plain model's logits");
+    // Entries for every prompt position (past 8: the head's prompt kernels), then chained steps.
+    let run = |m: &Model| {
+        let mut seq = m.new_sequence(256);
+        let (_, hidden) = seq.prefill_hidden(m, &prompt).expect("prefill_hidden");
+        let mut state = m.new_nextn_state(256).expect("a NextN head");
+        let mut rows = Vec::new();
+        let (logits, mut out) = state.forward(m, prompt[0], &hidden.rows(0, prompt.len() - 1).expect("rows"), &prompt[1..]).expect("entries");
+        rows.push(logits);
+        for t in [17u32, 923, 4] {
+            let last = out.rows(out.positions() - 1, 1).expect("last");
+            let (l, o) = state.forward(m, prompt[0], &last, &[t]).expect("chained step");
+            rows.push(l);
+            out = o;
+        }
+        (rows, state.on_gpu_engine())
+    };
+    let ((c, on_cpu_engine), (g, on_engine)) = (run(&cpu), run(&gpu));
+    assert!(on_engine && !on_cpu_engine, "the head runs on the engine with --device cuda");
+    let vocab = cpu.nextn_draft_vocab().map_or(cpu.info.vocab_size, <[u32]>::len);
+    let mut report = Vec::new();
+    for (i, (cr, gr)) in c.iter().zip(&g).enumerate() {
+        assert_eq!((cr.len(), gr.len()), (vocab, vocab), "logits over the head's vocabulary");
+        let scale = cr.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let rel = worst(cr, gr) / scale;
+        let (ci, gi) = (tine_sampling::argmax(cr), tine_sampling::argmax(gr));
+        let mut sorted = cr.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let gap = sorted[0] - sorted[1];
+        report.push(format!("step {i}: {rel:.4} of the largest logit, ids {ci}/{gi} (cpu top-2 gap {gap:.3})"));
+        // The engine's Q8 activations and the CPU's Q8_K round the same values differently; a
+        // step's logits stay within a tenth of their scale, and the pick agrees unless a near-tie.
+        assert!(rel < 0.1, "NextN step {i}: the engine's logits differ from the CPU head's by {rel} of their scale");
+        assert!(ci == gi || f64::from(gap) < NEAR_TIE, "NextN step {i}: the engine picks {gi}, the CPU {ci}, top-2 gap {gap}");
+    }
+    eprintln!("NextN head on the engine against the CPU: {}", report.join("; "));
+}
+
+/// The repository's assistant head on the default model, on both paths: on the engine it drafts
+/// over the sequence's KV cache there (tine-gpu's `assistant_step`). Four chained draft steps, each
+/// path from its own hidden states, against the CPU's.
+#[test]
+fn cuda_real_model_assistant_head_on_the_engine_matches_the_cpu() {
+    let Some((cpu, gpu)) = real_models() else { return };
+    assert_eq!(gpu.engine(), "tine-gpu", "the default model runs on the engine");
+    let ap = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../drafters/gemma3-270m-assistant.gguf");
+    let prompt = toks(40);
+    let run = |m: &Model| {
+        let head = Assistant::load(&ap, m).expect("the assistant head loads");
+        let mut seq = m.new_sequence(256);
+        let (_, hidden) = seq.prefill_hidden(m, &prompt).expect("prefill_hidden");
+        let mut h = hidden.rows(prompt.len() - 1, 1).expect("last row");
+        let mut rows = Vec::new();
+        for (j, t) in [17u32, 923, 4, 88].into_iter().enumerate() {
+            let (l, next) = seq.assistant_step(m, &head, &h, t, prompt.len() + j).expect("assistant step");
+            rows.push(l);
+            h = next;
+        }
+        (rows, head.draft_vocab().map(<[u32]>::len))
+    };
+    let ((c, vc), (g, vg)) = (run(&cpu), run(&gpu));
+    assert_eq!(vc, vg, "one draft vocabulary");
+    let mut report = Vec::new();
+    for (i, (cr, gr)) in c.iter().zip(&g).enumerate() {
+        assert_eq!(cr.len(), gr.len(), "logits over the head's vocabulary");
+        let scale = cr.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        let rel = worst(cr, gr) / scale;
+        let (ci, gi) = (tine_sampling::argmax(cr), tine_sampling::argmax(gr));
+        let mut sorted = cr.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let gap = sorted[0] - sorted[1];
+        report.push(format!("step {i}: {rel:.4} of the largest logit, ids {ci}/{gi} (cpu top-2 gap {gap:.3})"));
+        assert!(rel < 0.1, "assistant step {i}: the engine's logits differ from the CPU head's by {rel} of their scale");
+        assert!(ci == gi || f64::from(gap) < NEAR_TIE, "assistant step {i}: the engine picks {gi}, the CPU {ci}, top-2 gap {gap}");
+    }
+    eprintln!("assistant head on the engine against the CPU: {}", report.join("; "));
 }

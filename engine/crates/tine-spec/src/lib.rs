@@ -227,8 +227,9 @@ pub trait RowFilter {
     fn prepare(&mut self, i: usize, drafts: &[u32], row: &mut [f32]) -> Result<(), Box<dyn std::error::Error + Send + Sync>>;
     /// `Some(banned)` when [`RowFilter::prepare`] only sets the ids in `banned` to -inf and
     /// nobody reads the rows after the decision: then a greedy round asks the target for each
-    /// row's id alone ([`Sequence::forward_all_argmax`]), which on a GPU keeps the rows there,
-    /// and [`Round::rows`] holds empty rows.
+    /// row's id alone ([`Sequence::forward_all_argmax`]) and a sampled round with top-k for each
+    /// row's k best ([`Sequence::forward_all_top_k`], on the GPU engine), which keeps the rows
+    /// on the GPU, and [`Round::rows`] holds empty rows.
     fn ids_only(&self) -> Option<Vec<u32>> {
         None
     }
@@ -440,14 +441,32 @@ impl Speculator {
         }
         let t_verify = std::time::Instant::now();
         let wants_hidden = self.drafter.needs_hidden() && self.params.n_max > 0;
-        // Greedy decisions over rows nobody reads: the target's ids alone.
-        if let Some(banned) = filter.ids_only().filter(|_| !wants_hidden && sampler.params().is_plain_argmax()) {
-            let ids = seq.forward_all_argmax(model, &batch, &banned).map_err(SpecError::Verify)?;
+        // Decisions over rows nobody reads: greedy ones from the target's ids alone; sampled ones
+        // with top-k from each row's k best (on the GPU engine, where the rows stay).
+        let quick = match filter.ids_only() {
+            Some(banned) if sampler.params().is_plain_argmax() => Some(if wants_hidden {
+                let (ids, h) = seq.forward_all_argmax_hidden(model, &batch, &banned).map_err(SpecError::Verify)?;
+                (Decisions::Ids(ids), Some(h))
+            } else {
+                (Decisions::Ids(seq.forward_all_argmax(model, &batch, &banned).map_err(SpecError::Verify)?), None)
+            }),
+            Some(banned) => match sampler.params().top_k_only(usize::MAX) {
+                Some(k) => seq.forward_all_top_k(model, &batch, &banned, k, wants_hidden).map_err(SpecError::Verify)?.map(|(top, h)| (Decisions::TopK(top), h)),
+                None => None,
+            },
+            None => None,
+        };
+        if let Some((decisions, hidden)) = quick {
             let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
             let mut tokens = Vec::with_capacity(drafts.len() + 1);
             let mut accepted = 0;
-            // Drafts are kept while they equal the target's id; the first other id is decided.
-            for (i, &t) in ids.iter().enumerate() {
+            // Drafts are kept while they equal the target's token, drawn as plain decoding draws
+            // it (below); the first other token is decided.
+            for i in 0..batch.len() {
+                let t = match &decisions {
+                    Decisions::Ids(ids) => ids[i],
+                    Decisions::TopK(top) => sampler.sample_top_k(top[i].clone()),
+                };
                 tokens.push(t);
                 if drafts.get(i) != Some(&t) {
                     break;
@@ -455,7 +474,7 @@ impl Speculator {
                 accepted += 1;
             }
             seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
-            self.hidden = None;
+            self.keep_hidden(hidden, consulted, n, accepted)?;
             self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
             let round = Round { rows: vec![Vec::new(); tokens.len()], tokens, drafted: drafts.len(), accepted };
             self.stats.add(&round.stats());
@@ -497,8 +516,17 @@ impl Speculator {
             }
         }
         seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
-        // The drafter next sees the hidden states of the positions just committed.
-        // (A drafter that was not consulted this round still needs the rows it missed.)
+        self.keep_hidden(hidden, consulted, n, accepted)?;
+        self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
+        let round = Round { tokens, rows, drafted: drafts.len(), accepted };
+        self.stats.add(&round.stats());
+        Ok(round)
+    }
+
+    /// After a verify of the batch that started at position `n`: the drafter next sees the hidden
+    /// states of the positions just committed (`accepted + 1` of them). A drafter that was not
+    /// consulted this round still needs the rows it missed, so those are appended to its own.
+    fn keep_hidden(&mut self, hidden: Option<Hidden>, consulted: bool, n: usize, accepted: usize) -> Result<(), SpecError> {
         self.hidden = match (hidden, self.hidden.take()) {
             (Some(h), Some(old)) if !consulted => Some(old.concat(&h.rows(0, accepted + 1).map_err(SpecError::Verify)?).map_err(SpecError::Verify)?),
             (Some(h), _) => {
@@ -507,11 +535,15 @@ impl Speculator {
             }
             (None, _) => None,
         };
-        self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
-        let round = Round { tokens, rows, drafted: drafts.len(), accepted };
-        self.stats.add(&round.stats());
-        Ok(round)
+        Ok(())
     }
+}
+
+/// A verify batch's target tokens where nobody reads its rows: each row's greedy id, or each
+/// row's top-k candidates for a sampled draw ([`Sampler::sample_top_k`]).
+enum Decisions {
+    Ids(Vec<u32>),
+    TopK(Vec<Vec<(u32, f32)>>),
 }
 
 /// Everything that selects and sizes speculative decoding (the CLI's and server's flags).
@@ -551,7 +583,7 @@ impl SpecConfig {
 pub enum SetupError {
     #[error("--spec-type draft-assistant needs --mtp-head FILE")]
     MissingHead,
-    #[error("--spec-type draft-assistant runs on the CPU only for now: the assistant head's attention over the target's KV cache is a CPU kernel, and the GPU engine does not carry the head yet")]
+    #[error("--spec-type draft-assistant runs on the CPU and on the GPU engine, not on candle's CUDA path (TINE_GPU_ENGINE=0, or a model the engine does not read): the head's attention over the target's KV cache there is a CPU kernel")]
     AssistantOnCpuOnly,
     #[error("--spec-type draft needs a draft model (-md FILE)")]
     MissingDraftModel,
@@ -619,7 +651,7 @@ impl SpecFactory {
             SpecType::DraftMtp => {}
             SpecType::DraftAssistant => {
                 let path = config.mtp_head.as_ref().ok_or(SetupError::MissingHead)?;
-                if !target.device().is_cpu() {
+                if !target.device().is_cpu() && target.engine() != "tine-gpu" {
                     return Err(SetupError::AssistantOnCpuOnly);
                 }
                 let head = tine_runtime::Assistant::load(path, target).map_err(|source| SetupError::Load { what: "the assistant head", source: Box::new(source) })?;
