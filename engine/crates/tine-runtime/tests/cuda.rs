@@ -342,11 +342,12 @@ fn real_nextn_models(dir: &std::path::Path) -> Option<(Model, Model)> {
 #[test]
 fn cuda_real_model_nextn_head_on_the_engine_matches_the_cpu() {
     let dir = tempfile::tempdir().expect("tempdir");
+    let device = gpu();
     let Some((cpu, gpu)) = real_nextn_models(dir.path()) else { return };
     assert_eq!(gpu.engine(), "tine-gpu", "the grafted model runs on the engine");
     let prompt = toks(40);
     // The trunk alone is the plain model's (the head's block is not a trunk layer).
-    let plain = Model::load_on(&tine_runtime::default_model_path(), &gpu()).expect("plain model");
+    let plain = Model::load_on(&tine_runtime::default_model_path(), &device).expect("plain model");
     let (a, b) = (gpu.new_sequence(256).prefill(&gpu, &prompt).expect("prefill"), plain.new_sequence(256).prefill(&plain, &prompt).expect("prefill"));
     assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "a grafted model's trunk on the engine gives the plain model's logits");
     // Entries for every prompt position (past 8: the head's prompt kernels), then chained steps.
