@@ -4,11 +4,14 @@
 //! an assistant head, and a float64 reference forward) lives here, in `src/gemma3_fixture/`, and is
 //! one source for the engine's tests and the patches' own: their test files under
 //! `candle-transformers/tests/` include it by `#[path]`. It lives in Tine's crate rather than in a
-//! patch so that retiring a patch (a base bump) cannot take it.
+//! patch so that retiring a patch (a base bump) cannot take it. The `quantized_qwen35` fixture
+//! ([`qwen35_fixture`]) is built the same way.
 
 // The fixture is written as a candle test module, where candle-core is called `candle`.
 extern crate candle_core as candle;
 
 mod gemma3_fixture;
+/// The `quantized_qwen35` fixture: tiny synthetic Qwen3.5 GGUFs and a float64 reference.
+pub mod qwen35_fixture;
 
 pub use gemma3_fixture::*;

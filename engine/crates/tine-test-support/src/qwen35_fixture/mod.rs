@@ -1,0 +1,416 @@
+//! Test fixture for `quantized_qwen35`: tiny synthetic Qwen3.5 GGUFs and a float64 reference.
+//!
+//! [`TinyQwen35`] writes a small `qwen35` GGUF with random weights in llama.cpp's layout (the
+//! names, shapes and metadata keys its converter writes: norms stored as `1 + w`, `ssm_a` as
+//! `-exp(A_log)`, value heads in tiled order, `attn_q` holding `[q | gate]` per head).
+//! [`Qwen35Reference`] is a float64 forward of the same weights written from the model's
+//! description (`shared/reference/model-families.md`, section d), not from candle's code: gated
+//! delta-net layers with their conv window and state, gated full-attention layers with partial
+//! RoPE, the SwiGLU MLP.
+//!
+//! It lives in Tine's `tine-test-support` crate, not in a patch; the patch's test includes it by
+//! `#[path]`, the crate re-exports it.
+
+// Each test file uses a part of the fixture.
+#![allow(dead_code)]
+
+use std::io::{Seek, Write};
+use std::path::Path;
+
+use candle::quantized::{gguf_file, GgmlDType, QTensor};
+use candle::{Device, Tensor};
+
+/// The shape of a synthetic Qwen3.5. `Default`: four layers, the last one full attention (every
+/// `full_attention_interval`-th layer, as the converter writes it), two key heads and four value
+/// heads in the delta-net layers (tiled), GQA 4/2 in the attention layer, a quarter of each head
+/// rotated.
+#[derive(Debug, Clone)]
+pub struct TinyQwen35 {
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub head_dim: usize,
+    pub rope_dim: usize,
+    pub n_ff: usize,
+    pub full_attention_interval: usize,
+    pub conv_kernel: usize,
+    /// d_k = d_v of the delta-net heads (`ssm.state_size`).
+    pub d_state: usize,
+    /// H_k (`ssm.group_count`).
+    pub n_k_heads: usize,
+    /// H_v (`ssm.time_step_rank`).
+    pub n_v_heads: usize,
+    pub vocab: usize,
+    /// Write an untied `output.weight` (else the head is `token_embd`).
+    pub untied: bool,
+    pub seed: u64,
+}
+
+impl Default for TinyQwen35 {
+    fn default() -> Self {
+        TinyQwen35 {
+            n_embd: 32,
+            n_layer: 4,
+            n_head: 4,
+            n_kv_head: 2,
+            head_dim: 16,
+            rope_dim: 4,
+            n_ff: 64,
+            full_attention_interval: 4,
+            conv_kernel: 4,
+            d_state: 8,
+            n_k_heads: 2,
+            n_v_heads: 4,
+            vocab: 96,
+            untied: true,
+            seed: 11,
+        }
+    }
+}
+
+/// The eps of every norm (and of the delta-net's L2 norm, as llama.cpp takes it).
+pub const EPS: f64 = 1e-6;
+pub const ROPE_BASE: f64 = 10_000_000.0;
+
+/// Deterministic pseudo-random numbers (xorshift), so fixtures need no RNG crate.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f64) -> Vec<f32> {
+        (0..n).map(|_| (self.next() * scale) as f32).collect()
+    }
+}
+
+/// A gated delta-net layer's weights, row-major `(out, in)`.
+#[derive(Debug, Clone)]
+pub struct GdnWeights {
+    pub qkv: Vec<f64>,
+    pub gate: Vec<f64>,
+    /// `(conv_dim, K)`: tap `K - 1` multiplies the current row.
+    pub conv: Vec<f64>,
+    pub dt_bias: Vec<f64>,
+    /// `-exp(A_log)`.
+    pub a: Vec<f64>,
+    pub beta: Vec<f64>,
+    pub alpha: Vec<f64>,
+    pub norm: Vec<f64>,
+    pub out: Vec<f64>,
+}
+
+/// A gated full-attention layer's weights.
+#[derive(Debug, Clone)]
+pub struct AttnWeights {
+    /// `(2 · n_head · hd, n_embd)`: per head `[q (hd) | gate (hd)]`.
+    pub q: Vec<f64>,
+    pub k: Vec<f64>,
+    pub v: Vec<f64>,
+    pub o: Vec<f64>,
+    pub q_norm: Vec<f64>,
+    pub k_norm: Vec<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub enum Mixer {
+    Gdn(GdnWeights),
+    Attn(AttnWeights),
+}
+
+#[derive(Debug, Clone)]
+pub struct Qwen35Layer {
+    pub attn_norm: Vec<f64>,
+    pub post_attn_norm: Vec<f64>,
+    pub mixer: Mixer,
+    pub ffn_gate: Vec<f64>,
+    pub ffn_up: Vec<f64>,
+    pub ffn_down: Vec<f64>,
+}
+
+/// The weights as written (after the quantization round trip), in f64.
+#[derive(Debug, Clone)]
+pub struct Qwen35Weights {
+    pub cfg: TinyQwen35,
+    pub embd: Vec<f64>,
+    pub output_norm: Vec<f64>,
+    /// `None`: tied to `embd`.
+    pub output: Option<Vec<f64>>,
+    pub layers: Vec<Qwen35Layer>,
+}
+
+impl TinyQwen35 {
+    /// Whether layer `l` is a full-attention layer.
+    pub fn is_full(&self, l: usize) -> bool {
+        (l + 1).is_multiple_of(self.full_attention_interval)
+    }
+
+    pub fn conv_dim(&self) -> usize {
+        2 * self.n_k_heads * self.d_state + self.n_v_heads * self.d_state
+    }
+
+    pub fn write(&self, path: &Path) -> Qwen35Weights {
+        let mut f = std::fs::File::create(path).expect("create fixture GGUF");
+        self.write_to(&mut f)
+    }
+
+    /// Writes the GGUF to `w`; every tensor F32 except the matrices, stored as `dtype`.
+    pub fn write_to<W: Write + Seek>(&self, w: &mut W) -> Qwen35Weights {
+        self.write_with(w, GgmlDType::F32, &[])
+    }
+
+    /// [`TinyQwen35::write_to`] with the matrices in `dtype` and the tensors named in `skip`
+    /// left out (for the loader's error tests).
+    pub fn write_with<W: Write + Seek>(&self, w: &mut W, dtype: GgmlDType, skip: &[&str]) -> Qwen35Weights {
+        let dev = Device::Cpu;
+        let mut rng = Rng(self.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+        let (d, hd, ds) = (self.n_embd, self.head_dim, self.d_state);
+        let (hk, hv) = (self.n_k_heads, self.n_v_heads);
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut put = |name: String, data: Vec<f32>, shape: Vec<usize>, dtype: GgmlDType| -> Vec<f64> {
+            let t = Tensor::from_vec(data, shape, &dev).expect("fixture tensor");
+            let q = QTensor::quantize(&t, dtype).expect("fixture quantize");
+            let back: Vec<f64> = q.dequantize(&dev).expect("dequantize").flatten_all().expect("flatten").to_vec1::<f32>().expect("f32").into_iter().map(f64::from).collect();
+            if !skip.contains(&name.as_str()) {
+                tensors.push((name, q));
+            }
+            back
+        };
+        // Norms as the converter stores them: `1 + w`.
+        let norm = |rng: &mut Rng, n: usize| rng.vec(n, 0.3).into_iter().map(|x| 1.0 + x).collect::<Vec<f32>>();
+        let f = GgmlDType::F32;
+        let s = 1.0 / (d as f64).sqrt();
+        let embd = put("token_embd.weight".into(), rng.vec(self.vocab * d, 1.0), vec![self.vocab, d], f);
+        let output_norm = put("output_norm.weight".into(), norm(&mut rng, d), vec![d], f);
+        let output = self.untied.then(|| put("output.weight".into(), rng.vec(self.vocab * d, s), vec![self.vocab, d], dtype));
+        let mut layers = Vec::new();
+        for l in 0..self.n_layer {
+            let p = format!("blk.{l}");
+            let attn_norm = put(format!("{p}.attn_norm.weight"), norm(&mut rng, d), vec![d], f);
+            let mixer = if self.is_full(l) {
+                let qd = self.n_head * hd;
+                Mixer::Attn(AttnWeights {
+                    q: put(format!("{p}.attn_q.weight"), rng.vec(2 * qd * d, s), vec![2 * qd, d], dtype),
+                    k: put(format!("{p}.attn_k.weight"), rng.vec(self.n_kv_head * hd * d, s), vec![self.n_kv_head * hd, d], dtype),
+                    v: put(format!("{p}.attn_v.weight"), rng.vec(self.n_kv_head * hd * d, s), vec![self.n_kv_head * hd, d], dtype),
+                    o: put(format!("{p}.attn_output.weight"), rng.vec(d * qd, 1.0 / (qd as f64).sqrt()), vec![d, qd], dtype),
+                    q_norm: put(format!("{p}.attn_q_norm.weight"), norm(&mut rng, hd), vec![hd], f),
+                    k_norm: put(format!("{p}.attn_k_norm.weight"), norm(&mut rng, hd), vec![hd], f),
+                })
+            } else {
+                let (conv_dim, vd) = (self.conv_dim(), hv * ds);
+                Mixer::Gdn(GdnWeights {
+                    qkv: put(format!("{p}.attn_qkv.weight"), rng.vec(conv_dim * d, s), vec![conv_dim, d], dtype),
+                    gate: put(format!("{p}.attn_gate.weight"), rng.vec(vd * d, s), vec![vd, d], dtype),
+                    conv: put(format!("{p}.ssm_conv1d.weight"), rng.vec(conv_dim * self.conv_kernel, 0.5), vec![conv_dim, self.conv_kernel], f),
+                    dt_bias: put(format!("{p}.ssm_dt.bias"), rng.vec(hv, 1.0), vec![hv], f),
+                    a: put(format!("{p}.ssm_a"), rng.vec(hv, 1.0).into_iter().map(|x| -(x as f64).exp() as f32).collect(), vec![hv], f),
+                    beta: put(format!("{p}.ssm_beta.weight"), rng.vec(hv * d, s), vec![hv, d], dtype),
+                    alpha: put(format!("{p}.ssm_alpha.weight"), rng.vec(hv * d, s), vec![hv, d], dtype),
+                    norm: put(format!("{p}.ssm_norm.weight"), norm(&mut rng, ds), vec![ds], f),
+                    out: put(format!("{p}.ssm_out.weight"), rng.vec(d * vd, 1.0 / (vd as f64).sqrt()), vec![d, vd], dtype),
+                })
+            };
+            let post_attn_norm = put(format!("{p}.post_attention_norm.weight"), norm(&mut rng, d), vec![d], f);
+            let ffn_gate = put(format!("{p}.ffn_gate.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d], dtype);
+            let ffn_up = put(format!("{p}.ffn_up.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d], dtype);
+            let ffn_down = put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff], dtype);
+            layers.push(Qwen35Layer { attn_norm, post_attn_norm, mixer, ffn_gate, ffn_up, ffn_down });
+        }
+        use gguf_file::Value as V;
+        let u = |x: usize| V::U32(x as u32);
+        let a = "qwen35";
+        let key = |k: &str| format!("{a}.{k}");
+        let md: Vec<(String, V)> = vec![
+            ("general.architecture".into(), V::String(a.into())),
+            ("general.name".into(), V::String("tiny-qwen35-test".into())),
+            (key("block_count"), u(self.n_layer)),
+            (key("context_length"), u(4096)),
+            (key("embedding_length"), u(d)),
+            (key("feed_forward_length"), u(self.n_ff)),
+            (key("attention.head_count"), u(self.n_head)),
+            (key("attention.head_count_kv"), u(self.n_kv_head)),
+            (key("attention.key_length"), u(hd)),
+            (key("attention.value_length"), u(hd)),
+            (key("attention.layer_norm_rms_epsilon"), V::F32(EPS as f32)),
+            (key("rope.freq_base"), V::F32(ROPE_BASE as f32)),
+            (key("rope.dimension_count"), u(self.rope_dim)),
+            (key("rope.dimension_sections"), V::Array(vec![V::I32(1), V::I32(1), V::I32(0), V::I32(0)])),
+            (key("ssm.conv_kernel"), u(self.conv_kernel)),
+            (key("ssm.state_size"), u(ds)),
+            (key("ssm.group_count"), u(hk)),
+            (key("ssm.time_step_rank"), u(hv)),
+            (key("ssm.inner_size"), u(hv * ds)),
+            (key("full_attention_interval"), u(self.full_attention_interval)),
+            (key("nextn_predict_layers"), u(0)),
+        ];
+        let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(w, &md_refs, &t_refs).expect("write fixture GGUF");
+        Qwen35Weights { cfg: self.clone(), embd, output_norm, output, layers }
+    }
+}
+
+fn matvec(w: &[f64], x: &[f64]) -> Vec<f64> {
+    let k = x.len();
+    w.chunks(k).map(|row| row.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+}
+
+fn rms(x: &[f64], w: &[f64]) -> Vec<f64> {
+    let r = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64 + EPS).sqrt();
+    x.iter().zip(w).map(|(v, w)| v * r * w).collect()
+}
+
+fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f64) -> f64 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn softplus(x: f64) -> f64 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// One layer's sequence state in the reference.
+#[derive(Debug, Clone)]
+pub enum RefState {
+    /// K and V rows of every position, `n_kv · hd` each.
+    Attn { k: Vec<Vec<f64>>, v: Vec<Vec<f64>> },
+    /// The last `K - 1` pre-conv QKV rows and the state `S` (`H_v · d_k · d_v`).
+    Gdn { window: Vec<Vec<f64>>, s: Vec<f64> },
+}
+
+/// A float64 Qwen3.5 forward over one sequence, one token at a time. `Clone` is a snapshot.
+#[derive(Debug, Clone)]
+pub struct Qwen35Reference<'w> {
+    w: &'w Qwen35Weights,
+    pub state: Vec<RefState>,
+    pub pos: usize,
+}
+
+impl<'w> Qwen35Reference<'w> {
+    pub fn new(w: &'w Qwen35Weights) -> Self {
+        let c = &w.cfg;
+        let state = (0..c.n_layer)
+            .map(|l| {
+                if c.is_full(l) {
+                    RefState::Attn { k: Vec::new(), v: Vec::new() }
+                } else {
+                    RefState::Gdn { window: vec![vec![0.0; c.conv_dim()]; c.conv_kernel - 1], s: vec![0.0; c.n_v_heads * c.d_state * c.d_state] }
+                }
+            })
+            .collect();
+        Qwen35Reference { w, state, pos: 0 }
+    }
+
+    /// The logits after `token` at the next position.
+    pub fn step(&mut self, token: u32) -> Vec<f64> {
+        let (w, c) = (self.w, &self.w.cfg);
+        let d = c.n_embd;
+        let mut x: Vec<f64> = w.embd[token as usize * d..(token as usize + 1) * d].to_vec();
+        for (l, layer) in w.layers.iter().enumerate() {
+            let h = rms(&x, &layer.attn_norm);
+            let mixed = match (&layer.mixer, &mut self.state[l]) {
+                (Mixer::Attn(a), RefState::Attn { k, v }) => attention(c, a, &h, self.pos, k, v),
+                (Mixer::Gdn(g), RefState::Gdn { window, s }) => gdn(c, g, &h, window, s),
+                _ => unreachable!("the state follows the layer kinds"),
+            };
+            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            let h = rms(&x, &layer.post_attn_norm);
+            let (g, u) = (matvec(&layer.ffn_gate, &h), matvec(&layer.ffn_up, &h));
+            let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+            let down = matvec(&layer.ffn_down, &act);
+            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+        }
+        self.pos += 1;
+        let n = rms(&x, &w.output_norm);
+        matvec(w.output.as_ref().unwrap_or(&w.embd), &n)
+    }
+}
+
+/// Gated full attention at `pos`: q with its per-head gate, q/k norms, NeoX RoPE on the first
+/// `rope_dim` dims, GQA (query head h on KV head h / (n_head / n_kv)), out times σ(gate).
+fn attention(c: &TinyQwen35, a: &AttnWeights, x: &[f64], pos: usize, ks: &mut Vec<Vec<f64>>, vs: &mut Vec<Vec<f64>>) -> Vec<f64> {
+    let hd = c.head_dim;
+    let qg = matvec(&a.q, x);
+    let (kr, vr) = (matvec(&a.k, x), matvec(&a.v, x));
+    let rope = |v: &[f64]| -> Vec<f64> {
+        let mut out = v.to_vec();
+        let half = c.rope_dim / 2;
+        for i in 0..half {
+            let theta = pos as f64 * ROPE_BASE.powf(-2.0 * i as f64 / c.rope_dim as f64);
+            let (s, co) = theta.sin_cos();
+            out[i] = v[i] * co - v[i + half] * s;
+            out[i + half] = v[i + half] * co + v[i] * s;
+        }
+        out
+    };
+    let k: Vec<f64> = (0..c.n_kv_head).flat_map(|h| rope(&rms(&kr[h * hd..(h + 1) * hd], &a.k_norm))).collect();
+    ks.push(k);
+    vs.push(vr);
+    let group = c.n_head / c.n_kv_head;
+    let mut out = Vec::with_capacity(c.n_head * hd);
+    for h in 0..c.n_head {
+        let q = rope(&rms(&qg[h * 2 * hd..h * 2 * hd + hd], &a.q_norm));
+        let gate = &qg[h * 2 * hd + hd..(h + 1) * 2 * hd];
+        let g = h / group;
+        let scores: Vec<f64> = ks.iter().map(|k| q.iter().zip(&k[g * hd..(g + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt()).collect();
+        let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+        let den: f64 = e.iter().sum();
+        for j in 0..hd {
+            let o: f64 = vs.iter().zip(&e).map(|(v, p)| p * v[g * hd + j]).sum::<f64>() / den;
+            out.push(o * sigmoid(gate[j]));
+        }
+    }
+    matvec(&a.o, &out)
+}
+
+/// The gated delta-net layer for one token (model-families.md, section d, GGUF semantics).
+fn gdn(c: &TinyQwen35, g: &GdnWeights, x: &[f64], window: &mut Vec<Vec<f64>>, s: &mut [f64]) -> Vec<f64> {
+    let (hk, hv, dk) = (c.n_k_heads, c.n_v_heads, c.d_state);
+    let dv = dk;
+    let kk = c.conv_kernel;
+    let qkv = matvec(&g.qkv, x);
+    let z = matvec(&g.gate, x);
+    let beta: Vec<f64> = matvec(&g.beta, x).into_iter().map(sigmoid).collect();
+    let alpha = matvec(&g.alpha, x);
+    let gl: Vec<f64> = (0..hv).map(|h| g.a[h] * softplus(alpha[h] + g.dt_bias[h])).collect();
+    window.push(qkv);
+    let conv_dim = c.conv_dim();
+    let conv: Vec<f64> = (0..conv_dim).map(|ch| silu((0..kk).map(|j| g.conv[ch * kk + j] * window[j][ch]).sum())).collect();
+    window.remove(0);
+    let l2 = |v: &[f64]| {
+        let n = (v.iter().map(|a| a * a).sum::<f64>() + EPS).sqrt();
+        v.iter().map(|a| a / n).collect::<Vec<f64>>()
+    };
+    let q: Vec<Vec<f64>> = (0..hk).map(|h| l2(&conv[h * dk..(h + 1) * dk]).into_iter().map(|v| v / (dk as f64).sqrt()).collect()).collect();
+    let k: Vec<Vec<f64>> = (0..hk).map(|h| l2(&conv[hk * dk + h * dk..hk * dk + (h + 1) * dk])).collect();
+    let v = &conv[2 * hk * dk..];
+    let mut y = Vec::with_capacity(hv * dv);
+    for h in 0..hv {
+        let kh = h % hk;
+        let sh = &mut s[h * dk * dv..(h + 1) * dk * dv];
+        let decay = gl[h].exp();
+        sh.iter_mut().for_each(|a| *a *= decay);
+        let u: Vec<f64> = (0..dv).map(|j| beta[h] * (v[h * dv + j] - (0..dk).map(|i| sh[i * dv + j] * k[kh][i]).sum::<f64>())).collect();
+        for i in 0..dk {
+            for j in 0..dv {
+                sh[i * dv + j] += k[kh][i] * u[j];
+            }
+        }
+        let o: Vec<f64> = (0..dv).map(|j| (0..dk).map(|i| sh[i * dv + j] * q[kh][i]).sum()).collect();
+        let on = rms(&o, &g.norm);
+        y.extend(on.iter().zip(&z[h * dv..(h + 1) * dv]).map(|(a, z)| a * silu(*z)));
+    }
+    matvec(&g.out, &y)
+}
