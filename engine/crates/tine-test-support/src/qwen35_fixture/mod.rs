@@ -44,6 +44,10 @@ pub struct TinyQwen35 {
     pub vocab: usize,
     /// Write an untied `output.weight` (else the head is `token_embd`).
     pub untied: bool,
+    /// Append a NextN head (`nextn_predict_layers = 1`: block `n_layer`, a full-attention block
+    /// with `nextn.*` tensors). Its weights are drawn after the trunk's, so the trunk is the same
+    /// with or without it.
+    pub nextn: bool,
     pub seed: u64,
 }
 
@@ -64,6 +68,7 @@ impl Default for TinyQwen35 {
             n_v_heads: 4,
             vocab: 96,
             untied: true,
+            nextn: false,
             seed: 11,
         }
     }
@@ -131,6 +136,17 @@ pub struct Qwen35Layer {
     pub ffn_down: Vec<f64>,
 }
 
+/// A NextN head's weights: its full-attention block and the `nextn.*` tensors.
+#[derive(Debug, Clone)]
+pub struct NextNWeights {
+    pub block: Qwen35Layer,
+    /// `(n_embd, 2 · n_embd)`.
+    pub eh_proj: Vec<f64>,
+    pub enorm: Vec<f64>,
+    pub hnorm: Vec<f64>,
+    pub shared_head_norm: Vec<f64>,
+}
+
 /// The weights as written (after the quantization round trip), in f64.
 #[derive(Debug, Clone)]
 pub struct Qwen35Weights {
@@ -140,6 +156,7 @@ pub struct Qwen35Weights {
     /// `None`: tied to `embd`.
     pub output: Option<Vec<f64>>,
     pub layers: Vec<Qwen35Layer>,
+    pub nextn: Option<NextNWeights>,
 }
 
 impl TinyQwen35 {
@@ -187,10 +204,11 @@ impl TinyQwen35 {
         let output_norm = put("output_norm.weight".into(), norm(&mut rng, d), vec![d], f);
         let output = self.untied.then(|| put("output.weight".into(), rng.vec(self.vocab * d, s), vec![self.vocab, d], dtype));
         let mut layers = Vec::new();
-        for l in 0..self.n_layer {
+        for l in 0..self.n_layer + usize::from(self.nextn) {
             let p = format!("blk.{l}");
             let attn_norm = put(format!("{p}.attn_norm.weight"), norm(&mut rng, d), vec![d], f);
-            let mixer = if self.is_full(l) {
+            // The NextN block is a full-attention block.
+            let mixer = if l == self.n_layer || self.is_full(l) {
                 let qd = self.n_head * hd;
                 Mixer::Attn(AttnWeights {
                     q: put(format!("{p}.attn_q.weight"), rng.vec(2 * qd * d, s), vec![2 * qd, d], dtype),
@@ -220,6 +238,20 @@ impl TinyQwen35 {
             let ffn_down = put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff], dtype);
             layers.push(Qwen35Layer { attn_norm, post_attn_norm, mixer, ffn_gate, ffn_up, ffn_down });
         }
+        let nextn = match self.nextn {
+            true => {
+                let block = layers.pop().expect("the NextN block was written last");
+                let p = format!("blk.{}.nextn", self.n_layer);
+                Some(NextNWeights {
+                    block,
+                    eh_proj: put(format!("{p}.eh_proj.weight"), rng.vec(d * 2 * d, 1.0 / (2.0 * d as f64).sqrt()), vec![d, 2 * d], dtype),
+                    enorm: put(format!("{p}.enorm.weight"), norm(&mut rng, d), vec![d], f),
+                    hnorm: put(format!("{p}.hnorm.weight"), norm(&mut rng, d), vec![d], f),
+                    shared_head_norm: put(format!("{p}.shared_head_norm.weight"), norm(&mut rng, d), vec![d], f),
+                })
+            }
+            false => None,
+        };
         use gguf_file::Value as V;
         let u = |x: usize| V::U32(x as u32);
         let a = "qwen35";
@@ -227,7 +259,7 @@ impl TinyQwen35 {
         let md: Vec<(String, V)> = vec![
             ("general.architecture".into(), V::String(a.into())),
             ("general.name".into(), V::String("tiny-qwen35-test".into())),
-            (key("block_count"), u(self.n_layer)),
+            (key("block_count"), u(self.n_layer + usize::from(self.nextn))),
             (key("context_length"), u(4096)),
             (key("embedding_length"), u(d)),
             (key("feed_forward_length"), u(self.n_ff)),
@@ -245,12 +277,12 @@ impl TinyQwen35 {
             (key("ssm.time_step_rank"), u(hv)),
             (key("ssm.inner_size"), u(hv * ds)),
             (key("full_attention_interval"), u(self.full_attention_interval)),
-            (key("nextn_predict_layers"), u(0)),
+            (key("nextn_predict_layers"), u(usize::from(self.nextn))),
         ];
         let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
         gguf_file::write(w, &md_refs, &t_refs).expect("write fixture GGUF");
-        Qwen35Weights { cfg: self.clone(), embd, output_norm, output, layers }
+        Qwen35Weights { cfg: self.clone(), embd, output_norm, output, layers, nextn }
     }
 }
 
@@ -295,6 +327,8 @@ pub struct Qwen35Reference<'w> {
     w: &'w Qwen35Weights,
     pub state: Vec<RefState>,
     pub pos: usize,
+    /// The last step's hidden state after the output norm (what the NextN head reads).
+    pub hidden: Vec<f64>,
 }
 
 impl<'w> Qwen35Reference<'w> {
@@ -309,7 +343,7 @@ impl<'w> Qwen35Reference<'w> {
                 }
             })
             .collect();
-        Qwen35Reference { w, state, pos: 0 }
+        Qwen35Reference { w, state, pos: 0, hidden: Vec::new() }
     }
 
     /// The logits after `token` at the next position.
@@ -333,7 +367,56 @@ impl<'w> Qwen35Reference<'w> {
         }
         self.pos += 1;
         let n = rms(&x, &w.output_norm);
+        self.hidden = n.clone();
         matvec(w.output.as_ref().unwrap_or(&w.embd), &n)
+    }
+}
+
+/// The float64 NextN head over one sequence (model-families.md, "NextN (MTP) head"): entry `j`
+/// reads the trunk's hidden state at `j` (after its output norm) and the token at `j + 1`, at
+/// position `j + 1`: `u = eh_proj [enorm(E[x]); hnorm(h)]`, the full-attention block over its own
+/// K/V, `h' = shared_head_norm(u)`, logits `output · h'`. Chained steps feed `h'` back as `h`.
+#[derive(Debug, Clone)]
+pub struct NextNReference<'w> {
+    w: &'w Qwen35Weights,
+    k: Vec<Vec<f64>>,
+    v: Vec<Vec<f64>>,
+}
+
+impl<'w> NextNReference<'w> {
+    pub fn new(w: &'w Qwen35Weights) -> Self {
+        NextNReference { w, k: Vec::new(), v: Vec::new() }
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.k.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.k.is_empty()
+    }
+
+    /// The next entry: `hidden` and the token after it. Returns the logits and `h'`.
+    pub fn step(&mut self, hidden: &[f64], token: u32) -> (Vec<f64>, Vec<f64>) {
+        let (w, c) = (self.w, &self.w.cfg);
+        let head = w.nextn.as_ref().expect("a NextN head");
+        let d = c.n_embd;
+        let mut cat = rms(&w.embd[token as usize * d..(token as usize + 1) * d], &head.enorm);
+        cat.extend(rms(hidden, &head.hnorm));
+        let mut x = matvec(&head.eh_proj, &cat);
+        let b = &head.block;
+        let Mixer::Attn(a) = &b.mixer else { unreachable!("the NextN block is full attention") };
+        let pos = self.k.len() + 1;
+        let mixed = attention(c, a, &rms(&x, &b.attn_norm), pos, &mut self.k, &mut self.v);
+        x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+        let h = rms(&x, &b.post_attn_norm);
+        let (g, u) = (matvec(&b.ffn_gate, &h), matvec(&b.ffn_up, &h));
+        let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+        let down = matvec(&b.ffn_down, &act);
+        x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+        let hn = rms(&x, &head.shared_head_norm);
+        (matvec(w.output.as_ref().unwrap_or(&w.embd), &hn), hn)
     }
 }
 
