@@ -48,6 +48,11 @@ pub struct TinyQwen35 {
     /// with `nextn.*` tensors). Its weights are drawn after the trunk's, so the trunk is the same
     /// with or without it.
     pub nextn: bool,
+    /// Routed experts (`qwen35moe`); 0: the dense `qwen35` MLP.
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub expert_ff: usize,
+    pub shared_ff: usize,
     pub seed: u64,
 }
 
@@ -69,6 +74,10 @@ impl Default for TinyQwen35 {
             vocab: 96,
             untied: true,
             nextn: false,
+            n_expert: 0,
+            n_expert_used: 0,
+            expert_ff: 0,
+            shared_ff: 0,
             seed: 11,
         }
     }
@@ -126,14 +135,28 @@ pub enum Mixer {
     Attn(AttnWeights),
 }
 
+/// A block's feed-forward weights.
+#[derive(Debug, Clone)]
+pub enum Ffn {
+    /// SwiGLU: `down(SiLU(gate x) · up x)`.
+    Dense { gate: Vec<f64>, up: Vec<f64>, down: Vec<f64> },
+    /// Routed experts (softmax over `router x`, the top `n_expert_used` renormalised, each a
+    /// SwiGLU) plus the shared expert gated by `sigmoid(shared_gate · x)`.
+    Moe {
+        router: Vec<f64>,
+        /// Per expert `(gate, up, down)`.
+        experts: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)>,
+        shared_gate: Vec<f64>,
+        shared: (Vec<f64>, Vec<f64>, Vec<f64>),
+    },
+}
+
 #[derive(Debug, Clone)]
 pub struct Qwen35Layer {
     pub attn_norm: Vec<f64>,
     pub post_attn_norm: Vec<f64>,
     pub mixer: Mixer,
-    pub ffn_gate: Vec<f64>,
-    pub ffn_up: Vec<f64>,
-    pub ffn_down: Vec<f64>,
+    pub ffn: Ffn,
 }
 
 /// A NextN head's weights: its full-attention block and the `nextn.*` tensors.
@@ -160,6 +183,19 @@ pub struct Qwen35Weights {
 }
 
 impl TinyQwen35 {
+    /// The default shape as `qwen35moe`: four experts of which two are used, a shared expert.
+    pub fn moe() -> TinyQwen35 {
+        TinyQwen35 { n_expert: 4, n_expert_used: 2, expert_ff: 32, shared_ff: 32, ..TinyQwen35::default() }
+    }
+
+    pub fn arch(&self) -> &'static str {
+        if self.n_expert > 0 {
+            "qwen35moe"
+        } else {
+            "qwen35"
+        }
+    }
+
     /// Whether layer `l` is a full-attention layer.
     pub fn is_full(&self, l: usize) -> bool {
         (l + 1).is_multiple_of(self.full_attention_interval)
@@ -233,10 +269,31 @@ impl TinyQwen35 {
                 })
             };
             let post_attn_norm = put(format!("{p}.post_attention_norm.weight"), norm(&mut rng, d), vec![d], f);
-            let ffn_gate = put(format!("{p}.ffn_gate.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d], dtype);
-            let ffn_up = put(format!("{p}.ffn_up.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d], dtype);
-            let ffn_down = put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff], dtype);
-            layers.push(Qwen35Layer { attn_norm, post_attn_norm, mixer, ffn_gate, ffn_up, ffn_down });
+            let ffn = if self.n_expert == 0 {
+                Ffn::Dense {
+                    gate: put(format!("{p}.ffn_gate.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d], dtype),
+                    up: put(format!("{p}.ffn_up.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d], dtype),
+                    down: put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff], dtype),
+                }
+            } else {
+                let (e, fe, fs) = (self.n_expert, self.expert_ff, self.shared_ff);
+                let router = put(format!("{p}.ffn_gate_inp.weight"), rng.vec(e * d, 2.0 * s), vec![e, d], f);
+                let g = put(format!("{p}.ffn_gate_exps.weight"), rng.vec(e * fe * d, s), vec![e, fe, d], dtype);
+                let u = put(format!("{p}.ffn_up_exps.weight"), rng.vec(e * fe * d, s), vec![e, fe, d], dtype);
+                let dn = put(format!("{p}.ffn_down_exps.weight"), rng.vec(e * d * fe, 1.0 / (fe as f64).sqrt()), vec![e, d, fe], dtype);
+                let experts = (0..e).map(|i| (g[i * fe * d..(i + 1) * fe * d].to_vec(), u[i * fe * d..(i + 1) * fe * d].to_vec(), dn[i * d * fe..(i + 1) * d * fe].to_vec())).collect();
+                Ffn::Moe {
+                    router,
+                    experts,
+                    shared_gate: put(format!("{p}.ffn_gate_inp_shexp.weight"), rng.vec(d, s), vec![1, d], f),
+                    shared: (
+                        put(format!("{p}.ffn_gate_shexp.weight"), rng.vec(fs * d, s), vec![fs, d], dtype),
+                        put(format!("{p}.ffn_up_shexp.weight"), rng.vec(fs * d, s), vec![fs, d], dtype),
+                        put(format!("{p}.ffn_down_shexp.weight"), rng.vec(d * fs, 1.0 / (fs as f64).sqrt()), vec![d, fs], dtype),
+                    ),
+                }
+            };
+            layers.push(Qwen35Layer { attn_norm, post_attn_norm, mixer, ffn });
         }
         let nextn = match self.nextn {
             true => {
@@ -254,7 +311,7 @@ impl TinyQwen35 {
         };
         use gguf_file::Value as V;
         let u = |x: usize| V::U32(x as u32);
-        let a = "qwen35";
+        let a = self.arch();
         let key = |k: &str| format!("{a}.{k}");
         let md: Vec<(String, V)> = vec![
             ("general.architecture".into(), V::String(a.into())),
@@ -279,6 +336,14 @@ impl TinyQwen35 {
             (key("full_attention_interval"), u(self.full_attention_interval)),
             (key("nextn_predict_layers"), u(usize::from(self.nextn))),
         ];
+        let mut md = md;
+        if self.n_expert > 0 {
+            md.retain(|(k, _)| k != &key("feed_forward_length"));
+            md.push((key("expert_count"), u(self.n_expert)));
+            md.push((key("expert_used_count"), u(self.n_expert_used)));
+            md.push((key("expert_feed_forward_length"), u(self.expert_ff)));
+            md.push((key("expert_shared_feed_forward_length"), u(self.shared_ff)));
+        }
         let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
         gguf_file::write(w, &md_refs, &t_refs).expect("write fixture GGUF");
@@ -359,10 +424,7 @@ impl<'w> Qwen35Reference<'w> {
                 _ => unreachable!("the state follows the layer kinds"),
             };
             x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
-            let h = rms(&x, &layer.post_attn_norm);
-            let (g, u) = (matvec(&layer.ffn_gate, &h), matvec(&layer.ffn_up, &h));
-            let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
-            let down = matvec(&layer.ffn_down, &act);
+            let down = ffn(c, &layer.ffn, &rms(&x, &layer.post_attn_norm));
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
         self.pos += 1;
@@ -410,13 +472,48 @@ impl<'w> NextNReference<'w> {
         let pos = self.k.len() + 1;
         let mixed = attention(c, a, &rms(&x, &b.attn_norm), pos, &mut self.k, &mut self.v);
         x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
-        let h = rms(&x, &b.post_attn_norm);
-        let (g, u) = (matvec(&b.ffn_gate, &h), matvec(&b.ffn_up, &h));
-        let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
-        let down = matvec(&b.ffn_down, &act);
+        let down = ffn(c, &b.ffn, &rms(&x, &b.post_attn_norm));
         x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         let hn = rms(&x, &head.shared_head_norm);
         (matvec(w.output.as_ref().unwrap_or(&w.embd), &hn), hn)
+    }
+}
+
+fn swiglu(gate: &[f64], up: &[f64], down: &[f64], x: &[f64]) -> Vec<f64> {
+    let (g, u) = (matvec(gate, x), matvec(up, x));
+    let act: Vec<f64> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+    matvec(down, &act)
+}
+
+/// The feed-forward of one token: SwiGLU, or the routed experts (softmax over the router's
+/// logits, the top `n_expert_used` by probability, lower index first among equals, their weights
+/// renormalised to sum to 1) plus the shared expert times `sigmoid(shared_gate · x)`.
+fn ffn(c: &TinyQwen35, f: &Ffn, x: &[f64]) -> Vec<f64> {
+    match f {
+        Ffn::Dense { gate, up, down } => swiglu(gate, up, down, x),
+        Ffn::Moe { router, experts, shared_gate, shared } => {
+            let r = matvec(router, x);
+            let mx = r.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = r.iter().map(|v| (v - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let p: Vec<f64> = e.iter().map(|v| v / z).collect();
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            let top = &order[..c.n_expert_used];
+            let sum: f64 = top.iter().map(|&i| p[i]).sum();
+            let mut y = vec![0f64; x.len()];
+            for &i in top {
+                let (g, u, d) = &experts[i];
+                for (a, b) in y.iter_mut().zip(swiglu(g, u, d, x)) {
+                    *a += p[i] / sum * b;
+                }
+            }
+            let sg = sigmoid(shared_gate.iter().zip(x).map(|(a, b)| a * b).sum());
+            for (a, b) in y.iter_mut().zip(swiglu(&shared.0, &shared.1, &shared.2, x)) {
+                *a += sg * b;
+            }
+            y
+        }
     }
 }
 
