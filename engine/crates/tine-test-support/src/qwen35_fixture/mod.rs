@@ -53,7 +53,32 @@ pub struct TinyQwen35 {
     pub n_expert_used: usize,
     pub expert_ff: usize,
     pub shared_ff: usize,
+    /// Write a byte-level BPE tokenizer (`gpt2` with the `qwen35` pre-tokenizer: the 256 byte
+    /// symbols, one merge `Ġ t`, `<|endoftext|>`), as llama.cpp needs to load the file; then
+    /// `vocab` must be [`TOKENIZER_VOCAB`].
+    pub tokenizer: bool,
     pub seed: u64,
+}
+
+/// The vocabulary of the fixture's tokenizer: 256 byte symbols, `Ġt`, `<|endoftext|>`.
+pub const TOKENIZER_VOCAB: usize = 258;
+
+/// GPT-2's byte-to-symbol map: printable bytes stand for themselves, the rest map to
+/// U+0100 onwards in byte order.
+pub fn byte_symbols() -> Vec<String> {
+    let keep = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let mut next = 256u32;
+    (0..256u32)
+        .map(|b| {
+            if keep(b) {
+                char::from_u32(b).expect("a Latin-1 code point").to_string()
+            } else {
+                let c = char::from_u32(next).expect("a code point past Latin-1");
+                next += 1;
+                c.to_string()
+            }
+        })
+        .collect()
 }
 
 impl Default for TinyQwen35 {
@@ -78,6 +103,7 @@ impl Default for TinyQwen35 {
             n_expert_used: 0,
             expert_ff: 0,
             shared_ff: 0,
+            tokenizer: false,
             seed: 11,
         }
     }
@@ -337,6 +363,21 @@ impl TinyQwen35 {
             (key("nextn_predict_layers"), u(usize::from(self.nextn))),
         ];
         let mut md = md;
+        if self.tokenizer {
+            assert_eq!(self.vocab, TOKENIZER_VOCAB, "the fixture's tokenizer has {TOKENIZER_VOCAB} tokens");
+            let mut tokens = byte_symbols();
+            tokens.push("Ġt".into());
+            tokens.push("<|endoftext|>".into());
+            let types: Vec<V> = (0..tokens.len()).map(|i| V::I32(if i == TOKENIZER_VOCAB - 1 { 3 } else { 1 })).collect();
+            md.push(("tokenizer.ggml.model".into(), V::String("gpt2".into())));
+            md.push(("tokenizer.ggml.pre".into(), V::String("qwen35".into())));
+            md.push(("tokenizer.ggml.tokens".into(), V::Array(tokens.into_iter().map(V::String).collect())));
+            md.push(("tokenizer.ggml.token_type".into(), V::Array(types)));
+            md.push(("tokenizer.ggml.merges".into(), V::Array(vec![V::String("Ġ t".into())])));
+            md.push(("tokenizer.ggml.eos_token_id".into(), u(TOKENIZER_VOCAB - 1)));
+            md.push(("tokenizer.ggml.padding_token_id".into(), u(TOKENIZER_VOCAB - 1)));
+            md.push(("tokenizer.ggml.add_bos_token".into(), V::Bool(false)));
+        }
         if self.n_expert > 0 {
             md.retain(|(k, _)| k != &key("feed_forward_length"));
             md.push((key("expert_count"), u(self.n_expert)));

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Record llama.cpp's outputs on the synthetic Qwen3.5 GGUF that tine-test-support's
+qwen35_fixture writes, for quantized_qwen35's cross-check against llama.cpp.
+
+Starts llama-server (tools/build_llama_cpp.sh builds it) on the GGUF with an f32 KV cache and
+flash attention off, sends fixed prompts as token ids (greedy, n_probs 5) and writes, per prompt,
+the generated ids and the top-5 log-probabilities at every generated position, as plain text.
+
+  cargo test -p tine-patch-tests --test quantized_qwen35 -- --ignored write_the_llama_cpp_fixture
+      (with TINE_QWEN35_GGUF=/tmp/qwen35-fixture.gguf)
+  tools/qwen35_llama_reference.py --server "$(tools/build_llama_cpp.sh)/llama-server" \
+      --model /tmp/qwen35-fixture.gguf --out engine/crates/tine-test-support/data/qwen35_llama_cpp.txt
+"""
+import argparse, hashlib, json, subprocess, sys, time, urllib.request
+
+PROMPTS = [[3, 17, 40, 2, 88, 5, 61, 9, 33], [256, 100, 101, 102], [7] * 12, [200, 12, 34, 56, 78, 90, 123, 145, 167, 189, 211, 233, 255, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--port", type=int, default=18095)
+    ap.add_argument("--n-predict", type=int, default=16)
+    a = ap.parse_args()
+    log = open(a.out + ".server.log", "w")
+    srv = subprocess.Popen([a.server, "-m", a.model, "--port", str(a.port), "-t", "2", "-c", "512", "-np", "1", "--no-warmup", "-ctk", "f32", "-ctv", "f32", "-fa", "off"], stdout=log, stderr=log)
+    try:
+        for _ in range(600):
+            if srv.poll() is not None:
+                sys.exit(f"llama-server exited with {srv.returncode}; see {a.out}.server.log")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                time.sleep(0.2)
+        cases = []
+        for p in PROMPTS:
+            r = post(a.port, "/completion", {"prompt": p, "n_predict": a.n_predict, "temperature": 0, "n_probs": 5, "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+            probs = r["completion_probabilities"]
+            cases.append({"prompt_ids": p, "ids": [x["id"] for x in probs], "top": [[[t["id"], round(t["logprob"], 6)] for t in x["top_logprobs"]] for x in probs]})
+        sha = hashlib.sha256(open(a.model, "rb").read()).hexdigest()
+        # A plain text format the Rust test reads without a JSON crate: per case a `prompt` line,
+        # an `ids` line, then one `top` line per generated position (id:logprob pairs).
+        with open(a.out, "w") as f:
+            f.write(f"# llama.cpp llama-server (llama-cpp-python 0.3.36 sdist), f32 KV, flash attention off; model sha256 {sha}\n")
+            for c in cases:
+                f.write("prompt " + " ".join(map(str, c["prompt_ids"])) + "\n")
+                f.write("ids " + " ".join(map(str, c["ids"])) + "\n")
+                for top in c["top"]:
+                    f.write("top " + " ".join(f"{i}:{lp}" for i, lp in top) + "\n")
+    finally:
+        srv.terminate()
+        srv.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
