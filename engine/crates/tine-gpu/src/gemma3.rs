@@ -100,6 +100,17 @@ struct Layer {
     post_ffn_norm: CudaSlice<f32>,
 }
 
+/// The weights of a block after its attention ([`Gemma3Gpu::launch_block_tail`]): the trunk's
+/// layers, a NextN head's block and an assistant head's blocks share them.
+struct BlockTail<'a> {
+    o: &'a (CudaSlice<u8>, WeightType),
+    post_attn_norm: &'a CudaSlice<f32>,
+    ffn_norm: &'a CudaSlice<f32>,
+    gate: &'a (CudaSlice<u8>, WeightType),
+    up: &'a (CudaSlice<u8>, WeightType),
+    down: &'a (CudaSlice<u8>, WeightType),
+}
+
 /// A NextN head (block `layers` of a `gemma3` GGUF with `nextn_predict_layers = 1`): at entry `j`
 /// it reads the trunk's hidden state `H_j` (before the output norm) and the token at `j + 1`:
 /// `x = eh_proj([enorm(E·√n); hnorm(H)])`, one Gemma 3 block over its own KV cache (position `j`),
@@ -617,13 +628,27 @@ impl Gemma3Gpu {
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
-        let window = if local { c.window } else { 0 };
-        let at = AttnArgs {
-            q: p(&b.q),
+        let at = self.attn_args(kv, ctx_len, local, c.n_head, step);
+        match prompt {
+            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
+            None => k.attention(s, rows, c.head_dim, &at)?,
+        }
+        mark(if local { "attention local" } else { "attention global" })?;
+        let tail = BlockTail { o: &ly.o, post_attn_norm: &ly.post_attn_norm, ffn_norm: &ly.ffn_norm, gate: &ly.gate, up: &ly.up, down: &ly.down };
+        self.launch_block_tail(&tail, c.hidden, qd, c.ff, step, rows, prompt, mark)
+    }
+
+    /// The decode attention's arguments for `n_head` query heads over a layer's cache `kv` of
+    /// `ctx_len` positions (its output written as the activation planes' Q8 rows).
+    fn attn_args(&self, kv: (DevPtr, DevPtr), ctx_len: usize, local: bool, n_head: usize, step: DevPtr) -> AttnArgs {
+        let (b, act) = (&self.b, self.act(0, 0));
+        let window = if local { self.cfg.window } else { 0 };
+        AttnArgs {
+            q: self.ptr(&b.q),
             k_cache: kv.0,
             v_cache: kv.1,
             out: 0,
-            partials: p(&b.partials),
+            partials: self.ptr(&b.partials),
             counters: self.ptr(&b.attn_counters),
             step,
             qs: act.0,
@@ -631,25 +656,33 @@ impl Gemma3Gpu {
             qsum: act.2,
             ctx: ctx_len as i32,
             window: window as i32,
-            n_head: c.n_head as i32,
-            n_kv: c.n_kv as i32,
+            n_head: n_head as i32,
+            n_kv: self.cfg.n_kv as i32,
             chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
-        };
-        match prompt {
-            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
-            None => k.attention(s, rows, c.head_dim, &at)?,
         }
-        mark(if local { "attention local" } else { "attention global" })?;
-        k.gemv(s, rows, qd, &[self.seg(&ly.o, &b.o, c.hidden)], act)?;
+    }
+
+    /// A block's launches after its attention (whose Q8 output is in the activation planes):
+    /// the output projection (`qd` values a row), `h + post_attention_norm(o)` with `ffn_norm`,
+    /// the GLU (`ff` wide) and `down` into `b.down`, for rows of `width` values. 6 launches.
+    ///
+    /// # Safety
+    /// As [`Gemma3Gpu::launch_block`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_block_tail(&self, w: &BlockTail, width: usize, qd: usize, ff: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        let b = &self.b;
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let (s, k, act) = (&self.stream, &self.kernels, self.act(0, 0));
+        k.gemv(s, rows, qd, &[self.seg(w.o, &b.o, width)], act)?;
         mark("gemv o")?;
-        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(w.post_attn_norm), 1, width, p(w.ffn_norm)))?;
         mark("norm_quant")?;
-        let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 1, block_start: 0 };
-        k.gemv(s, rows, c.hidden, &[glu], act)?;
+        let glu = GemvSeg { w: self.ptr(&w.gate.0), w2: self.ptr(&w.up.0), out: p(&b.ff), n: ff as i32, wtype: w.gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0 };
+        k.gemv(s, rows, width, &[glu], act)?;
         mark("gemv gate·up")?;
-        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, c.ff, 0))?;
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, ff, 0))?;
         mark("norm_quant")?;
-        k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
+        k.gemv(s, rows, ff, &[self.seg(w.down, &b.down, width)], act)?;
         mark("gemv down")?;
         Ok(())
     }

@@ -99,17 +99,12 @@ mod imp {
             Ok((self.0.logits(&seq.0)?, self.0.hidden(&seq.0)?))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
-        /// `banned` (at most [`MAX_BANNED`]); only the ids cross to the host.
-        pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<Vec<u32>, GpuError> {
+        /// `banned` (at most [`MAX_BANNED`]), and with `hidden` the rows' final hidden states
+        /// (`rows × hidden`, before the output norm; a verify step for a drafter that reads
+        /// them): the logits stay on the device.
+        pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], hidden: bool) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
             self.0.forward_banning(&mut seq.0, tokens, banned)?;
-            self.0.argmax(&seq.0)
-        }
-        /// [`GpuTrunk::forward_argmax_all`] that also returns the rows' final hidden states
-        /// (`rows × hidden`, before the output norm): a greedy verify step for a drafter that reads
-        /// them. The logits stay on the device.
-        pub fn forward_argmax_hidden(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
-            self.0.forward_banning(&mut seq.0, tokens, banned)?;
-            Ok((self.0.argmax(&seq.0)?, self.0.hidden(&seq.0)?))
+            Ok((self.0.argmax(&seq.0)?, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's `k` best `(id, logit)`
         /// ([`GpuTrunk::forward_top_k`]'s order, `banned` left out) and, when asked, the rows'
@@ -245,10 +240,7 @@ mod imp {
         pub fn forward_argmax(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<u32, GpuError> {
             unreachable!("{NEVER}")
         }
-        pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<Vec<u32>, GpuError> {
-            unreachable!("{NEVER}")
-        }
-        pub fn forward_argmax_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32]) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
+        pub fn forward_argmax_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32], _hidden: bool) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_top_k_all(&self, _seq: &mut GpuSeq, _tokens: &[u32], _banned: &[u32], _k: usize, _hidden: bool) -> Result<(RowsTopK, Vec<f32>), GpuError> {

@@ -590,44 +590,38 @@ impl Sequence {
     /// passing over `banned`: the ids greedy sampling picks from [`Sequence::forward_all`]'s rows
     /// with `banned` at -inf. On the GPU engine only the ids cross to the host. Atomic.
     pub fn forward_all_argmax(&mut self, model: &Model, tokens: &[u32], banned: &[u32]) -> Result<Vec<u32>, StepError> {
-        if !self.on_gpu_engine() || banned.len() > MAX_BANNED {
-            let logits = self.forward_all(model, tokens)?;
-            return Ok((0..logits.positions()).map(|i| banned_argmax(logits.row(i), banned)).collect());
-        }
-        self.check(model, tokens)?;
-        self.atomic(|seq| {
-            let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
-            let mut ids = Vec::with_capacity(tokens.len());
-            for chunk in tokens.chunks(STEP_ROWS) {
-                ids.extend(gpu.forward_argmax_all(seq.gpu.as_mut().expect("on the engine"), chunk, banned)?);
-                seq.injected()?;
-                seq.tokens.extend_from_slice(chunk);
-            }
-            Ok(ids)
-        })
+        Ok(self.argmax_batch(model, tokens, banned, false)?.0)
     }
 
     /// [`Sequence::forward_all_argmax`] that also returns every position's hidden state: a
     /// greedy verify batch for a drafter that reads them (NextN). On the GPU engine the ids and
     /// the hidden states cross to the host, not the `rows × vocab` logits. Atomic.
     pub fn forward_all_argmax_hidden(&mut self, model: &Model, tokens: &[u32], banned: &[u32]) -> Result<(Vec<u32>, Hidden), StepError> {
+        let (ids, hidden) = self.argmax_batch(model, tokens, banned, true)?;
+        Ok((ids, hidden.expect("asked for hidden states")))
+    }
+
+    /// Greedy ids of a verify batch (and, when asked, its hidden states): on the engine the ids
+    /// come from the device, elsewhere from the rows.
+    fn argmax_batch(&mut self, model: &Model, tokens: &[u32], banned: &[u32], hidden: bool) -> Result<(Vec<u32>, Option<Hidden>), StepError> {
         if !self.on_gpu_engine() || banned.len() > MAX_BANNED {
-            let (logits, hidden) = self.forward_all_hidden(model, tokens)?;
-            return Ok(((0..logits.positions()).map(|i| banned_argmax(logits.row(i), banned)).collect(), hidden));
+            let (logits, h) = self.forward_batch(model, tokens, hidden)?;
+            return Ok(((0..logits.positions()).map(|i| banned_argmax(logits.row(i), banned)).collect(), h));
         }
         self.check(model, tokens)?;
         self.atomic(|seq| {
             let gpu = model.gpu.as_ref().expect("a sequence on the engine has a model on it");
             let mut ids = Vec::with_capacity(tokens.len());
-            let mut states = Vec::with_capacity(tokens.len() * model.info.embedding_length);
+            let mut states = Vec::with_capacity(if hidden { tokens.len() * model.info.embedding_length } else { 0 });
             for chunk in tokens.chunks(STEP_ROWS) {
-                let (i, h) = gpu.forward_argmax_hidden(seq.gpu.as_mut().expect("on the engine"), chunk, banned)?;
+                let (i, h) = gpu.forward_argmax_all(seq.gpu.as_mut().expect("on the engine"), chunk, banned, hidden)?;
                 ids.extend(i);
                 states.extend(h);
                 seq.injected()?;
                 seq.tokens.extend_from_slice(chunk);
             }
-            Ok((ids, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)?)))
+            let hidden = hidden.then(|| Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)).transpose()?.map(Hidden);
+            Ok((ids, hidden))
         })
     }
 

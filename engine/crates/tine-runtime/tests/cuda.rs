@@ -369,9 +369,19 @@ fn cuda_real_model_nextn_head_on_the_engine_matches_the_cpu() {
     let ((c, on_cpu_engine), (g, on_engine)) = (run(&cpu), run(&gpu));
     assert!(on_engine && !on_cpu_engine, "the head runs on the engine with --device cuda");
     let vocab = cpu.nextn_draft_vocab().map_or(cpu.info.vocab_size, <[u32]>::len);
+    assert!(c.iter().chain(&g).all(|r| r.len() == vocab), "logits over the head's vocabulary");
+    assert_draft_steps_agree("NextN head", &c, &g);
+}
+
+/// A draft head's chained steps on the engine (`engine`) against the CPU's (`cpu`): the engine's
+/// Q8 activations and the CPU's Q8_K round the same values differently, so each step's logits
+/// stay within a tenth of their scale and the pick agrees unless the CPU's top two are a
+/// near-tie.
+fn assert_draft_steps_agree(head: &str, cpu: &[Vec<f32>], engine: &[Vec<f32>]) {
+    assert_eq!(cpu.len(), engine.len(), "{head}: as many steps on both paths");
     let mut report = Vec::new();
-    for (i, (cr, gr)) in c.iter().zip(&g).enumerate() {
-        assert_eq!((cr.len(), gr.len()), (vocab, vocab), "logits over the head's vocabulary");
+    for (i, (cr, gr)) in cpu.iter().zip(engine).enumerate() {
+        assert_eq!(cr.len(), gr.len(), "{head}: logits over one vocabulary");
         let scale = cr.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
         let rel = worst(cr, gr) / scale;
         let (ci, gi) = (tine_sampling::argmax(cr), tine_sampling::argmax(gr));
@@ -379,12 +389,10 @@ fn cuda_real_model_nextn_head_on_the_engine_matches_the_cpu() {
         sorted.sort_by(|a, b| b.total_cmp(a));
         let gap = sorted[0] - sorted[1];
         report.push(format!("step {i}: {rel:.4} of the largest logit, ids {ci}/{gi} (cpu top-2 gap {gap:.3})"));
-        // The engine's Q8 activations and the CPU's Q8_K round the same values differently; a
-        // step's logits stay within a tenth of their scale, and the pick agrees unless a near-tie.
-        assert!(rel < 0.1, "NextN step {i}: the engine's logits differ from the CPU head's by {rel} of their scale");
-        assert!(ci == gi || f64::from(gap) < NEAR_TIE, "NextN step {i}: the engine picks {gi}, the CPU {ci}, top-2 gap {gap}");
+        assert!(rel < 0.1, "{head} step {i}: the engine's logits differ from the CPU's by {rel} of their scale");
+        assert!(ci == gi || f64::from(gap) < NEAR_TIE, "{head} step {i}: the engine picks {gi}, the CPU {ci}, top-2 gap {gap}");
     }
-    eprintln!("NextN head on the engine against the CPU: {}", report.join("; "));
+    eprintln!("{head} on the engine against the CPU: {}", report.join("; "));
 }
 
 /// The repository's assistant head on the default model, on both paths: on the engine it drafts
@@ -411,18 +419,5 @@ fn cuda_real_model_assistant_head_on_the_engine_matches_the_cpu() {
     };
     let ((c, vc), (g, vg)) = (run(&cpu), run(&gpu));
     assert_eq!(vc, vg, "one draft vocabulary");
-    let mut report = Vec::new();
-    for (i, (cr, gr)) in c.iter().zip(&g).enumerate() {
-        assert_eq!(cr.len(), gr.len(), "logits over the head's vocabulary");
-        let scale = cr.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
-        let rel = worst(cr, gr) / scale;
-        let (ci, gi) = (tine_sampling::argmax(cr), tine_sampling::argmax(gr));
-        let mut sorted = cr.clone();
-        sorted.sort_by(|a, b| b.total_cmp(a));
-        let gap = sorted[0] - sorted[1];
-        report.push(format!("step {i}: {rel:.4} of the largest logit, ids {ci}/{gi} (cpu top-2 gap {gap:.3})"));
-        assert!(rel < 0.1, "assistant step {i}: the engine's logits differ from the CPU head's by {rel} of their scale");
-        assert!(ci == gi || f64::from(gap) < NEAR_TIE, "assistant step {i}: the engine picks {gi}, the CPU {ci}, top-2 gap {gap}");
-    }
-    eprintln!("assistant head on the engine against the CPU: {}", report.join("; "));
+    assert_draft_steps_agree("assistant head", &c, &g);
 }

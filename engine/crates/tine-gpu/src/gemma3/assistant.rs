@@ -242,31 +242,10 @@ impl Gemma3Gpu {
                     ..Default::default()
                 };
                 k.qk_norm_rope_kv(s, 1, &rope)?;
-                let window = if local { c.window } else { 0 };
-                let at = AttnArgs {
-                    q: p(&b.q),
-                    k_cache: p(&cache.k[bl.source]),
-                    v_cache: p(&cache.v[bl.source]),
-                    out: 0,
-                    partials: p(&b.partials),
-                    counters: self.ptr(&b.attn_counters),
-                    step,
-                    qs: act.0,
-                    qd: act.1,
-                    qsum: act.2,
-                    ctx: cache.ctx_len as i32,
-                    window: window as i32,
-                    n_head: head.n_head as i32,
-                    n_kv: c.n_kv as i32,
-                    chunks_max: Kernels::attn_chunks_max(cache.ctx_len, window) as i32,
-                };
+                let at = self.attn_args((p(&cache.k[bl.source]), p(&cache.v[bl.source])), cache.ctx_len, local, head.n_head, step);
                 k.attention(s, 1, c.head_dim, &at)?;
-                k.gemv(s, 1, qd, &[self.seg(&bl.o, &b.o, n)], act)?;
-                k.norm_quant(s, 1, &self.nq(step, None, p(&b.o), p(&bl.post_attn_norm), 1, n, p(&bl.ffn_norm)))?;
-                let glu = GemvSeg { w: self.ptr(&bl.gate.0), w2: self.ptr(&bl.up.0), out: p(&b.ff), n: head.ff as i32, wtype: bl.gate.1.ggml_id(), out_stride: head.ff as i32, glu: 1, block_start: 0 };
-                k.gemv(s, 1, n, &[glu], act)?;
-                k.norm_quant(s, 1, &self.nq(step, None, p(&b.ff), 0, 0, head.ff, 0))?;
-                k.gemv(s, 1, head.ff, &[self.seg(&bl.down, &b.down, n)], act)?;
+                let tail = BlockTail { o: &bl.o, post_attn_norm: &bl.post_attn_norm, ffn_norm: &bl.ffn_norm, gate: &bl.gate, up: &bl.up, down: &bl.down };
+                self.launch_block_tail(&tail, n, qd, head.ff, step, 1, None, &mut |_| Ok(()))?;
             }
             let last = head.blocks.last().expect("a head has blocks (checked at load)");
             let out = NormQuantArgs { res_scale: last.scale, ..self.nq(step, None, p(&b.down), p(&last.post_ffn_norm), 1, n, p(&head.output_norm)) };
