@@ -232,6 +232,8 @@ impl Generation {
             // A drafter with per-position state only covers part of what the target holds.
             keep = keep.min(spec.reusable(&req.prompt));
         }
+        // A recurrent model's state returns only to some positions; the rest is evaluated again.
+        let keep = seq.restorable(keep);
         seq.rollback(keep)?;
         let timings = Timings { cached_n: keep, ..Timings::default() };
         let sampler = Sampler::new(req.sampling.clone());
@@ -505,6 +507,7 @@ fn shift(model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, keep:
         Some(spec) => keep.min(spec.reusable(&new)),
         None => keep,
     };
+    let reuse = seq.restorable(reuse);
     seq.rollback(reuse)?;
     let mut at = reuse;
     while at < new.len() {

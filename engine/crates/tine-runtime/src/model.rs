@@ -1,4 +1,5 @@
-//! Loading a Gemma 3 GGUF and stepping sequences through it.
+//! Loading a GGUF (Gemma 3, or the Qwen3.5/3.6 hybrid `qwen35`/`qwen35moe`) and stepping
+//! sequences through it.
 
 use std::fs::File;
 use std::io::BufReader;
@@ -7,6 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
+use candle_transformers::models::quantized_qwen35 as qwen35;
 
 use crate::gpu::{GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
 use crate::tokenizer::Tokenizer;
@@ -26,7 +28,7 @@ pub enum LoadError {
         #[source]
         source: candle_core::Error,
     },
-    #[error("{path}: architecture `{found}` is not supported (Tine runs gemma3)")]
+    #[error("{path}: architecture `{found}` is not supported (Tine runs gemma3, qwen35 and qwen35moe)")]
     Architecture { path: PathBuf, found: String },
     #[error("{path}: cannot load the weights (missing or malformed tensor)")]
     Weights {
@@ -46,6 +48,8 @@ pub enum LoadError {
         #[source]
         source: Box<GpuError>,
     },
+    #[error("{path}: an assistant head is for a gemma3 target; this one is {target}")]
+    AssistantTarget { path: PathBuf, target: String },
     #[error("{path}: the GPU engine cannot run this head for its target")]
     GpuHead {
         path: PathBuf,
@@ -71,6 +75,11 @@ pub enum StepError {
     BadToken { id: u32, vocab: usize },
     #[error("cannot roll back to {to}: the sequence holds {len} positions")]
     RollbackPastEnd { to: usize, len: usize },
+    /// A recurrent model's state has no record of position `to` (see [`Sequence::restorable`]).
+    #[error("cannot roll the recurrent state back to {to} of {len} positions (the nearest position it can return to is {nearest})")]
+    RollbackRecurrent { to: usize, len: usize, nearest: usize },
+    #[error("{0} is not available for this model's architecture")]
+    NotForArchitecture(&'static str),
     #[error("tensor operation failed")]
     Candle(#[from] candle_core::Error),
     #[error("GPU engine step failed")]
@@ -106,9 +115,118 @@ pub struct ModelInfo {
     pub chat_template: Option<String>,
 }
 
+/// A model's weights, by architecture.
+pub(crate) enum Weights {
+    Gemma3(Box<ModelWeights>),
+    /// The hybrid of gated delta-net and gated attention layers (`qwen35`, `qwen35moe`).
+    Qwen35(Box<qwen35::ModelWeights>),
+}
+
+/// One sequence's state in candle, by architecture.
+pub(crate) enum SeqCache {
+    /// K/V per layer: truncated in O(1).
+    Gemma3(Cache),
+    /// K/V of the attention layers and the delta-net layers' recurrent states: truncated exactly
+    /// inside the last verify batch (its row states), else back to a checkpoint.
+    Qwen35(Recurrent),
+}
+
+/// A recurrent sequence's state and its checkpoints: snapshots taken at the end of prompts
+/// (llama-server's context checkpoints), so a next request sharing the prompt, or a context
+/// shift keeping it, starts from there instead of from nothing.
+pub(crate) struct Recurrent {
+    pub(crate) cache: qwen35::Cache,
+    /// Oldest first, at increasing positions, all at most `cache.len()`.
+    checkpoints: Vec<qwen35::Cache>,
+}
+
+/// Checkpoints a recurrent sequence keeps (the oldest goes first). Each holds the recurrent
+/// state and the attention K/V of its position (K/V tensors shared with the live cache until it
+/// grows past them).
+pub const RECURRENT_CHECKPOINTS: usize = 3;
+
+impl Recurrent {
+    fn new(cache: qwen35::Cache) -> Recurrent {
+        Recurrent { cache, checkpoints: Vec::new() }
+    }
+
+    fn restorable(&self, len: usize) -> usize {
+        let at = self.cache.restorable(len);
+        self.checkpoints.iter().map(|c| c.len()).filter(|&p| p <= len).fold(at, usize::max)
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<(), StepError> {
+        let have = self.cache.len();
+        if self.cache.restorable(len) == len {
+            self.cache.truncate(len)?;
+        } else if let Some(c) = self.checkpoints.iter().find(|c| c.len() == len) {
+            self.cache = c.clone();
+        } else {
+            return Err(StepError::RollbackRecurrent { to: len, len: have, nearest: self.restorable(len) });
+        }
+        // Past `len` the tokens will differ: those checkpoints are no longer this sequence's.
+        self.checkpoints.retain(|c| c.len() <= len);
+        Ok(())
+    }
+
+    /// Keeps the state at the current position as a checkpoint.
+    fn checkpoint(&mut self) {
+        let pos = self.cache.len();
+        if pos == 0 || self.checkpoints.last().is_some_and(|c| c.len() >= pos) {
+            return;
+        }
+        if self.checkpoints.len() == RECURRENT_CHECKPOINTS {
+            self.checkpoints.remove(0);
+        }
+        self.checkpoints.push(self.cache.snapshot());
+    }
+}
+
+impl SeqCache {
+    fn len(&self) -> usize {
+        match self {
+            SeqCache::Gemma3(c) => c.len(),
+            SeqCache::Qwen35(c) => c.cache.len(),
+        }
+    }
+
+    fn restorable(&self, len: usize) -> usize {
+        match self {
+            SeqCache::Gemma3(c) => len.min(c.len()),
+            SeqCache::Qwen35(c) => c.restorable(len),
+        }
+    }
+
+    /// A checkpoint at the current position (recurrent states; a KV cache needs none).
+    fn checkpoint(&mut self) {
+        if let SeqCache::Qwen35(c) = self {
+            c.checkpoint();
+        }
+    }
+
+    fn truncate(&mut self, len: usize) -> Result<(), StepError> {
+        match self {
+            SeqCache::Gemma3(c) => c.truncate(len)?,
+            SeqCache::Qwen35(c) => c.truncate(len)?,
+        }
+        Ok(())
+    }
+
+    fn reset(&mut self) {
+        match self {
+            SeqCache::Gemma3(c) => c.reset(),
+            // Zeroing fresh tensors of the cache's own shapes cannot fail but for memory.
+            SeqCache::Qwen35(c) => {
+                c.cache.reset().expect("memory for a fresh recurrent state");
+                c.checkpoints.clear();
+            }
+        }
+    }
+}
+
 /// A loaded model: weights and tokenizer. Shared read-only by all sequences.
 pub struct Model {
-    weights: ModelWeights,
+    pub(crate) weights: Weights,
     pub tokenizer: Tokenizer,
     pub info: ModelInfo,
     /// End-of-generation tokens: EOS and `<end_of_turn>`-like control tokens.
@@ -194,7 +312,7 @@ impl Model {
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
         let arch = ct.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
-        if arch != "gemma3" {
+        if !matches!(arch.as_str(), "gemma3" | "qwen35" | "qwen35moe") {
             return Err(LoadError::Architecture { path: p(), found: arch });
         }
         let tokenizer = Tokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
@@ -202,18 +320,22 @@ impl Model {
             path: p(),
             name: ct.metadata.get("general.name").and_then(|v| v.to_string().ok()).cloned().unwrap_or_else(|| path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()),
             architecture: arch.clone(),
-            context_length: md_u32(&ct, "gemma3.context_length").unwrap_or(8192),
+            context_length: md_u32(&ct, &format!("{arch}.context_length")).unwrap_or(8192),
             vocab_size: tokenizer.vocab_size(),
-            embedding_length: md_u32(&ct, "gemma3.embedding_length").unwrap_or(0),
-            block_count: md_u32(&ct, "gemma3.block_count").unwrap_or(0),
+            embedding_length: md_u32(&ct, &format!("{arch}.embedding_length")).unwrap_or(0),
+            block_count: md_u32(&ct, &format!("{arch}.block_count")).unwrap_or(0),
             file_size,
             tail_hash,
             chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
         };
         let device = device.clone();
-        let weights = ModelWeights::from_gguf(ct, &mut reader, &device).map_err(|source| LoadError::Weights { path: p(), source })?;
+        let weights = match arch.as_str() {
+            "gemma3" => ModelWeights::from_gguf(ct, &mut reader, &device).map(|w| Weights::Gemma3(Box::new(w))),
+            _ => qwen35::ModelWeights::from_gguf(ct, &mut reader, &device).map(|w| Weights::Qwen35(Box::new(w))),
+        }
+        .map_err(|source| LoadError::Weights { path: p(), source })?;
         let mut eog: Vec<u32> = tokenizer.eos_token().into_iter().collect();
-        for text in ["<end_of_turn>", "<eos>", "<|eot_id|>", "<|im_end|>"] {
+        for text in ["<end_of_turn>", "<eos>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>"] {
             if let Some(id) = tokenizer.token_id(text).filter(|&id| tokenizer.is_control(id)) {
                 if !eog.contains(&id) {
                     eog.push(id);
@@ -261,12 +383,24 @@ impl Model {
 
     /// The token of each NextN logit row, when the head scores a subset of the vocabulary.
     pub fn nextn_draft_vocab(&self) -> Option<&[u32]> {
-        self.weights.nextn_draft_vocab()
+        match &self.weights {
+            Weights::Gemma3(w) => w.nextn_draft_vocab(),
+            Weights::Qwen35(_) => None,
+        }
     }
 
     /// Whether the GGUF carries a NextN head (`--spec-type draft-mtp`).
     pub fn has_nextn(&self) -> bool {
-        self.weights.has_nextn()
+        match &self.weights {
+            Weights::Gemma3(w) => w.has_nextn(),
+            Weights::Qwen35(w) => w.has_nextn(),
+        }
+    }
+
+    /// Whether a sequence's state is recurrent (Qwen3.5's delta-net layers): it rolls back only
+    /// to positions [`Sequence::restorable`] names, not to any position as a KV cache does.
+    pub fn is_recurrent(&self) -> bool {
+        matches!(self.weights, Weights::Qwen35(_))
     }
 
     /// A fresh NextN drafting state for `context` positions, if the model has a NextN head.
@@ -279,7 +413,10 @@ impl Model {
                 return Some(NextNState { cache: NextNCacheOn::Gpu(state), tokens: Vec::new() });
             }
         }
-        self.weights.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() })
+        match &self.weights {
+            Weights::Gemma3(w) => w.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() }),
+            Weights::Qwen35(w) => w.new_nextn_cache().map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new() }),
+        }
     }
 
     pub fn is_end_of_generation(&self, id: u32) -> bool {
@@ -306,9 +443,12 @@ impl Model {
     }
 
     /// An empty KV cache for a sequence of `context` positions.
-    pub(crate) fn new_cache_for(&self, context: usize) -> Cache {
-        // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
-        self.weights.new_cache(context.min(4096))
+    pub(crate) fn new_cache_for(&self, context: usize) -> SeqCache {
+        match &self.weights {
+            // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
+            Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache(context.min(4096))),
+            Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache().expect("memory for a sequence's recurrent state"))),
+        }
     }
 }
 
@@ -353,7 +493,7 @@ impl Logits {
 /// cache's length exactly as they were (the KV rows it wrote past the old end are dead, as
 /// after a rollback), so a caller may keep using the sequence and its cached prefix.
 pub struct Sequence {
-    pub(crate) cache: Cache,
+    pub(crate) cache: SeqCache,
     pub(crate) tokens: Vec<u32>,
     pub(crate) context: usize,
     /// Forwards left before an injected failure ([`Sequence::inject_failure`]).
@@ -387,6 +527,17 @@ impl Sequence {
         match &self.gpu {
             Some(g) => g.len(),
             None => self.cache.len(),
+        }
+    }
+
+    /// The longest prefix of at most `len` positions [`Sequence::rollback`] can keep: `len` (up
+    /// to `len()`) for a KV cache; for a recurrent model, `len` inside the last verify batch,
+    /// else 0 (its state has no history). Callers that reuse a cached prefix keep this many
+    /// positions and evaluate the rest.
+    pub fn restorable(&self, len: usize) -> usize {
+        match &self.gpu {
+            Some(_) => len.min(self.tokens.len()),
+            None => self.cache.restorable(len.min(self.tokens.len())),
         }
     }
 
@@ -435,11 +586,21 @@ impl Sequence {
     /// Runs a step; on error, puts the sequence back to its `len()` before the step.
     fn atomic<T>(&mut self, step: impl FnOnce(&mut Self) -> Result<T, StepError>) -> Result<T, StepError> {
         let start = self.tokens.len();
+        // A recurrent state cannot be cut back to where it was; a clone (tensors shared, not
+        // copied) can be put back.
+        let before = match &self.cache {
+            SeqCache::Qwen35(c) => Some(c.cache.clone()),
+            SeqCache::Gemma3(_) => None,
+        };
         let out = step(self);
         if out.is_err() {
             self.tokens.truncate(start);
             if let Some(g) = &mut self.gpu {
                 g.truncate(start);
+                return out;
+            }
+            if let (Some(c), SeqCache::Qwen35(r)) = (before, &mut self.cache) {
+                r.cache = c;
                 return out;
             }
             // Every layer holds at least `start` positions (a step only appends), so this only
@@ -462,6 +623,9 @@ impl Sequence {
             }
             for chunk in tokens.chunks(PREFILL_CHUNK) {
                 last = seq.forward_chunk(model, chunk)?.squeeze(0)?.to_vec1::<f32>()?;
+            }
+            if tokens.len() > 1 {
+                seq.cache.checkpoint();
             }
             Ok(last)
         })
@@ -573,8 +737,11 @@ impl Sequence {
     /// One forward over `chunk`, inside an atomic step: appends it and returns the logits of its
     /// last position, `(1, vocab)`.
     fn forward_chunk(&mut self, model: &Model, chunk: &[u32]) -> Result<Tensor, StepError> {
-        let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
-        let logits = model.weights.forward_with_cache(&x, &mut self.cache)?;
+        let logits = match (&model.weights, &mut self.cache) {
+            (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_with_cache(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?,
+            (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward(&Tensor::new(chunk, &model.device)?, &mut r.cache)?.unsqueeze(0)?,
+            _ => unreachable!("a sequence's cache is made by its model"),
+        };
         self.injected()?;
         self.tokens.extend_from_slice(chunk);
         Ok(logits)
@@ -648,18 +815,29 @@ impl Sequence {
                 let hidden = hidden.then(|| Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)).transpose()?.map(Hidden);
                 return Ok((Logits { data, vocab }, hidden));
             }
-            let x = Tensor::new(tokens, &model.device)?.unsqueeze(0)?;
-            let out = model.weights.forward_all(&x, &mut seq.cache, hidden)?;
+            let (logits, hidden) = match (&model.weights, &mut seq.cache) {
+                (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => {
+                    let out = w.forward_all(&Tensor::new(tokens, &model.device)?.unsqueeze(0)?, cache, hidden)?;
+                    (out.logits.squeeze(0)?, out.hidden.map(|h| h.squeeze(0)).transpose()?)
+                }
+                // A verify batch: the row states are kept, so a rollback to any row is exact.
+                (Weights::Qwen35(w), SeqCache::Qwen35(r)) => {
+                    let out = w.forward_verify(&Tensor::new(tokens, &model.device)?, &mut r.cache)?;
+                    (out.logits, hidden.then_some(out.hidden))
+                }
+                _ => unreachable!("a sequence's cache is made by its model"),
+            };
             seq.injected()?;
             seq.tokens.extend_from_slice(tokens);
-            let logits = out.logits.squeeze(0)?;
             let vocab = logits.dim(1)?;
-            let hidden = out.hidden.map(|h| h.squeeze(0)).transpose()?.map(Hidden);
+            let hidden = hidden.map(Hidden);
             Ok((Logits { data: logits.flatten_all()?.to_vec1::<f32>()?, vocab }, hidden))
         })
     }
 
-    /// Keeps the first `len` positions (O(1): the cache is truncated, nothing is copied).
+    /// Keeps the first `len` positions (O(1): the cache is truncated, nothing is copied). A
+    /// recurrent model keeps only positions [`Sequence::restorable`] names; others are a
+    /// [`StepError::RollbackRecurrent`] and change nothing.
     pub fn rollback(&mut self, len: usize) -> Result<(), StepError> {
         if len > self.tokens.len() {
             return Err(StepError::RollbackPastEnd { to: len, len: self.tokens.len() });
@@ -681,8 +859,8 @@ impl Sequence {
     }
 }
 
-/// Hidden states of consecutive positions, `(positions, embedding_length)`, before the output
-/// norm: what multi-token-prediction heads read. On the model's device, or in host memory when
+/// Hidden states of consecutive positions, `(positions, embedding_length)`: what the model's
+/// multi-token-prediction heads read (Gemma 3's before the output norm, Qwen3.5's after it). On the model's device, or in host memory when
 /// the GPU engine made them (its NextN head uploads the rows it reads).
 #[derive(Debug, Clone)]
 pub struct Hidden(Tensor);
@@ -718,14 +896,24 @@ impl Sequence {
             }
             let mut hidden = Vec::new();
             for chunk in tokens.chunks(PREFILL_CHUNK) {
-                let x = Tensor::new(chunk, &model.device)?.unsqueeze(0)?;
-                hidden.push(model.weights.forward_hidden(&x, &mut seq.cache)?.squeeze(0)?);
+                hidden.push(match (&model.weights, &mut seq.cache) {
+                    (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
+                    (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, &mut r.cache)?,
+                    _ => unreachable!("a sequence's cache is made by its model"),
+                });
                 seq.injected()?;
                 seq.tokens.extend_from_slice(chunk);
             }
             let hidden = Tensor::cat(&hidden, 0)?;
             let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
-            let logits = model.weights.project(&last)?.squeeze(0)?.to_vec1::<f32>()?;
+            let logits = match &model.weights {
+                Weights::Gemma3(w) => w.project(&last)?,
+                Weights::Qwen35(w) => w.project(&last)?,
+            };
+            let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
+            if tokens.len() > 1 {
+                seq.cache.checkpoint();
+            }
             Ok((logits, Hidden(hidden)))
         })
     }
@@ -746,9 +934,12 @@ impl Sequence {
             let width = next.len();
             return Ok((logits, Hidden(Tensor::from_vec(next, (1, width), &Device::Cpu)?)));
         }
+        let (Weights::Gemma3(w), SeqCache::Gemma3(cache)) = (&model.weights, &self.cache) else {
+            return Err(StepError::NotForArchitecture("an assistant head"));
+        };
         let x = Tensor::new(&[[token]], &model.device)?;
         let h = hidden.0.unsqueeze(0)?;
-        let (logits, next) = head.head.forward(&model.weights, &self.cache, &h, &x, position)?;
+        let (logits, next) = head.head.forward(w, cache, &h, &x, position)?;
         Ok((logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(next.squeeze(0)?)))
     }
 }
@@ -766,6 +957,8 @@ pub struct NextNState {
 /// Where a NextN head keeps its KV cache: candle's head, or the GPU engine's.
 enum NextNCacheOn {
     Candle(NextNCache),
+    /// Qwen3.5's head (candle).
+    Qwen35(qwen35::NextNCache),
     Gpu(GpuNextN),
 }
 
@@ -773,6 +966,7 @@ impl NextNCacheOn {
     fn len(&self) -> usize {
         match self {
             NextNCacheOn::Candle(c) => c.len(),
+            NextNCacheOn::Qwen35(c) => c.len(),
             NextNCacheOn::Gpu(g) => g.len(),
         }
     }
@@ -780,6 +974,7 @@ impl NextNCacheOn {
     fn truncate(&mut self, len: usize) -> Result<(), StepError> {
         match self {
             NextNCacheOn::Candle(c) => c.truncate(len)?,
+            NextNCacheOn::Qwen35(c) => c.truncate(len)?,
             NextNCacheOn::Gpu(g) => g.truncate(len),
         }
         Ok(())
@@ -788,6 +983,8 @@ impl NextNCacheOn {
     fn reset(&mut self) {
         match self {
             NextNCacheOn::Candle(c) => c.reset(),
+            // Truncating a head's K/V to nothing cannot fail.
+            NextNCacheOn::Qwen35(c) => c.truncate(0).expect("an empty head cache"),
             NextNCacheOn::Gpu(g) => g.truncate(0),
         }
     }
@@ -832,10 +1029,18 @@ impl NextNState {
         let (len, n_tokens) = (self.cache.len(), self.tokens.len());
         let out = match &mut self.cache {
             NextNCacheOn::Candle(cache) => (|| {
+                let Weights::Gemma3(w) = &model.weights else { unreachable!("a gemma3 head state from a gemma3 model") };
                 let x = Tensor::new(next_tokens, &model.device)?.unsqueeze(0)?;
                 let h = hidden.0.to_device(&model.device)?.unsqueeze(0)?;
-                let out = model.weights.nextn_forward(&h, &x, cache)?;
+                let out = w.nextn_forward(&h, &x, cache)?;
                 Ok::<_, StepError>((out.logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(out.hidden.squeeze(0)?)))
+            })(),
+            NextNCacheOn::Qwen35(cache) => (|| {
+                let Weights::Qwen35(w) = &model.weights else { unreachable!("a qwen35 head state from a qwen35 model") };
+                let x = Tensor::new(next_tokens, &model.device)?;
+                let (logits, out) = w.nextn_forward(&hidden.0.to_device(&model.device)?, &x, cache)?;
+                let t = logits.dim(0)?;
+                Ok::<_, StepError>((logits.get(t - 1)?.to_vec1::<f32>()?, Hidden(out)))
             })(),
             NextNCacheOn::Gpu(state) => (|| {
                 let gpu = model.gpu.as_ref().expect("a NextN state on the engine has a model on it");
@@ -879,7 +1084,10 @@ impl Assistant {
     /// Chained draft steps one round can take: a step at `n + j` reads target keys up to
     /// `n - 1`, which a local block with window `w` sees only while `j <= w - 2`.
     pub fn max_draft_steps(&self, target: &Model) -> usize {
-        self.head.max_draft_steps(&target.weights)
+        match &target.weights {
+            Weights::Gemma3(w) => self.head.max_draft_steps(w),
+            Weights::Qwen35(_) => 0,
+        }
     }
 
     /// The token of each logit row, when the head scores a subset of the vocabulary.
@@ -889,10 +1097,13 @@ impl Assistant {
 
     pub fn load(path: &Path, target: &Model) -> Result<Assistant, LoadError> {
         let p = || path.to_owned();
+        let Weights::Gemma3(weights) = &target.weights else {
+            return Err(LoadError::AssistantTarget { path: p(), target: target.info.architecture.clone() });
+        };
         let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
-        let head = AssistantHead::from_gguf(&ct, &mut reader, &target.device, &target.weights).map_err(|source| LoadError::Weights { path: p(), source })?;
+        let head = AssistantHead::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?;
         target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
         let gpu = match &target.gpu {
             Some(trunk) => Some(trunk.load_assistant(path).map_err(|e| LoadError::GpuHead { path: p(), source: Box::new(e) })?),

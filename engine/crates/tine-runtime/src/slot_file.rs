@@ -159,7 +159,10 @@ impl Sequence {
             }
             return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers });
         }
-        for (k, v) in self.cache.snapshot()?.unwrap_or_default() {
+        let crate::model::SeqCache::Gemma3(cache) = &self.cache else {
+            return Err(StepError::NotForArchitecture("slot save of a recurrent (qwen35) sequence"));
+        };
+        for (k, v) in cache.snapshot()?.unwrap_or_default() {
             let d = k.dims();
             let dims = [d[0], d[1], d[2], d[3]];
             let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
@@ -214,14 +217,16 @@ impl Sequence {
             kv.push((t(k).map_err(StepError::from)?, t(v).map_err(StepError::from)?));
         }
         // Into a fresh cache first: a refused image leaves this sequence as it was.
-        let mut cache = model.new_cache_for(self.context);
+        let crate::model::SeqCache::Gemma3(mut cache) = model.new_cache_for(self.context) else {
+            return Err(StepError::NotForArchitecture("slot restore of a recurrent (qwen35) sequence").into());
+        };
         if !kv.is_empty() {
             cache.restore(&kv).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
         }
         if cache.len() != img.tokens.len() {
             return Err(SlotFileError::Malformed(format!("the KV holds {} positions for {} tokens", cache.len(), img.tokens.len())));
         }
-        self.cache = cache;
+        self.cache = crate::model::SeqCache::Gemma3(cache);
         self.tokens = img.tokens.clone();
         Ok(())
     }

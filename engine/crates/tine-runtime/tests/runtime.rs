@@ -12,6 +12,7 @@ use tine_test_support::{Reference, TinyGemma3, Weights};
 #[path = "cuda.rs"]
 mod cuda;
 
+mod qwen35;
 mod tokenizer;
 
 /// Two f32 paths over the same positions (one-shot, token by token, chunks) may differ only by

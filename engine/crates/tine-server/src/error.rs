@@ -87,9 +87,12 @@ fn step_status(e: &StepError) -> StatusCode {
     match e {
         // What the request asked for does not fit: the client can change it.
         StepError::ContextFull { .. } | StepError::BadToken { .. } => StatusCode::BAD_REQUEST,
-        StepError::Empty | StepError::RollbackPastEnd { .. } | StepError::Candle(_) | StepError::Gpu(_) | StepError::Injected => StatusCode::INTERNAL_SERVER_ERROR,
-        // What this server's engine cannot do yet (a head's hidden states on the GPU engine).
-        StepError::NotOnGpuEngine(_) => StatusCode::NOT_IMPLEMENTED,
+        StepError::Empty | StepError::RollbackPastEnd { .. } | StepError::RollbackRecurrent { .. } | StepError::Candle(_) | StepError::Gpu(_) | StepError::Injected => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+        // What this server's engine cannot do yet (a head's hidden states on the GPU engine, a
+        // slot file of a recurrent model).
+        StepError::NotOnGpuEngine(_) | StepError::NotForArchitecture(_) => StatusCode::NOT_IMPLEMENTED,
     }
 }
 
@@ -129,7 +132,8 @@ impl From<&crate::scheduler::SlotError> for ApiError {
         let status = match e {
             S::NoSuchSlot { .. } => StatusCode::NOT_FOUND,
             S::Busy(_) => StatusCode::SERVICE_UNAVAILABLE,
-            S::File(tine_runtime::SlotFileError::Step(_)) | S::Read(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            // The engine's failures keep their own status (501 for what this model cannot do).
+            S::File(tine_runtime::SlotFileError::Step(s)) | S::Read(s) => step_status(s),
             S::File(_) => StatusCode::BAD_REQUEST,
         };
         ApiError::new(status, tine_engine::error_chain(e))

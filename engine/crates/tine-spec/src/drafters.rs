@@ -101,7 +101,7 @@ impl Drafter for DraftModelDrafter {
             return Ok(Vec::new());
         }
         let common = self.seq.tokens().iter().zip(&ctx).take_while(|(a, b)| a == b).count();
-        let keep = common.min(ctx.len() - 1);
+        let keep = self.seq.restorable(common.min(ctx.len() - 1));
         self.seq.rollback(keep).map_err(draft_err)?;
         let mut logits = self.seq.prefill(&self.model, &ctx[keep..]).map_err(draft_err)?;
         let mut drafts = Vec::with_capacity(input.n_max);

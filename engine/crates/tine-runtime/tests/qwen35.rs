@@ -1,0 +1,200 @@
+//! tine-runtime over a Qwen3.5 hybrid (`qwen35`, `qwen35moe`): the same `Model`/`Sequence` API as
+//! Gemma 3, against the float64 reference, with a recurrent state that rolls back exactly inside
+//! a verify batch and to the checkpoint at a prompt's end, and refuses anything else.
+
+use tine_runtime::{Model, Sequence, StepError};
+use tine_test_support::qwen35_fixture::{Qwen35Reference, TinyQwen35, TOKENIZER_VOCAB};
+
+struct Fixture {
+    _dir: tempfile::TempDir,
+    model: Model,
+    weights: tine_test_support::qwen35_fixture::Qwen35Weights,
+}
+
+fn fixture(cfg: TinyQwen35) -> Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("qwen35.gguf");
+    let weights = TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..cfg }.write(&path);
+    let model = Model::load(&path).expect("the qwen35 fixture loads");
+    Fixture { _dir: dir, model, weights }
+}
+
+fn shapes() -> [TinyQwen35; 2] {
+    [TinyQwen35 { nextn: true, ..TinyQwen35::default() }, TinyQwen35 { n_k_heads: 1, n_v_heads: 3, full_attention_interval: 2, seed: 4, ..TinyQwen35::moe() }]
+}
+
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 41 + 7) % 256).collect()
+}
+
+fn bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Largest |got - want| over the largest |want|.
+fn rel(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(1e-12f64, |m, v| m.max(v.abs()));
+    got.iter().zip(want).fold(0f64, |m, (g, w)| m.max((*g as f64 - w).abs())) / scale
+}
+
+#[test]
+fn qwen35_loads_and_matches_float64_through_prefill_decode_and_verify() {
+    for cfg in shapes() {
+        let fx = fixture(cfg);
+        let m = &fx.model;
+        assert!(m.is_recurrent());
+        assert_eq!(m.info.architecture, if fx.weights.cfg.n_expert > 0 { "qwen35moe" } else { "qwen35" });
+        assert_eq!(m.has_nextn(), fx.weights.cfg.nextn);
+        let mut reference = Qwen35Reference::new(&fx.weights);
+        let p = prompt(11);
+        let mut seq = m.new_sequence(64);
+        let last = seq.prefill(m, &p).expect("prefill");
+        let mut want = Vec::new();
+        for &t in &p {
+            want = reference.step(t);
+        }
+        let mut worst = rel(&last, &want);
+        for t in [5u32, 250, 31] {
+            let l = seq.decode(m, t).expect("decode");
+            worst = worst.max(rel(&l, &reference.step(t)));
+        }
+        let batch = seq.forward_all(m, &[9, 10, 11]).expect("verify");
+        for (i, t) in [9u32, 10, 11].into_iter().enumerate() {
+            worst = worst.max(rel(batch.row(i), &reference.step(t)));
+        }
+        // F32 weights: rounding alone (the fixture's own tests measure about 1e-6).
+        assert!(worst < 1e-5, "{}: {worst:.2e} of the largest logit from float64", m.info.architecture);
+        assert_eq!(seq.len(), p.len() + 6);
+    }
+}
+
+#[test]
+fn qwen35_verify_rows_are_decode_bits_and_a_rollback_inside_the_batch_is_exact() {
+    for cfg in shapes() {
+        let fx = fixture(cfg);
+        let m = &fx.model;
+        let p = prompt(9);
+        let drafts = [40u32, 41, 42, 43, 44];
+        let mut base = m.new_sequence(64);
+        base.prefill(m, &p).expect("prefill");
+        for keep in 0..=drafts.len() {
+            let mut straight = m.new_sequence(64);
+            straight.prefill(m, &p).expect("prefill");
+            let mut rows = Vec::new();
+            for &t in &drafts[..keep] {
+                rows.push(straight.decode(m, t).expect("decode"));
+            }
+            let want = straight.decode(m, 7).expect("decode");
+            let mut seq = m.new_sequence(64);
+            seq.prefill(m, &p).expect("prefill");
+            let batch = seq.forward_all(m, &drafts).expect("verify");
+            for (i, row) in rows.iter().enumerate() {
+                assert!(bits(batch.row(i), row), "row {i} of a verify batch is not a decode step's bits");
+            }
+            let at = p.len() + keep;
+            assert_eq!(seq.restorable(at), at);
+            seq.rollback(at).expect("inside the verify batch");
+            let got = seq.decode(m, 7).expect("decode after the rollback");
+            assert!(bits(&got, &want), "{} of 5 kept: the step after the rollback differs from straight decoding", keep);
+            assert_eq!(seq.tokens(), straight.tokens());
+        }
+    }
+}
+
+#[test]
+fn qwen35_rolls_back_to_its_prompt_checkpoint_and_refuses_positions_it_has_no_record_of() {
+    let fx = fixture(shapes()[0].clone());
+    let m = &fx.model;
+    let p = prompt(12);
+    let mut seq = m.new_sequence(64);
+    seq.prefill(m, &p).expect("prefill");
+    for t in [3u32, 4, 5] {
+        seq.decode(m, t).expect("decode");
+    }
+    let n = p.len();
+    // The prompt's end is a checkpoint; between it and the end there is no record.
+    assert_eq!(seq.restorable(n + 2), n);
+    assert_eq!(seq.restorable(n - 1), 0);
+    let before = seq.tokens().to_vec();
+    match seq.rollback(n + 1) {
+        Err(StepError::RollbackRecurrent { to, len, nearest }) => assert_eq!((to, len, nearest), (n + 1, n + 3, n)),
+        other => panic!("a rollback with no record: {:?}", other.map(|_| ())),
+    }
+    assert_eq!(seq.tokens(), before.as_slice(), "a refused rollback changes nothing");
+    // Back to the checkpoint, then on: what a fresh sequence computes.
+    seq.rollback(n).expect("to the prompt's checkpoint");
+    let got = seq.decode(m, 77).expect("decode");
+    let mut fresh = m.new_sequence(64);
+    fresh.prefill(m, &p).expect("prefill");
+    assert!(bits(&got, &fresh.decode(m, 77).expect("decode")), "after the checkpoint the state is not the prompt's");
+    seq.rollback(0).expect("0 is always reachable");
+    assert!(seq.is_empty());
+    assert!(bits(&seq.prefill(m, &p).expect("prefill"), &{
+        let mut s = m.new_sequence(64);
+        s.prefill(m, &p).expect("prefill")
+    }));
+}
+
+#[test]
+fn qwen35_steps_are_atomic_under_injected_failures() {
+    let fx = fixture(shapes()[1].clone());
+    let m = &fx.model;
+    let p = prompt(10);
+    let mut seq: Sequence = m.new_sequence(64);
+    seq.prefill(m, &p).expect("prefill");
+    let mut straight = m.new_sequence(64);
+    straight.prefill(m, &p).expect("prefill");
+    let want = straight.decode(m, 12).expect("decode");
+    // A failure after a decode's state was written, and after a verify's.
+    seq.inject_failure(Some(0));
+    assert!(matches!(seq.decode(m, 99), Err(StepError::Injected)));
+    seq.inject_failure(Some(0));
+    assert!(matches!(seq.forward_all(m, &[99, 98, 97]), Err(StepError::Injected)));
+    assert_eq!(seq.tokens(), p.as_slice());
+    assert!(bits(&seq.decode(m, 12).expect("decode"), &want), "a failed step left its state behind");
+}
+
+#[test]
+fn qwen35_nextn_state_matches_the_heads_float64_reference() {
+    let fx = fixture(shapes()[0].clone());
+    let m = &fx.model;
+    let p = prompt(8);
+    let mut seq = m.new_sequence(64);
+    let (_, hidden) = seq.prefill_hidden(m, &p).expect("prefill");
+    let mut state = m.new_nextn_state(64).expect("the fixture has a NextN head");
+    assert!(!state.on_gpu_engine());
+    // Entries j = 0..n-2 read hidden j and token j + 1.
+    let n = p.len();
+    let (logits, out) = state.forward(m, p[0], &hidden.rows(0, n - 1).expect("rows"), &p[1..]).expect("entries");
+    assert_eq!(state.len(), n - 1);
+    assert_eq!(out.positions(), n - 1);
+    let mut reference = tine_test_support::qwen35_fixture::NextNReference::new(&fx.weights);
+    let h = hidden.to_vec().expect("hidden");
+    let mut want = Vec::new();
+    for j in 0..n - 1 {
+        want = reference.step(&h[j].iter().map(|&x| x as f64).collect::<Vec<_>>(), p[j + 1]).0;
+    }
+    // From the trunk's f32 hidden states: rounding alone.
+    let worst = rel(&logits, &want);
+    assert!(worst < 1e-5, "NextN entries against float64: {worst:.2e}");
+    assert_eq!(state.reusable(&p), n - 1);
+    state.truncate(3).expect("truncate");
+    assert_eq!(state.len(), 3);
+}
+
+#[test]
+fn qwen35_refuses_what_it_does_not_run_with_clear_errors() {
+    let fx = fixture(shapes()[0].clone());
+    let m = &fx.model;
+    let mut seq = m.new_sequence(64);
+    seq.prefill(m, &prompt(5)).expect("prefill");
+    let err = seq.image(m).expect_err("slot files of a recurrent state are not written yet");
+    assert!(err.to_string().contains("not available"), "{err}");
+    // An assistant head is Gemma 3's.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let head = dir.path().join("head.gguf");
+    let cfg = tine_test_support::TinyGemma3::default();
+    tine_test_support::TinyAssistant::default().write(&cfg, &head);
+    let err = tine_runtime::Assistant::load(&head, m).err().expect("refused");
+    assert!(err.to_string().contains("gemma3 target"), "{err}");
+}
