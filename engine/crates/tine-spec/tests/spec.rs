@@ -7,6 +7,7 @@ use std::sync::Arc;
 use tine_runtime::{Assistant, Model, Sequence};
 use tine_sampling::{Sampler, SamplingParams};
 use tine_spec::{AssistantDrafter, DraftInput, DraftModelDrafter, DraftParams, Drafter, MtpDrafter, NgramDrafter, SpecError, SpecStats, SpecType, Speculator};
+use tine_test_support::qwen35_fixture::{TinyQwen35, TOKENIZER_VOCAB};
 use tine_test_support::{TinyAssistant, TinyGemma3};
 
 struct Fixture {
@@ -69,6 +70,8 @@ fn plain(model: &Model, prompt: &[u32], n: usize, params: SamplingParams) -> (Ve
 fn speculate_on(model: &Model, seq: &mut Sequence, spec: &mut Speculator, prompt: &[u32], n: usize, params: SamplingParams) -> (Vec<u32>, Vec<Vec<f32>>) {
     let mut sampler = Sampler::new(params);
     let keep = seq.tokens().iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1).min(spec.reusable(prompt));
+    // As the generation does: a recurrent state returns only to the positions it recorded.
+    let keep = seq.restorable(keep);
     seq.rollback(keep).expect("rollback");
     let logits = spec.prefill(model, seq, &prompt[keep..]).expect("prefill");
     let first = sampler.sample(&logits, seq.tokens());
@@ -508,4 +511,94 @@ fn a_nextn_head_with_a_permuted_draft_vocabulary_drafts_exactly_the_same_tokens(
     let (full, reduced) = (drafts(&fx.target), drafts(&permuted));
     assert_eq!(full.len(), 5);
     assert_eq!(full, reduced, "the reduced head must draft the full head's tokens");
+}
+
+/// A Qwen3.5 target with its NextN head (dense, or MoE with 1 key / 3 value heads) and a
+/// smaller qwen35 draft model of the same vocabulary.
+struct Qwen35Fixture {
+    _dir: tempfile::TempDir,
+    target: Arc<Model>,
+    draft: Arc<Model>,
+}
+
+fn qwen35_fixture(moe: bool) -> Qwen35Fixture {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..TinyQwen35::default() };
+    let cfg = if moe { TinyQwen35 { n_k_heads: 1, n_v_heads: 3, full_attention_interval: 2, ..TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..TinyQwen35::moe() } } } else { base.clone() };
+    let target_path = dir.path().join("target.gguf");
+    TinyQwen35 { nextn: true, seed: 31, ..cfg }.write(&target_path);
+    let draft_path = dir.path().join("draft.gguf");
+    TinyQwen35 { n_layer: 2, full_attention_interval: 2, seed: 77, ..base }.write(&draft_path);
+    Qwen35Fixture { _dir: dir, target: Arc::new(Model::load(&target_path).expect("target loads")), draft: Arc::new(Model::load(&draft_path).expect("draft loads")) }
+}
+
+fn qwen35_drafter(fx: &Qwen35Fixture, kind: SpecType) -> Option<Box<dyn Drafter>> {
+    Some(match kind {
+        SpecType::DraftMtp => Box::new(MtpDrafter::new(&fx.target, 256).expect("target has a NextN head")),
+        SpecType::Draft => Box::new(DraftModelDrafter::new(fx.draft.clone(), &fx.target, 256).expect("same vocabulary")),
+        SpecType::Ngram => Box::new(NgramDrafter { n_min: 1, n_max: 3 }),
+        // Assistant heads are Gemma 3's (refused at load: tine-runtime's tests).
+        SpecType::DraftAssistant => return None,
+    })
+}
+
+fn qwen35_prompt() -> Vec<u32> {
+    // Repeats itself, so the n-gram drafter proposes too.
+    let head: Vec<u32> = (0..10u32).map(|i| (i * 41 + 7) % 256).collect();
+    head.iter().chain(&head).copied().collect()
+}
+
+#[test]
+fn qwen35_greedy_and_seeded_speculation_is_plain_decoding_bit_for_bit_with_recurrent_rollback() {
+    for moe in [false, true] {
+        let fx = qwen35_fixture(moe);
+        let n = 32;
+        for params in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::default() }] {
+            let want = plain(&fx.target, &qwen35_prompt(), n, params.clone());
+            let mut drafted = 0;
+            for kind in SpecType::ALL {
+                for (depth, adaptive) in [(1, false), (3, false), (5, false), (3, true)] {
+                    let Some(d) = qwen35_drafter(&fx, kind) else { continue };
+                    let mut spec = Speculator::new(d, DraftParams { n_max: depth, adaptive, ..DraftParams::default() });
+                    let got = speculate(&fx.target, &mut spec, &qwen35_prompt(), n, params.clone());
+                    assert_bit_identical(&format!("qwen35 (moe {moe}) {kind} depth {depth} adaptive {adaptive} T {}", params.temperature), &want, &got);
+                    drafted += spec.stats.draft_n;
+                }
+            }
+            assert!(drafted > 0, "nothing was drafted, so nothing was tested");
+        }
+    }
+}
+
+#[test]
+fn qwen35_rollback_at_every_partial_accept_length_leaves_the_state_as_plain_decoding_would() {
+    let fx = qwen35_fixture(false);
+    let (n, k) = (20, 4);
+    let prompt = qwen35_prompt();
+    let want = plain(&fx.target, &prompt, n + 8, SamplingParams::greedy());
+    for correct in 0..=k {
+        let script = Scripted { truth: want.0.clone(), prompt_len: prompt.len(), correct, vocab: fx.target.info.vocab_size as u32 };
+        let mut spec = Speculator::new(Box::new(script), DraftParams { n_max: k, ..DraftParams::default() });
+        let mut seq = fx.target.new_sequence(256);
+        let got = speculate_on(&fx.target, &mut seq, &mut spec, &prompt, n, SamplingParams::greedy());
+        assert_bit_identical(&format!("qwen35: {correct} of {k} drafts right"), &(want.0[..n].to_vec(), want.1[..n].to_vec()), &got);
+        let next = seq.decode(&fx.target, got.0[seq.len() - prompt.len()]).expect("decode after rounds");
+        let at = seq.len() - prompt.len() - 1;
+        assert!(next.iter().zip(&want.1[at + 1]).all(|(x, y)| x.to_bits() == y.to_bits()), "qwen35, {correct} right: the recurrent state after the rollbacks is not plain decoding's");
+    }
+}
+
+#[test]
+fn qwen35_a_new_request_sharing_the_prompt_restarts_from_its_checkpoint_with_the_mtp_state_in_step() {
+    let fx = qwen35_fixture(false);
+    let mut spec = Speculator::new(qwen35_drafter(&fx, SpecType::DraftMtp).expect("mtp"), DraftParams::default());
+    let mut seq = fx.target.new_sequence(256);
+    let first = speculate_on(&fx.target, &mut seq, &mut spec, &qwen35_prompt(), 16, SamplingParams::greedy());
+    let mut longer = qwen35_prompt();
+    longer.extend_from_slice(&first.0[..6]);
+    longer.extend_from_slice(&[50, 51]);
+    for p in [longer, qwen35_prompt()[..6].iter().copied().chain([9, 9, 9]).collect()] {
+        let got = speculate_on(&fx.target, &mut seq, &mut spec, &p, 16, SamplingParams::greedy());
+        assert_eq!(got.0, plain(&fx.target, &p, 16, SamplingParams::greedy()).0);
+    }
 }
