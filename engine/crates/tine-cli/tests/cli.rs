@@ -67,6 +67,79 @@ fn logit_equiv_reports_exact_equivalence_for_all_spec_types() {
     }
 }
 
+/// A Qwen3.5 target with its NextN head and a qwen35 draft model, with the fixture's tokenizer.
+fn qwen35_fixtures(dir: &Path) -> (String, String) {
+    use tine_test_support::qwen35_fixture::{TinyQwen35, TOKENIZER_VOCAB};
+    let base = TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..TinyQwen35::default() };
+    let (t, d) = (dir.join("qwen35.gguf"), dir.join("qwen35-draft.gguf"));
+    TinyQwen35 { nextn: true, seed: 31, ..base.clone() }.write(&t);
+    TinyQwen35 { n_layer: 2, full_attention_interval: 2, seed: 77, ..base }.write(&d);
+    let s = |p: &Path| p.to_str().expect("utf-8 temp path").to_owned();
+    (s(&t), s(&d))
+}
+
+#[test]
+fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (target, draft) = qwen35_fixtures(dir.path());
+    let base = ["generate", "-m", &target, "-p", "the cat the cat the", "-n", "24", "--temp", "0", "--ignore-eos"];
+    let (ok, want, err) = tine(&base);
+    assert!(ok, "{err}");
+    assert!(!want.is_empty());
+    for extra in [vec!["--spec-type", "draft-mtp"], vec!["--spec-type", "draft-mtp", "--spec-draft-n-max", "5"], vec!["-md", &draft], vec!["--spec-type", "ngram", "--spec-ngram-min", "1"], vec!["--spec-type", "ngram,draft-mtp"]] {
+        let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+        let (ok, got, err) = tine(&args);
+        assert!(ok, "{extra:?}: {err}");
+        assert_eq!(got, want, "qwen35 {extra:?}");
+        assert!(err.contains("verify steps"), "{extra:?}: no draft statistics in\n{err}");
+    }
+    // An assistant head is for Gemma 3 targets: a clear error.
+    let head = dir.path().join("head.gguf");
+    tine_test_support::TinyAssistant::default().write(&TinyGemma3::default(), &head);
+    let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "draft-assistant", "--mtp-head", head.to_str().expect("utf-8")]).collect();
+    let (ok, _, err) = tine(&args);
+    assert!(!ok && err.contains("gemma3 target"), "{err}");
+    let json = dir.path().join("equiv.json");
+    let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "--spec-type", "draft-mtp", "-n", "16", "--depths", "1,3", "--json", json.to_str().expect("utf-8")]);
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("logit-equiv: exact"), "{out}");
+    // Served with draft-mtp: a second request extending the first restarts from the first
+    // prompt's checkpoint (timings.cache_n), and answers as plain decoding does.
+    use std::io::{Read, Write};
+    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
+        .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "256", "-np", "1", "--spec-type", "draft-mtp"])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start tine serve");
+    let post = |path: &str, body: &str| -> Option<String> {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    };
+    let t0 = std::time::Instant::now();
+    while post("/tokenize", r#"{"content": "x"}"#).is_none() {
+        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let first = post("/completion", r#"{"prompt": "the cat the cat the", "n_predict": 24, "temperature": 0, "ignore_eos": true}"#).expect("completion");
+    let second = post("/completion", r#"{"prompt": "the cat the cat the dog", "n_predict": 8, "temperature": 0, "ignore_eos": true}"#).expect("completion");
+    let _ = child.kill();
+    let _ = child.wait();
+    let body = |r: &str| serde_json::from_str::<serde_json::Value>(r.split("\r\n\r\n").nth(1).expect("a body")).expect("JSON");
+    let (first, second) = (body(&first), body(&second));
+    // `tine generate` prints the prompt, then the continuation.
+    let continuation = want.trim_end_matches('\n').strip_prefix("the cat the cat the").expect("the prompt first");
+    assert_eq!(first["content"].as_str(), Some(continuation), "served with draft-mtp: {first}");
+    assert!(first["timings"]["draft_n"].as_u64().unwrap_or(0) > 0, "no drafts: {first}");
+    let prompt_n = first["tokens_evaluated"].as_u64().expect("tokens_evaluated");
+    // The NextN head's entries reach one position less than the target's (its entry j reads
+    // token j + 1), so the reuse stops at the checkpoint before the prompt's last token.
+    assert_eq!(second["timings"]["cache_n"].as_u64(), Some(prompt_n - 1), "the second request restarts from the first prompt's checkpoint: {second}");
+}
+
 /// `tine serve` with llama-server's flags on a free port: the flags must reach the server
 /// (regression: `--chat-template` was parsed and then dropped).
 #[test]

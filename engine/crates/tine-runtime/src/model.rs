@@ -143,7 +143,7 @@ pub(crate) struct Recurrent {
 /// Checkpoints a recurrent sequence keeps (the oldest goes first). Each holds the recurrent
 /// state and the attention K/V of its position (K/V tensors shared with the live cache until it
 /// grows past them).
-pub const RECURRENT_CHECKPOINTS: usize = 3;
+pub const RECURRENT_CHECKPOINTS: usize = 4;
 
 impl Recurrent {
     fn new(cache: qwen35::Cache) -> Recurrent {
@@ -502,6 +502,14 @@ pub struct Sequence {
     pub(crate) gpu: Option<GpuSeq>,
 }
 
+/// The pieces a prompt runs in: chunks of [`PREFILL_CHUNK`]; on a recurrent model the last token
+/// alone, so that the state before it can be kept as a checkpoint.
+fn prompt_pieces<'t>(model: &Model, tokens: &'t [u32]) -> Vec<&'t [u32]> {
+    let split = if model.is_recurrent() && tokens.len() > 1 { tokens.len() - 1 } else { tokens.len() };
+    let (head, tail) = tokens.split_at(split);
+    head.chunks(PREFILL_CHUNK).chain(tail.chunks(PREFILL_CHUNK)).collect()
+}
+
 /// The longest context a sequence on the GPU engine holds (the engine sizes its attention
 /// scratch for it).
 pub const MAX_GPU_CONTEXT: usize = 32768;
@@ -612,6 +620,15 @@ impl Sequence {
         out
     }
 
+    /// After a piece of a prompt of `n` tokens ending at `end`: a recurrent state keeps
+    /// checkpoints at the prompt's last two positions (a next request sharing the prompt keeps
+    /// at most all of it but its last token, and a NextN drafter one position less).
+    fn checkpoint_prompt_end(&mut self, n: usize, end: usize) {
+        if n > 1 && self.tokens.len() + 1 >= end {
+            self.cache.checkpoint();
+        }
+    }
+
     /// Appends `tokens` (in chunks of [`PREFILL_CHUNK`]) and returns the last position's logits.
     /// Atomic: on error nothing was appended.
     pub fn prefill(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
@@ -621,11 +638,10 @@ impl Sequence {
             if model.gpu.is_some() && seq.gpu.is_some() {
                 return Ok(seq.gpu_prefill(model, tokens, false)?.0);
             }
-            for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let end = seq.tokens.len() + tokens.len();
+            for chunk in prompt_pieces(model, tokens) {
                 last = seq.forward_chunk(model, chunk)?.squeeze(0)?.to_vec1::<f32>()?;
-            }
-            if tokens.len() > 1 {
-                seq.cache.checkpoint();
+                seq.checkpoint_prompt_end(tokens.len(), end);
             }
             Ok(last)
         })
@@ -895,7 +911,8 @@ impl Sequence {
                 return Ok((row, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)?)));
             }
             let mut hidden = Vec::new();
-            for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let end = seq.tokens.len() + tokens.len();
+            for chunk in prompt_pieces(model, tokens) {
                 hidden.push(match (&model.weights, &mut seq.cache) {
                     (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
                     (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, &mut r.cache)?,
@@ -903,6 +920,7 @@ impl Sequence {
                 });
                 seq.injected()?;
                 seq.tokens.extend_from_slice(chunk);
+                seq.checkpoint_prompt_end(tokens.len(), end);
             }
             let hidden = Tensor::cat(&hidden, 0)?;
             let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
@@ -911,9 +929,6 @@ impl Sequence {
                 Weights::Qwen35(w) => w.project(&last)?,
             };
             let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
-            if tokens.len() > 1 {
-                seq.cache.checkpoint();
-            }
             Ok((logits, Hidden(hidden)))
         })
     }

@@ -112,9 +112,11 @@ fn qwen35_rolls_back_to_its_prompt_checkpoint_and_refuses_positions_it_has_no_re
         seq.decode(m, t).expect("decode");
     }
     let n = p.len();
-    // The prompt's end is a checkpoint; between it and the end there is no record.
+    // The prompt's last two positions are checkpoints; between them and the end, and before
+    // them, there is no record.
     assert_eq!(seq.restorable(n + 2), n);
-    assert_eq!(seq.restorable(n - 1), 0);
+    assert_eq!(seq.restorable(n - 1), n - 1);
+    assert_eq!(seq.restorable(n - 2), 0);
     let before = seq.tokens().to_vec();
     match seq.rollback(n + 1) {
         Err(StepError::RollbackRecurrent { to, len, nearest }) => assert_eq!((to, len, nearest), (n + 1, n + 3, n)),
@@ -127,6 +129,12 @@ fn qwen35_rolls_back_to_its_prompt_checkpoint_and_refuses_positions_it_has_no_re
     let mut fresh = m.new_sequence(64);
     fresh.prefill(m, &p).expect("prefill");
     assert!(bits(&got, &fresh.decode(m, 77).expect("decode")), "after the checkpoint the state is not the prompt's");
+    // The checkpoint before the prompt's last token, then that token: the prompt's logits.
+    seq.rollback(n - 1).expect("to the checkpoint before the prompt's last token");
+    assert!(bits(&seq.decode(m, p[n - 1]).expect("decode"), &{
+        let mut s = m.new_sequence(64);
+        s.prefill(m, &p).expect("prefill")
+    }));
     seq.rollback(0).expect("0 is always reachable");
     assert!(seq.is_empty());
     assert!(bits(&seq.prefill(m, &p).expect("prefill"), &{
