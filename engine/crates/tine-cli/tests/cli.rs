@@ -86,7 +86,13 @@ fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
     let (ok, want, err) = tine(&base);
     assert!(ok, "{err}");
     assert!(!want.is_empty());
-    for extra in [vec!["--spec-type", "draft-mtp"], vec!["--spec-type", "draft-mtp", "--spec-draft-n-max", "5"], vec!["-md", &draft], vec!["--spec-type", "ngram", "--spec-ngram-min", "1"], vec!["--spec-type", "ngram,draft-mtp"]] {
+    for extra in [
+        vec!["--spec-type", "draft-mtp"],
+        vec!["--spec-type", "draft-mtp", "--spec-draft-n-max", "5"],
+        vec!["-md", &draft],
+        vec!["--spec-type", "ngram", "--spec-ngram-min", "1"],
+        vec!["--spec-type", "ngram,draft-mtp"],
+    ] {
         let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
         let (ok, got, err) = tine(&args);
         assert!(ok, "{extra:?}: {err}");

@@ -447,7 +447,7 @@ impl Model {
         match &self.weights {
             // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
             Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache(context.min(4096))),
-            Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache().expect("memory for a sequence's recurrent state"))),
+            Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache_with(context.min(4096)).expect("memory for a sequence's recurrent state"))),
         }
     }
 }
