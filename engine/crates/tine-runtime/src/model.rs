@@ -146,7 +146,7 @@ pub(crate) struct Recurrent {
 pub const RECURRENT_CHECKPOINTS: usize = 4;
 
 impl Recurrent {
-    fn new(cache: qwen35::Cache) -> Recurrent {
+    pub(crate) fn new(cache: qwen35::Cache) -> Recurrent {
         Recurrent { cache, checkpoints: Vec::new() }
     }
 

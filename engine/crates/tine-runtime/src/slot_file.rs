@@ -3,15 +3,19 @@
 //!
 //! Layout (little endian): `TINESLOT`, version u32, the model fingerprint (u32 length + UTF-8),
 //! token count u32, the tokens (u32 each), layer count u32, then per layer the four dims of K
-//! (u32 each, V has the same) and K's then V's values (f32); last, an FNV-1a 64 checksum of
-//! everything before it. Anything that does not parse, or belongs to another model, is refused.
+//! (u32 each, V has the same) and K's then V's values (f32); version 2 then holds the recurrent
+//! states (a hybrid model's delta-net layers: conv windows and states): their count u32, and per
+//! tensor its rank u32, its dims (u32 each) and its values (f32). Last, an FNV-1a 64 checksum of
+//! everything before it. Version 1 (no recurrent states) is written whenever there are none.
+//! Anything that does not parse, or belongs to another model, is refused.
 
 use candle_core::{DType, Tensor};
 
 use crate::model::{Model, Sequence, StepError};
 
 const MAGIC: &[u8; 8] = b"TINESLOT";
-const VERSION: u32 = 1;
+/// The version written when the image has recurrent states (else 1, which this build also reads).
+const VERSION: u32 = 2;
 
 /// A sequence's state outside the engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,8 +23,11 @@ pub struct SlotImage {
     /// Which model's KV this is ([`fingerprint`]).
     pub model: String,
     pub tokens: Vec<u32>,
-    /// Per layer: dims `(batch, kv_heads, len, head_dim)`, K values, V values.
+    /// Per attention layer: dims `(batch, kv_heads, len, head_dim)`, K values, V values.
     pub layers: Vec<([usize; 4], Vec<f32>, Vec<f32>)>,
+    /// A recurrent model's other state (qwen35: each delta-net layer's conv window, then its
+    /// state), as dims and values; empty for a KV-only model.
+    pub states: Vec<(Vec<usize>, Vec<f32>)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +67,7 @@ impl SlotImage {
         let mut out = Vec::with_capacity(64 + self.model.len() + 4 * self.tokens.len() + 4 * floats);
         let u32le = |out: &mut Vec<u8>, v: usize| out.extend_from_slice(&(v as u32).to_le_bytes());
         out.extend_from_slice(MAGIC);
-        u32le(&mut out, VERSION as usize);
+        u32le(&mut out, if self.states.is_empty() { 1 } else { VERSION as usize });
         u32le(&mut out, self.model.len());
         out.extend_from_slice(self.model.as_bytes());
         u32le(&mut out, self.tokens.len());
@@ -74,6 +81,18 @@ impl SlotImage {
             }
             for x in k.iter().chain(v) {
                 out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        if !self.states.is_empty() {
+            u32le(&mut out, self.states.len());
+            for (dims, values) in &self.states {
+                u32le(&mut out, dims.len());
+                for &d in dims {
+                    u32le(&mut out, d);
+                }
+                for x in values {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
             }
         }
         let sum = fnv1a(&out);
@@ -90,7 +109,7 @@ impl SlotImage {
         }
         let (body, sum) = bytes.split_at(bytes.len() - 8);
         let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
-        if version != VERSION {
+        if version != 1 && version != VERSION {
             return Err(SlotFileError::Version(version));
         }
         if fnv1a(body) != u64::from_le_bytes(sum.try_into().expect("8 bytes")) {
@@ -117,10 +136,26 @@ impl SlotImage {
             let v = r.f32s(n)?;
             layers.push((dims, k, v));
         }
+        let mut states = Vec::new();
+        if version >= 2 {
+            let n_states = r.u32()?;
+            if n_states > 8192 {
+                return Err(SlotFileError::Malformed(format!("{n_states} recurrent tensors")));
+            }
+            for _ in 0..n_states {
+                let rank = r.u32()?;
+                if !(1..=4).contains(&rank) {
+                    return Err(SlotFileError::Malformed(format!("a recurrent tensor of rank {rank}")));
+                }
+                let dims = (0..rank).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+                let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| SlotFileError::Malformed(format!("dims {dims:?} overflow")))?;
+                states.push((dims, r.f32s(n)?));
+            }
+        }
         if r.at != body.len() {
             return Err(SlotFileError::Length);
         }
-        Ok(SlotImage { model, tokens, layers })
+        Ok(SlotImage { model, tokens, layers, states })
     }
 }
 
@@ -157,18 +192,31 @@ impl Sequence {
                     layers.push(([1, n_kv, g.len(), hd], k, v));
                 }
             }
-            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers });
+            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states: Vec::new() });
         }
-        let crate::model::SeqCache::Gemma3(cache) = &self.cache else {
-            return Err(StepError::NotForArchitecture("slot save of a recurrent (qwen35) sequence"));
+        let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+        let cache = match &self.cache {
+            crate::model::SeqCache::Gemma3(cache) => cache,
+            crate::model::SeqCache::Qwen35(r) => {
+                let img = r.cache.image()?;
+                let mut states = Vec::with_capacity(2 * img.recurrent.len());
+                for (k, v) in &img.kv {
+                    let d = k.dims();
+                    layers.push(([d[0], d[1], d[2], d[3]], flat(k)?, flat(v)?));
+                }
+                for (window, state) in &img.recurrent {
+                    states.push((window.dims().to_vec(), flat(window)?));
+                    states.push((state.dims().to_vec(), flat(state)?));
+                }
+                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states });
+            }
         };
         for (k, v) in cache.snapshot()?.unwrap_or_default() {
             let d = k.dims();
             let dims = [d[0], d[1], d[2], d[3]];
-            let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
             layers.push((dims, flat(&k)?, flat(&v)?));
         }
-        Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers })
+        Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states: Vec::new() })
     }
 
     /// Replaces this sequence's state with `img`. On error the sequence is unchanged, but for a
@@ -217,9 +265,29 @@ impl Sequence {
             kv.push((t(k).map_err(StepError::from)?, t(v).map_err(StepError::from)?));
         }
         // Into a fresh cache first: a refused image leaves this sequence as it was.
-        let crate::model::SeqCache::Gemma3(mut cache) = model.new_cache_for(self.context) else {
-            return Err(StepError::NotForArchitecture("slot restore of a recurrent (qwen35) sequence").into());
+        let mut cache = match (&model.weights, model.new_cache_for(self.context)) {
+            (crate::model::Weights::Qwen35(w), crate::model::SeqCache::Qwen35(_)) => {
+                if !img.states.len().is_multiple_of(2) {
+                    return Err(SlotFileError::Malformed(format!("{} recurrent tensors: windows and states come in pairs", img.states.len())));
+                }
+                let recurrent = img
+                    .states
+                    .chunks(2)
+                    .map(|p| Ok((Tensor::from_vec(p[0].1.clone(), p[0].0.as_slice(), dev)?, Tensor::from_vec(p[1].1.clone(), p[1].0.as_slice(), dev)?)))
+                    .collect::<Result<Vec<_>, candle_core::Error>>()
+                    .map_err(|e| SlotFileError::Malformed(format!("a recurrent tensor's dims do not fit its values: {e}")))?;
+                let image = candle_transformers::models::quantized_qwen35::CacheImage { len: img.tokens.len(), kv, recurrent };
+                let cache = w.cache_from_image(&image, self.context.min(4096)).map_err(|e| SlotFileError::Malformed(format!("the state does not fit this model: {e}")))?;
+                self.cache = crate::model::SeqCache::Qwen35(crate::model::Recurrent::new(cache));
+                self.tokens = img.tokens.clone();
+                return Ok(());
+            }
+            (_, crate::model::SeqCache::Gemma3(cache)) => cache,
+            _ => unreachable!("a model makes its own kind of cache"),
         };
+        if !img.states.is_empty() {
+            return Err(SlotFileError::Malformed("recurrent states for a model without any".into()));
+        }
         if !kv.is_empty() {
             cache.restore(&kv).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
         }

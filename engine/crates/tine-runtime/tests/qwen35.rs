@@ -191,13 +191,9 @@ fn qwen35_nextn_state_matches_the_heads_float64_reference() {
 }
 
 #[test]
-fn qwen35_refuses_what_it_does_not_run_with_clear_errors() {
+fn qwen35_refuses_an_assistant_head_with_a_clear_error() {
     let fx = fixture(shapes()[0].clone());
     let m = &fx.model;
-    let mut seq = m.new_sequence(64);
-    seq.prefill(m, &prompt(5)).expect("prefill");
-    let err = seq.image(m).expect_err("slot files of a recurrent state are not written yet");
-    assert!(err.to_string().contains("not available"), "{err}");
     // An assistant head is Gemma 3's.
     let dir = tempfile::tempdir().expect("tempdir");
     let head = dir.path().join("head.gguf");
@@ -205,4 +201,42 @@ fn qwen35_refuses_what_it_does_not_run_with_clear_errors() {
     tine_test_support::TinyAssistant::default().write(&cfg, &head);
     let err = tine_runtime::Assistant::load(&head, m).err().expect("refused");
     assert!(err.to_string().contains("gemma3 target"), "{err}");
+}
+
+#[test]
+fn qwen35_slot_files_carry_the_recurrent_state_and_continue_bit_for_bit() {
+    for cfg in shapes() {
+        let fx = fixture(cfg);
+        let m = &fx.model;
+        let p = prompt(13);
+        let mut seq = m.new_sequence(64);
+        seq.prefill(m, &p).expect("prefill");
+        seq.forward_all(m, &[20, 21, 22]).expect("a verify batch");
+        seq.rollback(p.len() + 2).expect("inside the batch");
+        let img = seq.image(m).expect("image");
+        assert!(!img.states.is_empty(), "the delta-net layers' windows and states are saved");
+        let bytes = img.to_bytes();
+        assert_eq!(&bytes[8..12], &2u32.to_le_bytes(), "a file with recurrent states is version 2");
+        let back = tine_runtime::SlotImage::from_bytes(&bytes).expect("reads back");
+        assert_eq!(back, img);
+        let mut other = m.new_sequence(64);
+        other.prefill(m, &prompt(4)).expect("something to replace");
+        other.restore_image(m, &back).expect("restores");
+        assert_eq!(other.tokens(), seq.tokens());
+        assert!(bits(&other.decode(m, 9).expect("decode"), &seq.decode(m, 9).expect("decode")), "a restored slot continues differently");
+        // A flipped byte is caught by the checksum; an image of another shape is refused and
+        // leaves the sequence as it was.
+        let mut bad = bytes.clone();
+        bad[40] ^= 1;
+        assert!(tine_runtime::SlotImage::from_bytes(&bad).is_err());
+        let mut wrong = img.clone();
+        wrong.states.pop();
+        let before = other.tokens().to_vec();
+        assert!(other.restore_image(m, &wrong).is_err());
+        assert_eq!(other.tokens(), before.as_slice());
+        // An empty sequence saves and restores too.
+        let empty = m.new_sequence(64).image(m).expect("image");
+        other.restore_image(m, &empty).expect("restores an empty slot");
+        assert!(other.is_empty());
+    }
 }
