@@ -53,6 +53,9 @@ pub struct TinyQwen35 {
     pub n_expert_used: usize,
     pub expert_ff: usize,
     pub shared_ff: usize,
+    /// `qwen35moe`: write the experts' gate and up as one `ffn_gate_up_exps` (the converter's
+    /// `--fuse-gate-up-exps`: each expert's gate rows, then its up rows).
+    pub fused_gate_up: bool,
     /// Write a byte-level BPE tokenizer (`gpt2` with the `qwen35` pre-tokenizer: the 256 byte
     /// symbols, one merge `Ġ t`, `<|endoftext|>`), as llama.cpp needs to load the file; then
     /// `vocab` must be [`TOKENIZER_VOCAB`].
@@ -103,6 +106,7 @@ impl Default for TinyQwen35 {
             n_expert_used: 0,
             expert_ff: 0,
             shared_ff: 0,
+            fused_gate_up: false,
             tokenizer: false,
             seed: 11,
         }
@@ -304,8 +308,15 @@ impl TinyQwen35 {
             } else {
                 let (e, fe, fs) = (self.n_expert, self.expert_ff, self.shared_ff);
                 let router = put(format!("{p}.ffn_gate_inp.weight"), rng.vec(e * d, 2.0 * s), vec![e, d], f);
-                let g = put(format!("{p}.ffn_gate_exps.weight"), rng.vec(e * fe * d, s), vec![e, fe, d], dtype);
-                let u = put(format!("{p}.ffn_up_exps.weight"), rng.vec(e * fe * d, s), vec![e, fe, d], dtype);
+                let (gv, uv) = (rng.vec(e * fe * d, s), rng.vec(e * fe * d, s));
+                let (g, u) = if self.fused_gate_up {
+                    let both: Vec<f32> = (0..e).flat_map(|i| gv[i * fe * d..(i + 1) * fe * d].iter().chain(&uv[i * fe * d..(i + 1) * fe * d]).copied().collect::<Vec<_>>()).collect();
+                    let b = put(format!("{p}.ffn_gate_up_exps.weight"), both, vec![e, 2 * fe, d], dtype);
+                    let half = |i: usize, j: usize| b[(2 * i + j) * fe * d..(2 * i + j + 1) * fe * d].to_vec();
+                    ((0..e).flat_map(|i| half(i, 0)).collect::<Vec<f64>>(), (0..e).flat_map(|i| half(i, 1)).collect::<Vec<f64>>())
+                } else {
+                    (put(format!("{p}.ffn_gate_exps.weight"), gv, vec![e, fe, d], dtype), put(format!("{p}.ffn_up_exps.weight"), uv, vec![e, fe, d], dtype))
+                };
                 let dn = put(format!("{p}.ffn_down_exps.weight"), rng.vec(e * d * fe, 1.0 / (fe as f64).sqrt()), vec![e, d, fe], dtype);
                 let experts = (0..e).map(|i| (g[i * fe * d..(i + 1) * fe * d].to_vec(), u[i * fe * d..(i + 1) * fe * d].to_vec(), dn[i * d * fe..(i + 1) * d * fe].to_vec())).collect();
                 Ffn::Moe {
