@@ -28,7 +28,10 @@ import gguf  # noqa: E402
 SHAPES = {
     "0.8b": dict(hidden=1024, layers=24, interval=4, heads=8, kv_heads=2, head_dim=256, ff=3584,
                  hk=16, hv=16, d_state=128, conv=4, vocab=248320, rope_base=1e7, nextn=1),
-    # A small shape for checking the script itself.
+    # A small shape whose matrices quantize to Q4_K (rows of 256): a few MB, for device checks.
+    "small": dict(hidden=256, layers=8, interval=4, heads=4, kv_heads=2, head_dim=64, ff=512,
+                  hk=2, hv=4, d_state=64, conv=4, vocab=1024, rope_base=1e7, nextn=1),
+    # A tiny shape for checking the script itself.
     "test": dict(hidden=64, layers=4, interval=4, heads=2, kv_heads=1, head_dim=32, ff=128,
                  hk=2, hv=4, d_state=16, conv=4, vocab=300, rope_base=1e7, nextn=1),
 }
