@@ -15,7 +15,7 @@ use tine_sampling::SamplingParams;
 use tine_spec::{DraftParams, SpecConfig, SpecFactory, SpecType};
 
 #[derive(Parser)]
-#[command(name = "tine", version, about = "Tine: Gemma 3 GGUF inference on a patched candle")]
+#[command(name = "tine", version, about = "Tine: GGUF inference (Gemma 3, Qwen3.5/3.6) on a patched candle")]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -276,7 +276,7 @@ struct TokenizeArgs {
 
 #[derive(Args)]
 pub(crate) struct ModelArgs {
-    /// A Gemma 3 GGUF (default: the cached Gemma 3 270M Q4_K_M; `cargo xtask fetch-model` fetches it).
+    /// A GGUF: Gemma 3 (`gemma3`) or Qwen3.5/3.6 (`qwen35`, `qwen35moe`) as llama.cpp writes them (default: the cached Gemma 3 270M Q4_K_M; `cargo xtask fetch-model` fetches it).
     #[arg(short = 'm', long)]
     model: Option<PathBuf>,
     /// Context size in tokens (default: 4096, capped at the model's).
