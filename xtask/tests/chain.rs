@@ -310,6 +310,29 @@ fn verify_catches_a_drifted_tree_and_apply_refuses_to_lose_it() {
 }
 
 #[test]
+fn apply_proceeds_over_edits_a_backup_holds_and_refuses_once_they_move_on() {
+    let fx = Fx::new(&[("a.txt", b"1\n", MODE_FILE), ("b.txt", b"b\n", MODE_FILE)]);
+    fx.apply(None).expect("applies");
+    fx.edit("a.txt", b"my uncommitted work\n");
+    commands::backup(&fx.p, Some("wip")).expect("backup");
+    // Edited again after the backup: the backup no longer holds the tree, so nothing may replace it.
+    fx.edit("b.txt", b"more work\n");
+    let err = fx.apply(None).expect_err("the second edit is in no backup");
+    assert!(err.downcast_ref::<Refused>().is_some(), "{err:#}");
+    assert_eq!(fs::read(fx.live("b.txt")).expect("still there"), b"more work\n");
+    // Backed up as it stands: apply-chain may replace the tree (the message's advice works).
+    commands::backup(&fx.p, Some("wip2")).expect("backup");
+    fx.apply(None).expect("the edits are in backup wip2");
+    assert_eq!(fs::read(fx.live("a.txt")).expect("re-applied"), b"1\n");
+    commands::restore(&fx.p, Some("wip2"), &pb()).expect("restore");
+    assert_eq!(fs::read(fx.live("a.txt")).expect("restored"), b"my uncommitted work\n");
+    assert_eq!(fs::read(fx.live("b.txt")).expect("restored"), b"more work\n");
+    // unapply too: the backed-up edits are not reversed through the patches, the prefix is rebuilt.
+    commands::unapply(&fx.p, None, &pb()).expect("the edits are in backup wip2");
+    assert_eq!(fs::read(fx.live("a.txt")).expect("pristine"), b"1\n");
+}
+
+#[test]
 fn an_interrupted_apply_leaves_the_old_tree_intact() {
     let fx = Fx::new(&[("a.txt", b"1\n", MODE_FILE)]);
     fx.apply(None).expect("applies");

@@ -71,7 +71,7 @@ pub enum LiveEditsError {
     Live(#[from] LiveError),
     #[error(
         "engine/upstream/ holds edits that no patch carries, so `{verb}` would lose them:\n{drift}\n\
-         keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/; then `cargo xtask restore` brings it back)"
+         keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/, after which `{verb}` may replace it; `cargo xtask restore` brings it back)"
     )]
     Edits {
         verb: String,
@@ -296,7 +296,8 @@ pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch
     match &live.state {
         Some(state) => {
             let drift = live.drift().expect("state is present");
-            if !drift.is_empty() {
+            // Edits a backup holds exactly are safe: `cargo xtask restore` brings them back.
+            if !drift.is_empty() && !backed_up(p, &live.tree) {
                 return Err(LiveEditsError::Edits { verb: verb.to_owned(), drift: drift.describe(20), top: state.top().to_owned() });
             }
             // The applied prefix must still be a prefix of the series (by id).
@@ -324,6 +325,18 @@ pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch
             Err(LiveEditsError::Unknown { verb: verb.to_owned() })
         }
     }
+}
+
+/// Whether a backup (`cargo xtask backup`: an archive and its manifest in the backups
+/// directory) holds exactly `tree`, so that replacing the live tree loses nothing.
+fn backed_up(p: &Project, tree: &Tree) -> bool {
+    let Ok(entries) = fs::read_dir(p.backups_dir()) else { return false };
+    let want = tree::manifest_of(tree);
+    entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|path| path.extension().is_some_and(|x| x == "manifest") && path.with_extension("tar").is_file())
+        .any(|path| fs::read_to_string(&path).ok().and_then(|text| tree::parse_manifest(&text, &path).ok()).is_some_and(|m| m == want))
 }
 
 /// Writes `tree` as the live tree holding `patches`, atomically.

@@ -59,7 +59,8 @@ pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -
     }
     let target = State::new(&l.patches[..n], &t);
     if let Some((live, _)) = &live {
-        if live.state.as_ref() == Some(&target) {
+        // (Edits a backup holds leave a drift: then the tree is written even at the same state.)
+        if live.state.as_ref() == Some(&target) && live.drift().is_none_or(|d| d.is_empty()) {
             tree::remove_stale_scratch(&p.upstream_dir());
             say(format!("engine/upstream/ already holds the base + {n} patch(es) (up to {}); nothing to do", target.top()));
             return Ok(());
@@ -95,7 +96,9 @@ pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> an
         None => Vec::new(),
     };
     let mut t = live.tree.clone();
-    if changed_since.is_empty() {
+    // Edits a backup holds are not reversed through the patches: the prefix is rebuilt.
+    let backed_up_edits = live.drift().is_some_and(|d| !d.is_empty());
+    if changed_since.is_empty() && !backed_up_edits {
         for lp in l.patches[n..k].iter().rev() {
             apply::unapply(&mut t, &lp.parsed, lp.name())?;
             say(format!("unapplied {}", lp.name()));
@@ -106,8 +109,12 @@ pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> an
             bail!("reverse-applying down to {} did not give the tree that applying forward gives; the chain is not reversible (run `cargo xtask verify`)", to.unwrap_or("0000"));
         }
     } else {
-        // The live tree has no edits, so rebuilding forward loses nothing.
-        say(format!("patch file(s) changed since they were applied ({}); rebuilding the prefix from the base instead of reversing", changed_since.join(", ")));
+        // The live tree has no edits (or a backup holds them), so rebuilding forward loses nothing.
+        if backed_up_edits {
+            say("engine/upstream/'s edits are in a backup (`cargo xtask restore` brings them back); rebuilding the prefix from the base");
+        } else {
+            say(format!("patch file(s) changed since they were applied ({}); rebuilding the prefix from the base instead of reversing", changed_since.join(", ")));
+        }
         t = build(&l.base, &l.patches[..n])?;
     }
     chain::write_live(p, &t, &l.patches[..n], pb)?;
