@@ -49,6 +49,22 @@ def post(port, path, body):
         return json.loads(r.read())
 
 
+def start_server(server, model, port, ctx, log=subprocess.DEVNULL):
+    """llama-server on `model` (2 threads, one slot, f32 KV cache, flash attention off), returned once
+    /health answers; exits naming the log if the server dies first."""
+    srv = subprocess.Popen([server, "-m", model, "--port", str(port), "-t", "2", "-c", str(ctx), "-np", "1", "--no-warmup", "-ctk", "f32", "-ctv", "f32", "-fa", "off"], stdout=log, stderr=log)
+    for _ in range(600):
+        if srv.poll() is not None:
+            sys.exit(f"llama-server exited with {srv.returncode}" + (f"; see {log.name}" if hasattr(log, "name") else ""))
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except Exception:
+            time.sleep(0.2)
+    return srv
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--server", required=True)
@@ -57,15 +73,8 @@ def main():
     ap.add_argument("--port", type=int, default=18089)
     ap.add_argument("--n-predict", type=int, default=128)
     a = ap.parse_args()
-    srv = subprocess.Popen([a.server, "-m", a.model, "--port", str(a.port), "-t", "2", "-c", "4096", "-np", "1", "--no-warmup", "-ctk", "f32", "-ctv", "f32", "-fa", "off"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = start_server(a.server, a.model, a.port, 4096)
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                time.sleep(0.2)
         tok = [{"text": t, "ids": post(a.port, "/tokenize", {"content": t, "add_special": False, "parse_special": True})["tokens"]} for t in CORPUS]
         greedy = []
         for p in PROMPTS:

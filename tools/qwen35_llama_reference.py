@@ -13,15 +13,12 @@ plain text.
   tools/qwen35_llama_reference.py --server "$(tools/build_llama_cpp.sh)/llama-server" \
       --model /tmp/qwen35-fixture.gguf --out engine/crates/tine-test-support/data/qwen35_llama_cpp.txt
 """
-import argparse, hashlib, json, subprocess, sys, time, urllib.request
+import argparse, hashlib, os, sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_reference import post, start_server  # noqa: E402
 
 PROMPTS = [[3, 17, 40, 2, 88, 5, 61, 9, 33], [256, 100, 101, 102], [7] * 12, [200, 12, 34, 56, 78, 90, 123, 145, 167, 189, 211, 233, 255, 1, 2, 3, 4, 5, 6, 7]]
-
-
-def post(port, path, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
 
 
 def main():
@@ -32,18 +29,8 @@ def main():
     ap.add_argument("--port", type=int, default=18095)
     ap.add_argument("--n-predict", type=int, default=16)
     a = ap.parse_args()
-    log = open(a.out + ".server.log", "w")
-    srv = subprocess.Popen([a.server, "-m", a.model, "--port", str(a.port), "-t", "2", "-c", "512", "-np", "1", "--no-warmup", "-ctk", "f32", "-ctv", "f32", "-fa", "off"], stdout=log, stderr=log)
+    srv = start_server(a.server, a.model, a.port, 512, open(a.out + ".server.log", "w"))
     try:
-        for _ in range(600):
-            if srv.poll() is not None:
-                sys.exit(f"llama-server exited with {srv.returncode}; see {a.out}.server.log")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{a.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                time.sleep(0.2)
         cases = []
         for p in PROMPTS:
             # Every generated id (`tokens`); `completion_probabilities` leaves out the tokens after
