@@ -218,6 +218,17 @@ impl TinyQwen35 {
         TinyQwen35 { n_expert: 4, n_expert_used: 2, expert_ff: 32, shared_ff: 32, ..TinyQwen35::default() }
     }
 
+    /// The fixtures tools/qwen35_transformers_reference.py runs through transformers, by name:
+    /// dense with a NextN head and H_k != H_v; tied output, H_v = 3 H_k and a full-attention layer
+    /// every second layer; `qwen35moe` with a NextN head whose FFN is routed too.
+    pub fn transformers_fixtures() -> Vec<(&'static str, TinyQwen35)> {
+        vec![
+            ("dense", TinyQwen35 { nextn: true, seed: 31, ..TinyQwen35::default() }),
+            ("dense-tied", TinyQwen35 { untied: false, n_k_heads: 1, n_v_heads: 3, n_kv_head: 1, full_attention_interval: 2, nextn: true, seed: 32, ..TinyQwen35::default() }),
+            ("moe", TinyQwen35 { nextn: true, seed: 33, ..TinyQwen35::moe() }),
+        ]
+    }
+
     pub fn arch(&self) -> &'static str {
         if self.n_expert > 0 {
             "qwen35moe"
