@@ -6,6 +6,11 @@
 //!   pre-tokenizer is patch 0023). Only pre-tokenizers whose ids were checked against
 //!   llama.cpp's are taken (`qwen35`); others are refused with an error, not tokenized
 //!   differently.
+//! - `gemma4`: BPE in SentencePiece's style (Gemma 4), as llama.cpp reads it: spaces written
+//!   `▁`, the text split only into runs of newlines and runs of the rest (a run of newlines that
+//!   is a token is taken whole), the merges of the `tokenizers` crate's BPE over raw UTF-8,
+//!   `<0xXX>` byte tokens for what no token covers, and BOS always added with the special tokens
+//!   (llama.cpp overrides `add_bos_token` for this vocabulary).
 //!
 //! Both answer the same calls with llama.cpp's semantics: `encode(text, add_special,
 //! parse_special)` adds BOS/EOS as the metadata asks and, with `parse_special`, turns special
@@ -24,13 +29,23 @@ use candle_core::quantized::tokenizer::TokenizerFromGguf;
 pub enum Tokenizer {
     /// SentencePiece-style (`tokenizer.ggml.model = llama`).
     Spm(SpmTokenizer),
-    /// Byte-level BPE (`tokenizer.ggml.model = gpt2`).
+    /// BPE (`tokenizer.ggml.model = gpt2`, byte-level; `gemma4`, SentencePiece-style).
     Bpe(Box<BpeTokenizer>),
 }
 
-/// Byte-level BPE as llama.cpp reads a `gpt2` GGUF vocabulary.
+/// How a BPE vocabulary writes text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BpeStyle {
+    /// GPT-2's byte-level alphabet (`gpt2`).
+    ByteLevel,
+    /// Raw UTF-8 with spaces as `▁` and `<0xXX>` byte tokens (`gemma4`).
+    Spm,
+}
+
+/// BPE as llama.cpp reads a `gpt2` or `gemma4` GGUF vocabulary.
 #[derive(Debug, Clone)]
 pub struct BpeTokenizer {
+    style: BpeStyle,
     /// Built from the vocabulary, merges and pre-tokenizer alone: no special tokens and no
     /// post-processor, so that this type decides what is special and where BOS goes.
     inner: tokenizers::Tokenizer,
@@ -54,6 +69,7 @@ impl Tokenizer {
         let kind = ct.metadata.get("tokenizer.ggml.model").and_then(|v| v.to_string().ok()).map(|s| s.to_lowercase()).unwrap_or_default();
         match kind.as_str() {
             "gpt2" => Ok(Tokenizer::Bpe(Box::new(BpeTokenizer::from_gguf(ct)?))),
+            "gemma4" => Ok(Tokenizer::Bpe(Box::new(BpeTokenizer::spm_from_gguf(ct)?))),
             _ => Ok(Tokenizer::Spm(SpmTokenizer::from_gguf(ct)?)),
         }
     }
@@ -205,6 +221,7 @@ impl BpeTokenizer {
         specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
         let byte_of = gpt2_byte_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
         Ok(BpeTokenizer {
+            style: BpeStyle::ByteLevel,
             inner,
             tokens,
             types,
@@ -219,6 +236,100 @@ impl BpeTokenizer {
         })
     }
 
+    /// A `gemma4` vocabulary: the `tokenizers` crate's BPE over the GGUF's tokens and merges
+    /// (with byte fallback), no normalizer or pre-tokenizer (this type escapes spaces and splits
+    /// newlines as llama.cpp does).
+    fn spm_from_gguf(ct: &gguf_file::Content) -> candle_core::Result<BpeTokenizer> {
+        let strings = |key: &str| -> candle_core::Result<Vec<String>> {
+            let v = ct.metadata.get(key).ok_or_else(|| candle_core::Error::msg(format!("missing GGUF metadata key `{key}`")))?;
+            v.to_vec()?.iter().map(|s| s.to_string().cloned()).collect()
+        };
+        let id = |key: &str| ct.metadata.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|i| i as u32)));
+        let flag = |key: &str| ct.metadata.get(key).and_then(|v| v.to_bool().ok());
+        let tokens = strings("tokenizer.ggml.tokens")?;
+        let types: Vec<TokenType> = match ct.metadata.get("tokenizer.ggml.token_type") {
+            Some(v) => v.to_vec()?.iter().map(|t| t.to_i32().map(|n| token_type(n as u32)).or_else(|_| t.to_u32().map(token_type))).collect::<candle_core::Result<_>>()?,
+            None => vec![TokenType::Normal; tokens.len()],
+        };
+        if types.len() != tokens.len() {
+            candle_core::bail!("tokenizer.ggml.token_type has {} entries for {} tokens", types.len(), tokens.len());
+        }
+        // llama.cpp needs the merges for this vocabulary ("cannot find tokenizer merges").
+        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+            .into_iter()
+            .map(|m| {
+                // llama.cpp splits at the first space after the first byte.
+                match m.as_bytes().iter().skip(1).position(|&b| b == b' ').map(|p| p + 1) {
+                    Some(p) => Ok((m[..p].to_string(), m[p + 1..].to_string())),
+                    None => Err(candle_core::Error::msg(format!("tokenizer.ggml.merges: {m:?} is not two tokens"))),
+                }
+            })
+            .collect::<candle_core::Result<_>>()?;
+        let mut token_to_id = HashMap::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            token_to_id.insert(t.clone(), i as u32);
+        }
+        let vocab: tokenizers::models::bpe::Vocab = token_to_id.iter().map(|(t, &i)| (t.clone(), i)).collect();
+        let bpe = tokenizers::models::bpe::BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).build().map_err(|e| candle_core::Error::msg(format!("gemma4 tokenizer: {e}")))?;
+        let inner = tokenizers::Tokenizer::new(bpe);
+        let mut specials: Vec<u32> =
+            (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::Unknown | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
+        specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
+        Ok(BpeTokenizer {
+            style: BpeStyle::Spm,
+            inner,
+            tokens,
+            types,
+            token_to_id,
+            specials,
+            byte_of: HashMap::new(),
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos: id("tokenizer.ggml.eos_token_id"),
+            // llama.cpp forces BOS on for this vocabulary whatever the metadata says.
+            add_bos: true,
+            add_eos: flag("tokenizer.ggml.add_eos_token").unwrap_or(false),
+        })
+    }
+
+    /// The BPE ids of a plain text fragment.
+    fn encode_text(&self, t: &str, out: &mut Vec<u32>) {
+        match self.style {
+            BpeStyle::ByteLevel => {
+                let enc = self.inner.encode_fast(t, false).expect("a BPE without added tokens encodes any text");
+                out.extend_from_slice(enc.get_ids());
+            }
+            BpeStyle::Spm => {
+                let escaped = t.replace(' ', "\u{2581}");
+                // Runs of newlines and runs of the rest (llama.cpp's `[^\n]+|[\n]+`); a run of
+                // newlines that is a token is taken whole (llama.cpp's fix for Gemma 4).
+                let mut rest = escaped.as_str();
+                while !rest.is_empty() {
+                    let nl = rest.starts_with('\n');
+                    let end = rest.find(|c: char| (c == '\n') != nl).unwrap_or(rest.len());
+                    let (word, tail) = rest.split_at(end);
+                    rest = tail;
+                    if nl {
+                        if let Some(&id) = self.token_to_id.get(word) {
+                            out.push(id);
+                            continue;
+                        }
+                    }
+                    match self.inner.encode_fast(word, false) {
+                        Ok(enc) => out.extend_from_slice(enc.get_ids()),
+                        // A char with neither a token nor byte tokens: llama.cpp drops it too.
+                        Err(_) => {
+                            for c in word.chars() {
+                                if let Ok(enc) = self.inner.encode_fast(&*c.encode_utf8(&mut [0u8; 4]), false) {
+                                    out.extend_from_slice(enc.get_ids());
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
         let mut out = Vec::new();
         if add_special && self.add_bos {
@@ -227,10 +338,7 @@ impl BpeTokenizer {
         for frag in self.partition(text, parse_special) {
             match frag {
                 Fragment::Token(id) => out.push(id),
-                Fragment::Text(t) => {
-                    let enc = self.inner.encode_fast(t, false).expect("a BPE without added tokens encodes any text");
-                    out.extend_from_slice(enc.get_ids());
-                }
+                Fragment::Text(t) => self.encode_text(t, &mut out),
             }
         }
         if add_special && self.add_eos {
@@ -282,6 +390,11 @@ impl BpeTokenizer {
             TokenType::Control | TokenType::Unknown if !special => Vec::new(),
             TokenType::Control | TokenType::Unknown | TokenType::UserDefined => text.as_bytes().to_vec(),
             TokenType::Unused => Vec::new(),
+            TokenType::Normal if self.style == BpeStyle::Spm => text.replace('\u{2581}', " ").into_bytes(),
+            TokenType::Byte if self.style == BpeStyle::Spm => match text.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                Some(b) => vec![b],
+                None => text.as_bytes().to_vec(),
+            },
             // Normal and byte tokens are written in GPT-2's byte alphabet; a char outside it
             // (a vocabulary that writes raw text) stands for its own UTF-8.
             TokenType::Normal | TokenType::Byte => {
