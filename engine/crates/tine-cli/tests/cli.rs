@@ -146,6 +146,81 @@ fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
     assert_eq!(second["timings"]["cache_n"].as_u64(), Some(prompt_n - 1), "the second request restarts from the first prompt's checkpoint: {second}");
 }
 
+/// Gemma 4 targets (31B-like, E-series, MoE) and a smaller gemma4 draft model, with the
+/// fixture's tokenizer: plain and speculative output equal for the spec types a model without a
+/// NextN head runs, `logit-equiv` exact, and served answers equal to `generate`'s.
+#[test]
+fn gemma4_generates_with_ngram_and_draft_models_losslessly_and_serves() {
+    use std::io::{Read, Write};
+    use tine_test_support::gemma4_fixture::{TinyGemma4, TOKENIZER_VOCAB};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let s = |p: &Path| p.to_str().expect("utf-8 temp path").to_owned();
+    let draft = dir.path().join("gemma4-draft.gguf");
+    TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, pattern: vec![true, false], seed: 70, ..TinyGemma4::dense() }.write(&draft);
+    let draft = s(&draft);
+    let prompt = "the cat the cat the";
+    for (name, cfg) in [("dense", TinyGemma4::dense()), ("e2b", TinyGemma4::e2b()), ("a4b", TinyGemma4::a4b())] {
+        let target = dir.path().join(format!("{name}.gguf"));
+        TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..cfg }.write(&target);
+        let target = s(&target);
+        let base = ["generate", "-m", &target, "-p", prompt, "-n", "24", "--temp", "0", "--ignore-eos"];
+        let (ok, want, err) = tine(&base);
+        assert!(ok, "{name}: {err}");
+        assert!(want.starts_with(prompt), "{name}: {want}");
+        for extra in [vec!["-md", &draft], vec!["-md", &draft, "--spec-draft-n-max", "6"], vec!["--spec-type", "ngram", "--spec-ngram-min", "1"]] {
+            let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
+            let (ok, got, err) = tine(&args);
+            assert!(ok, "{name} {extra:?}: {err}");
+            assert_eq!(got, want, "{name} {extra:?}");
+            assert!(err.contains("verify steps"), "{name} {extra:?}: no draft statistics in\n{err}");
+        }
+        // Seeded sampling is lossless too.
+        let sampled = ["generate", "-m", &target, "-p", prompt, "-n", "24", "--temp", "0.8", "--seed", "5", "--ignore-eos"];
+        let (ok, plain, err) = tine(&sampled);
+        assert!(ok, "{err}");
+        let args: Vec<&str> = sampled.iter().copied().chain(["-md", &draft]).collect();
+        let (ok, spec, err) = tine(&args);
+        assert!(ok, "{err}");
+        assert_eq!(spec, plain, "{name}: seeded speculative output differs from plain");
+        // No NextN head: a clear error rather than a silent plain run.
+        let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "draft-mtp"]).collect();
+        let (ok, _, err) = tine(&args);
+        assert!(!ok && err.to_lowercase().contains("nextn"), "{name}: {err}");
+        let json = dir.path().join("equiv.json");
+        let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "-md", &draft, "--spec-type", "ngram", "-n", "16", "--depths", "1,3", "--json", json.to_str().expect("utf-8")]);
+        assert!(ok, "{name}: {out}\n{err}");
+        assert!(out.contains("logit-equiv: exact"), "{name}: {out}");
+        if name != "e2b" {
+            continue;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
+            .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "256", "-np", "2", "-md", &draft])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start tine serve");
+        let post = |path: &str, body: &str| -> Option<String> {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+            write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).ok()?;
+            Some(out)
+        };
+        let t0 = std::time::Instant::now();
+        while post("/tokenize", r#"{"content": "x"}"#).is_none() {
+            assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let first = post("/completion", r#"{"prompt": "the cat the cat the", "n_predict": 24, "temperature": 0, "ignore_eos": true}"#).expect("completion");
+        let _ = child.kill();
+        let _ = child.wait();
+        let body: serde_json::Value = serde_json::from_str(first.split("\r\n\r\n").nth(1).expect("a body")).expect("JSON");
+        let continuation = want.trim_end_matches('\n').strip_prefix(prompt).expect("the prompt first");
+        assert_eq!(body["content"].as_str(), Some(continuation), "served with a draft model: {body}");
+        assert!(body["timings"]["draft_n"].as_u64().unwrap_or(0) > 0, "no drafts: {body}");
+    }
+}
+
 /// `tine serve` with llama-server's flags on a free port: the flags must reach the server
 /// (regression: `--chat-template` was parsed and then dropped).
 #[test]

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
+use candle_transformers::models::quantized_gemma4 as gemma4;
 use candle_transformers::models::quantized_qwen35 as qwen35;
 
 use crate::gpu::{GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
@@ -28,7 +29,7 @@ pub enum LoadError {
         #[source]
         source: candle_core::Error,
     },
-    #[error("{path}: architecture `{found}` is not supported (Tine runs gemma3, qwen35 and qwen35moe)")]
+    #[error("{path}: architecture `{found}` is not supported (Tine runs gemma3, gemma4, qwen35 and qwen35moe)")]
     Architecture { path: PathBuf, found: String },
     #[error("{path}: cannot load the weights (missing or malformed tensor)")]
     Weights {
@@ -120,6 +121,8 @@ pub(crate) enum Weights {
     Gemma3(Box<ModelWeights>),
     /// The hybrid of gated delta-net and gated attention layers (`qwen35`, `qwen35moe`).
     Qwen35(Box<qwen35::ModelWeights>),
+    /// Gemma 4 (dense, the E-series, the MoE).
+    Gemma4(Box<gemma4::ModelWeights>),
 }
 
 /// One sequence's state in candle, by architecture.
@@ -129,6 +132,8 @@ pub(crate) enum SeqCache {
     /// K/V of the attention layers and the delta-net layers' recurrent states: truncated exactly
     /// inside the last verify batch (its row states), else back to a checkpoint.
     Qwen35(Recurrent),
+    /// K/V of the layers that own some: truncated in O(1).
+    Gemma4(gemma4::Cache),
 }
 
 /// A recurrent sequence's state and its checkpoints: snapshots taken at the end of prompts
@@ -187,12 +192,14 @@ impl SeqCache {
         match self {
             SeqCache::Gemma3(c) => c.len(),
             SeqCache::Qwen35(c) => c.cache.len(),
+            SeqCache::Gemma4(c) => c.len(),
         }
     }
 
     fn restorable(&self, len: usize) -> usize {
         match self {
             SeqCache::Gemma3(c) => len.min(c.len()),
+            SeqCache::Gemma4(c) => len.min(c.len()),
             SeqCache::Qwen35(c) => c.restorable(len),
         }
     }
@@ -208,6 +215,7 @@ impl SeqCache {
         match self {
             SeqCache::Gemma3(c) => c.truncate(len)?,
             SeqCache::Qwen35(c) => c.truncate(len)?,
+            SeqCache::Gemma4(c) => c.truncate(len)?,
         }
         Ok(())
     }
@@ -220,6 +228,7 @@ impl SeqCache {
                 c.cache.reset().expect("memory for a fresh recurrent state");
                 c.checkpoints.clear();
             }
+            SeqCache::Gemma4(c) => c.truncate(0).expect("keeping no positions cannot fail"),
         }
     }
 }
@@ -312,7 +321,7 @@ impl Model {
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
         let arch = ct.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
-        if !matches!(arch.as_str(), "gemma3" | "qwen35" | "qwen35moe") {
+        if !matches!(arch.as_str(), "gemma3" | "gemma4" | "qwen35" | "qwen35moe") {
             return Err(LoadError::Architecture { path: p(), found: arch });
         }
         let tokenizer = Tokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })?;
@@ -331,11 +340,14 @@ impl Model {
         let device = device.clone();
         let weights = match arch.as_str() {
             "gemma3" => ModelWeights::from_gguf(ct, &mut reader, &device).map(|w| Weights::Gemma3(Box::new(w))),
+            "gemma4" => gemma4::ModelWeights::from_gguf(ct, &mut reader, &device).map(|w| Weights::Gemma4(Box::new(w))),
             _ => qwen35::ModelWeights::from_gguf(ct, &mut reader, &device).map(|w| Weights::Qwen35(Box::new(w))),
         }
         .map_err(|source| LoadError::Weights { path: p(), source })?;
         let mut eog: Vec<u32> = tokenizer.eos_token().into_iter().collect();
-        for text in ["<end_of_turn>", "<eos>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>"] {
+        // llama.cpp's end-of-generation texts (Gemma 4 ends a turn with `<turn|>` and hands over
+        // to a tool with `<|tool_response>`).
+        for text in ["<end_of_turn>", "<eos>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<turn|>", "<|tool_response>"] {
             if let Some(id) = tokenizer.token_id(text).filter(|&id| tokenizer.is_control(id)) {
                 if !eog.contains(&id) {
                     eog.push(id);
@@ -385,7 +397,7 @@ impl Model {
     pub fn nextn_draft_vocab(&self) -> Option<&[u32]> {
         match &self.weights {
             Weights::Gemma3(w) => w.nextn_draft_vocab(),
-            Weights::Qwen35(_) => None,
+            Weights::Qwen35(_) | Weights::Gemma4(_) => None,
         }
     }
 
@@ -394,6 +406,7 @@ impl Model {
         match &self.weights {
             Weights::Gemma3(w) => w.has_nextn(),
             Weights::Qwen35(w) => w.has_nextn(),
+            Weights::Gemma4(_) => false,
         }
     }
 
@@ -416,6 +429,7 @@ impl Model {
         match &self.weights {
             Weights::Gemma3(w) => w.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() }),
             Weights::Qwen35(w) => w.new_nextn_cache().map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new() }),
+            Weights::Gemma4(_) => None,
         }
     }
 
@@ -448,6 +462,7 @@ impl Model {
             // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
             Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache(context.min(4096))),
             Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache_with(context.min(4096)).expect("memory for a sequence's recurrent state"))),
+            Weights::Gemma4(w) => SeqCache::Gemma4(w.new_cache_with(context.min(4096)).expect("memory for a sequence's KV cache")),
         }
     }
 }
@@ -598,7 +613,7 @@ impl Sequence {
         // copied) can be put back.
         let before = match &self.cache {
             SeqCache::Qwen35(c) => Some(c.cache.clone()),
-            SeqCache::Gemma3(_) => None,
+            SeqCache::Gemma3(_) | SeqCache::Gemma4(_) => None,
         };
         let out = step(self);
         if out.is_err() {
@@ -756,6 +771,7 @@ impl Sequence {
         let logits = match (&model.weights, &mut self.cache) {
             (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_with_cache(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?,
             (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward(&Tensor::new(chunk, &model.device)?, &mut r.cache)?.unsqueeze(0)?,
+            (Weights::Gemma4(w), SeqCache::Gemma4(cache)) => w.forward(&Tensor::new(chunk, &model.device)?, cache)?.unsqueeze(0)?,
             _ => unreachable!("a sequence's cache is made by its model"),
         };
         self.injected()?;
@@ -841,6 +857,10 @@ impl Sequence {
                     let out = w.forward_verify(&Tensor::new(tokens, &model.device)?, &mut r.cache)?;
                     (out.logits, hidden.then_some(out.hidden))
                 }
+                (Weights::Gemma4(w), SeqCache::Gemma4(cache)) => {
+                    let out = w.forward_all(&Tensor::new(tokens, &model.device)?, cache)?;
+                    (out.logits, hidden.then_some(out.hidden))
+                }
                 _ => unreachable!("a sequence's cache is made by its model"),
             };
             seq.injected()?;
@@ -916,6 +936,7 @@ impl Sequence {
                 hidden.push(match (&model.weights, &mut seq.cache) {
                     (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
                     (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, &mut r.cache)?,
+                    (Weights::Gemma4(w), SeqCache::Gemma4(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, cache)?,
                     _ => unreachable!("a sequence's cache is made by its model"),
                 });
                 seq.injected()?;
@@ -927,6 +948,7 @@ impl Sequence {
             let logits = match &model.weights {
                 Weights::Gemma3(w) => w.project(&last)?,
                 Weights::Qwen35(w) => w.project(&last)?,
+                Weights::Gemma4(w) => w.project(&last)?,
             };
             let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
             Ok((logits, Hidden(hidden)))
@@ -1101,7 +1123,7 @@ impl Assistant {
     pub fn max_draft_steps(&self, target: &Model) -> usize {
         match &target.weights {
             Weights::Gemma3(w) => self.head.max_draft_steps(w),
-            Weights::Qwen35(_) => 0,
+            Weights::Qwen35(_) | Weights::Gemma4(_) => 0,
         }
     }
 

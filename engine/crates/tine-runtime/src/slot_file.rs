@@ -210,6 +210,14 @@ impl Sequence {
                 }
                 return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states });
             }
+            crate::model::SeqCache::Gemma4(c) => {
+                // The K/V of the layers that own some (KV-shared layers store none).
+                for (k, v) in &c.image()?.kv {
+                    let d = k.dims();
+                    layers.push(([d[0], d[1], d[2], d[3]], flat(k)?, flat(v)?));
+                }
+                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states: Vec::new() });
+            }
         };
         for (k, v) in cache.snapshot()?.unwrap_or_default() {
             let d = k.dims();
@@ -279,6 +287,16 @@ impl Sequence {
                 let image = candle_transformers::models::quantized_qwen35::CacheImage { len: img.tokens.len(), kv, recurrent };
                 let cache = w.cache_from_image(&image, self.context.min(4096)).map_err(|e| SlotFileError::Malformed(format!("the state does not fit this model: {e}")))?;
                 self.cache = crate::model::SeqCache::Qwen35(crate::model::Recurrent::new(cache));
+                self.tokens = img.tokens.clone();
+                return Ok(());
+            }
+            (crate::model::Weights::Gemma4(w), crate::model::SeqCache::Gemma4(_)) => {
+                if !img.states.is_empty() {
+                    return Err(SlotFileError::Malformed("recurrent states for a model without any".into()));
+                }
+                let image = candle_transformers::models::quantized_gemma4::CacheImage { len: img.tokens.len(), kv };
+                let cache = w.cache_from_image(&image, self.context.min(4096)).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
+                self.cache = crate::model::SeqCache::Gemma4(cache);
                 self.tokens = img.tokens.clone();
                 return Ok(());
             }

@@ -12,6 +12,7 @@ use tine_test_support::{Reference, TinyGemma3, Weights};
 #[path = "cuda.rs"]
 mod cuda;
 
+mod gemma4;
 mod qwen35;
 mod tokenizer;
 

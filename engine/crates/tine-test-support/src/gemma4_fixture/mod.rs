@@ -50,8 +50,15 @@ pub struct TinyGemma4 {
     pub softcap: Option<f64>,
     pub untied: bool,
     pub vocab: usize,
+    /// Write a `gemma4` tokenizer (SentencePiece-style BPE: `<pad>`, `<eos>`, `<bos>`, `<|turn>`,
+    /// `<turn|>`, the 256 `<0xXX>` byte tokens, `▁`, `\n`, `t`, `▁t` with the merge `▁ t`);
+    /// then `vocab` must be [`TOKENIZER_VOCAB`].
+    pub tokenizer: bool,
     pub seed: u64,
 }
+
+/// The vocabulary of the fixture's tokenizer.
+pub const TOKENIZER_VOCAB: usize = 5 + 256 + 4;
 
 /// The eps of every norm.
 pub const EPS: f64 = 1e-6;
@@ -98,6 +105,7 @@ impl TinyGemma4 {
             softcap: Some(30.0),
             untied: false,
             vocab: 96,
+            tokenizer: false,
             seed: 7,
         }
     }
@@ -288,6 +296,28 @@ impl TinyGemma4 {
             (key("rope.dimension_count_swa"), u(self.head_dim_swa)),
             (key("embedding_length_per_layer_input"), u(p)),
         ];
+        if self.tokenizer {
+            assert_eq!(self.vocab, TOKENIZER_VOCAB, "the fixture's tokenizer has {TOKENIZER_VOCAB} tokens");
+            let mut tokens: Vec<String> = ["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>"].map(String::from).to_vec();
+            let mut types = vec![V::I32(3); 5];
+            for b in 0..=255u8 {
+                tokens.push(format!("<0x{b:02X}>"));
+                types.push(V::I32(6));
+            }
+            for t in ["\u{2581}", "\n", "t", "\u{2581}t"] {
+                tokens.push(t.to_string());
+                types.push(V::I32(1));
+            }
+            md.push(("tokenizer.ggml.model".into(), V::String("gemma4".into())));
+            md.push(("tokenizer.ggml.pre".into(), V::String("gemma4".into())));
+            md.push(("tokenizer.ggml.tokens".into(), V::Array(tokens.into_iter().map(V::String).collect())));
+            md.push(("tokenizer.ggml.token_type".into(), V::Array(types)));
+            md.push(("tokenizer.ggml.merges".into(), V::Array(vec![V::String("\u{2581} t".into())])));
+            md.push(("tokenizer.ggml.bos_token_id".into(), u(2)));
+            md.push(("tokenizer.ggml.eos_token_id".into(), u(1)));
+            md.push(("tokenizer.ggml.padding_token_id".into(), u(0)));
+            md.push(("tokenizer.ggml.add_bos_token".into(), V::Bool(true)));
+        }
         if self.shared_kv_layers > 0 {
             md.push((key("attention.shared_kv_layers"), u(self.shared_kv_layers)));
         }
