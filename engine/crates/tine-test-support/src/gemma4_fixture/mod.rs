@@ -554,3 +554,205 @@ impl<'w> Gemma4Reference<'w> {
         }
     }
 }
+
+/// A synthetic `gemma4-assistant` for a [`TinyGemma4`] target: blocks of the given kinds (their
+/// head sizes the target's), optionally with ordered embeddings (`masked_embd_*`).
+#[derive(Debug, Clone)]
+pub struct TinyGemma4Assistant {
+    pub n_embd: usize,
+    /// Per block: sliding-window (else global).
+    pub pattern: Vec<bool>,
+    pub n_head: usize,
+    pub n_ff: usize,
+    /// Centroid clusters (0: no ordered embeddings) and how many a draft scores.
+    pub centroids: usize,
+    pub centroid_top_k: usize,
+    pub seed: u64,
+}
+
+impl Default for TinyGemma4Assistant {
+    fn default() -> Self {
+        TinyGemma4Assistant { n_embd: 32, pattern: vec![true, false], n_head: 2, n_ff: 64, centroids: 0, centroid_top_k: 0, seed: 21 }
+    }
+}
+
+/// An assistant's weights as stored.
+#[derive(Debug, Clone)]
+pub struct AssistantWeights {
+    pub cfg: TinyGemma4Assistant,
+    pub embd: Vec<f64>,
+    pub output_norm: Vec<f64>,
+    pub pre: Vec<f64>,
+    pub post: Vec<f64>,
+    /// (attn_norm, q, q_norm, o, post_attention_norm, ffn_norm, gate, up, down, post_ffw_norm, out_scale)
+    pub blocks: Vec<AssistantBlockWeights>,
+    pub centroids: Option<(Vec<f64>, Vec<u32>)>,
+}
+
+#[derive(Debug, Clone)]
+pub struct AssistantBlockWeights {
+    pub attn_norm: Vec<f64>,
+    pub q: Vec<f64>,
+    pub q_norm: Vec<f64>,
+    pub o: Vec<f64>,
+    pub post_attention_norm: Vec<f64>,
+    pub ffn_norm: Vec<f64>,
+    pub gate: Vec<f64>,
+    pub up: Vec<f64>,
+    pub down: Vec<f64>,
+    pub post_ffw_norm: Vec<f64>,
+    pub out_scale: f64,
+}
+
+impl TinyGemma4Assistant {
+    /// Writes the assistant for `target` (F32) to `path`.
+    pub fn write(&self, target: &TinyGemma4, path: &Path) -> AssistantWeights {
+        let mut f = std::fs::File::create(path).expect("create the assistant file");
+        self.write_to(target, &mut f)
+    }
+
+    pub fn write_to<W: Write + Seek>(&self, target: &TinyGemma4, w: &mut W) -> AssistantWeights {
+        let dev = Device::Cpu;
+        let mut rng = Rng(self.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+        let (d, dt, vocab) = (self.n_embd, target.n_embd, target.vocab);
+        let f = GgmlDType::F32;
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut put = |name: String, data: Vec<f32>, shape: Vec<usize>| -> Vec<f64> {
+            let t = Tensor::from_vec(data, shape, &dev).expect("fixture tensor");
+            let back = t.flatten_all().expect("flatten").to_vec1::<f32>().expect("f32").into_iter().map(f64::from).collect();
+            tensors.push((name, QTensor::quantize(&t, f).expect("f32 tensor")));
+            back
+        };
+        let norm = |rng: &mut Rng, n: usize| rng.vec(n, 0.3).into_iter().map(|x| 1.0 + x).collect::<Vec<f32>>();
+        let s = 1.0 / (d as f64).sqrt();
+        let embd = put("token_embd.weight".into(), rng.vec(vocab * d, 1.0), vec![vocab, d]);
+        let output_norm = put("output_norm.weight".into(), norm(&mut rng, d), vec![d]);
+        let pre = put("nextn.pre_projection.weight".into(), rng.vec(d * 2 * dt, 1.0 / (2.0 * dt as f64).sqrt()), vec![d, 2 * dt]);
+        let post = put("nextn.post_projection.weight".into(), rng.vec(dt * d, s), vec![dt, d]);
+        let half = target.head_dim_global / 2;
+        put("rope_freqs.weight".into(), (0..half).map(|i| if i < target.global_rot_pairs { 1.0 } else { 1e30 }).collect(), vec![half]);
+        let mut blocks = Vec::new();
+        for (i, &sliding) in self.pattern.iter().enumerate() {
+            let p = format!("blk.{i}");
+            let hd = if sliding { target.head_dim_swa } else { target.head_dim_global };
+            let qd = self.n_head * hd;
+            blocks.push(AssistantBlockWeights {
+                attn_norm: put(format!("{p}.attn_norm.weight"), norm(&mut rng, d), vec![d]),
+                q: put(format!("{p}.attn_q.weight"), rng.vec(qd * d, s), vec![qd, d]),
+                q_norm: put(format!("{p}.attn_q_norm.weight"), norm(&mut rng, hd), vec![hd]),
+                o: put(format!("{p}.attn_output.weight"), rng.vec(d * qd, 1.0 / (qd as f64).sqrt()), vec![d, qd]),
+                post_attention_norm: put(format!("{p}.post_attention_norm.weight"), norm(&mut rng, d), vec![d]),
+                ffn_norm: put(format!("{p}.ffn_norm.weight"), norm(&mut rng, d), vec![d]),
+                gate: put(format!("{p}.ffn_gate.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d]),
+                up: put(format!("{p}.ffn_up.weight"), rng.vec(self.n_ff * d, s), vec![self.n_ff, d]),
+                down: put(format!("{p}.ffn_down.weight"), rng.vec(d * self.n_ff, 1.0 / (self.n_ff as f64).sqrt()), vec![d, self.n_ff]),
+                post_ffw_norm: put(format!("{p}.post_ffw_norm.weight"), norm(&mut rng, d), vec![d]),
+                out_scale: put(format!("{p}.layer_output_scale.weight"), vec![(0.6 + 0.4 * rng.next().abs()) as f32], vec![1])[0],
+            });
+        }
+        let centroids = (self.centroids > 0).then(|| {
+            let c = put("masked_embd_centroids.weight".into(), rng.vec(self.centroids * d, 1.0), vec![self.centroids, d]);
+            // A fixed shuffle of the vocabulary: cluster k holds ordering[k·per..(k+1)·per].
+            let mut ordering: Vec<u32> = (0..vocab as u32).collect();
+            for i in (1..vocab).rev() {
+                let j = ((rng.next() + 1.0) / 2.0 * (i + 1) as f64) as usize % (i + 1);
+                ordering.swap(i, j);
+            }
+            put("masked_embd_ordering".into(), ordering.iter().map(|&x| x as f32).collect(), vec![vocab]);
+            (c, ordering)
+        });
+        use gguf_file::Value as V;
+        let u = |x: usize| V::U32(x as u32);
+        let key = |k: &str| format!("gemma4-assistant.{k}");
+        let mut md: Vec<(String, V)> = vec![
+            ("general.architecture".into(), V::String("gemma4-assistant".into())),
+            (key("block_count"), u(self.pattern.len())),
+            (key("nextn_predict_layers"), u(self.pattern.len())),
+            (key("embedding_length"), u(d)),
+            (key("embedding_length_out"), u(dt)),
+            (key("feed_forward_length"), u(self.n_ff)),
+            (key("attention.head_count"), u(self.n_head)),
+            (key("attention.head_count_kv"), u(target.n_kv_head_swa)),
+            (key("attention.key_length"), u(target.head_dim_global)),
+            (key("attention.value_length"), u(target.head_dim_global)),
+            (key("attention.key_length_swa"), u(target.head_dim_swa)),
+            (key("attention.value_length_swa"), u(target.head_dim_swa)),
+            (key("attention.layer_norm_rms_epsilon"), V::F32(EPS as f32)),
+            (key("attention.sliding_window"), u(target.window)),
+            (key("attention.sliding_window_pattern"), V::Array(self.pattern.iter().map(|&b| V::Bool(b)).collect())),
+            (key("attention.shared_kv_layers"), u(self.pattern.len())),
+            (key("rope.freq_base"), V::F32(ROPE_BASE as f32)),
+            (key("rope.freq_base_swa"), V::F32(ROPE_BASE_SWA as f32)),
+            (key("rope.dimension_count"), u(target.head_dim_global)),
+            (key("rope.dimension_count_swa"), u(target.head_dim_swa)),
+        ];
+        if self.centroids > 0 {
+            md.push((key("centroid_intermediate_top_k"), u(self.centroid_top_k)));
+        }
+        let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        gguf_file::write(w, &md_refs, &t_refs).expect("write the assistant GGUF");
+        AssistantWeights { cfg: self.clone(), embd, output_norm, pre, post, blocks, centroids }
+    }
+}
+
+/// One float64 assistant draft step (llama.cpp's semantics) for `token` at `pos0 =
+/// target.pos` over the target reference's K/V, reading `hidden`. Returns the logits (the
+/// ordered embeddings' masking when the assistant has them and `ordered`) and `h'`.
+pub fn assistant_step(target: &Gemma4Reference, a: &AssistantWeights, hidden: &[f64], token: u32, ordered: bool) -> (Vec<f64>, Vec<f64>) {
+    let (tw, tc) = (target.w, &target.w.cfg);
+    let dt = tc.n_embd;
+    let pos0 = target.pos;
+    let t = token as usize;
+    let mut cat: Vec<f64> = tw.embd[t * dt..(t + 1) * dt].iter().map(|v| v * (dt as f64).sqrt()).collect();
+    cat.extend_from_slice(hidden);
+    let mut x = matvec(&a.pre, &cat);
+    let n_layer = tc.n_layer();
+    for (bw, &sliding) in a.blocks.iter().zip(&a.cfg.pattern) {
+        let src = tc.kv_layer(n_layer - if sliding { 2 } else { 1 });
+        let hd = tc.head_dim(src);
+        let group = a.cfg.n_head / tc.n_kv_head(src);
+        let (base, factors) = if sliding { (ROPE_BASE_SWA, None) } else { (ROPE_BASE, Some(tw.rope_freqs.as_slice())) };
+        let h = rms(&x, Some(&bw.attn_norm));
+        let q = matvec(&bw.q, &h);
+        let first = if sliding { (pos0 + 1).saturating_sub(tc.window) } else { 0 };
+        let mut out = Vec::new();
+        for (hi, qh) in q.chunks(hd).enumerate() {
+            let mut qh = rms(qh, Some(&bw.q_norm));
+            rope(&mut qh, pos0, base, factors);
+            let kvh = hi / group;
+            let keys = first..pos0;
+            let scores: Vec<f64> = keys.clone().map(|j| qh.iter().zip(&target.k[src][j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum()).collect();
+            let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+            let z: f64 = e.iter().sum();
+            let mut o = vec![0.0; hd];
+            for (j, ej) in keys.zip(&e) {
+                for (oi, vi) in o.iter_mut().zip(&target.v[src][j][kvh * hd..(kvh + 1) * hd]) {
+                    *oi += ej / z * vi;
+                }
+            }
+            out.extend(o);
+        }
+        add(&mut x, &rms(&matvec(&bw.o, &out), Some(&bw.post_attention_norm)));
+        let f = geglu(&bw.gate, &bw.up, &bw.down, &rms(&x, Some(&bw.ffn_norm)));
+        add(&mut x, &rms(&f, Some(&bw.post_ffw_norm)));
+        x.iter_mut().for_each(|v| *v *= bw.out_scale);
+    }
+    let n = rms(&x, Some(&a.output_norm));
+    let mut logits = matvec(&a.embd, &n);
+    if let (true, Some((c, ordering))) = (ordered, &a.centroids) {
+        let scores = matvec(c, &n);
+        let mut order: Vec<usize> = (0..scores.len()).collect();
+        order.sort_by(|&x, &y| scores[y].total_cmp(&scores[x]).then(x.cmp(&y)));
+        let per = tc.vocab / a.cfg.centroids;
+        let keep: Vec<usize> = order[..a.cfg.centroid_top_k].iter().flat_map(|&k| ordering[k * per..(k + 1) * per].iter().map(|&i| i as usize)).collect();
+        let floor = keep.iter().map(|&i| logits[i]).fold(f64::INFINITY, f64::min) - 1.0;
+        let mut masked = vec![floor; logits.len()];
+        for i in keep {
+            masked[i] = logits[i];
+        }
+        logits = masked;
+    }
+    (logits, matvec(&a.post, &n))
+}
