@@ -104,7 +104,7 @@ fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
     tine_test_support::TinyAssistant::default().write(&TinyGemma3::default(), &head);
     let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "draft-assistant", "--mtp-head", head.to_str().expect("utf-8")]).collect();
     let (ok, _, err) = tine(&args);
-    assert!(!ok && err.contains("gemma3 target"), "{err}");
+    assert!(!ok && err.contains("an assistant head is for a gemma3 or gemma4 target"), "{err}");
     let json = dir.path().join("equiv.json");
     let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "--spec-type", "draft-mtp", "-n", "16", "--depths", "1,3", "--json", json.to_str().expect("utf-8")]);
     assert!(ok, "{out}\n{err}");
@@ -146,13 +146,15 @@ fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
     assert_eq!(second["timings"]["cache_n"].as_u64(), Some(prompt_n - 1), "the second request restarts from the first prompt's checkpoint: {second}");
 }
 
-/// Gemma 4 targets (31B-like, E-series, MoE) and a smaller gemma4 draft model, with the
-/// fixture's tokenizer: plain and speculative output equal for the spec types a model without a
-/// NextN head runs, `logit-equiv` exact, and served answers equal to `generate`'s.
+/// Gemma 4 targets (31B-like, E-series, MoE), a smaller gemma4 draft model and each target's
+/// gemma4-assistant (the E-series one with ordered embeddings), with the fixture's tokenizer:
+/// plain and speculative output equal for draft models, n-gram and the assistant (under
+/// `--spec-type draft-assistant --mtp-head` and llama.cpp's `--spec-type draft-mtp -md`),
+/// greedy and seeded, `logit-equiv` exact, and served answers equal to `generate`'s.
 #[test]
-fn gemma4_generates_with_ngram_and_draft_models_losslessly_and_serves() {
+fn gemma4_generates_with_draft_models_ngram_and_its_assistant_losslessly_and_serves() {
     use std::io::{Read, Write};
-    use tine_test_support::gemma4_fixture::{TinyGemma4, TOKENIZER_VOCAB};
+    use tine_test_support::gemma4_fixture::{TinyGemma4, TinyGemma4Assistant, TOKENIZER_VOCAB};
     let dir = tempfile::tempdir().expect("tempdir");
     let s = |p: &Path| p.to_str().expect("utf-8 temp path").to_owned();
     let draft = dir.path().join("gemma4-draft.gguf");
@@ -161,13 +163,26 @@ fn gemma4_generates_with_ngram_and_draft_models_losslessly_and_serves() {
     let prompt = "the cat the cat the";
     for (name, cfg) in [("dense", TinyGemma4::dense()), ("e2b", TinyGemma4::e2b()), ("a4b", TinyGemma4::a4b())] {
         let target = dir.path().join(format!("{name}.gguf"));
-        TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..cfg }.write(&target);
+        let cfg = TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, ..cfg };
+        cfg.write(&target);
         let target = s(&target);
+        // Its assistant (the E-series one with ordered embeddings), under both spellings.
+        let head = dir.path().join(format!("{name}-assistant.gguf"));
+        let centroids = if name == "e2b" { 5 } else { 0 };
+        TinyGemma4Assistant { centroids, centroid_top_k: 2, ..TinyGemma4Assistant::default() }.write(&cfg, &head);
+        let head = s(&head);
         let base = ["generate", "-m", &target, "-p", prompt, "-n", "24", "--temp", "0", "--ignore-eos"];
         let (ok, want, err) = tine(&base);
         assert!(ok, "{name}: {err}");
         assert!(want.starts_with(prompt), "{name}: {want}");
-        for extra in [vec!["-md", &draft], vec!["-md", &draft, "--spec-draft-n-max", "6"], vec!["--spec-type", "ngram", "--spec-ngram-min", "1"]] {
+        for extra in [
+            vec!["-md", &draft],
+            vec!["-md", &draft, "--spec-draft-n-max", "6"],
+            vec!["--spec-type", "ngram", "--spec-ngram-min", "1"],
+            vec!["--spec-type", "draft-assistant", "--mtp-head", &head],
+            vec!["--spec-type", "draft-mtp", "-md", &head, "--spec-draft-n-max", "5"],
+            vec!["--spec-type", "ngram,draft-assistant", "--mtp-head", &head],
+        ] {
             let args: Vec<&str> = base.iter().copied().chain(extra.iter().copied()).collect();
             let (ok, got, err) = tine(&args);
             assert!(ok, "{name} {extra:?}: {err}");
@@ -178,16 +193,24 @@ fn gemma4_generates_with_ngram_and_draft_models_losslessly_and_serves() {
         let sampled = ["generate", "-m", &target, "-p", prompt, "-n", "24", "--temp", "0.8", "--seed", "5", "--ignore-eos"];
         let (ok, plain, err) = tine(&sampled);
         assert!(ok, "{err}");
-        let args: Vec<&str> = sampled.iter().copied().chain(["-md", &draft]).collect();
-        let (ok, spec, err) = tine(&args);
-        assert!(ok, "{err}");
-        assert_eq!(spec, plain, "{name}: seeded speculative output differs from plain");
+        for extra in [["-md", &draft], ["--mtp-head", &head]] {
+            let mut args: Vec<&str> = sampled.iter().copied().chain(extra).collect();
+            if extra[0] == "--mtp-head" {
+                args.extend(["--spec-type", "draft-assistant"]);
+            }
+            let (ok, spec, err) = tine(&args);
+            assert!(ok, "{err}");
+            assert_eq!(spec, plain, "{name} {extra:?}: seeded speculative output differs from plain");
+        }
         // No NextN head: a clear error rather than a silent plain run.
         let args: Vec<&str> = base.iter().copied().chain(["--spec-type", "draft-mtp"]).collect();
         let (ok, _, err) = tine(&args);
         assert!(!ok && err.to_lowercase().contains("nextn"), "{name}: {err}");
         let json = dir.path().join("equiv.json");
-        let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "-md", &draft, "--spec-type", "ngram", "-n", "16", "--depths", "1,3", "--json", json.to_str().expect("utf-8")]);
+        let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "-md", &draft, "--mtp-head", &head, "--spec-type", "ngram", "-n", "16", "--depths", "1,3", "--json", json.to_str().expect("utf-8")]);
+        assert!(ok, "{name}: {out}\n{err}");
+        assert!(out.contains("logit-equiv: exact"), "{name}: {out}");
+        let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "--mtp-head", &head, "--spec-type", "draft-assistant", "-n", "16", "--depths", "1,3"]);
         assert!(ok, "{name}: {out}\n{err}");
         assert!(out.contains("logit-equiv: exact"), "{name}: {out}");
         if name != "e2b" {
@@ -195,7 +218,7 @@ fn gemma4_generates_with_ngram_and_draft_models_losslessly_and_serves() {
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
         let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-            .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "256", "-np", "2", "-md", &draft])
+            .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "256", "-np", "2", "--spec-type", "draft-mtp", "-md", &head])
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start tine serve");
@@ -216,7 +239,7 @@ fn gemma4_generates_with_ngram_and_draft_models_losslessly_and_serves() {
         let _ = child.wait();
         let body: serde_json::Value = serde_json::from_str(first.split("\r\n\r\n").nth(1).expect("a body")).expect("JSON");
         let continuation = want.trim_end_matches('\n').strip_prefix(prompt).expect("the prompt first");
-        assert_eq!(body["content"].as_str(), Some(continuation), "served with a draft model: {body}");
+        assert_eq!(body["content"].as_str(), Some(continuation), "served with the assistant: {body}");
         assert!(body["timings"]["draft_n"].as_u64().unwrap_or(0) > 0, "no drafts: {body}");
     }
 }

@@ -49,7 +49,7 @@ pub enum LoadError {
         #[source]
         source: Box<GpuError>,
     },
-    #[error("{path}: an assistant head is for a gemma3 target; this one is {target}")]
+    #[error("{path}: an assistant head is for a gemma3 or gemma4 target; this one is {target}")]
     AssistantTarget { path: PathBuf, target: String },
     #[error("{path}: the GPU engine cannot run this head for its target")]
     GpuHead {
@@ -309,6 +309,15 @@ impl Model {
         let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
         let ct = gguf_file::Content::read(&mut BufReader::new(file)).map_err(|source| LoadError::Gguf { path: p(), source })?;
         Tokenizer::from_gguf(&ct).map_err(|source| LoadError::Tokenizer { path: p(), source })
+    }
+
+    /// A GGUF's `general.architecture` (its metadata alone; no weights are read): tells a
+    /// drafter file's kind (`gemma4-assistant`, a model) before loading it.
+    pub fn architecture_of(path: &Path) -> Result<String, LoadError> {
+        let p = || path.to_owned();
+        let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
+        let ct = gguf_file::Content::read(&mut BufReader::new(file)).map_err(|source| LoadError::Gguf { path: p(), source })?;
+        Ok(ct.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default())
     }
 
     /// Loads a GGUF with its weights (and every sequence's KV cache) on `device`
@@ -971,13 +980,19 @@ impl Sequence {
             let width = next.len();
             return Ok((logits, Hidden(Tensor::from_vec(next, (1, width), &Device::Cpu)?)));
         }
-        let (Weights::Gemma3(w), SeqCache::Gemma3(cache)) = (&model.weights, &self.cache) else {
-            return Err(StepError::NotForArchitecture("an assistant head"));
-        };
-        let x = Tensor::new(&[[token]], &model.device)?;
-        let h = hidden.0.unsqueeze(0)?;
-        let (logits, next) = head.head.forward(w, cache, &h, &x, position)?;
-        Ok((logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(next.squeeze(0)?)))
+        match (&model.weights, &self.cache, &head.head) {
+            (Weights::Gemma3(w), SeqCache::Gemma3(cache), AssistantOn::Gemma3(h)) => {
+                let x = Tensor::new(&[[token]], &model.device)?;
+                let (logits, next) = h.forward(w, cache, &hidden.0.unsqueeze(0)?, &x, position)?;
+                Ok((logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(next.squeeze(0)?)))
+            }
+            // Every step of a round at the position of the token drafted from: the sequence's end.
+            (Weights::Gemma4(w), SeqCache::Gemma4(cache), AssistantOn::Gemma4(h)) => {
+                let (logits, next) = h.forward(w, cache, &hidden.0.to_device(&model.device)?, token, cache.len())?;
+                Ok((logits.squeeze(0)?.to_vec1::<f32>()?, Hidden(next)))
+            }
+            _ => Err(StepError::NotForArchitecture("an assistant head")),
+        }
     }
 }
 
@@ -1111,36 +1126,70 @@ impl NextNState {
 /// An external assistant head (`--spec-type draft-assistant --mtp-head FILE`), checked against
 /// the target it was loaded for.
 pub struct Assistant {
-    head: AssistantHead,
+    head: AssistantOn,
     /// The head on the GPU engine, when the target runs there.
     gpu: Option<GpuAssistant>,
     pub path: PathBuf,
 }
 
+/// An assistant by the target it drafts for.
+enum AssistantOn {
+    /// Tine's head for Gemma 3 targets (steps at rising positions).
+    Gemma3(AssistantHead),
+    /// Gemma 4's published assistant (every step of a round at the position of the token being
+    /// drafted from, as llama.cpp runs it).
+    Gemma4(Box<gemma4::assistant::Assistant>),
+}
+
 impl Assistant {
-    /// Chained draft steps one round can take: a step at `n + j` reads target keys up to
-    /// `n - 1`, which a local block with window `w` sees only while `j <= w - 2`.
+    /// Chained draft steps one round can take. Gemma 3's head: a step at `n + j` reads target
+    /// keys up to `n - 1`, which a local block with window `w` sees only while `j <= w - 2`.
+    /// Gemma 4's: every step sits at `n`, so any number.
     pub fn max_draft_steps(&self, target: &Model) -> usize {
-        match &target.weights {
-            Weights::Gemma3(w) => self.head.max_draft_steps(w),
-            Weights::Qwen35(_) | Weights::Gemma4(_) => 0,
+        match (&self.head, &target.weights) {
+            (AssistantOn::Gemma3(h), Weights::Gemma3(w)) => h.max_draft_steps(w),
+            (AssistantOn::Gemma4(_), Weights::Gemma4(_)) => usize::MAX,
+            _ => 0,
         }
     }
 
     /// The token of each logit row, when the head scores a subset of the vocabulary.
     pub fn draft_vocab(&self) -> Option<&[u32]> {
-        self.head.draft_vocab()
+        match &self.head {
+            AssistantOn::Gemma3(h) => h.draft_vocab(),
+            AssistantOn::Gemma4(_) => None,
+        }
+    }
+
+    /// Whether drafts score only the tokens of the top centroid clusters (a Gemma 4 E-series
+    /// assistant with ordered embeddings).
+    pub fn ordered_embeddings(&self) -> bool {
+        matches!(&self.head, AssistantOn::Gemma4(h) if h.has_ordered_embeddings())
+    }
+
+    /// Turns a Gemma 4 assistant's ordered embeddings off (every token scored) or back on;
+    /// returns whether they are in use.
+    pub fn set_ordered_embeddings(&mut self, on: bool) -> bool {
+        match &mut self.head {
+            AssistantOn::Gemma4(h) => h.set_ordered_embeddings(on),
+            AssistantOn::Gemma3(_) => false,
+        }
     }
 
     pub fn load(path: &Path, target: &Model) -> Result<Assistant, LoadError> {
         let p = || path.to_owned();
-        let Weights::Gemma3(weights) = &target.weights else {
-            return Err(LoadError::AssistantTarget { path: p(), target: target.info.architecture.clone() });
-        };
         let file = File::open(path).map_err(|source| LoadError::Open { path: p(), source })?;
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
-        let head = AssistantHead::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?;
+        let head = match &target.weights {
+            Weights::Gemma3(weights) => AssistantOn::Gemma3(AssistantHead::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?),
+            Weights::Gemma4(weights) => {
+                let head = gemma4::assistant::Assistant::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?;
+                target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
+                return Ok(Assistant { head: AssistantOn::Gemma4(Box::new(head)), gpu: None, path: p() });
+            }
+            Weights::Qwen35(_) => return Err(LoadError::AssistantTarget { path: p(), target: target.info.architecture.clone() }),
+        };
         target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
         let gpu = match &target.gpu {
             Some(trunk) => Some(trunk.load_assistant(path).map_err(|e| LoadError::GpuHead { path: p(), source: Box::new(e) })?),

@@ -622,6 +622,10 @@ impl DraftParams {
     }
 }
 
+/// The `general.architecture` of assistant drafter GGUFs (`-md` with `--spec-type draft-mtp`
+/// loads one as `draft-assistant`, as llama.cpp does for Gemma 4).
+pub const ASSISTANT_ARCHITECTURES: [&str; 2] = ["gemma4-assistant", "gemma4_assistant"];
+
 /// Most tokens one verify step may draft (a verify batch stays small enough to be batch-invariant).
 pub const MAX_DRAFT: usize = 16;
 
@@ -646,12 +650,26 @@ impl SpecFactory {
             return Err(SetupError::NgramSizes(config.ngram_min, config.ngram_max));
         }
         let (mut assistant, mut draft) = (None, None);
+        let mut config = config;
+        // llama.cpp's spelling for Gemma 4's assistants: `--spec-type draft-mtp -md ASSISTANT`.
+        if config.spec_type == SpecType::DraftMtp {
+            if let Some(path) = config.draft_model.clone() {
+                let arch = Model::architecture_of(&path).map_err(|source| SetupError::Load { what: "the draft file", source: Box::new(source) })?;
+                if ASSISTANT_ARCHITECTURES.contains(&arch.as_str()) {
+                    config.spec_type = SpecType::DraftAssistant;
+                    config.mtp_head = Some(path);
+                    config.draft_model = None;
+                }
+            }
+        }
         match config.spec_type {
             SpecType::DraftMtp if !target.has_nextn() => return Err(SpecError::NoNextN(SpecType::DraftMtp).into()),
             SpecType::DraftMtp => {}
             SpecType::DraftAssistant => {
                 let path = config.mtp_head.as_ref().ok_or(SetupError::MissingHead)?;
-                if !target.device().is_cpu() && target.engine() != "tine-gpu" {
+                // Gemma 3's head attends with a CPU kernel off the engine; Gemma 4's runs
+                // wherever its target does.
+                if !target.device().is_cpu() && target.engine() != "tine-gpu" && target.info.architecture == "gemma3" {
                     return Err(SetupError::AssistantOnCpuOnly);
                 }
                 let head = tine_runtime::Assistant::load(path, target).map_err(|source| SetupError::Load { what: "the assistant head", source: Box::new(source) })?;
