@@ -1135,7 +1135,7 @@ pub struct Assistant {
 /// An assistant by the target it drafts for.
 enum AssistantOn {
     /// Tine's head for Gemma 3 targets (steps at rising positions).
-    Gemma3(AssistantHead),
+    Gemma3(Box<AssistantHead>),
     /// Gemma 4's published assistant (every step of a round at the position of the token being
     /// drafted from, as llama.cpp runs it).
     Gemma4(Box<gemma4::assistant::Assistant>),
@@ -1182,7 +1182,7 @@ impl Assistant {
         let mut reader = BufReader::new(file);
         let ct = gguf_file::Content::read(&mut reader).map_err(|source| LoadError::Gguf { path: p(), source })?;
         let head = match &target.weights {
-            Weights::Gemma3(weights) => AssistantOn::Gemma3(AssistantHead::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?),
+            Weights::Gemma3(weights) => AssistantOn::Gemma3(Box::new(AssistantHead::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?)),
             Weights::Gemma4(weights) => {
                 let head = gemma4::assistant::Assistant::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?;
                 target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
