@@ -21,8 +21,8 @@ from llama_reference import post, start_server  # noqa: E402
 PROMPTS = [[3, 17, 40, 2, 88, 5, 61, 9, 33], [256, 100, 101, 102], [7] * 12, [200, 12, 34, 56, 78, 90, 123, 145, 167, 189, 211, 233, 255, 1, 2, 3, 4, 5, 6, 7]]
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(prompts=PROMPTS, description=None):
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--server", required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--out", required=True)
@@ -32,7 +32,7 @@ def main():
     srv = start_server(a.server, a.model, a.port, 512, open(a.out + ".server.log", "w"))
     try:
         cases = []
-        for p in PROMPTS:
+        for p in prompts:
             # Every generated id (`tokens`); `completion_probabilities` leaves out the tokens after
             # which the text ends in an incomplete UTF-8 sequence (llama-server holds their text
             # back and never records their probabilities), so it cannot be zipped with the ids.

@@ -200,7 +200,7 @@ fn qwen35_refuses_an_assistant_head_with_a_clear_error() {
     let cfg = tine_test_support::TinyGemma3::default();
     tine_test_support::TinyAssistant::default().write(&cfg, &head);
     let err = tine_runtime::Assistant::load(&head, m).err().expect("refused");
-    assert!(err.to_string().contains("gemma3 target"), "{err}");
+    assert!(err.to_string().contains("an assistant head is for a gemma3 or gemma4 target"), "{err}");
 }
 
 #[test]

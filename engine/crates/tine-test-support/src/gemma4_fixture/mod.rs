@@ -410,9 +410,35 @@ fn gelu(x: f64) -> f64 {
     0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
 }
 
-fn geglu(gate: &[f64], up: &[f64], down: &[f64], x: &[f64]) -> Vec<f64> {
+/// `x` rounded to the nearest f16 (ties to even), as a float.
+fn round_f16(x: f64) -> f64 {
+    if x == 0.0 || !x.is_finite() {
+        return x;
+    }
+    let q = 2f64.powf(x.abs().log2().floor().max(-14.0) - 10.0);
+    (x / q).round_ties_even() * q
+}
+
+/// llama.cpp's CPU GELU (`GGML_GELU_FP16`): a table over f16 inputs holding f16 outputs, 0 at
+/// or below -10 and the input at or above 10.
+fn gelu_llama(x: f64) -> f64 {
+    let x = x as f32 as f64;
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        round_f16(gelu(round_f16(x)) as f32 as f64)
+    }
+}
+
+fn geglu_with(gate: &[f64], up: &[f64], down: &[f64], x: &[f64], act: fn(f64) -> f64) -> Vec<f64> {
     let (g, u) = (matvec(gate, x), matvec(up, x));
-    matvec(down, &g.iter().zip(&u).map(|(g, u)| gelu(*g) * u).collect::<Vec<_>>())
+    matvec(down, &g.iter().zip(&u).map(|(g, u)| act(*g) * u).collect::<Vec<_>>())
+}
+
+fn geglu(gate: &[f64], up: &[f64], down: &[f64], x: &[f64]) -> Vec<f64> {
+    geglu_with(gate, up, down, x, gelu)
 }
 
 fn add(a: &mut [f64], b: &[f64]) {
@@ -444,18 +470,22 @@ pub struct Gemma4Reference<'w> {
     pub pos: usize,
     /// The last step's hidden state after the output norm.
     pub hidden: Vec<f64>,
+    /// Compute GELU as llama.cpp's CPU backend does (an f16 table: inputs and outputs rounded to
+    /// f16), to tell that rounding apart from other differences against llama.cpp.
+    pub llama_gelu: bool,
 }
 
 impl<'w> Gemma4Reference<'w> {
     pub fn new(w: &'w Gemma4Weights) -> Self {
         let n = w.cfg.n_layer();
-        Gemma4Reference { w, k: vec![Vec::new(); n], v: vec![Vec::new(); n], pos: 0, hidden: Vec::new() }
+        Gemma4Reference { w, k: vec![Vec::new(); n], v: vec![Vec::new(); n], pos: 0, hidden: Vec::new(), llama_gelu: false }
     }
 
     /// The logits after `token` at the next position.
     pub fn step(&mut self, token: u32) -> Vec<f64> {
         let (w, c) = (self.w, &self.w.cfg);
         let (d, n_layer, p) = (c.n_embd, c.n_layer(), c.per_layer);
+        let act: fn(f64) -> f64 = if self.llama_gelu { gelu_llama } else { gelu };
         let t = token as usize;
         let mut x: Vec<f64> = w.embd[t * d..(t + 1) * d].iter().map(|v| v * (d as f64).sqrt()).collect();
         let ple: Vec<Vec<f64>> = match &w.ple {
@@ -515,7 +545,7 @@ impl<'w> Gemma4Reference<'w> {
             let a = rms(&matvec(&lw.o, &out), Some(&lw.post_attention_norm));
             add(&mut x, &a);
             let f_in = rms(&x, Some(&lw.ffn_norm));
-            let mut f = geglu(&lw.gate, &lw.up, &lw.down, &f_in);
+            let mut f = geglu_with(&lw.gate, &lw.up, &lw.down, &f_in, act);
             if let Some(m) = &lw.moe {
                 f = rms(&f, Some(&m.post_norm_1));
                 let r_in: Vec<f64> = rms(&x, None).iter().zip(&m.router_scale).map(|(a, s)| a / (d as f64).sqrt() * s).collect();
@@ -532,7 +562,7 @@ impl<'w> Gemma4Reference<'w> {
                 let mut y = vec![0.0; d];
                 for &i in top {
                     let (g, u, dn) = &m.experts[i];
-                    for (a, b) in y.iter_mut().zip(geglu(g, u, dn, &xe)) {
+                    for (a, b) in y.iter_mut().zip(geglu_with(g, u, dn, &xe, act)) {
                         *a += pr[i] / sum * m.scale[i] * b;
                     }
                 }
@@ -540,7 +570,7 @@ impl<'w> Gemma4Reference<'w> {
             }
             add(&mut x, &rms(&f, Some(&lw.post_ffw_norm)));
             if let Some(pl) = &lw.ple {
-                let g: Vec<f64> = matvec(&pl.inp_gate, &x).iter().zip(&ple[l]).map(|(g, e)| gelu(*g) * e).collect();
+                let g: Vec<f64> = matvec(&pl.inp_gate, &x).iter().zip(&ple[l]).map(|(g, e)| act(*g) * e).collect();
                 add(&mut x, &rms(&matvec(&pl.proj, &g), Some(&pl.post_norm)));
             }
             x.iter_mut().for_each(|v| *v *= lw.out_scale);
