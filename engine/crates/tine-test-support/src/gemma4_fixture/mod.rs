@@ -60,6 +60,11 @@ pub struct TinyGemma4 {
 /// The vocabulary of the fixture's tokenizer.
 pub const TOKENIZER_VOCAB: usize = 5 + 256 + 4;
 
+/// Targets by name.
+pub type NamedTargets = Vec<(&'static str, TinyGemma4)>;
+/// Assistants by name, with their target's name.
+pub type NamedAssistants = Vec<(&'static str, &'static str, TinyGemma4Assistant)>;
+
 /// The eps of every norm.
 pub const EPS: f64 = 1e-6;
 pub const ROPE_BASE: f64 = 1_000_000.0;
@@ -132,6 +137,26 @@ impl TinyGemma4 {
     /// `k_eq_v` global layers.
     pub fn a4b() -> TinyGemma4 {
         TinyGemma4 { n_expert: 4, n_expert_used: 2, expert_ff: 24, seed: 9, ..TinyGemma4::dense() }
+    }
+
+    /// The fixtures tools/gemma4_transformers_reference.py runs through transformers, by name:
+    /// the three variants (window 4, so the 70-token prompt crosses it), two targets with a
+    /// window of 16 (a 9-token prompt inside it, where transformers' bidirectional assistant
+    /// window and llama.cpp's agree) and their assistants, `(name, target name, assistant)`.
+    pub fn transformers_fixtures() -> (NamedTargets, NamedAssistants) {
+        let targets = vec![
+            ("dense", TinyGemma4::dense()),
+            ("e2b", TinyGemma4::e2b()),
+            ("a4b", TinyGemma4::a4b()),
+            ("dense-w16", TinyGemma4 { window: 16, seed: 17, ..TinyGemma4::dense() }),
+            ("e2b-w16", TinyGemma4 { window: 16, seed: 18, ..TinyGemma4::e2b() }),
+        ];
+        let assistants = vec![
+            ("dense-w16-assistant", "dense-w16", TinyGemma4Assistant::default()),
+            ("e2b-w16-assistant", "e2b-w16", TinyGemma4Assistant { seed: 22, ..TinyGemma4Assistant::default() }),
+            ("e2b-w16-assistant-ordered", "e2b-w16", TinyGemma4Assistant { centroids: 8, centroid_top_k: 2, seed: 23, ..TinyGemma4Assistant::default() }),
+        ];
+        (targets, assistants)
     }
 
     pub fn n_layer(&self) -> usize {
