@@ -179,22 +179,29 @@ fn token_type(n: u32) -> TokenType {
     }
 }
 
-impl BpeTokenizer {
-    fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<BpeTokenizer> {
-        let strings = |key: &str| -> candle_core::Result<Vec<String>> {
-            let v = ct.metadata.get(key).ok_or_else(|| candle_core::Error::msg(format!("missing GGUF metadata key `{key}`")))?;
-            v.to_vec()?.iter().map(|s| s.to_string().cloned()).collect()
-        };
+/// What every BPE vocabulary's metadata says, read once for either style.
+struct Vocabulary {
+    tokens: Vec<String>,
+    types: Vec<TokenType>,
+    token_to_id: HashMap<String, u32>,
+    specials: Vec<u32>,
+    bos: Option<u32>,
+    eos: Option<u32>,
+    add_bos: Option<bool>,
+    add_eos: bool,
+}
+
+/// A metadata key's array of strings.
+fn strings(ct: &gguf_file::Content, key: &str) -> candle_core::Result<Vec<String>> {
+    let v = ct.metadata.get(key).ok_or_else(|| candle_core::Error::msg(format!("missing GGUF metadata key `{key}`")))?;
+    v.to_vec()?.iter().map(|s| s.to_string().cloned()).collect()
+}
+
+impl Vocabulary {
+    fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<Vocabulary> {
         let id = |key: &str| ct.metadata.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|i| i as u32)));
         let flag = |key: &str| ct.metadata.get(key).and_then(|v| v.to_bool().ok());
-        // The pre-tokenizers whose ids are checked against llama.cpp's (its own vocabulary tests):
-        // candle's pipelines for the others differ from llama.cpp's (a prefix space, a
-        // normalizer), so they are refused rather than tokenized differently.
-        let pre = ct.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
-        if !CHECKED_PRE.contains(&pre.as_str()) {
-            candle_core::bail!("tokenizer.ggml.pre = {pre:?}: the BPE pre-tokenizers checked against llama.cpp are {CHECKED_PRE:?}");
-        }
-        let tokens = strings("tokenizer.ggml.tokens")?;
+        let tokens = strings(ct, "tokenizer.ggml.tokens")?;
         let types: Vec<TokenType> = match ct.metadata.get("tokenizer.ggml.token_type") {
             Some(v) => v.to_vec()?.iter().map(|t| t.to_i32().map(|n| token_type(n as u32)).or_else(|_| t.to_u32().map(token_type))).collect::<candle_core::Result<_>>()?,
             None => vec![TokenType::Normal; tokens.len()],
@@ -202,6 +209,57 @@ impl BpeTokenizer {
         if types.len() != tokens.len() {
             candle_core::bail!("tokenizer.ggml.token_type has {} entries for {} tokens", types.len(), tokens.len());
         }
+        let mut token_to_id = HashMap::with_capacity(tokens.len());
+        for (i, t) in tokens.iter().enumerate() {
+            // llama.cpp keeps the last id for a duplicated text.
+            token_to_id.insert(t.clone(), i as u32);
+        }
+        let mut specials: Vec<u32> =
+            (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::Unknown | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
+        specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
+        Ok(Vocabulary {
+            tokens,
+            types,
+            token_to_id,
+            specials,
+            bos: id("tokenizer.ggml.bos_token_id"),
+            eos: id("tokenizer.ggml.eos_token_id"),
+            add_bos: flag("tokenizer.ggml.add_bos_token"),
+            add_eos: flag("tokenizer.ggml.add_eos_token").unwrap_or(false),
+        })
+    }
+
+    fn into_tokenizer(self, style: BpeStyle, inner: tokenizers::Tokenizer, add_bos: bool) -> BpeTokenizer {
+        let byte_of = match style {
+            BpeStyle::ByteLevel => gpt2_byte_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect(),
+            BpeStyle::Spm => HashMap::new(),
+        };
+        BpeTokenizer {
+            style,
+            inner,
+            tokens: self.tokens,
+            types: self.types,
+            token_to_id: self.token_to_id,
+            specials: self.specials,
+            byte_of,
+            bos: self.bos,
+            eos: self.eos,
+            add_bos,
+            add_eos: self.add_eos,
+        }
+    }
+}
+
+impl BpeTokenizer {
+    fn from_gguf(ct: &gguf_file::Content) -> candle_core::Result<BpeTokenizer> {
+        // The pre-tokenizers whose ids are checked against llama.cpp's (its own vocabulary tests):
+        // candle's pipelines for the others differ from llama.cpp's (a prefix space, a
+        // normalizer), so they are refused rather than tokenized differently.
+        let pre = ct.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+        if !CHECKED_PRE.contains(&pre.as_str()) {
+            candle_core::bail!("tokenizer.ggml.pre = {pre:?}: the BPE pre-tokenizers checked against llama.cpp are {CHECKED_PRE:?}");
+        }
+        let vocab = Vocabulary::from_gguf(ct)?;
         // The BPE alone: candle's builder with the keys that add special tokens and BOS/EOS
         // templates taken out (this type handles both, as llama.cpp does).
         let mut plain = gguf_file::Content { magic: ct.magic, metadata: HashMap::new(), tensor_infos: HashMap::new(), tensor_data_offset: 0 };
@@ -211,51 +269,18 @@ impl BpeTokenizer {
             }
         }
         let inner = tokenizers::Tokenizer::from_gguf(&plain)?;
-        let mut token_to_id = HashMap::with_capacity(tokens.len());
-        for (i, t) in tokens.iter().enumerate() {
-            // llama.cpp keeps the last id for a duplicated text.
-            token_to_id.insert(t.clone(), i as u32);
-        }
-        let mut specials: Vec<u32> =
-            (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::Unknown | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
-        specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
-        let byte_of = gpt2_byte_chars().iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        Ok(BpeTokenizer {
-            style: BpeStyle::ByteLevel,
-            inner,
-            tokens,
-            types,
-            token_to_id,
-            specials,
-            byte_of,
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
-            // llama.cpp's default for BPE vocabularies: no BOS unless the metadata asks.
-            add_bos: flag("tokenizer.ggml.add_bos_token").unwrap_or(false),
-            add_eos: flag("tokenizer.ggml.add_eos_token").unwrap_or(false),
-        })
+        // llama.cpp's default for BPE vocabularies: no BOS unless the metadata asks.
+        let add_bos = vocab.add_bos.unwrap_or(false);
+        Ok(vocab.into_tokenizer(BpeStyle::ByteLevel, inner, add_bos))
     }
 
     /// A `gemma4` vocabulary: the `tokenizers` crate's BPE over the GGUF's tokens and merges
     /// (with byte fallback), no normalizer or pre-tokenizer (this type escapes spaces and splits
     /// newlines as llama.cpp does).
     fn spm_from_gguf(ct: &gguf_file::Content) -> candle_core::Result<BpeTokenizer> {
-        let strings = |key: &str| -> candle_core::Result<Vec<String>> {
-            let v = ct.metadata.get(key).ok_or_else(|| candle_core::Error::msg(format!("missing GGUF metadata key `{key}`")))?;
-            v.to_vec()?.iter().map(|s| s.to_string().cloned()).collect()
-        };
-        let id = |key: &str| ct.metadata.get(key).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().map(|i| i as u32)));
-        let flag = |key: &str| ct.metadata.get(key).and_then(|v| v.to_bool().ok());
-        let tokens = strings("tokenizer.ggml.tokens")?;
-        let types: Vec<TokenType> = match ct.metadata.get("tokenizer.ggml.token_type") {
-            Some(v) => v.to_vec()?.iter().map(|t| t.to_i32().map(|n| token_type(n as u32)).or_else(|_| t.to_u32().map(token_type))).collect::<candle_core::Result<_>>()?,
-            None => vec![TokenType::Normal; tokens.len()],
-        };
-        if types.len() != tokens.len() {
-            candle_core::bail!("tokenizer.ggml.token_type has {} entries for {} tokens", types.len(), tokens.len());
-        }
+        let vocab = Vocabulary::from_gguf(ct)?;
         // llama.cpp needs the merges for this vocabulary ("cannot find tokenizer merges").
-        let merges: Vec<(String, String)> = strings("tokenizer.ggml.merges")?
+        let merges: Vec<(String, String)> = strings(ct, "tokenizer.ggml.merges")?
             .into_iter()
             .map(|m| {
                 // llama.cpp splits at the first space after the first byte.
@@ -265,30 +290,10 @@ impl BpeTokenizer {
                 }
             })
             .collect::<candle_core::Result<_>>()?;
-        let mut token_to_id = HashMap::with_capacity(tokens.len());
-        for (i, t) in tokens.iter().enumerate() {
-            token_to_id.insert(t.clone(), i as u32);
-        }
-        let vocab: tokenizers::models::bpe::Vocab = token_to_id.iter().map(|(t, &i)| (t.clone(), i)).collect();
-        let bpe = tokenizers::models::bpe::BPE::builder().vocab_and_merges(vocab, merges).byte_fallback(true).build().map_err(|e| candle_core::Error::msg(format!("gemma4 tokenizer: {e}")))?;
-        let inner = tokenizers::Tokenizer::new(bpe);
-        let mut specials: Vec<u32> =
-            (0..tokens.len() as u32).filter(|&i| matches!(types[i as usize], TokenType::Control | TokenType::Unknown | TokenType::UserDefined) && !tokens[i as usize].is_empty()).collect();
-        specials.sort_by(|a, b| tokens[*b as usize].len().cmp(&tokens[*a as usize].len()).then(a.cmp(b)));
-        Ok(BpeTokenizer {
-            style: BpeStyle::Spm,
-            inner,
-            tokens,
-            types,
-            token_to_id,
-            specials,
-            byte_of: HashMap::new(),
-            bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
-            // llama.cpp forces BOS on for this vocabulary whatever the metadata says.
-            add_bos: true,
-            add_eos: flag("tokenizer.ggml.add_eos_token").unwrap_or(false),
-        })
+        let bpe_vocab: tokenizers::models::bpe::Vocab = vocab.token_to_id.iter().map(|(t, &i)| (t.clone(), i)).collect();
+        let bpe = tokenizers::models::bpe::BPE::builder().vocab_and_merges(bpe_vocab, merges).byte_fallback(true).build().map_err(|e| candle_core::Error::msg(format!("gemma4 tokenizer: {e}")))?;
+        // llama.cpp forces BOS on for this vocabulary whatever the metadata says.
+        Ok(vocab.into_tokenizer(BpeStyle::Spm, tokenizers::Tokenizer::new(bpe), true))
     }
 
     /// The BPE ids of a plain text fragment.

@@ -127,47 +127,19 @@ fn a_vocabulary_whose_types_do_not_match_its_tokens_is_refused() {
     assert!(err.to_string().contains("token_type"), "{err}");
 }
 
-/// llama.cpp's own test of the qwen35 vocabulary (`models/ggml-vocab-qwen35.gguf` with its `.inp`
-/// texts and `.out` ids), through the runtime's tokenizer: every text's ids equal llama.cpp's.
-/// `TINE_LLAMA_CPP_MODELS` names the directory (llama.cpp's `models/`, also in the
-/// llama-cpp-python sdist).
-#[test]
-#[ignore = "needs llama.cpp's models/ directory in TINE_LLAMA_CPP_MODELS"]
-fn qwen35_ids_through_the_runtime_equal_llama_cpp() {
+/// llama.cpp's own test of a vocabulary (`models/<file>` with its `.inp` texts and `.out` ids,
+/// from `TINE_LLAMA_CPP_MODELS`, llama.cpp's `models/`, also in the llama-cpp-python sdist),
+/// through the runtime's tokenizer: every text's ids equal llama.cpp's (tokenized with
+/// add_special and parse_special false, as its test does), and decode back to the text.
+fn ids_equal_llama_cpp_on_its_vocabulary_test(file: &str) {
     let dir = std::path::PathBuf::from(std::env::var("TINE_LLAMA_CPP_MODELS").expect("TINE_LLAMA_CPP_MODELS names llama.cpp's models/ directory"));
-    let mut file = std::fs::File::open(dir.join("ggml-vocab-qwen35.gguf")).expect("the vocabulary GGUF");
-    let ct = Content::read(&mut file).expect("a GGUF");
+    let mut f = std::fs::File::open(dir.join(file)).expect("the vocabulary GGUF");
+    let ct = Content::read(&mut f).expect("a GGUF");
     let tok = Tokenizer::from_gguf(&ct).expect("a tokenizer");
-    let inp = std::fs::read_to_string(dir.join("ggml-vocab-qwen35.gguf.inp")).expect(".inp");
-    let out = std::fs::read_to_string(dir.join("ggml-vocab-qwen35.gguf.out")).expect(".out");
-    let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
-    let want: Vec<Vec<u32>> = out.lines().map(|l| l.split_whitespace().map(|t| t.parse().expect("an id")).collect()).collect();
-    let mut bad = Vec::new();
-    for (text, ids) in texts.iter().zip(&want) {
-        // llama.cpp's test tokenizes with add_special false and parse_special false.
-        let got = tok.encode(text, false, false);
-        if &got != ids {
-            bad.push(format!("{text:?}: llama.cpp {ids:?}, here {got:?}"));
-        }
-        assert_eq!(tok.decode(&got, true), *text, "decodes back");
-    }
-    eprintln!("{} of {} texts equal to llama.cpp's ids", want.len() - bad.len(), want.len());
-    assert!(bad.is_empty(), "{}", bad.join("\n"));
-}
-
-/// llama.cpp's own test of the Gemma 4 vocabulary (`models/ggml-vocab-gemma-4.gguf`, the real
-/// 262k-token vocabulary, with its `.inp` texts and `.out` ids), through the runtime's
-/// tokenizer: every text's ids equal llama.cpp's, and decode back to the text.
-#[test]
-#[ignore = "needs llama.cpp's models/ directory in TINE_LLAMA_CPP_MODELS"]
-fn gemma4_ids_through_the_runtime_equal_llama_cpp() {
-    let dir = std::path::PathBuf::from(std::env::var("TINE_LLAMA_CPP_MODELS").expect("TINE_LLAMA_CPP_MODELS names llama.cpp's models/ directory"));
-    let mut file = std::fs::File::open(dir.join("ggml-vocab-gemma-4.gguf")).expect("the vocabulary GGUF");
-    let ct = Content::read(&mut file).expect("a GGUF");
-    let tok = Tokenizer::from_gguf(&ct).expect("a tokenizer");
-    let inp = std::fs::read_to_string(dir.join("ggml-vocab-gemma-4.gguf.inp")).expect(".inp");
-    let out = std::fs::read_to_string(dir.join("ggml-vocab-gemma-4.gguf.out")).expect(".out");
-    let texts: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    let inp = std::fs::read_to_string(dir.join(format!("{file}.inp"))).expect(".inp");
+    let out = std::fs::read_to_string(dir.join(format!("{file}.out"))).expect(".out");
+    // Some .inp files end with a separator, some do not.
+    let texts: Vec<&str> = inp.strip_suffix("\n__ggml_vocab_test__\n").unwrap_or(&inp).split("\n__ggml_vocab_test__\n").collect();
     let want: Vec<Vec<u32>> = out.lines().map(|l| l.split_whitespace().map(|t| t.parse().expect("an id")).collect()).collect();
     assert_eq!(texts.len(), want.len(), "as many texts as id lines");
     let mut bad = Vec::new();
@@ -178,65 +150,20 @@ fn gemma4_ids_through_the_runtime_equal_llama_cpp() {
         }
         assert_eq!(tok.decode(&got, true), *text, "decodes back");
     }
-    eprintln!("{} of {} texts equal to llama.cpp's ids", want.len() - bad.len(), want.len());
+    eprintln!("{file}: {} of {} texts equal to llama.cpp's ids", want.len() - bad.len(), want.len());
     assert!(bad.is_empty(), "{}", bad.join("\n"));
 }
 
-/// A `gemma4` vocabulary: `<pad>`, `<eos>`, `<bos>`, the 256 `<0xXX>` byte tokens, a few chars
-/// and merges (`▁` for spaces), newline runs as tokens that no merge reaches.
-fn gemma4_vocab() -> (Content, HashMap<String, u32>) {
-    let mut tokens: Vec<String> = vec!["<pad>".into(), "<eos>".into(), "<bos>".into()];
-    let mut types = vec![3i32, 3, 3];
-    for b in 0..=255u8 {
-        tokens.push(format!("<0x{b:02X}>"));
-        types.push(6);
-    }
-    for c in ["\u{2581}", "h", "e", "l", "o", "w", "r", "d", "\n", "\n\n", "\n\n\n"] {
-        tokens.push(c.to_string());
-        types.push(1);
-    }
-    let merges = ["h e", "l l", "he ll", "hell o", "\u{2581} w", "o r", "\u{2581}w or", "\u{2581}wor l", "\u{2581}worl d", "\u{2581} \u{2581}"];
-    for m in merges {
-        tokens.push(m.replace(' ', ""));
-        types.push(1);
-    }
-    let ids: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-    let s = |v: &str| Value::String(v.to_string());
-    let metadata = HashMap::from([
-        ("tokenizer.ggml.model".to_string(), s("gemma4")),
-        ("tokenizer.ggml.pre".to_string(), s("gemma4")),
-        ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens.iter().map(|t| s(t)).collect())),
-        ("tokenizer.ggml.merges".to_string(), Value::Array(merges.iter().map(|m| s(m)).collect())),
-        ("tokenizer.ggml.token_type".to_string(), Value::Array(types.into_iter().map(Value::I32).collect())),
-        ("tokenizer.ggml.bos_token_id".to_string(), Value::U32(2)),
-        ("tokenizer.ggml.eos_token_id".to_string(), Value::U32(1)),
-        // llama.cpp turns BOS on for this vocabulary whatever the file says.
-        ("tokenizer.ggml.add_bos_token".to_string(), Value::Bool(false)),
-    ]);
-    (Content { magic: VersionedMagic::GgufV3, metadata, tensor_infos: HashMap::new(), tensor_data_offset: 0 }, ids)
+/// The qwen35 vocabulary (`ggml-vocab-qwen35.gguf`).
+#[test]
+#[ignore = "needs llama.cpp's models/ directory in TINE_LLAMA_CPP_MODELS"]
+fn qwen35_ids_through_the_runtime_equal_llama_cpp() {
+    ids_equal_llama_cpp_on_its_vocabulary_test("ggml-vocab-qwen35.gguf");
 }
 
+/// The real Gemma 4 vocabulary (`ggml-vocab-gemma-4.gguf`, 262k tokens).
 #[test]
-fn a_gemma4_vocabulary_escapes_spaces_merges_takes_newline_runs_whole_and_falls_back_to_bytes() {
-    let (ct, ids) = gemma4_vocab();
-    let tok = Tokenizer::from_gguf(&ct).expect("builds");
-    let id = |t: &str| ids[t];
-    // Spaces become `▁` and merge with the word after them, as SentencePiece writes them.
-    assert_eq!(tok.encode("hello world", false, false), [id("hello"), id("\u{2581}world")]);
-    // A run of newlines that is a token is taken whole, though no merge makes it; a longer run
-    // is BPE'd from single newlines.
-    assert_eq!(tok.encode("hello\n\n\nworld", false, false), [id("hello"), id("\n\n\n"), id("w"), id("or"), id("l"), id("d")]);
-    assert_eq!(tok.encode("\n\n\n\n", false, false), [id("\n"); 4]);
-    // What no token covers goes out as UTF-8 bytes.
-    assert_eq!(tok.encode("h\u{e9}", false, false), [id("h"), id("<0xC3>"), id("<0xA9>")]);
-    // Two spaces merge into one token; BOS is added with the special tokens.
-    assert_eq!(tok.encode("  hello", true, false), [2, id("\u{2581}\u{2581}"), id("hello")]);
-    // Control tokens in the text are parsed only when asked.
-    assert_eq!(tok.encode("<eos>", false, true), [1]);
-    assert_ne!(tok.encode("<eos>", false, false), [1]);
-    for text in ["hello world", "h\u{e9} \n\n w", "  hello\n"] {
-        assert_eq!(tok.decode(&tok.encode(text, false, false), false), text, "decodes back");
-    }
-    assert_eq!(tok.decode(&[2, id("hello")], false), "hello", "control tokens hidden");
-    assert_eq!(tok.decode(&[2, id("hello")], true), "<bos>hello");
+#[ignore = "needs llama.cpp's models/ directory in TINE_LLAMA_CPP_MODELS"]
+fn gemma4_ids_through_the_runtime_equal_llama_cpp() {
+    ids_equal_llama_cpp_on_its_vocabulary_test("ggml-vocab-gemma-4.gguf");
 }
