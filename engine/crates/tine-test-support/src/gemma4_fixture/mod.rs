@@ -470,6 +470,23 @@ fn add(a: &mut [f64], b: &[f64]) {
     a.iter_mut().zip(b).for_each(|(a, b)| *a += b);
 }
 
+/// Scale-1 softmax attention of one query head over KV head `kvh` (of `hd` dims) of the rows
+/// `ks`, `vs` it sees.
+fn attend_head(q: &[f64], ks: &[Vec<f64>], vs: &[Vec<f64>], kvh: usize, hd: usize) -> Vec<f64> {
+    let at = kvh * hd..(kvh + 1) * hd;
+    let scores: Vec<f64> = ks.iter().map(|k| q.iter().zip(&k[at.clone()]).map(|(a, b)| a * b).sum()).collect();
+    let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+    let z: f64 = e.iter().sum();
+    let mut o = vec![0.0; hd];
+    for (v, ej) in vs.iter().zip(&e) {
+        for (oi, vi) in o.iter_mut().zip(&v[at.clone()]) {
+            *oi += ej / z * vi;
+        }
+    }
+    o
+}
+
 /// NeoX RoPE of one head `x` at `pos`: pairs `(i, i + n/2)` over all `n` dims, frequency
 /// `base^(-2i/n) / factor_i`.
 fn rope(x: &mut [f64], pos: usize, base: f64, factors: Option<&[f64]>) {
@@ -554,18 +571,7 @@ impl<'w> Gemma4Reference<'w> {
             for (hi, qh) in q.chunks(hd).enumerate() {
                 let mut qh = rms(qh, Some(&lw.q_norm));
                 rope(&mut qh, self.pos, base, factors);
-                let kvh = hi / group;
-                let scores: Vec<f64> = (first..=self.pos).map(|j| qh.iter().zip(&self.k[src][j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum()).collect();
-                let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-                let z: f64 = e.iter().sum();
-                let mut o = vec![0.0; hd];
-                for (j, ej) in (first..=self.pos).zip(&e) {
-                    for (oi, vi) in o.iter_mut().zip(&self.v[src][j][kvh * hd..(kvh + 1) * hd]) {
-                        *oi += ej / z * vi;
-                    }
-                }
-                out.extend(o);
+                out.extend(attend_head(&qh, &self.k[src][first..=self.pos], &self.v[src][first..=self.pos], hi / group, hd));
             }
             let a = rms(&matvec(&lw.o, &out), Some(&lw.post_attention_norm));
             add(&mut x, &a);
@@ -775,19 +781,7 @@ pub fn assistant_step(target: &Gemma4Reference, a: &AssistantWeights, hidden: &[
         for (hi, qh) in q.chunks(hd).enumerate() {
             let mut qh = rms(qh, Some(&bw.q_norm));
             rope(&mut qh, pos0, base, factors);
-            let kvh = hi / group;
-            let keys = first..pos0;
-            let scores: Vec<f64> = keys.clone().map(|j| qh.iter().zip(&target.k[src][j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum()).collect();
-            let mx = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-            let z: f64 = e.iter().sum();
-            let mut o = vec![0.0; hd];
-            for (j, ej) in keys.zip(&e) {
-                for (oi, vi) in o.iter_mut().zip(&target.v[src][j][kvh * hd..(kvh + 1) * hd]) {
-                    *oi += ej / z * vi;
-                }
-            }
-            out.extend(o);
+            out.extend(attend_head(&qh, &target.k[src][first..pos0], &target.v[src][first..pos0], hi / group, hd));
         }
         add(&mut x, &rms(&matvec(&bw.o, &out), Some(&bw.post_attention_norm)));
         let f = geglu(&bw.gate, &bw.up, &bw.down, &rms(&x, Some(&bw.ffn_norm)));
