@@ -28,11 +28,12 @@ Writes the text file `quantized_gemma4`'s `the_forward_and_assistant_match_trans
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.environ.get("TINE_PEERS_DIR", os.path.expanduser("~/.cache/tine-peers")), "llama_cpp_python-0.3.36/vendor/llama.cpp/gguf-py"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from gguf import GGUFReader  # noqa: E402
+# The GGUF reader (llama.cpp's gguf-py, F32 tensors shaped [out, in]) is the qwen35 script's.
+from qwen35_transformers_reference import read  # noqa: E402
 
 SHORT = [3, 17, 40, 2, 88, 5, 61, 9, 33]
 LONG = [(7 * i * i + 3 * i + 1) % 90 for i in range(70)]
@@ -40,27 +41,6 @@ DECODE_STEPS = {"short": 4, "long": 3}
 LONG_TAIL = 3
 DRAFT_TOKEN = 5
 DRAFT_STEPS = 4
-
-
-def read(path):
-    r = GGUFReader(path)
-
-    def kv(k, default=None):
-        if k not in r.fields:
-            return default
-        f = r.fields[k]
-        if len(f.data) == 1:
-            v = f.parts[f.data[0]]
-            return bytes(v).decode() if v.dtype == np.uint8 else v[0]
-        return [f.parts[i][0] for i in f.data]
-
-    tensors = {}
-    for t in r.tensors:
-        if t.tensor_type.name != "F32":
-            sys.exit(f"{path}: {t.name} is {t.tensor_type.name}; this reference reads F32 fixtures only")
-        a = np.array(t.data, dtype=np.float32)
-        tensors[t.name] = a.reshape([int(x) for x in reversed(t.shape)]) if len(t.shape) > 1 else a.reshape(-1)
-    return kv, tensors
 
 
 def per_layer(v, n):
