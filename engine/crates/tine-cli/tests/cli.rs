@@ -67,6 +67,44 @@ fn logit_equiv_reports_exact_equivalence_for_all_spec_types() {
     }
 }
 
+/// `tine serve -m MODEL --port P ARGS...` on a free port, once it answers; killed when dropped.
+struct Served {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl Served {
+    fn start(model: &str, args: &[&str]) -> Served {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
+        let child =
+            Command::new(env!("CARGO_BIN_EXE_tine")).args(["serve", "-m", model, "--port", &port.to_string()]).args(args).stderr(std::process::Stdio::null()).spawn().expect("start tine serve");
+        let served = Served { child, port };
+        let t0 = std::time::Instant::now();
+        while served.request("GET", "/health", "").is_none() {
+            assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        served
+    }
+
+    /// The whole HTTP response, or none if the connection failed.
+    fn request(&self, method: &str, path: &str, body: &str) -> Option<String> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// A Qwen3.5 target with its NextN head and a qwen35 draft model, with the fixture's tokenizer.
 fn qwen35_fixtures(dir: &Path) -> (String, String) {
     use tine_test_support::qwen35_fixture::{TinyQwen35, TOKENIZER_VOCAB};
@@ -111,29 +149,10 @@ fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
     assert!(out.contains("logit-equiv: exact"), "{out}");
     // Served with draft-mtp: a second request extending the first restarts from the first
     // prompt's checkpoint (timings.cache_n), and answers as plain decoding does.
-    use std::io::{Read, Write};
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-        .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "256", "-np", "1", "--spec-type", "draft-mtp"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start tine serve");
-    let post = |path: &str, body: &str| -> Option<String> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-        write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some(out)
-    };
-    let t0 = std::time::Instant::now();
-    while post("/tokenize", r#"{"content": "x"}"#).is_none() {
-        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
-    let first = post("/completion", r#"{"prompt": "the cat the cat the", "n_predict": 24, "temperature": 0, "ignore_eos": true}"#).expect("completion");
-    let second = post("/completion", r#"{"prompt": "the cat the cat the dog", "n_predict": 8, "temperature": 0, "ignore_eos": true}"#).expect("completion");
-    let _ = child.kill();
-    let _ = child.wait();
+    let served = Served::start(&target, &["-c", "256", "-np", "1", "--spec-type", "draft-mtp"]);
+    let first = served.request("POST", "/completion", r#"{"prompt": "the cat the cat the", "n_predict": 24, "temperature": 0, "ignore_eos": true}"#).expect("completion");
+    let second = served.request("POST", "/completion", r#"{"prompt": "the cat the cat the dog", "n_predict": 8, "temperature": 0, "ignore_eos": true}"#).expect("completion");
+    drop(served);
     let body = |r: &str| serde_json::from_str::<serde_json::Value>(r.split("\r\n\r\n").nth(1).expect("a body")).expect("JSON");
     let (first, second) = (body(&first), body(&second));
     // `tine generate` prints the prompt, then the continuation.
@@ -153,7 +172,6 @@ fn qwen35_generates_with_every_spec_type_it_runs_and_logit_equiv_is_exact() {
 /// greedy and seeded, `logit-equiv` exact, and served answers equal to `generate`'s.
 #[test]
 fn gemma4_generates_with_draft_models_ngram_and_its_assistant_losslessly_and_serves() {
-    use std::io::{Read, Write};
     use tine_test_support::gemma4_fixture::{TinyGemma4, TinyGemma4Assistant, TOKENIZER_VOCAB};
     let dir = tempfile::tempdir().expect("tempdir");
     let s = |p: &Path| p.to_str().expect("utf-8 temp path").to_owned();
@@ -216,27 +234,9 @@ fn gemma4_generates_with_draft_models_ngram_and_its_assistant_losslessly_and_ser
         if name != "e2b" {
             continue;
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-            .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "256", "-np", "2", "--spec-type", "draft-mtp", "-md", &head])
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start tine serve");
-        let post = |path: &str, body: &str| -> Option<String> {
-            let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-            write!(s, "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
-            let mut out = String::new();
-            s.read_to_string(&mut out).ok()?;
-            Some(out)
-        };
-        let t0 = std::time::Instant::now();
-        while post("/tokenize", r#"{"content": "x"}"#).is_none() {
-            assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        let first = post("/completion", r#"{"prompt": "the cat the cat the", "n_predict": 24, "temperature": 0, "ignore_eos": true}"#).expect("completion");
-        let _ = child.kill();
-        let _ = child.wait();
+        let served = Served::start(&target, &["-c", "256", "-np", "2", "--spec-type", "draft-mtp", "-md", &head]);
+        let first = served.request("POST", "/completion", r#"{"prompt": "the cat the cat the", "n_predict": 24, "temperature": 0, "ignore_eos": true}"#).expect("completion");
+        drop(served);
         let body: serde_json::Value = serde_json::from_str(first.split("\r\n\r\n").nth(1).expect("a body")).expect("JSON");
         let continuation = want.trim_end_matches('\n').strip_prefix(prompt).expect("the prompt first");
         assert_eq!(body["content"].as_str(), Some(continuation), "served with the assistant: {body}");
@@ -248,37 +248,19 @@ fn gemma4_generates_with_draft_models_ngram_and_its_assistant_losslessly_and_ser
 /// (regression: `--chat-template` was parsed and then dropped).
 #[test]
 fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
-    use std::io::{Read, Write};
     let dir = tempfile::tempdir().expect("tempdir");
     let (target, _, _) = fixtures(dir.path());
     for (flag, value, needle) in [("--temp", "nan", "temperature must be a finite number"), ("--chat-template", "/no/such/template.jinja", "--chat-template")] {
         let (ok, _, err) = tine(&["serve", "-m", "/no/such/model.gguf", flag, value]);
         assert!(!ok && err.contains(needle), "{flag} {value}: {err}");
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-        .args(["serve", "-m", &target, "--port", &port.to_string(), "-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics", "--context-shift", "--keep", "-1"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start tine serve");
-    let get = |method: &str, path: &str, body: &str| -> Option<String> {
-        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
-        write!(s, "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).ok()?;
-        let mut out = String::new();
-        s.read_to_string(&mut out).ok()?;
-        Some(out)
-    };
-    let t0 = std::time::Instant::now();
-    while get("GET", "/health", "").is_none() {
-        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    let served = Served::start(&target, &["-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics", "--context-shift", "--keep", "-1"]);
+    let get = |method: &str, path: &str, body: &str| served.request(method, path, body);
     let props = get("GET", "/props", "").expect("props");
     let applied = get("POST", "/apply-template", r#"{"messages": [{"role": "user", "content": "hi"}]}"#).expect("apply-template");
     let done = get("POST", "/completion", r#"{"prompt": "hello"}"#).expect("completion");
     let metrics = get("GET", "/metrics", "").expect("metrics");
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(served);
     assert!(props.contains(r#""context_shift":true"#) && props.contains(r#""n_keep":-1"#), "--context-shift --keep -1: {props}");
     assert!(props.contains(r#""model_alias":"tiny""#) && props.contains(r#""total_slots":2"#) && props.contains(r#""n_ctx":256"#), "{props}");
     assert!(applied.contains(r#"<|im_start|>user\nhi<|im_end|>"#), "--chat-template chatml: {applied}");
