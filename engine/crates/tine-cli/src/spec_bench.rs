@@ -46,6 +46,11 @@ pub struct SpecBenchArgs {
     /// median of 21, after a prompt of 64 tokens), against a one-row decode step.
     #[arg(long = "forward-rows", value_delimiter = ',', value_name = "ROWS")]
     pub forward_rows: Vec<usize>,
+    /// Instead of decoding: the cost of one assistant draft step (`--mtp-head`) against one
+    /// target decode step at the same position (medians of 21, after a prompt of 64 tokens);
+    /// for a Gemma 4 assistant with ordered embeddings, with them on and off.
+    #[arg(long = "draft-steps", requires = "mtp_head", conflicts_with = "forward_rows")]
+    pub draft_steps: bool,
     /// Write the Markdown report here (and JSON beside it).
     #[arg(long, value_name = "FILE")]
     pub out: Option<PathBuf>,
@@ -172,6 +177,60 @@ fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathB
     report(&md, &serde_json::json!(json), out)
 }
 
+/// `--draft-steps`: ms per assistant draft step against ms per target decode step.
+fn draft_step_costs(model: &tine_runtime::Model, head: &std::path::Path, out: Option<&PathBuf>) -> anyhow::Result<()> {
+    const REPS: usize = 21;
+    let mut assistant = tine_runtime::Assistant::load(head, model).with_context(|| format!("loading the assistant head {}", head.display()))?;
+    let prompt: Vec<u32> = model.tokenizer.encode(PASSAGE, true, false).into_iter().take(64).collect();
+    let mut seq = model.new_sequence(prompt.len() + 8);
+    let (_, hidden) = seq.prefill_hidden(model, &prompt)?;
+    let n = seq.len();
+    let last = hidden.rows(n - 1, 1)?;
+    let token = prompt[n - 1];
+    let mut times = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        let t0 = std::time::Instant::now();
+        seq.decode(model, token)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        seq.rollback(n)?;
+    }
+    let decode = median(times);
+    let mut md = String::new();
+    writeln!(
+        md,
+        "Model: `{}`, assistant `{}`; one draft step (the head's forward over the target's K/V after {n} positions, its logits on the host) against one target decode step at the same position, medians of {REPS}: target step {decode:.2} ms.\n",
+        model.info.path.display(),
+        head.display()
+    )?;
+    writeln!(md, "| draft step | ms | vs one target step |")?;
+    writeln!(md, "|---|---|---|")?;
+    let modes: &[bool] = if assistant.ordered_embeddings() { &[true, false] } else { &[false] };
+    let mut json = vec![serde_json::json!({"step": "target decode", "ms": decode})];
+    for &ordered in modes {
+        if assistant.ordered_embeddings() != ordered {
+            assistant.set_ordered_embeddings(ordered);
+        }
+        let mut times = Vec::with_capacity(REPS);
+        for _ in 0..REPS {
+            let t0 = std::time::Instant::now();
+            let (logits, _) = seq.assistant_step(model, &assistant, &last, token, n)?;
+            std::hint::black_box(logits);
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        let ms = median(times);
+        let label = if ordered {
+            "ordered embeddings (top centroid clusters scored)"
+        } else if modes.len() > 1 {
+            "every token scored"
+        } else {
+            "the head"
+        };
+        writeln!(md, "| {label} | {ms:.3} | {:.3} |", ms / decode)?;
+        json.push(serde_json::json!({"step": label, "ms": ms, "vs_target_step": ms / decode}));
+    }
+    report(&md, &serde_json::json!(json), out)
+}
+
 /// Prints the Markdown report and, with `--out`, writes it (atomically) and its JSON beside it.
 fn report(md: &str, json: &serde_json::Value, out: Option<&PathBuf>) -> anyhow::Result<()> {
     print!("{md}");
@@ -191,6 +250,10 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
     let model = crate::load(&a.model)?;
     if !a.forward_rows.is_empty() {
         return forward_costs(&model, &a.forward_rows, a.out.as_ref());
+    }
+    if a.draft_steps {
+        let head = a.mtp_head.as_ref().expect("clap requires --mtp-head with --draft-steps");
+        return draft_step_costs(&model, head, a.out.as_ref());
     }
     let prompts: Vec<_> = prompts().into_iter().filter(|p| a.sets.iter().any(|s| s == p.0)).collect();
     let encoded: Vec<Vec<u32>> =

@@ -231,6 +231,15 @@ fn gemma4_generates_with_draft_models_ngram_and_its_assistant_losslessly_and_ser
         let (ok, out, err) = tine(&["logit-equiv", "-m", &target, "--mtp-head", &head, "--spec-type", "draft-assistant", "-n", "16", "--depths", "1,3"]);
         assert!(ok, "{name}: {out}\n{err}");
         assert!(out.contains("logit-equiv: exact"), "{name}: {out}");
+        // The draft step's cost against a target step; with ordered embeddings, on and off.
+        let (ok, out, err) = tine(&["spec-bench", "-m", &target, "--mtp-head", &head, "--draft-steps"]);
+        assert!(ok, "{name}: {out}\n{err}");
+        let rows: Vec<&str> = out.lines().filter(|l| l.starts_with("| ") && !l.starts_with("| draft step")).collect();
+        let labels: &[&str] = if name == "e2b" { &["ordered embeddings", "every token scored"] } else { &["the head"] };
+        assert_eq!(rows.len(), labels.len(), "{name}: {out}");
+        for (row, label) in rows.iter().zip(labels) {
+            assert!(row.contains(label), "{name}: {row} is not the {label} row in\n{out}");
+        }
         if name != "e2b" {
             continue;
         }
