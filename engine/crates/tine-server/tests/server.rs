@@ -387,7 +387,15 @@ fn metrics_are_prometheus_text_behind_the_flag_and_count_requests() {
     let srv = start_cfg(None, |c| c.metrics = true);
     post(srv.addr, "/completion", greedy("hello world", 4));
     post(srv.addr, "/completion", greedy("hello world", 4));
-    let (s, text) = http(srv.addr, "GET", "/metrics", "");
+    // The slot is released just after its response is written: wait (at most 2 s) for it.
+    let (mut s, mut text) = http(srv.addr, "GET", "/metrics", "");
+    for _ in 0..100 {
+        if text.lines().any(|l| l == "llamacpp:requests_processing 0") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        (s, text) = http(srv.addr, "GET", "/metrics", "");
+    }
     assert_eq!(s, 200);
     let value =
         |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
