@@ -132,6 +132,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// The median ms of one decode step of `token` at the sequence's end over `reps` runs, each
+/// rolled back (the rollback not timed).
+fn decode_step_ms(model: &tine_runtime::Model, seq: &mut tine_runtime::Sequence, token: u32, reps: usize) -> anyhow::Result<f64> {
+    let n = seq.len();
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = std::time::Instant::now();
+        seq.decode(model, token)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+        seq.rollback(n)?;
+    }
+    Ok(median(times))
+}
+
 /// `--forward-rows`: ms per `forward_all` of `r` rows (a verify batch) at a fixed position.
 fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathBuf>) -> anyhow::Result<()> {
     const REPS: usize = 21;
@@ -142,14 +156,7 @@ fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathB
     let batch: Vec<u32> = prompt.iter().rev().copied().take(*rows.iter().max().unwrap_or(&1)).collect();
 
     // The baseline: one plain decode step at the same position.
-    let mut times = Vec::with_capacity(REPS);
-    for _ in 0..REPS {
-        let t0 = std::time::Instant::now();
-        seq.decode(model, batch[0])?;
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
-        seq.rollback(n)?;
-    }
-    let decode = median(times);
+    let decode = decode_step_ms(model, &mut seq, batch[0], REPS)?;
     let mut md = String::new();
     writeln!(
         md,
@@ -187,14 +194,7 @@ fn draft_step_costs(model: &tine_runtime::Model, head: &std::path::Path, out: Op
     let n = seq.len();
     let last = hidden.rows(n - 1, 1)?;
     let token = prompt[n - 1];
-    let mut times = Vec::with_capacity(REPS);
-    for _ in 0..REPS {
-        let t0 = std::time::Instant::now();
-        seq.decode(model, token)?;
-        times.push(t0.elapsed().as_secs_f64() * 1e3);
-        seq.rollback(n)?;
-    }
-    let decode = median(times);
+    let decode = decode_step_ms(model, &mut seq, token, REPS)?;
     let mut md = String::new();
     writeln!(
         md,
