@@ -211,6 +211,12 @@ struct SpecArgs {
     /// Longest n-gram the ngram drafter matches (tried first).
     #[arg(long = "spec-ngram-max", default_value_t = 4)]
     ngram_max: usize,
+    /// The draft model's KV cache type for keys, as --cache-type-k (also `-ctkd`).
+    #[arg(long = "cache-type-k-draft", value_name = "TYPE", default_value = "f32")]
+    cache_type_k_draft: tine_runtime::KvType,
+    /// The draft model's KV cache type for values (also `-ctvd`).
+    #[arg(long = "cache-type-v-draft", value_name = "TYPE", default_value = "f32")]
+    cache_type_v_draft: tine_runtime::KvType,
 }
 
 /// `TYPE` or llama.cpp's chain `ngram,TYPE` (either order): the type and whether n-gram goes first.
@@ -249,6 +255,7 @@ impl SpecArgs {
             draft_model: self.model_draft.clone(),
             ngram_min: self.ngram_min,
             ngram_max: self.ngram_max,
+            draft_cache_types: (self.cache_type_k_draft, self.cache_type_v_draft),
         })
     }
 
@@ -276,7 +283,7 @@ struct TokenizeArgs {
 
 #[derive(Args)]
 pub(crate) struct ModelArgs {
-    /// A GGUF: Gemma 3 (`gemma3`) or Qwen3.5/3.6 (`qwen35`, `qwen35moe`) as llama.cpp writes them (default: the cached Gemma 3 270M Q4_K_M; `cargo xtask fetch-model` fetches it).
+    /// A GGUF: Gemma 3 (`gemma3`), Gemma 4 (`gemma4`) or Qwen3.5/3.6 (`qwen35`, `qwen35moe`) as llama.cpp writes them (default: the cached Gemma 3 270M Q4_K_M; `cargo xtask fetch-model` fetches it).
     #[arg(short = 'm', long)]
     model: Option<PathBuf>,
     /// Context size in tokens (default: 4096, capped at the model's).
@@ -288,6 +295,13 @@ pub(crate) struct ModelArgs {
     /// device; the assistant head (draft-assistant) on the CPU only.
     #[arg(long, value_name = "cpu|cuda[:N]", default_value = "cpu")]
     device: tine_runtime::DeviceSpec,
+    /// KV cache type for keys: f32, f16, bf16, q8_0 or q4_0 (also `-ctk`). Other types than f32
+    /// are kept for Gemma 3 on the CPU; speculative decoding stays lossless within a type.
+    #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f32")]
+    cache_type_k: tine_runtime::KvType,
+    /// KV cache type for values, as --cache-type-k (also `-ctv`).
+    #[arg(long = "cache-type-v", value_name = "TYPE", default_value = "f32")]
+    cache_type_v: tine_runtime::KvType,
 }
 
 #[derive(Args)]
@@ -377,12 +391,18 @@ pub(crate) fn load(args: &ModelArgs) -> anyhow::Result<Model> {
     let t0 = Instant::now();
     let device = args.device.open()?;
     let opened_ms = t0.elapsed().as_secs_f64() * 1e3;
-    let model = Model::load_on(&path, &device)?;
+    let mut model = Model::load_on(&path, &device)?;
+    model.set_cache_types(args.cache_type_k, args.cache_type_v)?;
     let on = if args.device.is_cpu() { String::new() } else { format!(" on {} with {} (device opened in {opened_ms:.0} ms)", tine_runtime::describe_device(model.device()), model.engine()) };
     if let Some(note) = model.engine_note() {
         eprintln!("tine: the GPU engine does not run this model, candle's CUDA path does: {note}");
     }
-    eprintln!("loaded {} ({}, {} layers, vocab {}) in {:.0} ms{on}", model.info.name, path.display(), model.info.block_count, model.info.vocab_size, t0.elapsed().as_secs_f64() * 1e3);
+    let (k, v) = model.cache_types();
+    let kv = match model.kv_bytes_per_position() {
+        Some(bytes) if (k, v) != (tine_runtime::KvType::F32, tine_runtime::KvType::F32) => format!(", KV cache K {k} V {v}: {bytes} bytes a position"),
+        _ => String::new(),
+    };
+    eprintln!("loaded {} ({}, {} layers, vocab {}) in {:.0} ms{on}{kv}", model.info.name, path.display(), model.info.block_count, model.info.vocab_size, t0.elapsed().as_secs_f64() * 1e3);
     Ok(model)
 }
 
@@ -663,7 +683,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// llama.cpp spells some long options with one dash (`-md`, `-ngld`); clap takes them as long.
+/// llama.cpp spells some long options with one dash (`-md`, `-ngld`, `-ctk`); clap takes them as long.
 fn llama_style_args() -> Vec<std::ffi::OsString> {
     std::env::args_os()
         .map(|a| match a.to_str() {
@@ -671,6 +691,10 @@ fn llama_style_args() -> Vec<std::ffi::OsString> {
             Some("-ngld") => "--n-gpu-layers-draft".into(),
             Some("-ub") => "--ubatch-size".into(),
             Some("-np") => "--parallel".into(),
+            Some("-ctk") => "--cache-type-k".into(),
+            Some("-ctv") => "--cache-type-v".into(),
+            Some("-ctkd") => "--cache-type-k-draft".into(),
+            Some("-ctvd") => "--cache-type-v-draft".into(),
             _ => a,
         })
         .collect()

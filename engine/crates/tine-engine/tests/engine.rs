@@ -324,3 +324,59 @@ fn greedy_ignore_eos_and_greedy_speculation_by_ids_alone_generate_what_the_rows_
         }
     }
 }
+
+/// Issue 29: every KV cache type keeps speculative decoding lossless: within a type, each spec
+/// type hands out the tokens and logits plain decoding does (greedy and seeded sampling), the
+/// draft model with its own cache types too; and a type other than f32 is really in effect.
+#[test]
+fn speculation_is_lossless_within_each_kv_cache_type() {
+    use tine_runtime::KvType;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, head, draft) = (dir.path().join("tiny.gguf"), dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
+    // Heads of 32 values: whole q8_0/q4_0 blocks.
+    let cfg = TinyGemma3 { nextn: true, head_dim: 32, n_kv_head: 2, seed: 12, ..TinyGemma3::default() };
+    cfg.write(&path);
+    tine_test_support::TinyAssistant::default().write(&cfg, &head);
+    TinyGemma3 { seed: 99, n_layer: 2, head_dim: 32, ..TinyGemma3::default() }.write(&draft);
+    let prompt_text = "hello world hello world hello";
+    let f32_logits = {
+        let model = Model::load(&path).expect("fixture loads");
+        let prompt = model.tokenizer.encode(prompt_text, true, true);
+        run(&model, GenerateRequest { n_predict: 8, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt) }, None).3
+    };
+    for (k, v) in [(KvType::Q8_0, KvType::Q8_0), (KvType::Q4_0, KvType::Q4_0), (KvType::F16, KvType::Q8_0), (KvType::BF16, KvType::BF16)] {
+        let mut model = Model::load(&path).expect("fixture loads");
+        model.set_cache_types(k, v).expect("Gemma 3 on the CPU keeps every type");
+        let prompt = model.tokenizer.encode(prompt_text, true, true);
+        let seeded = SamplingParams { temperature: 0.8, seed: Some(3), ..SamplingParams::default() };
+        let requests = [
+            GenerateRequest { n_predict: 24, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) },
+            GenerateRequest { n_predict: 24, sampling: seeded, ignore_eos: true, ..GenerateRequest::new(prompt.clone()) },
+        ];
+        let plain = run(&model, requests[0].clone(), None);
+        let differs = plain.3.iter().zip(&f32_logits).any(|(a, b)| a.iter().zip(b).any(|(x, y)| x != y));
+        assert!(differs, "K {k} V {v}: logits equal the f32 cache's, so the type is not in effect");
+        for kind in [SpecType::DraftMtp, SpecType::Ngram, SpecType::DraftAssistant, SpecType::Draft] {
+            let config = SpecConfig { ngram_min: 1, mtp_head: Some(head.clone()), draft_model: Some(draft.clone()), draft_cache_types: (KvType::Q4_0, KvType::F16), ..SpecConfig::new(kind) };
+            let factory = SpecFactory::load(config, &model).expect("setup");
+            for (i, req) in requests.iter().enumerate() {
+                let want = run(&model, req.clone(), None);
+                let got = run(&model, req.clone(), Some(&factory));
+                assert_eq!((&got.0, &got.1), (&want.0, &want.1), "K {k} V {v}, {kind}, request {i}");
+                assert!(got.3.iter().zip(&want.3).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "K {k} V {v}, {kind}, request {i}: logits differ");
+                if i == 0 && kind != SpecType::Ngram {
+                    assert!(got.4.draft.draft_verify_steps > 0, "K {k} V {v}, {kind}: the drafter ran: {:?}", got.4.draft);
+                }
+            }
+        }
+    }
+    // Types a model cannot keep are refused with the reason, not ignored.
+    let mut small = Model::load(&draft).expect("fixture loads");
+    small.set_cache_types(KvType::Q8_0, KvType::F32).expect("heads of 32 values take q8_0");
+    let dir16 = dir.path().join("hd16.gguf");
+    TinyGemma3::default().write(&dir16);
+    let mut hd16 = Model::load(&dir16).expect("fixture loads");
+    let err = hd16.set_cache_types(KvType::Q4_0, KvType::Q4_0).expect_err("16-value heads are no whole q4_0 block");
+    assert!(tine_runtime::error_chain(&err).contains("multiple of 32"), "{}", tine_runtime::error_chain(&err));
+    assert_eq!(hd16.cache_types(), (KvType::F32, KvType::F32), "a refused type leaves the model's types as they were");
+}

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
+pub use candle_nn::attention::kv_type::KvType;
 use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
 use candle_transformers::models::quantized_gemma4 as gemma4;
 use candle_transformers::models::quantized_qwen35 as qwen35;
@@ -96,6 +97,22 @@ impl From<GpuError> for StepError {
     fn from(e: GpuError) -> StepError {
         StepError::Gpu(Box::new(e))
     }
+}
+
+/// Errors of [`Model::set_cache_types`]: a KV cache type this model cannot keep.
+#[derive(Debug, thiserror::Error)]
+pub enum CacheTypeError {
+    #[error("KV cache types {k}/{v}: a {arch} model keeps its KV cache in f32 only (the typed caches are Gemma 3's so far)")]
+    Architecture { arch: String, k: KvType, v: KvType },
+    #[error("KV cache types {k}/{v}: types other than f32 run on the CPU only; this model runs on {engine}")]
+    Device { engine: String, k: KvType, v: KvType },
+    #[error("KV cache types {k}/{v} do not fit this model's rows")]
+    Shape {
+        k: KvType,
+        v: KvType,
+        #[source]
+        source: candle_core::Error,
+    },
 }
 
 /// What the GGUF says about the model.
@@ -247,6 +264,8 @@ pub struct Model {
     pub(crate) gpu: Option<GpuTrunk>,
     /// Why a CUDA model runs on candle's path instead of the engine.
     engine_note: Option<String>,
+    /// The types new sequences' KV caches store keys and values in ([`Model::set_cache_types`]).
+    cache_types: (KvType, KvType),
 }
 
 fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
@@ -373,7 +392,7 @@ impl Model {
             Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(crate::error_chain(&e))),
             Err(source) => return Err(LoadError::Gpu { path: p(), source: Box::new(source) }),
         };
-        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note };
+        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note, cache_types: (KvType::F32, KvType::F32) };
         if model.device.is_cpu() {
             // One forward now builds the CPU matmul's interleaved weight tiles (patch 0022: about
             // 0.2 s for the default model), so the first request does not pay for them.
@@ -395,6 +414,44 @@ impl Model {
     /// engine does not read, say), for the user to see.
     pub fn engine_note(&self) -> Option<&str> {
         self.engine_note.as_deref()
+    }
+
+    /// Stores the keys and the values of sequences made from now on as `k` and `v` (llama.cpp's
+    /// `--cache-type-k/-v`; f32 by default). Sequences differ between types, but within one type
+    /// a speculative verify batch reproduces one-token decoding bit for bit. Gemma 3 on the CPU
+    /// keeps every type; the other architectures and devices keep f32 only, and refuse others.
+    pub fn set_cache_types(&mut self, k: KvType, v: KvType) -> Result<(), CacheTypeError> {
+        if (k, v) == (KvType::F32, KvType::F32) {
+            self.cache_types = (k, v);
+            return Ok(());
+        }
+        let Weights::Gemma3(w) = &self.weights else {
+            return Err(CacheTypeError::Architecture { arch: self.info.architecture.clone(), k, v });
+        };
+        if !self.device.is_cpu() {
+            return Err(CacheTypeError::Device { engine: format!("{} ({})", crate::describe_device(&self.device), self.engine()), k, v });
+        }
+        w.new_cache_typed(1, k, v).map_err(|source| CacheTypeError::Shape { k, v, source })?;
+        self.cache_types = (k, v);
+        Ok(())
+    }
+
+    /// The types sequences' KV caches store keys and values in.
+    pub fn cache_types(&self) -> (KvType, KvType) {
+        self.cache_types
+    }
+
+    /// Bytes of KV cache one position takes in a Gemma 3 model's layers at the cache types (the
+    /// other architectures: `None`).
+    pub fn kv_bytes_per_position(&self) -> Option<usize> {
+        let (k, v) = self.cache_types;
+        match &self.weights {
+            Weights::Gemma3(w) => {
+                let (layers, kv_heads, head_dim) = w.kv_shape();
+                Some(layers * kv_heads * (k.row_bytes(head_dim).ok()? + v.row_bytes(head_dim).ok()?))
+            }
+            Weights::Qwen35(_) | Weights::Gemma4(_) => None,
+        }
     }
 
     /// Where the weights and the sequences' KV caches live.
@@ -436,7 +493,7 @@ impl Model {
             }
         }
         match &self.weights {
-            Weights::Gemma3(w) => w.new_nextn_cache(context.min(4096)).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() }),
+            Weights::Gemma3(w) => w.new_nextn_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() }),
             Weights::Qwen35(w) => w.new_nextn_cache().map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new() }),
             Weights::Gemma4(_) => None,
         }
@@ -469,7 +526,7 @@ impl Model {
     pub(crate) fn new_cache_for(&self, context: usize) -> SeqCache {
         match &self.weights {
             // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
-            Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache(context.min(4096))),
+            Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types")),
             Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache_with(context.min(4096)).expect("memory for a sequence's recurrent state"))),
             Weights::Gemma4(w) => SeqCache::Gemma4(w.new_cache_with(context.min(4096)).expect("memory for a sequence's KV cache")),
         }

@@ -5,17 +5,22 @@
 //! token count u32, the tokens (u32 each), layer count u32, then per layer the four dims of K
 //! (u32 each, V has the same) and K's then V's values (f32); version 2 then holds the recurrent
 //! states (a hybrid model's delta-net layers: conv windows and states): their count u32, and per
-//! tensor its rank u32, its dims (u32 each) and its values (f32). Last, an FNV-1a 64 checksum of
-//! everything before it. Version 1 (no recurrent states) is written whenever there are none.
+//! tensor its rank u32, its dims (u32 each) and its values (f32). Version 3 is written for a KV
+//! cache of other types than f32 (`--cache-type-k/-v`): after the fingerprint, the key and the
+//! value type's names (u32 length + UTF-8 each), and per layer K's dims then V's (u32 each) and
+//! their stored bytes (little endian: f16/bf16 values, q8_0/q4_0 blocks), then the states as in
+//! version 2. Last, an FNV-1a 64 checksum of everything before it. Version 1 (no recurrent
+//! states) is written whenever there are none and the cache is f32.
 //! Anything that does not parse, or belongs to another model, is refused.
 
 use candle_core::{DType, Tensor};
 
-use crate::model::{Model, Sequence, StepError};
+use crate::model::{KvType, Model, Sequence, StepError};
 
 const MAGIC: &[u8; 8] = b"TINESLOT";
-/// The version written when the image has recurrent states (else 1, which this build also reads).
-const VERSION: u32 = 2;
+/// The newest version: written for caches of other types than f32 (2 for recurrent states, 1 for
+/// neither; this build reads all three).
+const VERSION: u32 = 3;
 
 /// A sequence's state outside the engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,11 +28,27 @@ pub struct SlotImage {
     /// Which model's KV this is ([`fingerprint`]).
     pub model: String,
     pub tokens: Vec<u32>,
-    /// Per attention layer: dims `(batch, kv_heads, len, head_dim)`, K values, V values.
+    /// The types the KV cache stored keys and values in (f32 in every file before version 3);
+    /// a restore needs a cache of the same types.
+    pub cache_types: (KvType, KvType),
+    /// Per attention layer of an f32 cache: dims `(batch, kv_heads, len, head_dim)`, K values,
+    /// V values.
     pub layers: Vec<([usize; 4], Vec<f32>, Vec<f32>)>,
+    /// Per attention layer of a cache of other types: K and V as stored.
+    pub typed_layers: Vec<TypedLayer>,
     /// A recurrent model's other state (qwen35: each delta-net layer's conv window, then its
     /// state), as dims and values; empty for a KV-only model.
     pub states: Vec<(Vec<usize>, Vec<f32>)>,
+}
+
+/// One layer's K and V in their stored types: dims `(batch, kv_heads, len, width)` and the
+/// stored rows as little-endian bytes ([`KvType::stored_bytes`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TypedLayer {
+    pub k_dims: [usize; 4],
+    pub k: Vec<u8>,
+    pub v_dims: [usize; 4],
+    pub v: Vec<u8>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -44,6 +65,8 @@ pub enum SlotFileError {
     Malformed(String),
     #[error("the slot was saved from another model ({saved}), this server runs {running}")]
     OtherModel { saved: String, running: String },
+    #[error("the slot was saved with a KV cache of {saved}, this server keeps {running} (--cache-type-k/-v)")]
+    CacheTypes { saved: String, running: String },
     #[error("the slot holds {tokens} tokens, the slot's context is {context}")]
     TooLong { tokens: usize, context: usize },
     #[error("restoring the KV cache failed")]
@@ -67,15 +90,42 @@ impl SlotImage {
         let mut out = Vec::with_capacity(64 + self.model.len() + 4 * self.tokens.len() + 4 * floats);
         let u32le = |out: &mut Vec<u8>, v: usize| out.extend_from_slice(&(v as u32).to_le_bytes());
         out.extend_from_slice(MAGIC);
-        u32le(&mut out, if self.states.is_empty() { 1 } else { VERSION as usize });
+        let typed = self.cache_types != (KvType::F32, KvType::F32);
+        u32le(
+            &mut out,
+            if typed {
+                VERSION as usize
+            } else if self.states.is_empty() {
+                1
+            } else {
+                2
+            },
+        );
         u32le(&mut out, self.model.len());
         out.extend_from_slice(self.model.as_bytes());
+        if typed {
+            for t in [self.cache_types.0, self.cache_types.1] {
+                u32le(&mut out, t.name().len());
+                out.extend_from_slice(t.name().as_bytes());
+            }
+        }
         u32le(&mut out, self.tokens.len());
         for &t in &self.tokens {
             u32le(&mut out, t as usize);
         }
-        u32le(&mut out, self.layers.len());
-        for (dims, k, v) in &self.layers {
+        if typed {
+            u32le(&mut out, self.typed_layers.len());
+            for l in &self.typed_layers {
+                for &d in l.k_dims.iter().chain(&l.v_dims) {
+                    u32le(&mut out, d);
+                }
+                out.extend_from_slice(&l.k);
+                out.extend_from_slice(&l.v);
+            }
+        } else {
+            u32le(&mut out, self.layers.len());
+        }
+        for (dims, k, v) in self.layers.iter().filter(|_| !typed) {
             for &d in dims {
                 u32le(&mut out, d);
             }
@@ -83,7 +133,7 @@ impl SlotImage {
                 out.extend_from_slice(&x.to_le_bytes());
             }
         }
-        if !self.states.is_empty() {
+        if typed || !self.states.is_empty() {
             u32le(&mut out, self.states.len());
             for (dims, values) in &self.states {
                 u32le(&mut out, dims.len());
@@ -109,7 +159,7 @@ impl SlotImage {
         }
         let (body, sum) = bytes.split_at(bytes.len() - 8);
         let version = u32::from_le_bytes(body[8..12].try_into().expect("4 bytes"));
-        if version != 1 && version != VERSION {
+        if !(1..=VERSION).contains(&version) {
             return Err(SlotFileError::Version(version));
         }
         if fnv1a(body) != u64::from_le_bytes(sum.try_into().expect("8 bytes")) {
@@ -118,6 +168,15 @@ impl SlotImage {
         let mut r = Reader { b: body, at: 12 };
         let n = r.u32()?;
         let model = String::from_utf8(r.take(n)?.to_vec()).map_err(|_| SlotFileError::Malformed("the model fingerprint is not UTF-8".into()))?;
+        let mut cache_types = (KvType::F32, KvType::F32);
+        if version >= 3 {
+            let mut name = || -> Result<KvType, SlotFileError> {
+                let n = r.u32()?;
+                let text = std::str::from_utf8(r.take(n)?).map_err(|_| SlotFileError::Malformed("a cache type name is not UTF-8".into()))?;
+                KvType::from_name(text).ok_or_else(|| SlotFileError::Malformed(format!("unknown KV cache type {text:?}")))
+            };
+            cache_types = (name()?, name()?);
+        }
         let n_tokens = r.u32()?;
         // Bounded by the bytes present before anything is allocated.
         let tokens = (0..n_tokens).map(|_| r.u32().map(|t| t as u32)).collect::<Result<Vec<_>, _>>()?;
@@ -126,9 +185,23 @@ impl SlotImage {
             return Err(SlotFileError::Malformed(format!("{n_layers} layers")));
         }
         let mut layers = Vec::with_capacity(n_layers);
-        for _ in 0..n_layers {
+        let mut typed_layers = Vec::new();
+        let count = |dims: &[usize; 4]| dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| SlotFileError::Malformed(format!("dims {dims:?} overflow")));
+        for _ in (0..n_layers).filter(|_| version >= 3) {
+            let k_dims = [r.u32()?, r.u32()?, r.u32()?, r.u32()?];
+            let v_dims = [r.u32()?, r.u32()?, r.u32()?, r.u32()?];
+            if k_dims[2] != tokens.len() || v_dims[2] != tokens.len() || k_dims[..2] != v_dims[..2] {
+                return Err(SlotFileError::Malformed(format!("a layer's K {k_dims:?} and V {v_dims:?} do not hold {} positions alike", tokens.len())));
+            }
+            let bytes = |dims: &[usize; 4], t: KvType| count(dims)?.checked_mul(t.storage_dtype().size_in_bytes()).ok_or(SlotFileError::Length);
+            let (nk, nv) = (bytes(&k_dims, cache_types.0)?, bytes(&v_dims, cache_types.1)?);
+            let k = r.take(nk)?.to_vec();
+            let v = r.take(nv)?.to_vec();
+            typed_layers.push(TypedLayer { k_dims, k, v_dims, v });
+        }
+        for _ in (0..n_layers).filter(|_| version < 3) {
             let dims = [r.u32()?, r.u32()?, r.u32()?, r.u32()?];
-            let n = dims.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| SlotFileError::Malformed(format!("dims {dims:?} overflow")))?;
+            let n = count(&dims)?;
             if dims[2] != tokens.len() {
                 return Err(SlotFileError::Malformed(format!("a layer holds {} positions for {} tokens", dims[2], tokens.len())));
             }
@@ -155,7 +228,7 @@ impl SlotImage {
         if r.at != body.len() {
             return Err(SlotFileError::Length);
         }
-        Ok(SlotImage { model, tokens, layers, states })
+        Ok(SlotImage { model, tokens, cache_types, layers, typed_layers, states })
     }
 }
 
@@ -192,7 +265,7 @@ impl Sequence {
                     layers.push(([1, n_kv, g.len(), hd], k, v));
                 }
             }
-            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states: Vec::new() });
+            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states: Vec::new() });
         }
         let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
         let cache = match &self.cache {
@@ -208,7 +281,7 @@ impl Sequence {
                     states.push((window.dims().to_vec(), flat(window)?));
                     states.push((state.dims().to_vec(), flat(state)?));
                 }
-                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states });
+                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states });
             }
             crate::model::SeqCache::Gemma4(c) => {
                 // The K/V of the layers that own some (KV-shared layers store none).
@@ -216,15 +289,20 @@ impl Sequence {
                     let d = k.dims();
                     layers.push(([d[0], d[1], d[2], d[3]], flat(k)?, flat(v)?));
                 }
-                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states: Vec::new() });
+                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states: Vec::new() });
             }
         };
+        let (kt, vt) = cache.types();
+        let mut typed_layers = Vec::new();
+        let dims = |t: &Tensor| -> Result<[usize; 4], StepError> { t.dims().try_into().map_err(|_| candle_core::Error::Msg(format!("a KV layer of rank {}", t.rank())).into()) };
         for (k, v) in cache.snapshot()?.unwrap_or_default() {
-            let d = k.dims();
-            let dims = [d[0], d[1], d[2], d[3]];
-            layers.push((dims, flat(&k)?, flat(&v)?));
+            if (kt, vt) == (KvType::F32, KvType::F32) {
+                layers.push((dims(&k)?, flat(&k)?, flat(&v)?));
+            } else {
+                typed_layers.push(TypedLayer { k_dims: dims(&k)?, k: kt.stored_bytes(&k)?, v_dims: dims(&v)?, v: vt.stored_bytes(&v)? });
+            }
         }
-        Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), layers, states: Vec::new() })
+        Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: (kt, vt), layers, typed_layers, states: Vec::new() })
     }
 
     /// Replaces this sequence's state with `img`. On error the sequence is unchanged, but for a
@@ -236,6 +314,10 @@ impl Sequence {
         }
         if img.tokens.len() > self.context {
             return Err(SlotFileError::TooLong { tokens: img.tokens.len(), context: self.context });
+        }
+        if img.cache_types != model.cache_types() {
+            let name = |(k, v): (KvType, KvType)| format!("K {k}, V {v}");
+            return Err(SlotFileError::CacheTypes { saved: name(img.cache_types), running: name(model.cache_types()) });
         }
         if let Some(&t) = img.tokens.iter().find(|&&t| t as usize >= model.info.vocab_size) {
             return Err(SlotFileError::Malformed(format!("token id {t} is outside the vocabulary")));
@@ -271,6 +353,12 @@ impl Sequence {
         for (dims, k, v) in &img.layers {
             let t = |x: &Vec<f32>| Tensor::from_vec(x.clone(), dims.as_slice(), dev);
             kv.push((t(k).map_err(StepError::from)?, t(v).map_err(StepError::from)?));
+        }
+        let (kt, vt) = img.cache_types;
+        for l in &img.typed_layers {
+            let k = kt.stored_from_bytes(&l.k, &l.k_dims, dev).map_err(|e| SlotFileError::Malformed(format!("a layer's keys: {e}")))?;
+            let v = vt.stored_from_bytes(&l.v, &l.v_dims, dev).map_err(|e| SlotFileError::Malformed(format!("a layer's values: {e}")))?;
+            kv.push((k, v));
         }
         // Into a fresh cache first: a refused image leaves this sequence as it was.
         let mut cache = match (&model.weights, model.new_cache_for(self.context)) {

@@ -428,6 +428,49 @@ mod slot_file {
         assert!(c.is_empty());
     }
 
+    /// Issue 29: a cache of other types than f32 saves its stored rows (version 3, the types
+    /// named), restores bit for bit into a cache of the same types, and is refused by a model
+    /// keeping other types; every truncation of the file is an error.
+    #[test]
+    fn a_typed_kv_cache_round_trips_and_a_cache_of_other_types_refuses_it() {
+        use tine_runtime::KvType;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("tiny32.gguf");
+        TinyGemma3 { head_dim: 32, seed: 21, ..TinyGemma3::default() }.write(&path);
+        for (k, v) in [(KvType::Q8_0, KvType::Q4_0), (KvType::F16, KvType::BF16)] {
+            let mut m = Model::load(&path).expect("fixture loads");
+            m.set_cache_types(k, v).expect("types fit");
+            let mut a = m.new_sequence(64);
+            a.prefill(&m, &m.tokenizer.encode("hello world hello", true, true)).expect("prefill");
+            let img = a.image(&m).expect("image");
+            assert_eq!(img.cache_types, (k, v));
+            assert!(img.layers.is_empty() && !img.typed_layers.is_empty(), "the stored rows are saved, not f32 copies");
+            let bytes = img.to_bytes();
+            assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 3, "version 3 names the types");
+            let back = SlotImage::from_bytes(&bytes).expect("parses back");
+            assert_eq!(back, img);
+            let mut b = m.new_sequence(64);
+            b.restore_image(&m, &back).expect("restore");
+            for t in [40u32, 41, 42] {
+                let (x, y) = (a.decode(&m, t).expect("a"), b.decode(&m, t).expect("b"));
+                assert!(x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()), "K {k} V {v}, token {t}: the restored sequence's logits differ");
+            }
+            for cut in (0..bytes.len()).step_by(7) {
+                assert!(SlotImage::from_bytes(&bytes[..cut]).is_err(), "cut at {cut}");
+            }
+            let f32_model = Model::load(&path).expect("fixture loads");
+            let mut c = f32_model.new_sequence(64);
+            assert!(matches!(c.restore_image(&f32_model, &back), Err(SlotFileError::CacheTypes { .. })), "K {k} V {v} into an f32 cache");
+            assert!(c.is_empty());
+            // And an f32 slot into this typed model.
+            let mut d = f32_model.new_sequence(64);
+            d.prefill(&f32_model, &[2, 5, 6]).expect("prefill");
+            let f32_img = d.image(&f32_model).expect("image");
+            let mut e = m.new_sequence(64);
+            assert!(matches!(e.restore_image(&m, &f32_img), Err(SlotFileError::CacheTypes { .. })));
+        }
+    }
+
     #[test]
     fn a_corrupt_truncated_or_foreign_slot_file_is_refused_and_changes_nothing() {
         let dir = tempfile::tempdir().expect("tempdir");

@@ -561,11 +561,13 @@ pub struct SpecConfig {
     /// llama.cpp's `--spec-type ngram,TYPE`: the n-gram proposal first, `spec_type` where it
     /// has none ([`ChainDrafter`]).
     pub ngram_first: bool,
+    /// The draft model's KV cache types (`-ctkd`/`-ctvd`; f32 by default).
+    pub draft_cache_types: (tine_runtime::KvType, tine_runtime::KvType),
 }
 
 impl SpecConfig {
     pub fn new(spec_type: SpecType) -> SpecConfig {
-        SpecConfig { spec_type, params: DraftParams::default(), mtp_head: None, draft_model: None, ngram_min: 2, ngram_max: 4, ngram_first: false }
+        SpecConfig { spec_type, params: DraftParams::default(), mtp_head: None, draft_model: None, ngram_min: 2, ngram_max: 4, ngram_first: false, draft_cache_types: Default::default() }
     }
 
     /// The name llama.cpp's `--spec-type` gives this configuration.
@@ -595,6 +597,8 @@ pub enum SetupError {
         #[source]
         source: Box<tine_runtime::LoadError>,
     },
+    #[error("the draft model's KV cache (-ctkd/-ctvd)")]
+    DraftCacheTypes(#[source] tine_runtime::CacheTypeError),
     #[error(transparent)]
     Spec(#[from] SpecError),
     #[error(transparent)]
@@ -677,7 +681,8 @@ impl SpecFactory {
             }
             SpecType::Draft => {
                 let path = config.draft_model.as_ref().ok_or(SetupError::MissingDraftModel)?;
-                let model = Model::load_on(path, target.device()).map_err(|source| SetupError::Load { what: "the draft model", source: Box::new(source) })?;
+                let mut model = Model::load_on(path, target.device()).map_err(|source| SetupError::Load { what: "the draft model", source: Box::new(source) })?;
+                model.set_cache_types(config.draft_cache_types.0, config.draft_cache_types.1).map_err(SetupError::DraftCacheTypes)?;
                 if model.info.vocab_size != target.info.vocab_size {
                     return Err(SpecError::VocabMismatch { draft: model.info.vocab_size, target: target.info.vocab_size }.into());
                 }
