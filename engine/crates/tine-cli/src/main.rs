@@ -4,6 +4,7 @@ use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Instant;
 
+mod perplexity;
 mod spec_bench;
 
 use anyhow::Context as _;
@@ -38,6 +39,11 @@ enum Cmd {
     /// Benchmark decode speed with speculative decoding against plain decoding (greedy), on the
     /// seeds' 9-prompt set and copy-heavy prompts, every configuration interleaved in one run.
     SpecBench(spec_bench::SpecBenchArgs),
+    /// Perplexity over a text, and the KL divergence and top-token agreement of the next-token
+    /// distributions against a reference KV cache type (llama-perplexity's method: chunks of
+    /// --ctx-size from an empty cache, the second half of each scored). Set the cache types
+    /// under test with -ctk/-ctv, the reference's with --kl-base-cache-types.
+    Perplexity(perplexity::PerplexityArgs),
     /// Graft a NextN head (a small GGUF holding only its block) into a copy of its target GGUF,
     /// for `--spec-type draft-mtp`. The output is written atomically.
     GraftNextn(GraftArgs),
@@ -706,6 +712,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Generate(a) => generate(a).context("tine generate"),
         Cmd::Tokenize(a) => tokenize(a).context("tine tokenize"),
         Cmd::SpecBench(a) => spec_bench::run(a).context("tine spec-bench"),
+        Cmd::Perplexity(a) => perplexity::run(a).context("tine perplexity"),
         Cmd::GraftNextn(a) => graft(a).context("tine graft-nextn"),
         Cmd::LogitEquiv(a) => {
             if !logit_equiv(a).context("tine logit-equiv")? {
