@@ -51,7 +51,7 @@ fn argmax(row: &[f32]) -> usize {
 }
 
 /// The figures of one run.
-#[derive(Debug, Default)]
+#[derive(Debug, serde::Serialize)]
 pub struct Figures {
     pub cache_type_k: String,
     pub cache_type_v: String,
@@ -161,14 +161,10 @@ pub fn run(a: PerplexityArgs) -> anyhow::Result<()> {
         100.0 * f.same_top1
     );
     if let Some(path) = &a.json {
-        let json = serde_json::json!({
-            "cache_type_k": f.cache_type_k, "cache_type_v": f.cache_type_v,
-            "base_cache_type_k": f.base_cache_type_k, "base_cache_type_v": f.base_cache_type_v,
-            "ctx_size": f.ctx_size, "chunks": f.chunks, "scored": f.scored,
-            "ppl": f.ppl, "base_ppl": f.base_ppl, "mean_kld": f.mean_kld, "mean_kld_err": f.mean_kld_err,
-            "max_kld": f.max_kld, "same_top1": f.same_top1,
-        });
-        std::fs::write(path, serde_json::to_vec_pretty(&json)?).with_context(|| format!("writing {}", path.display()))?;
+        // Written beside and renamed over, as logit-equiv's --json is: never a half-written file.
+        let tmp = path.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec_pretty(&f)?).with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
