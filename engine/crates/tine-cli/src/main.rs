@@ -111,6 +111,12 @@ struct ServeArgs {
     /// Prompt tokens evaluated per engine step: a long prompt stalls the other slots for one such chunk at most.
     #[arg(long = "ubatch-size", default_value_t = tine_runtime::PREFILL_CHUNK)]
     ubatch: usize,
+    /// MiB of KV the prompt prefixes shared between slots may hold (llama-server's flag; -1: no
+    /// limit, 0: no sharing). A request whose prompt starts like another slot's tokens (a system
+    /// prompt, a few-shot block) reads that prefix's KV from one copy and evaluates only the rest;
+    /// unused prefixes are freed least recently used first. Gemma 3 on the CPU.
+    #[arg(long = "cache-ram", value_name = "MIB", default_value_t = tine_server::DEFAULT_CACHE_RAM_MIB as i64, allow_negative_numbers = true)]
+    cache_ram: i64,
     /// Requests allowed to wait for a slot; beyond this the server answers 503 (with Retry-After).
     #[arg(long = "max-queue", default_value_t = tine_server::DEFAULT_MAX_QUEUE)]
     max_queue: usize,
@@ -641,6 +647,11 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // Flags first: a bad one should not wait for the model to load.
     let defaults = a.defaults.defaults()?;
     let chat_template = a.chat_template.as_deref().map(tine_engine::template::ChatTemplate::named).transpose().context("--chat-template")?;
+    let cache_ram = match a.cache_ram {
+        -1 => None,
+        n if n >= 0 => Some((n as usize).saturating_mul(1 << 20)),
+        n => anyhow::bail!("--cache-ram {n}: MiB, -1 for no limit or 0 for no sharing"),
+    };
     if let Some(d) = &a.slot_save_path {
         std::fs::create_dir_all(d).with_context(|| format!("--slot-save-path {}", d.display()))?;
     }
@@ -675,6 +686,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         metrics: a.metrics,
         context_shift: a.context_shift && !a.no_context_shift,
         slot_save_path: a.slot_save_path.clone(),
+        cache_ram,
         chat_template,
         ..tine_server::ServerConfig::new(parallel, ctx)
     };

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{Device, Tensor};
 pub use candle_nn::attention::kv_type::KvType;
-use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache};
+use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelWeights, NextNCache, SharedPrefix as Gemma3Prefix};
 use candle_transformers::models::quantized_gemma4 as gemma4;
 use candle_transformers::models::quantized_qwen35 as qwen35;
 
@@ -958,6 +958,89 @@ impl Sequence {
             None => self.cache.reset(),
         }
         self.tokens.clear();
+    }
+
+    /// Whether this sequence can share positions with others ([`Sequence::share_prefix`]): a
+    /// Gemma 3 sequence on the CPU (the attention that reads shared rows in place is the CPU's).
+    pub fn can_share(&self) -> bool {
+        self.gpu.is_none() && matches!(self.cache, SeqCache::Gemma3(_))
+    }
+
+    /// The first `len` positions as a [`SharedPrefix`] other sequences of this model can start
+    /// on ([`Sequence::attach_prefix`]); this sequence reads them from there too, so their K/V
+    /// exist once. Its tokens and every later result stay exactly as they were.
+    pub fn share_prefix(&mut self, len: usize) -> Result<SharedPrefix, StepError> {
+        if len > self.tokens.len() {
+            return Err(StepError::RollbackPastEnd { to: len, len: self.tokens.len() });
+        }
+        match (&self.gpu, &mut self.cache) {
+            (None, SeqCache::Gemma3(c)) => {
+                let before = c.shared_len().min(len);
+                let kv = c.share_prefix(len)?;
+                Ok(SharedPrefix { tokens: self.tokens[..len].to_vec(), kv, copied: len - before })
+            }
+            _ => Err(StepError::NotForArchitecture("a KV prefix shared between sequences")),
+        }
+    }
+
+    /// Empties the sequence and starts it on `prefix` (from a sequence of the same model and
+    /// cache types): it then holds the prefix's tokens, reading their K/V where the prefix keeps
+    /// them, and evaluates only what follows. On error the sequence is left empty.
+    pub fn attach_prefix(&mut self, prefix: &SharedPrefix) -> Result<(), StepError> {
+        if prefix.len() > self.context {
+            return Err(StepError::ContextFull { needed: prefix.len(), context: self.context });
+        }
+        if !self.can_share() {
+            return Err(StepError::NotForArchitecture("a KV prefix shared between sequences"));
+        }
+        self.tokens.clear();
+        let SeqCache::Gemma3(c) = &mut self.cache else { unreachable!("can_share checked the cache") };
+        c.attach_prefix(&prefix.kv)?;
+        self.tokens = prefix.tokens.clone();
+        Ok(())
+    }
+
+    /// Positions this sequence reads from a prefix shared with others (the first ones).
+    pub fn shared_len(&self) -> usize {
+        match (&self.gpu, &self.cache) {
+            (None, SeqCache::Gemma3(c)) => c.shared_len(),
+            _ => 0,
+        }
+    }
+}
+
+/// The first positions of a sequence, tokens and K/V, held once for every sequence started on
+/// it ([`Sequence::share_prefix`], [`Sequence::attach_prefix`]). Cloning it clones handles.
+#[derive(Debug, Clone)]
+pub struct SharedPrefix {
+    tokens: Vec<u32>,
+    kv: Gemma3Prefix,
+    /// Positions whose rows were copied when it was made (the rest were already shared).
+    copied: usize,
+}
+
+impl SharedPrefix {
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Bytes of K/V its positions take.
+    pub fn bytes(&self) -> usize {
+        self.kv.bytes()
+    }
+
+    /// Positions whose rows it holds of its own: those before were already in a prefix it
+    /// extends (and whose rows it reads in place).
+    pub fn copied(&self) -> usize {
+        self.copied
     }
 }
 

@@ -132,3 +132,14 @@ fn gemma4_steps_are_atomic_and_slot_images_restore_bit_for_bit() {
     assert!(seq2.restore_image(&other.model, &img).is_err());
     assert!(seq2.is_empty());
 }
+
+#[test]
+fn gemma4_sequences_do_not_share_a_prefix_and_say_so() {
+    let f = fixture(TinyGemma4::dense());
+    let mut seq = f.model.new_sequence(64);
+    seq.prefill(&f.model, &prompt(8)).expect("prefill");
+    assert!(!seq.can_share());
+    let e = seq.share_prefix(4).expect_err("refused");
+    assert!(e.to_string().contains("shared between sequences"), "{e}");
+    assert_eq!((seq.len(), seq.shared_len()), (8, 0));
+}

@@ -240,3 +240,13 @@ fn qwen35_slot_files_carry_the_recurrent_state_and_continue_bit_for_bit() {
         assert!(other.is_empty());
     }
 }
+
+#[test]
+fn recurrent_sequences_do_not_share_a_prefix_and_say_so() {
+    let f = fixture(shapes()[0].clone());
+    let mut seq = f.model.new_sequence(64);
+    seq.prefill(&f.model, &[1, 2, 3, 4, 5]).expect("prefill");
+    assert!(!seq.can_share());
+    assert!(seq.share_prefix(4).is_err());
+    assert_eq!((seq.len(), seq.shared_len()), (5, 0));
+}

@@ -556,3 +556,43 @@ fn devices_parse_and_a_cuda_device_without_cuda_is_a_clear_error() {
         assert!(matches!(err, DeviceError::NotCompiled { .. }) && err.to_string().contains("tools/cuda/build.sh"), "{err}");
     }
 }
+
+#[test]
+fn a_sequence_on_a_shared_prefix_steps_saves_and_rolls_back_as_one_holding_it() {
+    let f = fixture(TinyGemma3 { context: 512, ..TinyGemma3::default() });
+    let m = &f.model;
+    let toks = tokens(200);
+    let mut whole = m.new_sequence(512);
+    let want = whole.prefill(m, &toks).expect("prefill");
+    let mut donor = m.new_sequence(512);
+    donor.prefill(m, &toks[..150]).expect("prefill");
+    assert!(donor.can_share());
+    let prefix = donor.share_prefix(140).expect("share");
+    assert_eq!((prefix.len(), prefix.copied(), prefix.tokens()), (140, 140, &toks[..140]));
+    assert_eq!(prefix.bytes(), 140 * m.kv_bytes_per_position().expect("a KV cache"));
+    assert_eq!((donor.len(), donor.shared_len()), (150, 140));
+    assert!(donor.share_prefix(151).is_err(), "more positions than held");
+    let mut seq = m.new_sequence(512);
+    seq.prefill(m, &toks[..3]).expect("an earlier request");
+    seq.attach_prefix(&prefix).expect("attach");
+    assert_eq!((seq.tokens(), seq.shared_len()), (&toks[..140], 140));
+    let got = seq.prefill(m, &toks[140..]).expect("the rest");
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "logits on the shared prefix differ");
+    // A slot image of it holds every position, and restores into a sequence of its own.
+    let img = seq.image(m).expect("image");
+    let mut back = m.new_sequence(512);
+    back.restore_image(m, &img).expect("restore");
+    assert_eq!((back.len(), back.shared_len()), (200, 0));
+    let (a, b) = (back.decode(m, 9).expect("decode"), seq.decode(m, 9).expect("decode"));
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "restored image differs");
+    // A rollback into the prefix and a reset let go of it as far as they go.
+    seq.rollback(100).expect("rollback");
+    assert_eq!(seq.shared_len(), 100);
+    seq.reset();
+    assert_eq!(seq.shared_len(), 0);
+    // A prefix longer than the context is refused, leaving the sequence as it was.
+    let mut small = m.new_sequence(64);
+    small.prefill(m, &toks[..5]).expect("prefill");
+    assert!(small.attach_prefix(&prefix).is_err());
+    assert_eq!(small.len(), 5);
+}

@@ -13,6 +13,7 @@ pub mod auth;
 pub mod cors;
 pub mod error;
 pub mod metrics;
+pub mod prefix_pool;
 pub mod scheduler;
 
 use std::net::SocketAddr;
@@ -71,6 +72,9 @@ pub struct ServerConfig {
     /// `--context-shift`: a generation that fills its context drops the oldest half of the
     /// tokens after `n_keep` and continues.
     pub context_shift: bool,
+    /// `--cache-ram`: bytes of KV the prompt prefixes shared between slots may hold (`None`: no
+    /// limit; `Some(0)`: every slot keeps its own copy).
+    pub cache_ram: Option<usize>,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]).
     #[doc(hidden)]
     pub fault: Option<Arc<AtomicI64>>,
@@ -94,6 +98,7 @@ impl ServerConfig {
             chat_template: None,
             context_shift: false,
             slot_save_path: None,
+            cache_ram: Some(DEFAULT_CACHE_RAM_MIB << 20),
             fault: None,
         }
     }
@@ -101,6 +106,8 @@ impl ServerConfig {
 
 /// 16 MiB: a full 128k-token prompt as JSON text fits several times over.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+/// `--cache-ram`'s default in MiB (llama-server's).
+pub const DEFAULT_CACHE_RAM_MIB: usize = 8192;
 /// Queued requests allowed beyond the slots.
 pub const DEFAULT_MAX_QUEUE: usize = 256;
 
@@ -121,7 +128,8 @@ type Shared = Arc<AppState>;
 
 /// Builds the router; the engine thread starts here.
 pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
-    let engine = EngineConfig { slots: config.parallel.max(1), ctx_size: config.ctx_size, spec: config.spec.clone(), ubatch: config.ubatch.max(1), fault: config.fault.clone() };
+    let engine =
+        EngineConfig { slots: config.parallel.max(1), ctx_size: config.ctx_size, spec: config.spec.clone(), ubatch: config.ubatch.max(1), fault: config.fault.clone(), cache_ram: config.cache_ram };
     let scheduler = Scheduler::start(model.clone(), engine);
     let admission = Admission::new(config.parallel.max(1) + config.max_queue);
     let model_id = config.alias.clone().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
@@ -243,7 +251,7 @@ async fn metrics_text(State(st): State<Shared>) -> Result<Response, ApiError> {
     }
     let views = st.scheduler.slot_views();
     let busy = views.iter().filter(|v| v.is_processing).count();
-    let load = metrics::Load { slots: views.len(), busy, queued: st.admission.in_flight().saturating_sub(busy) };
+    let load = metrics::Load { slots: views.len(), busy, queued: st.admission.in_flight().saturating_sub(busy), pool: st.scheduler.pool_stats() };
     Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(&load)).into_response())
 }
 
@@ -256,7 +264,7 @@ async fn slots(State(st): State<Shared>) -> Result<Json<Value>, ApiError> {
         st.scheduler
             .slot_views()
             .into_iter()
-            .map(|v| json!({"id": v.id, "id_task": v.id_task, "n_ctx": v.n_ctx, "speculative": spec, "is_processing": v.is_processing, "n_cached": v.n_cached}))
+            .map(|v| json!({"id": v.id, "id_task": v.id_task, "n_ctx": v.n_ctx, "speculative": spec, "is_processing": v.is_processing, "n_cached": v.n_cached, "n_shared": v.n_shared}))
             .collect(),
     )))
 }

@@ -27,6 +27,8 @@ pub struct Load {
     pub slots: usize,
     pub busy: usize,
     pub queued: usize,
+    /// The prompt prefixes shared between slots.
+    pub pool: crate::prefix_pool::PoolStats,
 }
 
 impl Metrics {
@@ -57,7 +59,8 @@ impl Metrics {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let rate = |n: u64, us: u64| if us > 0 { n as f64 * 1e6 / us as f64 } else { 0.0 };
         let accept = if g(&self.draft_tokens) > 0 { g(&self.draft_accepted) as f64 / g(&self.draft_tokens) as f64 } else { 0.0 };
-        let rows: [(&str, &str, &str, String); 16] = [
+        let p = &load.pool;
+        let rows: [(&str, &str, &str, String); 21] = [
             ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens evaluated (not reused from a slot's cache).", g(&self.prompt_tokens).to_string()),
             ("llamacpp:prompt_seconds_total", "counter", "Time spent evaluating prompts.", (g(&self.prompt_us) as f64 / 1e6).to_string()),
             ("llamacpp:tokens_predicted_total", "counter", "Tokens generated.", g(&self.predicted_tokens).to_string()),
@@ -71,6 +74,11 @@ impl Metrics {
             ("tine:requests_failed_total", "counter", "Requests that ended with an engine error.", g(&self.requests_failed).to_string()),
             ("tine:requests_refused_total", "counter", "Requests refused because the queue was full (503).", g(&self.requests_refused).to_string()),
             ("tine:prompt_tokens_cached_total", "counter", "Prompt tokens reused from a slot's cache.", g(&self.cached_tokens).to_string()),
+            ("tine:prefix_pool_entries", "gauge", "Prompt prefixes held for sharing between slots.", p.entries.to_string()),
+            ("tine:prefix_pool_bytes", "gauge", "KV bytes those prefixes hold, each row once.", p.bytes.to_string()),
+            ("tine:prefix_pool_hits_total", "counter", "Requests started on a prefix shared with other slots.", p.hits.to_string()),
+            ("tine:prefix_pool_shared_tokens_total", "counter", "Prompt tokens read from a shared prefix instead of evaluated.", p.shared_tokens.to_string()),
+            ("tine:prefix_pool_evictions_total", "counter", "Shared prefixes freed to stay within --cache-ram.", p.evictions.to_string()),
             ("tine:draft_tokens_total", "counter", "Tokens drafted by speculative decoding.", g(&self.draft_tokens).to_string()),
             ("tine:draft_tokens_accepted_total", "counter", "Drafted tokens the target kept.", g(&self.draft_accepted).to_string()),
             ("tine:draft_acceptance_ratio", "gauge", "Accepted over drafted tokens, since start.", accept.to_string()),

@@ -17,6 +17,8 @@ use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, GenerateRequest, Generation, StopType, Timings, TokenProb};
 use tine_runtime::{Model, Sequence, SlotFileError, SlotImage, StepError};
+
+use crate::prefix_pool::{Node, PoolStats, PrefixPool, MIN_NEW_PREFIX};
 use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -138,6 +140,8 @@ struct Active {
 
 struct Slot {
     seq: Sequence,
+    /// The shared prefix its sequence reads its first positions from, if any.
+    prefix: Option<Arc<Node>>,
     /// This slot's drafter state (speculative decoding on).
     spec: Option<Speculator>,
     active: Option<Active>,
@@ -155,9 +159,12 @@ pub struct EngineConfig {
     /// Failure injection for tests: when set to `n >= 0`, the next admitted request's sequence
     /// fails its forward after `n` successful ones (then it is reset to -1).
     pub fault: Option<Arc<AtomicI64>>,
+    /// Bytes of KV the shared prefixes may hold (`--cache-ram`; `None`: no limit, `Some(0)`: no
+    /// sharing between slots).
+    pub cache_ram: Option<usize>,
 }
 
-/// What `/slots` shows of one slot; the engine thread updates it on every admit and finish.
+/// What `/slots` shows of one slot; the engine thread updates it on every admission and step.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotView {
     pub id: usize,
@@ -167,6 +174,8 @@ pub struct SlotView {
     pub id_task: i64,
     /// Positions its KV cache holds (the prefix a new request may reuse).
     pub n_cached: usize,
+    /// Of those, the first ones read from a prefix shared with other slots.
+    pub n_shared: usize,
 }
 
 /// The engine thread has stopped.
@@ -180,6 +189,7 @@ pub struct Scheduler {
     jobs: mpsc::Sender<Msg>,
     pub slots: usize,
     views: Arc<Mutex<Vec<SlotView>>>,
+    pool: Arc<Mutex<PoolStats>>,
 }
 
 impl Scheduler {
@@ -188,9 +198,15 @@ impl Scheduler {
         let slots = config.slots.max(1);
         let n_ctx = config.ctx_size.min(model.info.context_length).max(1);
         let views = Arc::new(Mutex::new((0..slots).map(|id| SlotView { id, n_ctx, id_task: -1, ..SlotView::default() }).collect()));
-        let v = views.clone();
-        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx, v)).expect("spawning the engine thread");
-        Scheduler { jobs: tx, slots, views }
+        let pool = Arc::new(Mutex::new(PoolStats::default()));
+        let (v, p) = (views.clone(), pool.clone());
+        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx, v, p)).expect("spawning the engine thread");
+        Scheduler { jobs: tx, slots, views, pool }
+    }
+
+    /// The shared prefixes' figures, as of the last admission.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.lock().map(|p| *p).unwrap_or_default()
     }
 
     /// A snapshot of every slot.
@@ -223,6 +239,7 @@ fn publish(views: &Mutex<Vec<SlotView>>, i: usize, slot: &Slot, task: Option<i64
         let view = &mut v[i];
         view.is_processing = slot.active.is_some();
         view.n_cached = slot.seq.len();
+        view.n_shared = slot.seq.shared_len();
         if let Some(t) = task {
             view.id_task = t;
         }
@@ -257,14 +274,70 @@ fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [S
     }
 }
 
-fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>) {
+/// Starts slot `i`'s sequence on a shared prefix of `prompt` when that reuses more than its own
+/// cache would: the longest pool entry the prompt starts with, or, at least
+/// [`MIN_NEW_PREFIX`] positions longer, what another slot holds of it (shared from there and
+/// added to the pool). Returns the positions it reads from the prefix.
+fn share_for(slots: &mut [Slot], i: usize, prompt: &[u32], pool: &mut PrefixPool, clock: u64) -> usize {
+    if !slots[i].seq.can_share() || prompt.len() < 2 {
+        return 0;
+    }
+    // The last prompt token is always evaluated (its logits start the generation), and a drafter
+    // with per-position state reuses only what it covers itself.
+    let limit = (prompt.len() - 1).min(slots[i].spec.as_ref().map_or(usize::MAX, |s| s.reusable(prompt)));
+    let own = common_prefix(slots[i].seq.tokens(), prompt).min(limit);
+    let pooled = pool.lookup(prompt, limit);
+    let pooled_len = pooled.as_ref().map_or(0, |n| n.prefix.len());
+    let donor = slots
+        .iter()
+        .enumerate()
+        .filter(|&(j, s)| j != i && s.seq.can_share())
+        .map(|(j, s)| (j, common_prefix(s.seq.tokens(), prompt).min(limit)))
+        .max_by_key(|&(_, n)| n)
+        .filter(|&(_, n)| n >= own.max(pooled_len) + MIN_NEW_PREFIX);
+    let node = match (donor, pooled) {
+        (Some((j, n)), _) => {
+            let Ok(prefix) = slots[j].seq.share_prefix(n) else { return 0 };
+            let node = Arc::new(Node { prefix, parent: slots[j].prefix.take() });
+            slots[j].prefix = Some(node.clone());
+            pool.insert(node.clone(), clock);
+            node
+        }
+        (None, Some(node)) if node.prefix.len() > own => node,
+        _ => return 0,
+    };
+    let slot = &mut slots[i];
+    match slot.seq.attach_prefix(&node.prefix) {
+        Ok(()) => {
+            pool.touch(&node, clock, node.prefix.len());
+            slot.prefix = Some(node);
+            slot.seq.shared_len()
+        }
+        Err(_) => {
+            // The sequence is empty now; the request evaluates its whole prompt.
+            slot.prefix = None;
+            0
+        }
+    }
+}
+
+/// Lets go of a slot's shared prefix once its sequence no longer reads from it.
+fn release_prefix(slot: &mut Slot) {
+    if slot.seq.shared_len() == 0 {
+        slot.prefix = None;
+    }
+}
+
+fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>) {
     let factory = config.spec.clone();
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
-            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, active: None, last_used: 0 }
+            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, prefix: None, active: None, last_used: 0 }
         })
         .collect();
+    let sharing = config.cache_ram != Some(0) && slots.len() > 1;
+    let mut pool = PrefixPool::new(config.cache_ram, model.kv_bytes_per_position().unwrap_or(0));
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut clock = 0u64;
     loop {
@@ -287,7 +360,8 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         // Slot actions before admissions: they see the slots as the last step left them.
         for cmd in commands {
             let out = slot_action(&model, factory.as_ref(), &mut slots, cmd.id, cmd.action);
-            if let Some(slot) = slots.get(cmd.id) {
+            if let Some(slot) = slots.get_mut(cmd.id) {
+                release_prefix(slot);
                 publish(&views, cmd.id, slot, None);
             }
             let _ = cmd.reply.send(out);
@@ -312,6 +386,13 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 // The server's draft settings unless the request brings its own.
                 spec.params = f.config.params;
             }
+            if sharing && job.request.cache_prompt {
+                share_for(&mut slots, i, &job.request.prompt, &mut pool, clock);
+                if let Ok(mut p) = pool_stats.lock() {
+                    *p = pool.stats();
+                }
+            }
+            let slot = &mut slots[i];
             if let Some(n) = config.fault.as_ref().map(|f| f.swap(-1, Ordering::AcqRel)).filter(|&n| n >= 0) {
                 slot.seq.inject_failure(Some(n as usize));
             }
@@ -321,6 +402,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                     let _ = job.events.send(Event::Error(e));
                 }
             }
+            release_prefix(slot);
             publish(&views, i, slot, Some(clock as i64 - 1));
         }
         // One step for every active slot.
@@ -331,7 +413,13 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 publish(&views, i, slot, None);
                 continue;
             }
-            match a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()) {
+            let stepped = a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut());
+            if slot.prefix.is_some() {
+                release_prefix(slot); // a context shift starts over from position 0
+            }
+            publish(&views, i, slot, None);
+            let Some(a) = slot.active.as_mut() else { continue };
+            match stepped {
                 Ok(ev) => {
                     if let Some(id) = ev.token {
                         if !(ev.stop == Some(StopType::Eos)) || !ev.text.is_empty() {
@@ -354,6 +442,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                         };
                         let _ = a.events.send(Event::Done(Box::new(summary)));
                         slot.active = None;
+                        release_prefix(slot);
                         slot.seq.inject_failure(None);
                         publish(&views, i, slot, None);
                     }

@@ -766,3 +766,70 @@ fn seeded_sampling_gives_the_same_text_with_and_without_a_draft() {
         assert_eq!(got["content"], want_hot["content"], "{kind} at temperature 1.2");
     }
 }
+
+/// Waits (at most 10 s) until `/slots` shows `count` busy slots holding at least `n` positions.
+fn wait_for_busy_slots(srv: &Server, count: usize, n: u64) {
+    for _ in 0..1000 {
+        let (_, text) = http(srv.addr, "GET", "/slots", "");
+        let slots: Value = serde_json::from_str(&text).expect("json");
+        if slots.as_array().expect("slots").iter().filter(|s| s["is_processing"] == json!(true) && s["n_cached"].as_u64().unwrap_or(0) >= n).count() >= count {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    panic!("no {count} slots reached {n} positions");
+}
+
+#[test]
+fn a_prompt_prefix_is_shared_across_slots_and_every_answer_stays_the_same() {
+    // A "system prompt" of 300 tokens, then each request's own few.
+    let system: Vec<u32> = (0..300u32).map(|i| 6 + (i * 53) % 250).collect();
+    let body = |tail: &[u32], n: usize| json!({"prompt": system.iter().chain(tail).copied().collect::<Vec<u32>>(), "n_predict": n, "temperature": 0, "ignore_eos": true, "return_tokens": true});
+    let requests = [body(&[7, 8, 9], 4000), body(&[20, 21], 3000), body(&[30, 31], 12)];
+    let cfg = |kind: Option<tine_spec::SpecType>, sharing: bool| {
+        start_cfg(kind, move |c| {
+            *c = ServerConfig { metrics: true, cache_ram: if sharing { Some(64 << 20) } else { Some(0) }, ..ServerConfig::new(3, 3 * 2048) };
+        })
+    };
+    // The answers without sharing (one request at a time).
+    let alone = cfg(None, false);
+    let want: Vec<Value> = requests.iter().map(|r| post(alone.addr, "/completion", r.clone()).1).collect();
+    let mut kinds = vec![None];
+    kinds.extend(tine_spec::SpecType::ALL.into_iter().map(Some));
+    for kind in kinds {
+        let tag = kind.map_or("plain".to_string(), |k| k.to_string());
+        let srv = cfg(kind, true);
+        let addr = srv.addr;
+        // Two long requests hold the system prompt in two slots while a third arrives: the
+        // second starts on the first's prefix (shared from its slot), the third on the pool's.
+        let (ra, rb) = (requests[0].clone(), requests[1].clone());
+        let ha = std::thread::spawn(move || post(addr, "/completion", ra).1);
+        wait_for_busy_slots(&srv, 1, 303);
+        let hb = std::thread::spawn(move || post(addr, "/completion", rb).1);
+        wait_for_busy_slots(&srv, 2, 302);
+        let (_, c) = post(srv.addr, "/completion", requests[2].clone());
+        let (_, slots) = http(srv.addr, "GET", "/slots", "");
+        let (a, b) = (ha.join().expect("client thread"), hb.join().expect("client thread"));
+        for (i, got) in [a, b, c].iter().enumerate() {
+            assert_eq!(got["tokens"], want[i]["tokens"], "{tag}: request {i}'s answer with sharing");
+        }
+        // Plain decoding and drafters without per-position state evaluate only their own tokens;
+        // a NextN drafter's cache does not hold the prefix, so its slot evaluates it again.
+        if matches!(kind, Some(tine_spec::SpecType::DraftMtp)) {
+            continue;
+        }
+        let (_, text) = http(srv.addr, "GET", "/metrics", "");
+        let value =
+            |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
+        assert_eq!(value("tine:prefix_pool_hits_total"), 2.0, "{tag}");
+        assert_eq!(value("tine:prefix_pool_shared_tokens_total"), 600.0, "{tag}");
+        assert_eq!(value("tine:prefix_pool_entries"), 1.0, "{tag}");
+        assert!(value("tine:prefix_pool_bytes") > 0.0, "{tag}");
+        let slots: Value = serde_json::from_str(&slots).expect("json");
+        let shared = slots.as_array().expect("slots").iter().filter(|s| s["n_shared"] == json!(300)).count();
+        assert_eq!(shared, 3, "{tag}: every slot reads the one copy: {slots}");
+    }
+    // Without sharing, nothing is pooled.
+    let (_, text) = http(alone.addr, "GET", "/metrics", "");
+    assert!(text.lines().any(|l| l == "tine:prefix_pool_hits_total 0"), "{text}");
+}
