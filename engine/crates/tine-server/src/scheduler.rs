@@ -321,6 +321,24 @@ fn share_for(slots: &mut [Slot], i: usize, prompt: &[u32], pool: &mut PrefixPool
     }
 }
 
+/// Whether a request for `prompt` should wait for a slot that is evaluating the same prefix: it
+/// will read at least [`MIN_NEW_PREFIX`] more positions from a shared copy once that slot has
+/// evaluated them than any other slot or pool entry offers now.
+fn awaits_prefix(slots: &[Slot], pool: &PrefixPool, prompt: &[u32]) -> bool {
+    if prompt.len() < 2 {
+        return false;
+    }
+    let limit = prompt.len() - 1;
+    let prefilling = |s: &Slot| s.active.as_ref().is_some_and(|a| a.gen.is_prefilling()) && s.seq.can_share();
+    let held = slots.iter().filter(|s| s.seq.can_share() && !prefilling(s)).map(|s| common_prefix(s.seq.tokens(), prompt)).max().unwrap_or(0);
+    let now = held.max(pool.lookup(prompt, limit).map_or(0, |n| n.prefix.len())).min(limit);
+    slots.iter().filter(|s| prefilling(s)).any(|s| {
+        let a = s.active.as_ref().expect("a prefilling slot is active");
+        let target = common_prefix(&a.gen.request().prompt, prompt).min(limit);
+        target > s.seq.len() && target >= now + MIN_NEW_PREFIX
+    })
+}
+
 /// Lets go of a slot's shared prefix once its sequence no longer reads from it.
 fn release_prefix(slot: &mut Slot) {
     if slot.seq.shared_len() == 0 {
@@ -337,6 +355,9 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         })
         .collect();
     let sharing = config.cache_ram != Some(0) && slots.len() > 1;
+    // A NextN drafter's cache would not hold a prefix read from another slot: its slots gain
+    // nothing by waiting for one.
+    let wait_for_prefixes = factory.as_ref().is_none_or(|f| f.config.spec_type != tine_spec::SpecType::DraftMtp);
     let mut pool = PrefixPool::new(config.cache_ram, model.kv_bytes_per_position().unwrap_or(0));
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut clock = 0u64;
@@ -369,7 +390,15 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         // Clients that went away while queued give their place back now.
         queue.retain(|job| !job.events.is_closed());
         // Admit queued jobs into free slots: the free slot sharing the longest prompt prefix wins.
-        while let Some(job) = queue.front() {
+        // A job whose prompt starts like the one a slot is evaluating waits for it (without a
+        // slot), then reads that prefix from it instead of evaluating it again.
+        let mut k = 0;
+        while k < queue.len() && slots.iter().any(|s| s.active.is_none()) {
+            let job = &queue[k];
+            if sharing && wait_for_prefixes && job.request.cache_prompt && awaits_prefix(&slots, &pool, &job.request.prompt) {
+                k += 1;
+                continue;
+            }
             let free = slots.iter().enumerate().filter(|(_, s)| s.active.is_none());
             let best = free
                 .max_by_key(|(_, s)| {
@@ -378,7 +407,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 })
                 .map(|(i, _)| i);
             let Some(i) = best else { break };
-            let job = queue.pop_front().expect("front exists");
+            let job = queue.remove(k).expect("a queued job at k");
             clock += 1;
             let slot = &mut slots[i];
             slot.last_used = clock;

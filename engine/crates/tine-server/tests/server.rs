@@ -833,3 +833,24 @@ fn a_prompt_prefix_is_shared_across_slots_and_every_answer_stays_the_same() {
     let (_, text) = http(alone.addr, "GET", "/metrics", "");
     assert!(text.lines().any(|l| l == "tine:prefix_pool_hits_total 0"), "{text}");
 }
+
+#[test]
+fn requests_arriving_together_evaluate_their_common_prefix_once() {
+    let system: Vec<u32> = (0..300u32).map(|i| 6 + (i * 59) % 250).collect();
+    let body = |tail: u32| json!({"prompt": system.iter().copied().chain([tail, tail + 1]).collect::<Vec<u32>>(), "n_predict": 300, "temperature": 0, "ignore_eos": true, "return_tokens": true});
+    let cfg = |sharing: bool| start_cfg(None, move |c| *c = ServerConfig { ubatch: 32, cache_ram: if sharing { None } else { Some(0) }, ..ServerConfig::new(4, 4 * 1024) });
+    let alone = cfg(false);
+    let want: Vec<Value> = (0..4).map(|i| post(alone.addr, "/completion", body(20 + 10 * i)).1).collect();
+    let srv = cfg(true);
+    let addr = srv.addr;
+    let got: Vec<Value> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4).map(|i| s.spawn(move || post(addr, "/completion", body(20 + 10 * i)).1)).collect();
+        hs.into_iter().map(|h| h.join().expect("client thread")).collect()
+    });
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g["tokens"], w["tokens"], "request {i}");
+    }
+    // The system prompt is evaluated once; the others wait for it and evaluate their own two.
+    let evaluated: u64 = got.iter().map(|g| g["timings"]["prompt_n"].as_u64().expect("prompt_n")).sum();
+    assert_eq!(evaluated, 302 + 3 * 2, "{:?}", got.iter().map(|g| &g["timings"]).collect::<Vec<_>>());
+}
