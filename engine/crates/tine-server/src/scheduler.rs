@@ -142,6 +142,8 @@ struct Slot {
     seq: Sequence,
     /// The shared prefix its sequence reads its first positions from, if any.
     prefix: Option<Arc<Node>>,
+    /// The same for its draft model's sequence.
+    draft_prefix: Option<Arc<Node>>,
     /// This slot's drafter state (speculative decoding on).
     spec: Option<Speculator>,
     active: Option<Active>,
@@ -274,32 +276,59 @@ fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [S
     }
 }
 
-/// Starts slot `i`'s sequence on a shared prefix of `prompt` when that reuses more than its own
-/// cache would: the longest pool entry the prompt starts with, or, at least
+/// The sequences of a slot that can start on a shared prefix: the target's, and a draft
+/// model's (each has a pool of its own).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Which {
+    Target,
+    Draft,
+}
+
+impl Slot {
+    fn sequence(&mut self, which: Which) -> Option<&mut Sequence> {
+        match which {
+            Which::Target => Some(&mut self.seq),
+            Which::Draft => self.spec.as_mut()?.draft_sequence(),
+        }
+    }
+
+    fn held(&mut self, which: Which) -> &mut Option<Arc<Node>> {
+        match which {
+            Which::Target => &mut self.prefix,
+            Which::Draft => &mut self.draft_prefix,
+        }
+    }
+}
+
+/// Starts slot `i`'s `which` sequence on a shared prefix of `prompt` when that reuses more than
+/// its own cache would: the longest pool entry the prompt starts with, or, at least
 /// [`MIN_NEW_PREFIX`] positions longer, what another slot holds of it (shared from there and
 /// added to the pool). Returns the positions it reads from the prefix.
-fn share_for(slots: &mut [Slot], i: usize, prompt: &[u32], pool: &mut PrefixPool, clock: u64) -> usize {
-    if !slots[i].seq.can_share() || prompt.len() < 2 {
+fn share_for(slots: &mut [Slot], i: usize, which: Which, prompt: &[u32], pool: &mut PrefixPool, clock: u64) -> usize {
+    if prompt.len() < 2 || !slots[i].sequence(which).is_some_and(|q| q.can_share()) {
         return 0;
     }
     // The last prompt token is always evaluated (its logits start the generation), and a drafter
     // with per-position state reuses only what it covers itself.
-    let limit = (prompt.len() - 1).min(slots[i].spec.as_ref().map_or(usize::MAX, |s| s.reusable(prompt)));
-    let own = common_prefix(slots[i].seq.tokens(), prompt).min(limit);
+    let mut limit = prompt.len() - 1;
+    if which == Which::Target {
+        limit = limit.min(slots[i].spec.as_ref().map_or(usize::MAX, |s| s.reusable(prompt)));
+    }
+    let own = slots[i].sequence(which).map_or(0, |q| common_prefix(q.tokens(), prompt)).min(limit);
     let pooled = pool.lookup(prompt, limit);
     let pooled_len = pooled.as_ref().map_or(0, |n| n.prefix.len());
     let donor = slots
-        .iter()
+        .iter_mut()
         .enumerate()
-        .filter(|&(j, s)| j != i && s.seq.can_share())
-        .map(|(j, s)| (j, common_prefix(s.seq.tokens(), prompt).min(limit)))
+        .filter(|(j, _)| *j != i)
+        .filter_map(|(j, s)| s.sequence(which).filter(|q| q.can_share()).map(|q| (j, common_prefix(q.tokens(), prompt).min(limit))))
         .max_by_key(|&(_, n)| n)
         .filter(|&(_, n)| n >= own.max(pooled_len) + MIN_NEW_PREFIX);
     let node = match (donor, pooled) {
         (Some((j, n)), _) => {
-            let Ok(prefix) = slots[j].seq.share_prefix(n) else { return 0 };
-            let node = Arc::new(Node { prefix, parent: slots[j].prefix.take() });
-            slots[j].prefix = Some(node.clone());
+            let Some(Ok(prefix)) = slots[j].sequence(which).map(|q| q.share_prefix(n)) else { return 0 };
+            let node = Arc::new(Node { prefix, parent: slots[j].held(which).take() });
+            *slots[j].held(which) = Some(node.clone());
             pool.insert(node.clone(), clock);
             node
         }
@@ -307,15 +336,17 @@ fn share_for(slots: &mut [Slot], i: usize, prompt: &[u32], pool: &mut PrefixPool
         _ => return 0,
     };
     let slot = &mut slots[i];
-    match slot.seq.attach_prefix(&node.prefix) {
+    let Some(seq) = slot.sequence(which) else { return 0 };
+    match seq.attach_prefix(&node.prefix) {
         Ok(()) => {
+            let n = seq.shared_len();
             pool.touch(&node, clock, node.prefix.len());
-            slot.prefix = Some(node);
-            slot.seq.shared_len()
+            *slot.held(which) = Some(node);
+            n
         }
         Err(_) => {
-            // The sequence is empty now; the request evaluates its whole prompt.
-            slot.prefix = None;
+            // The sequence is empty now; it evaluates the whole prompt.
+            *slot.held(which) = None;
             0
         }
     }
@@ -339,10 +370,12 @@ fn awaits_prefix(slots: &[Slot], pool: &PrefixPool, prompt: &[u32]) -> bool {
     })
 }
 
-/// Lets go of a slot's shared prefix once its sequence no longer reads from it.
+/// Lets go of a slot's shared prefixes once its sequences no longer read from them.
 fn release_prefix(slot: &mut Slot) {
-    if slot.seq.shared_len() == 0 {
-        slot.prefix = None;
+    for which in [Which::Target, Which::Draft] {
+        if slot.sequence(which).is_none_or(|q| q.shared_len() == 0) {
+            *slot.held(which) = None;
+        }
     }
 }
 
@@ -351,14 +384,17 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
-            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, prefix: None, active: None, last_used: 0 }
+            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, prefix: None, draft_prefix: None, active: None, last_used: 0 }
         })
         .collect();
     let sharing = config.cache_ram != Some(0) && slots.len() > 1;
     // A NextN drafter's cache would not hold a prefix read from another slot: its slots gain
     // nothing by waiting for one.
     let wait_for_prefixes = factory.as_ref().is_none_or(|f| f.config.spec_type != tine_spec::SpecType::DraftMtp);
+    // One budget for both pools: the target's, and a draft model's.
+    let draft_bpp = factory.as_ref().and_then(|f| f.draft_model()).and_then(|m| m.kv_bytes_per_position()).unwrap_or(0);
     let mut pool = PrefixPool::new(config.cache_ram, model.kv_bytes_per_position().unwrap_or(0));
+    let mut draft_pool = PrefixPool::new(config.cache_ram, draft_bpp);
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut clock = 0u64;
     loop {
@@ -416,9 +452,11 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 spec.params = f.config.params;
             }
             if sharing && job.request.cache_prompt {
-                share_for(&mut slots, i, &job.request.prompt, &mut pool, clock);
+                share_for(&mut slots, i, Which::Target, &job.request.prompt, &mut pool, clock);
+                share_for(&mut slots, i, Which::Draft, &job.request.prompt, &mut draft_pool, clock);
                 if let Ok(mut p) = pool_stats.lock() {
-                    *p = pool.stats();
+                    let (t, d) = (pool.stats(), draft_pool.stats());
+                    *p = PoolStats { entries: t.entries + d.entries, bytes: t.bytes + d.bytes, evictions: t.evictions + d.evictions, ..t };
                 }
             }
             let slot = &mut slots[i];

@@ -95,6 +95,23 @@ impl Drafter for DraftModelDrafter {
         SpecType::Draft
     }
 
+    fn catch_up(&mut self, tokens: &[u32]) -> Result<(), SpecError> {
+        if tokens.is_empty() || tokens.len() >= self.seq.context() {
+            return Ok(());
+        }
+        let common = self.seq.tokens().iter().zip(tokens).take_while(|(a, b)| a == b).count();
+        let keep = self.seq.restorable(common);
+        self.seq.rollback(keep).map_err(draft_err)?;
+        if keep < tokens.len() {
+            self.seq.prefill(&self.model, &tokens[keep..]).map_err(draft_err)?;
+        }
+        Ok(())
+    }
+
+    fn draft_sequence(&mut self) -> Option<&mut Sequence> {
+        Some(&mut self.seq)
+    }
+
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
         let ctx = input.context();
         if ctx.len() + input.n_max > self.seq.context() {
@@ -240,6 +257,14 @@ impl Drafter for ChainDrafter {
             Some((start, _)) => own.min(*start),
             None => own,
         }
+    }
+
+    fn catch_up(&mut self, tokens: &[u32]) -> Result<(), SpecError> {
+        self.then.catch_up(tokens)
+    }
+
+    fn draft_sequence(&mut self) -> Option<&mut Sequence> {
+        self.then.draft_sequence()
     }
 
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {
