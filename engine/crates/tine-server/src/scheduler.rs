@@ -136,6 +136,8 @@ struct Active {
     gen: Generation,
     events: UnboundedSender<Event>,
     _permit: Permit,
+    /// A draft model that has not yet looked for a shared prefix (at its first round).
+    draft_unshared: bool,
 }
 
 struct Slot {
@@ -370,6 +372,14 @@ fn awaits_prefix(slots: &[Slot], pool: &PrefixPool, prompt: &[u32]) -> bool {
     })
 }
 
+/// Publishes both pools' figures for `/metrics` (hits count the target's requests).
+fn publish_pool(to: &Mutex<PoolStats>, target: &PrefixPool, draft: &PrefixPool) {
+    if let Ok(mut p) = to.lock() {
+        let (t, d) = (target.stats(), draft.stats());
+        *p = PoolStats { entries: t.entries + d.entries, bytes: t.bytes + d.bytes, evictions: t.evictions + d.evictions, ..t };
+    }
+}
+
 /// Lets go of a slot's shared prefixes once its sequences no longer read from them.
 fn release_prefix(slot: &mut Slot) {
     for which in [Which::Target, Which::Draft] {
@@ -454,17 +464,17 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             if sharing && job.request.cache_prompt {
                 share_for(&mut slots, i, Which::Target, &job.request.prompt, &mut pool, clock);
                 share_for(&mut slots, i, Which::Draft, &job.request.prompt, &mut draft_pool, clock);
-                if let Ok(mut p) = pool_stats.lock() {
-                    let (t, d) = (pool.stats(), draft_pool.stats());
-                    *p = PoolStats { entries: t.entries + d.entries, bytes: t.bytes + d.bytes, evictions: t.evictions + d.evictions, ..t };
-                }
+                publish_pool(&pool_stats, &pool, &draft_pool);
             }
             let slot = &mut slots[i];
             if let Some(n) = config.fault.as_ref().map(|f| f.swap(-1, Ordering::AcqRel)).filter(|&n| n >= 0) {
                 slot.seq.inject_failure(Some(n as usize));
             }
             match Generation::begin_with(&mut slot.seq, job.request, slot.spec.as_mut(), config.ubatch) {
-                Ok(gen) => slot.active = Some(Active { gen, events: job.events, _permit: job.permit }),
+                Ok(gen) => {
+                    let draft_unshared = slot.spec.as_mut().is_some_and(|s| s.draft_sequence().is_some());
+                    slot.active = Some(Active { gen, events: job.events, _permit: job.permit, draft_unshared })
+                }
                 Err(e) => {
                     let _ = job.events.send(Event::Error(e));
                 }
@@ -473,7 +483,18 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             publish(&views, i, slot, Some(clock as i64 - 1));
         }
         // One step for every active slot.
-        for (i, slot) in slots.iter_mut().enumerate() {
+        for i in 0..slots.len() {
+            // A draft model catches up on the prompt at its first round: start it on a prefix
+            // another slot's draft model holds (that one's first round came before this one's).
+            if sharing && slots[i].active.as_ref().is_some_and(|a| a.draft_unshared && !a.gen.is_prefilling()) {
+                let tokens = slots[i].seq.tokens().to_vec();
+                share_for(&mut slots, i, Which::Draft, &tokens, &mut draft_pool, clock);
+                if let Some(a) = slots[i].active.as_mut() {
+                    a.draft_unshared = false;
+                }
+                publish_pool(&pool_stats, &pool, &draft_pool);
+            }
+            let slot = &mut slots[i];
             let Some(a) = slot.active.as_mut() else { continue };
             if a.events.is_closed() {
                 slot.active = None; // the client went away

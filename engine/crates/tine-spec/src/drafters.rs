@@ -95,19 +95,6 @@ impl Drafter for DraftModelDrafter {
         SpecType::Draft
     }
 
-    fn catch_up(&mut self, tokens: &[u32]) -> Result<(), SpecError> {
-        if tokens.is_empty() || tokens.len() >= self.seq.context() {
-            return Ok(());
-        }
-        let common = self.seq.tokens().iter().zip(tokens).take_while(|(a, b)| a == b).count();
-        let keep = self.seq.restorable(common);
-        self.seq.rollback(keep).map_err(draft_err)?;
-        if keep < tokens.len() {
-            self.seq.prefill(&self.model, &tokens[keep..]).map_err(draft_err)?;
-        }
-        Ok(())
-    }
-
     fn draft_sequence(&mut self) -> Option<&mut Sequence> {
         Some(&mut self.seq)
     }
@@ -257,10 +244,6 @@ impl Drafter for ChainDrafter {
             Some((start, _)) => own.min(*start),
             None => own,
         }
-    }
-
-    fn catch_up(&mut self, tokens: &[u32]) -> Result<(), SpecError> {
-        self.then.catch_up(tokens)
     }
 
     fn draft_sequence(&mut self) -> Option<&mut Sequence> {

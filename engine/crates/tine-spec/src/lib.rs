@@ -286,13 +286,6 @@ pub trait Drafter: Send {
     /// Proposes up to `input.n_max` tokens for positions `n + 1..`.
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError>;
 
-    /// Brings the drafter's own state up to a target holding `tokens`, as a prompt is evaluated
-    /// chunk by chunk (a draft model evaluates the same chunk), so the first round has nothing
-    /// to catch up and the state can be shared with other slots as soon as the target's.
-    fn catch_up(&mut self, _tokens: &[u32]) -> Result<(), SpecError> {
-        Ok(())
-    }
-
     /// The drafter's own sequence, when it runs a draft model (its positions can be shared
     /// between slots as the target's are).
     fn draft_sequence(&mut self) -> Option<&mut Sequence> {
@@ -382,6 +375,12 @@ impl Speculator {
         self.drafter.reusable(tokens)
     }
 
+    /// The draft model's sequence, for a drafter that runs one (it catches up on the target's
+    /// tokens at its first draft, so a caller may start it on a shared prefix before that).
+    pub fn draft_sequence(&mut self) -> Option<&mut Sequence> {
+        self.drafter.draft_sequence()
+    }
+
     /// Prefills `tokens` after what `seq` holds (a new request) and returns the last logits,
     /// keeping the target's hidden states of those positions when the drafter reads them.
     pub fn prefill(&mut self, model: &Model, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
@@ -395,19 +394,6 @@ impl Speculator {
             self.hidden_start = seq.len();
             self.hidden = None;
         }
-        let logits = self.prefill_target(model, seq, tokens)?;
-        // The drafter's state resynchronises at its next draft anyway, so a failed catch-up
-        // costs only that work later.
-        let _ = self.drafter.catch_up(seq.tokens());
-        Ok(logits)
-    }
-
-    /// The draft model's sequence, for a drafter that runs one.
-    pub fn draft_sequence(&mut self) -> Option<&mut Sequence> {
-        self.drafter.draft_sequence()
-    }
-
-    fn prefill_target(&mut self, model: &Model, seq: &mut Sequence, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
         if self.drafter.needs_hidden() {
             let start = seq.len();
             let (logits, hidden) = seq.prefill_hidden(model, tokens)?;
