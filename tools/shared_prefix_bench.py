@@ -171,7 +171,7 @@ def main():
     ]
     if a.llama_server:
         cmd = [a.llama_server, "-m", a.model, "--port", str(a.port), "-np", str(a.clients), "-c", str(ctx), "-t", str(a.threads), "--metrics", "-fa", "on"]
-        rows.append(run("llama-server (-np, unified KV default)", cmd, a.port, a.clients, system, a.n_predict))
+        rows.append(run("llama-server -np N", cmd, a.port, a.clients, system, a.n_predict))
     same = rows[0]["texts"] == rows[1]["texts"]
     for r in rows:
         print(f"{r['label']}: prompt {r['prompt_tokens_each']} tokens x {r['clients']}; TTFT mean {r['ttft_mean_s']:.2f} s, median {r['ttft_median_s']:.2f} s, "
