@@ -114,7 +114,7 @@ struct ServeArgs {
     /// MiB of KV the prompt prefixes shared between slots may hold (llama-server's flag; -1: no
     /// limit, 0: no sharing). A request whose prompt starts like another slot's tokens (a system
     /// prompt, a few-shot block) reads that prefix's KV from one copy and evaluates only the rest;
-    /// unused prefixes are freed least recently used first. Gemma 3 on the CPU.
+    /// unused prefixes are freed least recently used first. Gemma 3 and Gemma 4 on the CPU.
     #[arg(long = "cache-ram", value_name = "MIB", default_value_t = tine_server::DEFAULT_CACHE_RAM_MIB as i64, allow_negative_numbers = true)]
     cache_ram: i64,
     /// Requests allowed to wait for a slot; beyond this the server answers 503 (with Retry-After).
@@ -308,7 +308,7 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_name = "cpu|cuda[:N]", default_value = "cpu")]
     device: tine_runtime::DeviceSpec,
     /// KV cache type for keys: f32, f16, bf16, q8_0 or q4_0 (also `-ctk`). Other types than f32
-    /// are kept for Gemma 3 on the CPU; speculative decoding stays lossless within a type.
+    /// are kept for Gemma 3 and Gemma 4 on the CPU; speculative decoding stays lossless within a type.
     #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f32")]
     cache_type_k: tine_runtime::KvType,
     /// KV cache type for values, as --cache-type-k (also `-ctv`).

@@ -102,7 +102,7 @@ impl From<GpuError> for StepError {
 /// Errors of [`Model::set_cache_types`]: a KV cache type this model cannot keep.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheTypeError {
-    #[error("KV cache types {k}/{v}: a {arch} model keeps its KV cache in f32 only (the typed caches are Gemma 3's so far)")]
+    #[error("KV cache types {k}/{v}: a {arch} model keeps its KV cache in f32 only (the typed caches are Gemma 3's and Gemma 4's so far)")]
     Architecture { arch: String, k: KvType, v: KvType },
     #[error("KV cache types {k}/{v}: types other than f32 run on the CPU only; this model runs on {engine}")]
     Device { engine: String, k: KvType, v: KvType },
@@ -418,20 +418,25 @@ impl Model {
 
     /// Stores the keys and the values of sequences made from now on as `k` and `v` (llama.cpp's
     /// `--cache-type-k/-v`; f32 by default). Sequences differ between types, but within one type
-    /// a speculative verify batch reproduces one-token decoding bit for bit. Gemma 3 on the CPU
-    /// keeps every type; the other architectures and devices keep f32 only, and refuse others.
+    /// a speculative verify batch reproduces one-token decoding bit for bit. Gemma 3 and Gemma 4
+    /// on the CPU keep every type; Qwen3.5/3.6 and other devices keep f32 only, and refuse others.
     pub fn set_cache_types(&mut self, k: KvType, v: KvType) -> Result<(), CacheTypeError> {
         if (k, v) == (KvType::F32, KvType::F32) {
             self.cache_types = (k, v);
             return Ok(());
         }
-        let Weights::Gemma3(w) = &self.weights else {
+        if matches!(self.weights, Weights::Qwen35(_)) {
             return Err(CacheTypeError::Architecture { arch: self.info.architecture.clone(), k, v });
-        };
+        }
         if !self.device.is_cpu() {
             return Err(CacheTypeError::Device { engine: format!("{} ({})", crate::describe_device(&self.device), self.engine()), k, v });
         }
-        w.new_cache_typed(1, k, v).map_err(|source| CacheTypeError::Shape { k, v, source })?;
+        match &self.weights {
+            Weights::Gemma3(w) => w.new_cache_typed(1, k, v).map(drop),
+            Weights::Gemma4(w) => w.new_cache_typed(1, k, v).map(drop),
+            Weights::Qwen35(_) => unreachable!("refused above"),
+        }
+        .map_err(|source| CacheTypeError::Shape { k, v, source })?;
         self.cache_types = (k, v);
         Ok(())
     }
@@ -441,8 +446,8 @@ impl Model {
         self.cache_types
     }
 
-    /// Bytes of KV cache one position takes in a Gemma 3 model's layers at the cache types (the
-    /// other architectures: `None`).
+    /// Bytes of KV cache one position takes in a Gemma 3 or Gemma 4 model's layers at the cache
+    /// types (Qwen3.5/3.6, whose state is also recurrent: `None`).
     pub fn kv_bytes_per_position(&self) -> Option<usize> {
         let (k, v) = self.cache_types;
         match &self.weights {
@@ -450,7 +455,11 @@ impl Model {
                 let (layers, kv_heads, head_dim) = w.kv_shape();
                 Some(layers * kv_heads * (k.row_bytes(head_dim).ok()? + v.row_bytes(head_dim).ok()?))
             }
-            Weights::Qwen35(_) | Weights::Gemma4(_) => None,
+            Weights::Gemma4(w) => {
+                let c = w.config();
+                c.layers[..c.kv_layers].iter().map(|l| Some(l.n_kv_head * (k.row_bytes(l.head_dim).ok()? + v.row_bytes(l.head_dim).ok()?))).sum()
+            }
+            Weights::Qwen35(_) => None,
         }
     }
 
@@ -516,9 +525,9 @@ impl Model {
                 let context = context.min(gpu.max_context());
                 let seq = gpu.new_seq(context).expect("GPU memory for a sequence's KV cache");
                 // candle's cache stays empty: the engine's holds the positions.
-                Sequence { cache: self.new_cache_for(1), tokens: Vec::new(), context, fail_after: None, gpu: Some(seq) }
+                Sequence { cache: self.new_cache_for(1), tokens: Vec::new(), context, fail_after: None, gpu: Some(seq), on_cpu: false }
             }
-            None => Sequence { cache: self.new_cache_for(context), tokens: Vec::new(), context, fail_after: None, gpu: None },
+            None => Sequence { cache: self.new_cache_for(context), tokens: Vec::new(), context, fail_after: None, gpu: None, on_cpu: self.device.is_cpu() },
         }
     }
 
@@ -528,7 +537,7 @@ impl Model {
             // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
             Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types")),
             Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache_with(context.min(4096)).expect("memory for a sequence's recurrent state"))),
-            Weights::Gemma4(w) => SeqCache::Gemma4(w.new_cache_with(context.min(4096)).expect("memory for a sequence's KV cache")),
+            Weights::Gemma4(w) => SeqCache::Gemma4(w.new_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types")),
         }
     }
 }
@@ -581,6 +590,8 @@ pub struct Sequence {
     fail_after: Option<usize>,
     /// The engine's KV cache, when the model runs on the GPU engine (then `cache` is unused).
     pub(crate) gpu: Option<GpuSeq>,
+    /// Whether `cache` lives in host memory (shared prefixes are read there).
+    pub(crate) on_cpu: bool,
 }
 
 /// The pieces a prompt runs in: chunks of [`PREFILL_CHUNK`]; on a recurrent model the last token
@@ -961,9 +972,10 @@ impl Sequence {
     }
 
     /// Whether this sequence can share positions with others ([`Sequence::share_prefix`]): a
-    /// Gemma 3 sequence on the CPU (the attention that reads shared rows in place is the CPU's).
+    /// Gemma 3 or Gemma 4 sequence on the CPU (the attention that reads shared rows in place is
+    /// the CPU's; a recurrent state cannot be shared by prefix).
     pub fn can_share(&self) -> bool {
-        self.gpu.is_none() && matches!(self.cache, SeqCache::Gemma3(_))
+        self.on_cpu && self.gpu.is_none() && matches!(self.cache, SeqCache::Gemma3(_) | SeqCache::Gemma4(_))
     }
 
     /// The first `len` positions as a [`SharedPrefix`] other sequences of this model can start
@@ -973,14 +985,21 @@ impl Sequence {
         if len > self.tokens.len() {
             return Err(StepError::RollbackPastEnd { to: len, len: self.tokens.len() });
         }
-        match (&self.gpu, &mut self.cache) {
-            (None, SeqCache::Gemma3(c)) => {
-                let before = c.shared_len().min(len);
-                let kv = c.share_prefix(len)?;
-                Ok(SharedPrefix { tokens: self.tokens[..len].to_vec(), kv, copied: len - before })
-            }
-            _ => Err(StepError::NotForArchitecture("a KV prefix shared between sequences")),
+        if !self.can_share() {
+            return Err(StepError::NotForArchitecture("a KV prefix shared between sequences"));
         }
+        let (kv, before) = match &mut self.cache {
+            SeqCache::Gemma3(c) => {
+                let before = c.shared_len().min(len);
+                (PrefixKv::Gemma3(c.share_prefix(len)?), before)
+            }
+            SeqCache::Gemma4(c) => {
+                let before = c.shared_len().min(len);
+                (PrefixKv::Gemma4(c.share_prefix(len)?), before)
+            }
+            SeqCache::Qwen35(_) => unreachable!("can_share checked the cache"),
+        };
+        Ok(SharedPrefix { tokens: self.tokens[..len].to_vec(), kv, copied: len - before })
     }
 
     /// Empties the sequence and starts it on `prefix` (from a sequence of the same model and
@@ -994,8 +1013,19 @@ impl Sequence {
             return Err(StepError::NotForArchitecture("a KV prefix shared between sequences"));
         }
         self.tokens.clear();
-        let SeqCache::Gemma3(c) = &mut self.cache else { unreachable!("can_share checked the cache") };
-        c.attach_prefix(&prefix.kv)?;
+        match (&mut self.cache, &prefix.kv) {
+            (SeqCache::Gemma3(c), PrefixKv::Gemma3(p)) => c.attach_prefix(p)?,
+            (SeqCache::Gemma4(c), PrefixKv::Gemma4(p)) => c.attach_prefix(p)?,
+            (SeqCache::Gemma3(c), _) => {
+                c.reset();
+                return Err(StepError::NotForArchitecture("a shared prefix of another architecture"));
+            }
+            (SeqCache::Gemma4(c), _) => {
+                c.truncate(0)?;
+                return Err(StepError::NotForArchitecture("a shared prefix of another architecture"));
+            }
+            (SeqCache::Qwen35(_), _) => unreachable!("can_share checked the cache"),
+        }
         self.tokens = prefix.tokens.clone();
         Ok(())
     }
@@ -1004,6 +1034,7 @@ impl Sequence {
     pub fn shared_len(&self) -> usize {
         match (&self.gpu, &self.cache) {
             (None, SeqCache::Gemma3(c)) => c.shared_len(),
+            (None, SeqCache::Gemma4(c)) => c.shared_len(),
             _ => 0,
         }
     }
@@ -1014,9 +1045,16 @@ impl Sequence {
 #[derive(Debug, Clone)]
 pub struct SharedPrefix {
     tokens: Vec<u32>,
-    kv: Gemma3Prefix,
+    kv: PrefixKv,
     /// Positions whose rows were copied when it was made (the rest were already shared).
     copied: usize,
+}
+
+/// A shared prefix's K/V, by architecture.
+#[derive(Debug, Clone)]
+enum PrefixKv {
+    Gemma3(Gemma3Prefix),
+    Gemma4(gemma4::SharedPrefix),
 }
 
 impl SharedPrefix {
@@ -1034,7 +1072,10 @@ impl SharedPrefix {
 
     /// Bytes of K/V its positions take.
     pub fn bytes(&self) -> usize {
-        self.kv.bytes()
+        match &self.kv {
+            PrefixKv::Gemma3(p) => p.bytes(),
+            PrefixKv::Gemma4(p) => p.bytes(),
+        }
     }
 
     /// Positions whose rows it holds of its own: those before were already in a prefix it

@@ -284,12 +284,19 @@ impl Sequence {
                 return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states });
             }
             crate::model::SeqCache::Gemma4(c) => {
-                // The K/V of the layers that own some (KV-shared layers store none).
+                // The K/V of the layers that own some (KV-shared layers store none), as stored.
+                let (kt, vt) = c.types();
+                let mut typed_layers = Vec::new();
                 for (k, v) in &c.image()?.kv {
                     let d = k.dims();
-                    layers.push(([d[0], d[1], d[2], d[3]], flat(k)?, flat(v)?));
+                    let dims = |t: &Tensor| -> Result<[usize; 4], StepError> { t.dims().try_into().map_err(|_| candle_core::Error::Msg(format!("a KV layer of rank {}", t.rank())).into()) };
+                    if (kt, vt) == (KvType::F32, KvType::F32) {
+                        layers.push(([d[0], d[1], d[2], d[3]], flat(k)?, flat(v)?));
+                    } else {
+                        typed_layers.push(TypedLayer { k_dims: dims(k)?, k: kt.stored_bytes(k)?, v_dims: dims(v)?, v: vt.stored_bytes(v)? });
+                    }
                 }
-                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states: Vec::new() });
+                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: (kt, vt), layers, typed_layers, states: Vec::new() });
             }
         };
         let (kt, vt) = cache.types();
@@ -383,7 +390,8 @@ impl Sequence {
                     return Err(SlotFileError::Malformed("recurrent states for a model without any".into()));
                 }
                 let image = candle_transformers::models::quantized_gemma4::CacheImage { len: img.tokens.len(), kv };
-                let cache = w.cache_from_image(&image, self.context.min(4096)).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
+                let (kt, vt) = img.cache_types;
+                let cache = w.cache_from_image_typed(&image, self.context.min(4096), kt, vt).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
                 self.cache = crate::model::SeqCache::Gemma4(cache);
                 self.tokens = img.tokens.clone();
                 return Ok(());

@@ -2,7 +2,7 @@
 //! same `Model`/`Sequence` API as Gemma 3, against the float64 reference, with verify rows equal
 //! to decode steps, O(1) rollback to any position, atomic steps and slot images.
 
-use tine_runtime::{Model, StepError};
+use tine_runtime::{Model, SlotImage, StepError};
 use tine_test_support::gemma4_fixture::{Gemma4Reference, TinyGemma4, TOKENIZER_VOCAB};
 
 struct Fixture {
@@ -134,12 +134,34 @@ fn gemma4_steps_are_atomic_and_slot_images_restore_bit_for_bit() {
 }
 
 #[test]
-fn gemma4_sequences_do_not_share_a_prefix_and_say_so() {
-    let f = fixture(TinyGemma4::dense());
-    let mut seq = f.model.new_sequence(64);
-    seq.prefill(&f.model, &prompt(8)).expect("prefill");
-    assert!(!seq.can_share());
-    let e = seq.share_prefix(4).expect_err("refused");
-    assert!(e.to_string().contains("shared between sequences"), "{e}");
-    assert_eq!((seq.len(), seq.shared_len()), (8, 0));
+fn gemma4_sequences_share_a_prefix_and_keep_typed_caches_through_slot_files() {
+    let mut f = fixture(TinyGemma4::e2b());
+    // f16 fits the fixture's heads of 16 and 32 values; q8_0's blocks of 32 do not, and say so.
+    let e = f.model.set_cache_types(tine_runtime::KvType::Q8_0, tine_runtime::KvType::F32).expect_err("heads of 16");
+    assert!(tine_runtime::error_chain(&e).contains("q8_0"), "{}", tine_runtime::error_chain(&e));
+    f.model.set_cache_types(tine_runtime::KvType::F16, tine_runtime::KvType::F16).expect("f16");
+    let m = &f.model;
+    // Three local layers of 2 KV heads x 16 and one global of 2 x 32 own K/V (the last two read
+    // theirs), keys and values, 2 bytes a value.
+    assert_eq!(m.kv_bytes_per_position(), Some(3 * (2 * 16 * 2 * 2) + 2 * 32 * 2 * 2));
+    let toks = prompt(40);
+    // The reference evaluates the same pieces (a long batch may take other matmul kernels).
+    let mut whole = m.new_sequence(64);
+    whole.prefill(m, &toks[..25]).expect("prefill");
+    let want = whole.prefill(m, &toks[25..]).expect("prefill");
+    let mut donor = m.new_sequence(64);
+    donor.prefill(m, &toks[..30]).expect("prefill");
+    assert!(donor.can_share());
+    let prefix = donor.share_prefix(25).expect("share");
+    assert_eq!((prefix.len(), donor.shared_len()), (25, 25));
+    let mut seq = m.new_sequence(64);
+    seq.attach_prefix(&prefix).expect("attach");
+    let got = seq.prefill(m, &toks[25..]).expect("the rest");
+    assert!(bits(&got, &want), "logits on the shared prefix differ");
+    // A slot file of the f16 cache restores into a sequence of its own and goes on alike.
+    let img = SlotImage::from_bytes(&seq.image(m).expect("image").to_bytes()).expect("parses");
+    let mut back = m.new_sequence(64);
+    back.restore_image(m, &img).expect("restore");
+    assert_eq!((back.len(), back.shared_len()), (40, 0));
+    assert!(bits(&back.decode(m, 9).expect("decode"), &seq.decode(m, 9).expect("decode")), "restored f16 cache differs");
 }
