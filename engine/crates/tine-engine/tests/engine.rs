@@ -380,3 +380,40 @@ fn speculation_is_lossless_within_each_kv_cache_type() {
     assert!(tine_runtime::error_chain(&err).contains("multiple of 32"), "{}", tine_runtime::error_chain(&err));
     assert_eq!(hd16.cache_types(), (KvType::F32, KvType::F32), "a refused type leaves the model's types as they were");
 }
+
+#[test]
+fn gemma4_speculation_is_lossless_within_each_kv_cache_type() {
+    use tine_runtime::KvType;
+    use tine_test_support::gemma4_fixture::{TinyGemma4, TinyGemma4Assistant, TOKENIZER_VOCAB};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, head, draft) = (dir.path().join("gemma4.gguf"), dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
+    // Heads of 32 and 64 values (whole q8_0/q4_0 blocks); KV-shared layers read their source's rows.
+    let cfg = TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, head_dim_swa: 32, head_dim_global: 64, ..TinyGemma4::e2b() };
+    cfg.write(&path);
+    TinyGemma4Assistant::default().write(&cfg, &head);
+    TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, pattern: vec![true, false], head_dim_swa: 32, head_dim_global: 64, seed: 70, ..TinyGemma4::dense() }.write(&draft);
+    let prompt: Vec<u32> = (0..12u32).map(|i| 5 + (i * 7) % 40).collect();
+    let greedy = GenerateRequest { n_predict: 20, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) };
+    let f32_logits = run(&Model::load(&path).expect("fixture loads"), greedy.clone(), None).3;
+    for (k, v) in [(KvType::F16, KvType::F16), (KvType::Q8_0, KvType::Q4_0)] {
+        let mut model = Model::load(&path).expect("fixture loads");
+        model.set_cache_types(k, v).expect("Gemma 4 on the CPU keeps every type");
+        let seeded = SamplingParams { temperature: 0.8, seed: Some(4), ..SamplingParams::default() };
+        let requests = [greedy.clone(), GenerateRequest { sampling: seeded, ..greedy.clone() }];
+        let plain = run(&model, requests[0].clone(), None);
+        assert!(plain.3.iter().zip(&f32_logits).any(|(a, b)| a != b), "K {k} V {v}: logits equal the f32 cache's, so the type is not in effect");
+        for kind in [SpecType::DraftAssistant, SpecType::Ngram, SpecType::Draft] {
+            let config = SpecConfig { ngram_min: 1, mtp_head: Some(head.clone()), draft_model: Some(draft.clone()), draft_cache_types: (KvType::Q8_0, KvType::F16), ..SpecConfig::new(kind) };
+            let factory = SpecFactory::load(config, &model).expect("setup");
+            for (i, req) in requests.iter().enumerate() {
+                let want = run(&model, req.clone(), None);
+                let got = run(&model, req.clone(), Some(&factory));
+                assert_eq!(got.0, want.0, "K {k} V {v}, {kind}, request {i}");
+                assert!(got.3.iter().zip(&want.3).all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())), "K {k} V {v}, {kind}, request {i}: logits differ");
+                if i == 0 && kind != SpecType::Ngram {
+                    assert!(got.4.draft.draft_verify_steps > 0, "K {k} V {v}, {kind}: the drafter ran: {:?}", got.4.draft);
+                }
+            }
+        }
+    }
+}
