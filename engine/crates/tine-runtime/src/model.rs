@@ -463,6 +463,19 @@ impl Model {
         }
     }
 
+    /// Bytes one entry of a Gemma 3 NextN head's cache takes at the cache types (one block of
+    /// the trunk's shape); `None` without such a head.
+    pub fn nextn_kv_bytes_per_position(&self) -> Option<usize> {
+        let (k, v) = self.cache_types;
+        match &self.weights {
+            Weights::Gemma3(w) if w.has_nextn() => {
+                let (_, kv_heads, head_dim) = w.kv_shape();
+                Some(kv_heads * (k.row_bytes(head_dim).ok()? + v.row_bytes(head_dim).ok()?))
+            }
+            _ => None,
+        }
+    }
+
     /// Where the weights and the sequences' KV caches live.
     pub fn device(&self) -> &Device {
         &self.device
@@ -498,12 +511,16 @@ impl Model {
         let context = context.min(self.info.context_length).max(1);
         if let Some(gpu) = &self.gpu {
             if let Ok(Some(state)) = gpu.new_nextn(context.min(gpu.max_context())) {
-                return Some(NextNState { cache: NextNCacheOn::Gpu(state), tokens: Vec::new() });
+                return Some(NextNState { cache: NextNCacheOn::Gpu(state), tokens: Vec::new(), on_cpu: false });
             }
         }
         match &self.weights {
-            Weights::Gemma3(w) => w.new_nextn_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).map(|cache| NextNState { cache: NextNCacheOn::Candle(cache), tokens: Vec::new() }),
-            Weights::Qwen35(w) => w.new_nextn_cache().map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new() }),
+            Weights::Gemma3(w) => w.new_nextn_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).map(|cache| NextNState {
+                cache: NextNCacheOn::Candle(cache),
+                tokens: Vec::new(),
+                on_cpu: self.device.is_cpu(),
+            }),
+            Weights::Qwen35(w) => w.new_nextn_cache().map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new(), on_cpu: self.device.is_cpu() }),
             Weights::Gemma4(_) => None,
         }
     }
@@ -1185,6 +1202,39 @@ pub struct NextNState {
     cache: NextNCacheOn,
     /// `tokens[j + 1]` is the token entry `j` read (`tokens[0]` the first target token).
     tokens: Vec<u32>,
+    /// Whether a candle cache lives in host memory (shared prefixes are read there).
+    on_cpu: bool,
+}
+
+/// The first entries of a NextN head's state, held once for every state started on it
+/// ([`NextNState::share_prefix`], [`NextNState::attach_prefix`]).
+#[derive(Debug, Clone)]
+pub struct NextNPrefix {
+    /// The tokens its entries read: `len() + 1` of them.
+    tokens: Vec<u32>,
+    kv: candle_nn::attention::kv_rows::KvRows,
+    copied: usize,
+}
+
+impl NextNPrefix {
+    /// The tokens a sequence must start with to use it (one more than its entries).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Entries it holds.
+    pub fn len(&self) -> usize {
+        self.tokens.len() - 1
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entries whose rows it holds of its own (those before were in a prefix it extends).
+    pub fn copied(&self) -> usize {
+        self.copied
+    }
 }
 
 /// Where a NextN head keeps its KV cache: candle's head, or the GPU engine's.
@@ -1249,6 +1299,53 @@ impl NextNState {
         self.cache.truncate(len)?;
         self.tokens.truncate(len + 1);
         Ok(())
+    }
+
+    /// Whether this state's entries can be shared with other sequences' (a Gemma 3 head on the
+    /// CPU; [`NextNState::share_prefix`]).
+    pub fn can_share(&self) -> bool {
+        matches!(&self.cache, NextNCacheOn::Candle(_)) && self.on_cpu
+    }
+
+    /// The first `len` entries as a [`NextNPrefix`] another sequence's state can start on; this
+    /// state reads them from there too, so they exist once. Entry `j` read the token at `j + 1`,
+    /// so the prefix is valid for sequences whose first `len + 1` tokens are this one's.
+    pub fn share_prefix(&mut self, len: usize) -> Result<NextNPrefix, StepError> {
+        if len > self.len() || self.tokens.len() < len + 1 {
+            return Err(StepError::RollbackPastEnd { to: len, len: self.len() });
+        }
+        let NextNCacheOn::Candle(cache) = &mut self.cache else {
+            return Err(StepError::NotForArchitecture("a NextN prefix shared between sequences"));
+        };
+        if !self.on_cpu {
+            return Err(StepError::NotForArchitecture("a NextN prefix shared between sequences off the CPU"));
+        }
+        let before = cache.shared_len().min(len);
+        let kv = cache.share_prefix(len)?;
+        Ok(NextNPrefix { tokens: self.tokens[..len + 1].to_vec(), kv, copied: len - before })
+    }
+
+    /// Empties the state and starts it on `prefix` (from a state of the same head and cache
+    /// types). On error the state is left empty.
+    pub fn attach_prefix(&mut self, prefix: &NextNPrefix) -> Result<(), StepError> {
+        let NextNCacheOn::Candle(cache) = &mut self.cache else {
+            return Err(StepError::NotForArchitecture("a NextN prefix shared between sequences"));
+        };
+        self.tokens.clear();
+        if let Err(e) = cache.attach_prefix(&prefix.kv) {
+            cache.reset();
+            return Err(e.into());
+        }
+        self.tokens = prefix.tokens.clone();
+        Ok(())
+    }
+
+    /// Entries this state reads from a prefix shared with other sequences' states.
+    pub fn shared_len(&self) -> usize {
+        match &self.cache {
+            NextNCacheOn::Candle(c) => c.shared_len().min(self.len()),
+            _ => 0,
+        }
     }
 
     /// Appends entries for positions `len()..`: `hidden` row `i` and the token after it,

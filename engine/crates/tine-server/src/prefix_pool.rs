@@ -11,17 +11,55 @@
 
 use std::sync::Arc;
 
-use tine_runtime::SharedPrefix;
+use tine_runtime::{NextNPrefix, SharedPrefix};
 
 /// A new entry must add at least this many positions over what a request could reuse already
 /// (its slot's own cache or an entry): shorter agreements are chance, not a shared prompt.
 pub const MIN_NEW_PREFIX: usize = 64;
 
+/// What a pool holds: a sequence's first positions (the target's or a draft model's), or a
+/// NextN head's first entries.
+#[derive(Debug, Clone)]
+pub enum Shared {
+    Sequence(SharedPrefix),
+    NextN(NextNPrefix),
+}
+
+impl Shared {
+    /// The tokens a prompt must start with to use it.
+    pub fn tokens(&self) -> &[u32] {
+        match self {
+            Shared::Sequence(p) => p.tokens(),
+            Shared::NextN(p) => p.tokens(),
+        }
+    }
+
+    /// Positions (or entries) it holds.
+    pub fn len(&self) -> usize {
+        match self {
+            Shared::Sequence(p) => p.len(),
+            Shared::NextN(p) => p.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Positions whose rows it holds of its own (the rest are its parent's).
+    pub fn copied(&self) -> usize {
+        match self {
+            Shared::Sequence(p) => p.copied(),
+            Shared::NextN(p) => p.copied(),
+        }
+    }
+}
+
 /// A shared prefix and the one it extends (its first positions are read from there, so it
 /// keeps that one alive). Slots hold these while they read from them.
 #[derive(Debug)]
 pub struct Node {
-    pub prefix: SharedPrefix,
+    pub prefix: Shared,
     pub parent: Option<Arc<Node>>,
 }
 
@@ -120,11 +158,11 @@ mod tests {
 
     fn node(model: &Model, tokens: &[u32], len: usize, parent: Option<Arc<Node>>) -> Arc<Node> {
         let mut seq = model.new_sequence(512);
-        if let Some(p) = &parent {
-            seq.attach_prefix(&p.prefix).expect("attach");
+        if let Some(Shared::Sequence(p)) = parent.as_ref().map(|n| &n.prefix) {
+            seq.attach_prefix(p).expect("attach");
         }
         seq.prefill(model, &tokens[seq.len()..]).expect("prefill");
-        Arc::new(Node { prefix: seq.share_prefix(len).expect("share"), parent })
+        Arc::new(Node { prefix: Shared::Sequence(seq.share_prefix(len).expect("share")), parent })
     }
 
     #[test]

@@ -17,10 +17,10 @@ use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, GenerateRequest, Generation, StopType, Timings, TokenProb};
 use tine_runtime::{Model, Sequence, SlotFileError, SlotImage, StepError};
-
-use crate::prefix_pool::{Node, PoolStats, PrefixPool, MIN_NEW_PREFIX};
 use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
+
+use crate::prefix_pool::{Node, PoolStats, PrefixPool, Shared, MIN_NEW_PREFIX};
 
 /// What the engine sends back for a request.
 #[derive(Debug)]
@@ -146,6 +146,8 @@ struct Slot {
     prefix: Option<Arc<Node>>,
     /// The same for its draft model's sequence.
     draft_prefix: Option<Arc<Node>>,
+    /// The same for its NextN head's entries.
+    nextn_prefix: Option<Arc<Node>>,
     /// This slot's drafter state (speculative decoding on).
     spec: Option<Speculator>,
     active: Option<Active>,
@@ -278,12 +280,13 @@ fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [S
     }
 }
 
-/// The sequences of a slot that can start on a shared prefix: the target's, and a draft
-/// model's (each has a pool of its own).
+/// The states of a slot that can start on a shared prefix: the target's sequence, a draft
+/// model's, and a NextN head's entries (each has a pool of its own).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Which {
     Target,
     Draft,
+    NextN,
 }
 
 impl Slot {
@@ -291,6 +294,7 @@ impl Slot {
         match which {
             Which::Target => Some(&mut self.seq),
             Which::Draft => self.spec.as_mut()?.draft_sequence(),
+            Which::NextN => None,
         }
     }
 
@@ -298,37 +302,77 @@ impl Slot {
         match which {
             Which::Target => &mut self.prefix,
             Which::Draft => &mut self.draft_prefix,
+            Which::NextN => &mut self.nextn_prefix,
+        }
+    }
+
+    fn can_share(&mut self, which: Which) -> bool {
+        match which {
+            Which::NextN => self.spec.as_mut().is_some_and(|s| s.nextn_share().is_some()),
+            _ => self.sequence(which).is_some_and(|q| q.can_share()),
+        }
+    }
+
+    /// What its `which` state holds for a request starting with `prompt`: positions of a
+    /// sequence, or trusted entries of a NextN head.
+    fn available(&mut self, which: Which, prompt: &[u32]) -> usize {
+        match which {
+            Which::NextN => self.spec.as_ref().map_or(0, |s| s.reusable(prompt)),
+            _ => self.sequence(which).map_or(0, |q| common_prefix(q.tokens(), prompt)),
+        }
+    }
+
+    fn share(&mut self, which: Which, n: usize) -> Option<Shared> {
+        match which {
+            Which::NextN => self.spec.as_mut()?.nextn_share()?.share(n).ok().map(Shared::NextN),
+            _ => self.sequence(which)?.share_prefix(n).ok().map(Shared::Sequence),
+        }
+    }
+
+    /// Starts its `which` state on `prefix`; on failure the state is empty.
+    fn attach(&mut self, which: Which, prefix: &Shared) -> bool {
+        match (which, prefix) {
+            (Which::NextN, Shared::NextN(p)) => self.spec.as_mut().and_then(|s| s.nextn_share()).is_some_and(|n| n.attach(p).is_ok()),
+            (Which::Target | Which::Draft, Shared::Sequence(p)) => self.sequence(which).is_some_and(|q| q.attach_prefix(p).is_ok()),
+            _ => false,
+        }
+    }
+
+    fn shared_len(&mut self, which: Which) -> usize {
+        match which {
+            Which::NextN => self.spec.as_mut().and_then(|s| s.nextn_share()).map_or(0, |n| n.shared_len()),
+            _ => self.sequence(which).map_or(0, |q| q.shared_len()),
         }
     }
 }
 
-/// Starts slot `i`'s `which` sequence on a shared prefix of `prompt` when that reuses more than
-/// its own cache would: the longest pool entry the prompt starts with, or, at least
+/// Starts slot `i`'s `which` state on a shared prefix of `prompt` when that reuses more than
+/// its own would: the longest pool entry the prompt starts with, or, at least
 /// [`MIN_NEW_PREFIX`] positions longer, what another slot holds of it (shared from there and
 /// added to the pool). Returns the positions it reads from the prefix.
 fn share_for(slots: &mut [Slot], i: usize, which: Which, prompt: &[u32], pool: &mut PrefixPool, clock: u64) -> usize {
-    if prompt.len() < 2 || !slots[i].sequence(which).is_some_and(|q| q.can_share()) {
+    if prompt.len() < 2 || !slots[i].can_share(which) {
         return 0;
     }
     // The last prompt token is always evaluated (its logits start the generation), and a drafter
-    // with per-position state reuses only what it covers itself.
+    // with per-position state reuses only what it covers itself (share its state first).
     let mut limit = prompt.len() - 1;
     if which == Which::Target {
         limit = limit.min(slots[i].spec.as_ref().map_or(usize::MAX, |s| s.reusable(prompt)));
     }
-    let own = slots[i].sequence(which).map_or(0, |q| common_prefix(q.tokens(), prompt)).min(limit);
+    let own = slots[i].available(which, prompt).min(limit);
     let pooled = pool.lookup(prompt, limit);
     let pooled_len = pooled.as_ref().map_or(0, |n| n.prefix.len());
     let donor = slots
         .iter_mut()
         .enumerate()
         .filter(|(j, _)| *j != i)
-        .filter_map(|(j, s)| s.sequence(which).filter(|q| q.can_share()).map(|q| (j, common_prefix(q.tokens(), prompt).min(limit))))
+        .filter_map(|(j, s)| s.can_share(which).then(|| (j, s.available(which, prompt).min(limit))))
         .max_by_key(|&(_, n)| n)
         .filter(|&(_, n)| n >= own.max(pooled_len) + MIN_NEW_PREFIX);
     let node = match (donor, pooled) {
         (Some((j, n)), _) => {
-            let Some(Ok(prefix)) = slots[j].sequence(which).map(|q| q.share_prefix(n)) else { return 0 };
+            let Some(prefix) = slots[j].share(which, n) else { return 0 };
             let node = Arc::new(Node { prefix, parent: slots[j].held(which).take() });
             *slots[j].held(which) = Some(node.clone());
             pool.insert(node.clone(), clock);
@@ -338,52 +382,80 @@ fn share_for(slots: &mut [Slot], i: usize, which: Which, prompt: &[u32], pool: &
         _ => return 0,
     };
     let slot = &mut slots[i];
-    let Some(seq) = slot.sequence(which) else { return 0 };
-    match seq.attach_prefix(&node.prefix) {
-        Ok(()) => {
-            let n = seq.shared_len();
-            pool.touch(&node, clock, node.prefix.len());
-            *slot.held(which) = Some(node);
-            n
-        }
-        Err(_) => {
-            // The sequence is empty now; it evaluates the whole prompt.
-            *slot.held(which) = None;
-            0
-        }
+    if slot.attach(which, &node.prefix) {
+        pool.touch(&node, clock, node.prefix.len());
+        *slot.held(which) = Some(node);
+        slot.shared_len(which)
+    } else {
+        // The state is empty now; it evaluates the whole prompt.
+        *slot.held(which) = None;
+        0
     }
 }
 
 /// Whether a request for `prompt` should wait for a slot that is evaluating the same prefix: it
 /// will read at least [`MIN_NEW_PREFIX`] more positions from a shared copy once that slot has
-/// evaluated them than any other slot or pool entry offers now.
-fn awaits_prefix(slots: &[Slot], pool: &PrefixPool, prompt: &[u32]) -> bool {
+/// them than any other slot or pool entry offers now. With a NextN drafter, a slot has them once
+/// its head's entries are built too (at its first round).
+fn awaits_prefix(slots: &mut [Slot], pool: &PrefixPool, nextn_pool: &PrefixPool, prompt: &[u32], nextn: bool) -> bool {
     if prompt.len() < 2 {
         return false;
     }
     let limit = prompt.len() - 1;
-    let prefilling = |s: &Slot| s.active.as_ref().is_some_and(|a| a.gen.is_prefilling()) && s.seq.can_share();
-    let held = slots.iter().filter(|s| s.seq.can_share() && !prefilling(s)).map(|s| common_prefix(s.seq.tokens(), prompt)).max().unwrap_or(0);
-    let now = held.max(pool.lookup(prompt, limit).map_or(0, |n| n.prefix.len())).min(limit);
-    slots.iter().filter(|s| prefilling(s)).any(|s| {
-        let a = s.active.as_ref().expect("a prefilling slot is active");
-        let target = common_prefix(&a.gen.request().prompt, prompt).min(limit);
-        target > s.seq.len() && target >= now + MIN_NEW_PREFIX
-    })
+    // What a slot offers the prompt now: its positions, and with a NextN drafter no more than
+    // its head's entries.
+    let offers = |s: &mut Slot| {
+        let held = if s.seq.can_share() { common_prefix(s.seq.tokens(), prompt) } else { 0 };
+        if nextn {
+            held.min(if s.can_share(Which::NextN) { s.available(Which::NextN, prompt) } else { 0 })
+        } else {
+            held
+        }
+    };
+    let pooled = pool.lookup(prompt, limit).map_or(0, |n| n.prefix.len());
+    let pooled = if nextn { pooled.min(nextn_pool.lookup(prompt, limit).map_or(0, |n| n.prefix.len())) } else { pooled };
+    let mut now = pooled;
+    let mut coming = 0;
+    for s in slots.iter_mut() {
+        let offer = offers(s).min(limit);
+        // Still evaluating its prompt, or (a NextN head) about to build its entries at its first
+        // round: it will offer what its prompt shares with this one, so what it offers now does
+        // not count against waiting for it.
+        let soon = s.active.as_ref().is_some_and(|a| a.gen.is_prefilling() || (nextn && a.gen.tokens().len() <= 1));
+        if !soon {
+            now = now.max(offer);
+        }
+        if let Some(a) = &s.active {
+            if soon && s.seq.can_share() {
+                let target = common_prefix(&a.gen.request().prompt, prompt).min(limit);
+                // Entry j reads token j + 1: a head offers one entry less than the tokens shared.
+                let target = if nextn { target.saturating_sub(1) } else { target };
+                if target > offer {
+                    coming = coming.max(target);
+                }
+            }
+        }
+    }
+    coming >= now + MIN_NEW_PREFIX
 }
 
-/// Publishes both pools' figures for `/metrics` (hits count the target's requests).
-fn publish_pool(to: &Mutex<PoolStats>, target: &PrefixPool, draft: &PrefixPool) {
+/// Publishes the pools' figures for `/metrics` (hits count the first pool's, the target's).
+fn publish_pool(to: &Mutex<PoolStats>, pools: &[&PrefixPool]) {
     if let Ok(mut p) = to.lock() {
-        let (t, d) = (target.stats(), draft.stats());
-        *p = PoolStats { entries: t.entries + d.entries, bytes: t.bytes + d.bytes, evictions: t.evictions + d.evictions, ..t };
+        let all: Vec<PoolStats> = pools.iter().map(|q| q.stats()).collect();
+        *p = PoolStats {
+            entries: all.iter().map(|s| s.entries).sum(),
+            bytes: all.iter().map(|s| s.bytes).sum(),
+            evictions: all.iter().map(|s| s.evictions).sum(),
+            ..all.first().copied().unwrap_or_default()
+        };
     }
 }
 
 /// Lets go of a slot's shared prefixes once its sequences no longer read from them.
 fn release_prefix(slot: &mut Slot) {
-    for which in [Which::Target, Which::Draft] {
-        if slot.sequence(which).is_none_or(|q| q.shared_len() == 0) {
+    for which in [Which::Target, Which::Draft, Which::NextN] {
+        if slot.held(which).is_some() && slot.shared_len(which) == 0 {
             *slot.held(which) = None;
         }
     }
@@ -394,17 +466,22 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
-            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, prefix: None, draft_prefix: None, active: None, last_used: 0 }
+            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, prefix: None, draft_prefix: None, nextn_prefix: None, active: None, last_used: 0 }
         })
         .collect();
     let sharing = config.cache_ram != Some(0) && slots.len() > 1;
-    // A NextN drafter's cache would not hold a prefix read from another slot: its slots gain
-    // nothing by waiting for one.
-    let wait_for_prefixes = factory.as_ref().is_none_or(|f| f.config.spec_type != tine_spec::SpecType::DraftMtp);
-    // One budget for both pools: the target's, and a draft model's.
+    // A NextN drafter's entries bound what a slot can reuse of the target's positions.
+    let nextn = slots.iter_mut().any(|s| s.spec.as_mut().is_some_and(|p| p.nextn_share().is_some()));
+    // One budget for the pools, the target's, a draft model's and a NextN head's, split in
+    // proportion to what a position takes in each (a prefix is usually in all of them).
+    let bpp = model.kv_bytes_per_position().unwrap_or(0);
     let draft_bpp = factory.as_ref().and_then(|f| f.draft_model()).and_then(|m| m.kv_bytes_per_position()).unwrap_or(0);
-    let mut pool = PrefixPool::new(config.cache_ram, model.kv_bytes_per_position().unwrap_or(0));
-    let mut draft_pool = PrefixPool::new(config.cache_ram, draft_bpp);
+    let nextn_bpp = if nextn { model.nextn_kv_bytes_per_position().unwrap_or(0) } else { 0 };
+    let total = bpp + draft_bpp + nextn_bpp;
+    let share = |of: usize| config.cache_ram.map(|b| if of == 0 { 0 } else { (b as u128 * of as u128 / total as u128) as usize });
+    let mut pool = PrefixPool::new(share(bpp), bpp);
+    let mut draft_pool = PrefixPool::new(share(draft_bpp), draft_bpp);
+    let mut nextn_pool = PrefixPool::new(share(nextn_bpp), nextn_bpp);
     let mut queue: VecDeque<Job> = VecDeque::new();
     let mut clock = 0u64;
     loop {
@@ -441,7 +518,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         let mut k = 0;
         while k < queue.len() && slots.iter().any(|s| s.active.is_none()) {
             let job = &queue[k];
-            if sharing && wait_for_prefixes && job.request.cache_prompt && awaits_prefix(&slots, &pool, &job.request.prompt) {
+            if sharing && job.request.cache_prompt && awaits_prefix(&mut slots, &pool, &nextn_pool, &job.request.prompt, nextn) {
                 k += 1;
                 continue;
             }
@@ -462,9 +539,11 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 spec.params = f.config.params;
             }
             if sharing && job.request.cache_prompt {
+                // A NextN head's entries first: the target keeps no more than they cover.
+                share_for(&mut slots, i, Which::NextN, &job.request.prompt, &mut nextn_pool, clock);
                 share_for(&mut slots, i, Which::Target, &job.request.prompt, &mut pool, clock);
                 share_for(&mut slots, i, Which::Draft, &job.request.prompt, &mut draft_pool, clock);
-                publish_pool(&pool_stats, &pool, &draft_pool);
+                publish_pool(&pool_stats, &[&pool, &draft_pool, &nextn_pool]);
             }
             let slot = &mut slots[i];
             if let Some(n) = config.fault.as_ref().map(|f| f.swap(-1, Ordering::AcqRel)).filter(|&n| n >= 0) {
@@ -492,7 +571,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 if let Some(a) = slots[i].active.as_mut() {
                     a.draft_unshared = false;
                 }
-                publish_pool(&pool_stats, &pool, &draft_pool);
+                publish_pool(&pool_stats, &[&pool, &draft_pool, &nextn_pool]);
             }
             let slot = &mut slots[i];
             let Some(a) = slot.active.as_mut() else { continue };

@@ -810,25 +810,29 @@ fn a_prompt_prefix_is_shared_across_slots_and_every_answer_stays_the_same() {
         let (_, c) = post(srv.addr, "/completion", requests[2].clone());
         let (_, slots) = http(srv.addr, "GET", "/slots", "");
         let (a, b) = (ha.join().expect("client thread"), hb.join().expect("client thread"));
-        for (i, got) in [a, b, c].iter().enumerate() {
+        for (i, got) in [&a, &b, &c].iter().enumerate() {
             assert_eq!(got["tokens"], want[i]["tokens"], "{tag}: request {i}'s answer with sharing");
         }
-        // Plain decoding and drafters without per-position state evaluate only their own tokens;
-        // a NextN drafter's cache does not hold the prefix, so its slot evaluates it again.
-        if matches!(kind, Some(tine_spec::SpecType::DraftMtp)) {
-            continue;
+        // Each later request evaluates only its own tokens. A NextN head's entry j reads token
+        // j + 1, so with one the shared prefix ends a position earlier (its entries are shared
+        // too, and bound what the target keeps).
+        let mtp = kind == Some(tine_spec::SpecType::DraftMtp);
+        let shared_n: u64 = if mtp { 299 } else { 300 };
+        for r in [&b, &c] {
+            assert_eq!(r["timings"]["cache_n"], json!(shared_n), "{tag}: {r}");
+            assert_eq!(r["timings"]["prompt_n"], json!(302 - shared_n), "{tag}: {r}");
         }
         let (_, text) = http(srv.addr, "GET", "/metrics", "");
         let value =
             |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
         assert_eq!(value("tine:prefix_pool_hits_total"), 2.0, "{tag}");
-        assert_eq!(value("tine:prefix_pool_shared_tokens_total"), 600.0, "{tag}");
-        // A draft model's sequences share their prefix too, in a pool of their own.
-        let entries = if kind == Some(tine_spec::SpecType::Draft) { 2.0 } else { 1.0 };
+        assert_eq!(value("tine:prefix_pool_shared_tokens_total"), 2.0 * shared_n as f64, "{tag}");
+        // A draft model's sequences and a NextN head's entries are shared too, in pools of their own.
+        let entries = if matches!(kind, Some(tine_spec::SpecType::Draft | tine_spec::SpecType::DraftMtp)) { 2.0 } else { 1.0 };
         assert_eq!(value("tine:prefix_pool_entries"), entries, "{tag}");
         assert!(value("tine:prefix_pool_bytes") > 0.0, "{tag}");
         let slots: Value = serde_json::from_str(&slots).expect("json");
-        let shared = slots.as_array().expect("slots").iter().filter(|s| s["n_shared"] == json!(300)).count();
+        let shared = slots.as_array().expect("slots").iter().filter(|s| s["n_shared"] == json!(shared_n)).count();
         assert_eq!(shared, 3, "{tag}: every slot reads the one copy: {slots}");
     }
     // Without sharing, nothing is pooled.
@@ -840,19 +844,22 @@ fn a_prompt_prefix_is_shared_across_slots_and_every_answer_stays_the_same() {
 fn requests_arriving_together_evaluate_their_common_prefix_once() {
     let system: Vec<u32> = (0..300u32).map(|i| 6 + (i * 59) % 250).collect();
     let body = |tail: u32| json!({"prompt": system.iter().copied().chain([tail, tail + 1]).collect::<Vec<u32>>(), "n_predict": 300, "temperature": 0, "ignore_eos": true, "return_tokens": true});
-    let cfg = |sharing: bool| start_cfg(None, move |c| *c = ServerConfig { ubatch: 32, cache_ram: if sharing { None } else { Some(0) }, ..ServerConfig::new(4, 4 * 1024) });
-    let alone = cfg(false);
+    let cfg = |sharing: bool, kind| start_cfg(kind, move |c| *c = ServerConfig { ubatch: 32, cache_ram: if sharing { None } else { Some(0) }, ..ServerConfig::new(4, 4 * 1024) });
+    let alone = cfg(false, None);
     let want: Vec<Value> = (0..4).map(|i| post(alone.addr, "/completion", body(20 + 10 * i)).1).collect();
-    let srv = cfg(true);
-    let addr = srv.addr;
-    let got: Vec<Value> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..4).map(|i| s.spawn(move || post(addr, "/completion", body(20 + 10 * i)).1)).collect();
-        hs.into_iter().map(|h| h.join().expect("client thread")).collect()
-    });
-    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_eq!(g["tokens"], w["tokens"], "request {i}");
+    // With a NextN head the others also wait for the first slot's head to build its entries.
+    for (kind, shared) in [(None, 300u64), (Some(tine_spec::SpecType::DraftMtp), 299)] {
+        let srv = cfg(true, kind);
+        let addr = srv.addr;
+        let got: Vec<Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4).map(|i| s.spawn(move || post(addr, "/completion", body(20 + 10 * i)).1)).collect();
+            hs.into_iter().map(|h| h.join().expect("client thread")).collect()
+        });
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g["tokens"], w["tokens"], "{kind:?}: request {i}");
+        }
+        // The system prompt is evaluated once; the others wait for it and evaluate their own.
+        let evaluated: u64 = got.iter().map(|g| g["timings"]["prompt_n"].as_u64().expect("prompt_n")).sum();
+        assert_eq!(evaluated, 302 + 3 * (302 - shared), "{kind:?}: {:?}", got.iter().map(|g| &g["timings"]).collect::<Vec<_>>());
     }
-    // The system prompt is evaluated once; the others wait for it and evaluate their own two.
-    let evaluated: u64 = got.iter().map(|g| g["timings"]["prompt_n"].as_u64().expect("prompt_n")).sum();
-    assert_eq!(evaluated, 302 + 3 * 2, "{:?}", got.iter().map(|g| &g["timings"]).collect::<Vec<_>>());
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tine_runtime::{Assistant, Hidden, Model, NextNState, Sequence};
 use tine_sampling::argmax;
 
-use crate::{DraftInput, Drafter, SpecError, SpecType};
+use crate::{DraftInput, Drafter, NextNShare, SpecError, SpecType};
 
 /// The probability of the most likely token, `1 / Σ exp(l - max)`.
 fn top_probability(logits: &[f32]) -> f32 {
@@ -134,9 +134,33 @@ impl MtpDrafter {
     }
 }
 
+impl NextNShare for MtpDrafter {
+    fn share(&mut self, len: usize) -> Result<tine_runtime::NextNPrefix, SpecError> {
+        self.state.share_prefix(len.min(self.trusted)).map_err(draft_err)
+    }
+
+    fn attach(&mut self, prefix: &tine_runtime::NextNPrefix) -> Result<(), SpecError> {
+        self.trusted = 0;
+        self.state.attach_prefix(prefix).map_err(draft_err)?;
+        self.trusted = prefix.len();
+        Ok(())
+    }
+
+    fn shared_len(&self) -> usize {
+        self.state.shared_len()
+    }
+}
+
 impl Drafter for MtpDrafter {
     fn spec_type(&self) -> SpecType {
         SpecType::DraftMtp
+    }
+    fn nextn_share(&mut self) -> Option<&mut dyn NextNShare> {
+        if self.state.can_share() {
+            Some(self)
+        } else {
+            None
+        }
     }
     fn needs_hidden(&self) -> bool {
         true
@@ -248,6 +272,14 @@ impl Drafter for ChainDrafter {
 
     fn draft_sequence(&mut self) -> Option<&mut Sequence> {
         self.then.draft_sequence()
+    }
+
+    fn nextn_share(&mut self) -> Option<&mut dyn NextNShare> {
+        // Rows kept back for the model drafter are not in its state yet.
+        if self.backlog.is_some() {
+            return None;
+        }
+        self.then.nextn_share()
     }
 
     fn draft(&mut self, input: &DraftInput) -> Result<Vec<u32>, SpecError> {

@@ -291,6 +291,24 @@ pub trait Drafter: Send {
     fn draft_sequence(&mut self) -> Option<&mut Sequence> {
         None
     }
+
+    /// The drafter's per-position state, when it is a NextN head's that can be shared between
+    /// slots: see [`NextNShare`].
+    fn nextn_share(&mut self) -> Option<&mut dyn NextNShare> {
+        None
+    }
+}
+
+/// A NextN drafter's state as other slots may share it: entries built from the target's own
+/// hidden states (never from drafts), held once.
+pub trait NextNShare {
+    /// The first `len` entries (at most the trusted ones) as a prefix another drafter can start
+    /// on; this one reads them from there too.
+    fn share(&mut self, len: usize) -> Result<tine_runtime::NextNPrefix, SpecError>;
+    /// Empties the state and starts it on `prefix`, whose entries are trusted.
+    fn attach(&mut self, prefix: &tine_runtime::NextNPrefix) -> Result<(), SpecError>;
+    /// Entries read from a shared prefix.
+    fn shared_len(&self) -> usize;
 }
 
 /// Draft statistics (llama-server's `draft_n`, `draft_n_accepted`, plus verify steps).
@@ -379,6 +397,11 @@ impl Speculator {
     /// tokens at its first draft, so a caller may start it on a shared prefix before that).
     pub fn draft_sequence(&mut self) -> Option<&mut Sequence> {
         self.drafter.draft_sequence()
+    }
+
+    /// The NextN head's shareable state, for a `draft-mtp` drafter on the CPU.
+    pub fn nextn_share(&mut self) -> Option<&mut dyn NextNShare> {
+        self.drafter.nextn_share()
     }
 
     /// Prefills `tokens` after what `seq` holds (a new request) and returns the last logits,
