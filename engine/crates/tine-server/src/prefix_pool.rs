@@ -3,8 +3,9 @@
 //! the rest.
 //!
 //! Invariant: a slot reads a prefix only through [`tine_runtime::Sequence::attach_prefix`] /
-//! `share_prefix`, which keep every result bit for bit what the slot would compute holding the
-//! positions itself; slots see each other's tokens only as far as their prompts agree.
+//! `share_prefix` (and a NextN head's `NextNState` equivalents, trusted entries only), which keep
+//! every result bit for bit what the slot would compute holding the positions itself; slots see
+//! each other's tokens only as far as their prompts agree.
 //! Invariant: an entry is freed (dropped from the pool) only when nothing else holds it: no
 //! slot reads from it and no longer entry extends it; among those, the least recently used go
 //! first, while the pool is over its budget.
