@@ -259,7 +259,13 @@ impl SpecArgs {
         } else {
             None
         })?;
-        Some(SpecConfig {
+        Some(self.config_as(spec_type, ngram_first))
+    }
+
+    /// `spec_type` with every other flag as given (depth, p-min, heads, n-gram sizes, the draft
+    /// model's cache types): `logit-equiv --all` runs each type this way.
+    fn config_as(&self, spec_type: SpecType, ngram_first: bool) -> SpecConfig {
+        SpecConfig {
             spec_type,
             ngram_first,
             params: DraftParams { n_max: self.draft_n_max, n_min: self.draft_n_min, p_min: self.draft_p_min, adaptive: self.adaptive },
@@ -268,7 +274,7 @@ impl SpecArgs {
             ngram_min: self.ngram_min,
             ngram_max: self.ngram_max,
             draft_cache_types: (self.cache_type_k_draft, self.cache_type_v_draft),
-        })
+        }
     }
 
     fn load(&self, model: &Model) -> anyhow::Result<Option<SpecFactory>> {
@@ -539,17 +545,18 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
     };
     let base = a.spec.config();
     let configs: Vec<SpecConfig> = if a.all {
+        // Each type with the flags as given (a draft model keeps -ctkd/-ctvd, -md's p-min, ...).
         let mut v = Vec::new();
         if model.has_nextn() {
-            v.push(SpecConfig { spec_type: SpecType::DraftMtp, ..base.clone().unwrap_or_else(|| SpecConfig::new(SpecType::DraftMtp)) });
+            v.push(a.spec.config_as(SpecType::DraftMtp, false));
         }
         if a.spec.mtp_head.is_some() {
-            v.push(SpecConfig { spec_type: SpecType::DraftAssistant, mtp_head: a.spec.mtp_head.clone(), ..SpecConfig::new(SpecType::DraftAssistant) });
+            v.push(a.spec.config_as(SpecType::DraftAssistant, false));
         }
         if a.spec.model_draft.is_some() {
-            v.push(SpecConfig { spec_type: SpecType::Draft, draft_model: a.spec.model_draft.clone(), ..SpecConfig::new(SpecType::Draft) });
+            v.push(a.spec.config_as(SpecType::Draft, false));
         }
-        v.push(SpecConfig { ngram_min: a.spec.ngram_min, ngram_max: a.spec.ngram_max, ..SpecConfig::new(SpecType::Ngram) });
+        v.push(a.spec.config_as(SpecType::Ngram, false));
         v
     } else {
         vec![base.context("give --spec-type (or --all)")?]

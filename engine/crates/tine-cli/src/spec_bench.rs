@@ -42,6 +42,12 @@ pub struct SpecBenchArgs {
     pub model_draft: Option<PathBuf>,
     #[arg(long = "mtp-head", value_name = "FILE")]
     pub mtp_head: Option<PathBuf>,
+    /// The draft model's KV cache type for keys (also `-ctkd`); the target's -ctk unless given.
+    #[arg(long = "cache-type-k-draft", value_name = "TYPE")]
+    pub cache_type_k_draft: Option<tine_runtime::KvType>,
+    /// The draft model's KV cache type for values (also `-ctvd`); the target's -ctv unless given.
+    #[arg(long = "cache-type-v-draft", value_name = "TYPE")]
+    pub cache_type_v_draft: Option<tine_runtime::KvType>,
     /// Instead of decoding: the cost of one verify forward of each of these row counts (the
     /// median of 21, after a prompt of 64 tokens), against a one-row decode step.
     #[arg(long = "forward-rows", value_delimiter = ',', value_name = "ROWS")]
@@ -269,7 +275,8 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
             Some(_) => anyhow::bail!("--types: a chain is ngram+TYPE, got {t:?}"),
             None => (t.parse::<SpecType>()?, false),
         };
-        let config = SpecConfig { mtp_head: a.mtp_head.clone(), draft_model: a.model_draft.clone(), ngram_first, ..SpecConfig::new(kind) };
+        let draft_cache_types = (a.cache_type_k_draft.unwrap_or(model.cache_types().0), a.cache_type_v_draft.unwrap_or(model.cache_types().1));
+        let config = SpecConfig { mtp_head: a.mtp_head.clone(), draft_model: a.model_draft.clone(), ngram_first, draft_cache_types, ..SpecConfig::new(kind) };
         factories.insert(t.clone(), SpecFactory::load(config, &model).with_context(|| format!("setting up {t}"))?);
     }
     for p in &a.policies {

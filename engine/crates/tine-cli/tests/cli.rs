@@ -67,6 +67,33 @@ fn logit_equiv_reports_exact_equivalence_for_all_spec_types() {
     }
 }
 
+/// `logit-equiv --all` runs each type with the flags as given: a draft model that is the target
+/// itself, in the target's cache types (-ctkd/-ctvd), drafts exactly what the target decodes,
+/// so every draft is accepted. The draft model once ran in f32 caches under --all; on this
+/// fixture (seed 25) an f32 draft of a q4_0 target accepts about half, which the test checks too.
+#[test]
+fn logit_equiv_all_keeps_the_draft_models_cache_types() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny32.gguf");
+    TinyGemma3 { head_dim: 32, seed: 25, ..TinyGemma3::default() }.write(&path);
+    let m = path.to_str().expect("utf-8 temp path");
+    let json = dir.path().join("equiv.json");
+    let accepted = |draft_type: &str| {
+        let types = ["-ctk", "q4_0", "-ctv", "q4_0", "-ctkd", draft_type, "-ctvd", draft_type];
+        let args: Vec<&str> =
+            ["logit-equiv", "-m", m, "--all", "-md", m, "-n", "32", "--depths", "3", "--spec-adaptive", "off", "--json", json.to_str().expect("utf-8")].into_iter().chain(types).collect();
+        let (ok, out, err) = tine(&args);
+        assert!(ok, "{out}\n{err}");
+        let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).expect("json written")).expect("json");
+        let draft = doc["results"].as_array().expect("results").iter().find(|r| r["spec_type"] == "draft").expect("a draft row").clone();
+        (draft["draft_n_accepted"].as_u64().expect("accepted"), draft["draft_n"].as_u64().expect("draft_n"))
+    };
+    let (same, n) = accepted("q4_0");
+    assert!(n > 0 && same == n, "the target as its own draft model in its own types accepted {same} of {n}");
+    let (other, m) = accepted("f32");
+    assert!(other < m, "an f32 draft of a q4_0 target accepted all {m}: the fixture no longer tells the types apart");
+}
+
 /// `tine serve -m MODEL --port P ARGS...` on a free port, once it answers; killed when dropped.
 struct Served {
     child: std::process::Child,
