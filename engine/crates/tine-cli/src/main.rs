@@ -314,7 +314,8 @@ pub(crate) struct ModelArgs {
     #[arg(long, value_name = "cpu|cuda[:N]", default_value = "cpu")]
     device: tine_runtime::DeviceSpec,
     /// KV cache type for keys: f32, f16, bf16, q8_0 or q4_0 (also `-ctk`). Other types than f32
-    /// are kept for Gemma 3 and Gemma 4 on the CPU; speculative decoding stays lossless within a type.
+    /// are kept on the CPU (for Qwen3.5/3.6 in its attention layers; its delta-net states stay
+    /// f32); speculative decoding stays lossless within a type.
     #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f32")]
     cache_type_k: tine_runtime::KvType,
     /// KV cache type for values, as --cache-type-k (also `-ctv`).

@@ -102,8 +102,6 @@ impl From<GpuError> for StepError {
 /// Errors of [`Model::set_cache_types`]: a KV cache type this model cannot keep.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheTypeError {
-    #[error("KV cache types {k}/{v}: a {arch} model keeps its KV cache in f32 only (the typed caches are Gemma 3's and Gemma 4's so far)")]
-    Architecture { arch: String, k: KvType, v: KvType },
     #[error("KV cache types {k}/{v}: types other than f32 run on the CPU only; this model runs on {engine}")]
     Device { engine: String, k: KvType, v: KvType },
     #[error("KV cache types {k}/{v} do not fit this model's rows")]
@@ -418,15 +416,13 @@ impl Model {
 
     /// Stores the keys and the values of sequences made from now on as `k` and `v` (llama.cpp's
     /// `--cache-type-k/-v`; f32 by default). Sequences differ between types, but within one type
-    /// a speculative verify batch reproduces one-token decoding bit for bit. Gemma 3 and Gemma 4
-    /// on the CPU keep every type; Qwen3.5/3.6 and other devices keep f32 only, and refuse others.
+    /// a speculative verify batch reproduces one-token decoding bit for bit. On the CPU every
+    /// model keeps every type (Qwen3.5/3.6 in its attention layers and NextN head; its delta-net
+    /// states stay f32); other devices keep f32 only, and refuse others.
     pub fn set_cache_types(&mut self, k: KvType, v: KvType) -> Result<(), CacheTypeError> {
         if (k, v) == (KvType::F32, KvType::F32) {
             self.cache_types = (k, v);
             return Ok(());
-        }
-        if matches!(self.weights, Weights::Qwen35(_)) {
-            return Err(CacheTypeError::Architecture { arch: self.info.architecture.clone(), k, v });
         }
         if !self.device.is_cpu() {
             return Err(CacheTypeError::Device { engine: format!("{} ({})", crate::describe_device(&self.device), self.engine()), k, v });
@@ -434,7 +430,7 @@ impl Model {
         match &self.weights {
             Weights::Gemma3(w) => w.new_cache_typed(1, k, v).map(drop),
             Weights::Gemma4(w) => w.new_cache_typed(1, k, v).map(drop),
-            Weights::Qwen35(_) => unreachable!("refused above"),
+            Weights::Qwen35(w) => w.new_cache_typed(1, k, v).map(drop),
         }
         .map_err(|source| CacheTypeError::Shape { k, v, source })?;
         self.cache_types = (k, v);
@@ -520,7 +516,9 @@ impl Model {
                 tokens: Vec::new(),
                 on_cpu: self.device.is_cpu(),
             }),
-            Weights::Qwen35(w) => w.new_nextn_cache().map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new(), on_cpu: self.device.is_cpu() }),
+            Weights::Qwen35(w) => {
+                w.new_nextn_cache_typed(self.cache_types.0, self.cache_types.1).map(|cache| NextNState { cache: NextNCacheOn::Qwen35(cache), tokens: Vec::new(), on_cpu: self.device.is_cpu() })
+            }
             Weights::Gemma4(_) => None,
         }
     }
@@ -553,7 +551,7 @@ impl Model {
         match &self.weights {
             // Preallocate up to 4096 positions; the cache grows past that only for long contexts.
             Weights::Gemma3(w) => SeqCache::Gemma3(w.new_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types")),
-            Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache_with(context.min(4096)).expect("memory for a sequence's recurrent state"))),
+            Weights::Qwen35(w) => SeqCache::Qwen35(Recurrent::new(w.new_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types"))),
             Weights::Gemma4(w) => SeqCache::Gemma4(w.new_cache_typed(context.min(4096), self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types")),
         }
     }

@@ -272,16 +272,22 @@ impl Sequence {
             crate::model::SeqCache::Gemma3(cache) => cache,
             crate::model::SeqCache::Qwen35(r) => {
                 let img = r.cache.image()?;
+                let (kt, vt) = r.cache.types();
                 let mut states = Vec::with_capacity(2 * img.recurrent.len());
+                let mut typed_layers = Vec::new();
+                let dims = |t: &Tensor| -> Result<[usize; 4], StepError> { t.dims().try_into().map_err(|_| candle_core::Error::Msg(format!("a KV layer of rank {}", t.rank())).into()) };
                 for (k, v) in &img.kv {
-                    let d = k.dims();
-                    layers.push(([d[0], d[1], d[2], d[3]], flat(k)?, flat(v)?));
+                    if (kt, vt) == (KvType::F32, KvType::F32) {
+                        layers.push((dims(k)?, flat(k)?, flat(v)?));
+                    } else {
+                        typed_layers.push(TypedLayer { k_dims: dims(k)?, k: kt.stored_bytes(k)?, v_dims: dims(v)?, v: vt.stored_bytes(v)? });
+                    }
                 }
                 for (window, state) in &img.recurrent {
                     states.push((window.dims().to_vec(), flat(window)?));
                     states.push((state.dims().to_vec(), flat(state)?));
                 }
-                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states });
+                return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: (kt, vt), layers, typed_layers, states });
             }
             crate::model::SeqCache::Gemma4(c) => {
                 // The K/V of the layers that own some (KV-shared layers store none), as stored.
@@ -380,7 +386,8 @@ impl Sequence {
                     .collect::<Result<Vec<_>, candle_core::Error>>()
                     .map_err(|e| SlotFileError::Malformed(format!("a recurrent tensor's dims do not fit its values: {e}")))?;
                 let image = candle_transformers::models::quantized_qwen35::CacheImage { len: img.tokens.len(), kv, recurrent };
-                let cache = w.cache_from_image(&image, self.context.min(4096)).map_err(|e| SlotFileError::Malformed(format!("the state does not fit this model: {e}")))?;
+                let (kt, vt) = img.cache_types;
+                let cache = w.cache_from_image_typed(&image, self.context.min(4096), kt, vt).map_err(|e| SlotFileError::Malformed(format!("the state does not fit this model: {e}")))?;
                 self.cache = crate::model::SeqCache::Qwen35(crate::model::Recurrent::new(cache));
                 self.tokens = img.tokens.clone();
                 return Ok(());

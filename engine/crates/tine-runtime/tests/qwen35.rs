@@ -241,6 +241,39 @@ fn qwen35_slot_files_carry_the_recurrent_state_and_continue_bit_for_bit() {
     }
 }
 
+/// Issue 29: with `-ctk/-ctv` the attention layers' rows are saved as stored (version 3 names the
+/// types) beside the recurrent states; they restore bit for bit, and a model keeping other
+/// types refuses the file by name.
+#[test]
+fn qwen35_typed_slot_files_keep_the_stored_rows_and_the_recurrent_state() {
+    use tine_runtime::KvType;
+    let mut fx = fixture(TinyQwen35 { head_dim: 32, nextn: true, full_attention_interval: 2, ..TinyQwen35::default() });
+    fx.model.set_cache_types(KvType::Q8_0, KvType::Q4_0).expect("Qwen3.5 on the CPU keeps every type");
+    let m = &fx.model;
+    let p = prompt(13);
+    let mut seq = m.new_sequence(64);
+    seq.prefill(m, &p).expect("prefill");
+    seq.forward_all(m, &[20, 21, 22]).expect("a verify batch");
+    seq.rollback(p.len() + 1).expect("inside the batch");
+    let img = seq.image(m).expect("image");
+    assert_eq!(img.cache_types, (KvType::Q8_0, KvType::Q4_0));
+    assert!(img.layers.is_empty() && img.typed_layers.len() == 2 && !img.states.is_empty(), "stored rows and recurrent states, no f32 copies");
+    let bytes = img.to_bytes();
+    assert_eq!(&bytes[8..12], &3u32.to_le_bytes(), "version 3 names the types");
+    let back = tine_runtime::SlotImage::from_bytes(&bytes).expect("reads back");
+    assert_eq!(back, img);
+    let mut other = m.new_sequence(64);
+    other.restore_image(m, &back).expect("restores");
+    for t in [9u32, 10, 11] {
+        assert!(bits(&other.decode(m, t).expect("decode"), &seq.decode(m, t).expect("decode")), "a restored slot continues differently at {t}");
+    }
+    let mut f32_model = fixture(TinyQwen35 { head_dim: 32, nextn: true, full_attention_interval: 2, ..TinyQwen35::default() });
+    let err = f32_model.model.new_sequence(64).restore_image(&f32_model.model, &back).expect_err("an f32 cache refuses q8_0/q4_0 rows");
+    assert!(err.to_string().contains("q8_0"), "{err}");
+    f32_model.model.set_cache_types(KvType::F16, KvType::F16).expect("f16");
+    assert!(f32_model.model.new_sequence(64).restore_image(&f32_model.model, &back).is_err(), "other types are refused too");
+}
+
 #[test]
 fn recurrent_sequences_do_not_share_a_prefix_and_say_so() {
     let f = fixture(shapes()[0].clone());

@@ -570,6 +570,41 @@ fn qwen35_greedy_and_seeded_speculation_is_plain_decoding_bit_for_bit_with_recur
     }
 }
 
+/// Issue 29: Qwen3.5 with its attention layers and NextN head in other cache types (heads of 32
+/// values: whole q8_0/q4_0 blocks), the draft model in its own types. Within a type every spec
+/// type is plain decoding bit for bit, greedy and seeded; and the type is in effect.
+#[test]
+fn qwen35_speculation_is_lossless_within_each_kv_cache_type() {
+    use tine_runtime::KvType;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let base = TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, head_dim: 32, ..TinyQwen35::default() };
+    let (target_path, draft_path) = (dir.path().join("target.gguf"), dir.path().join("draft.gguf"));
+    TinyQwen35 { nextn: true, full_attention_interval: 2, seed: 31, ..base.clone() }.write(&target_path);
+    TinyQwen35 { n_layer: 2, full_attention_interval: 2, seed: 77, ..base }.write(&draft_path);
+    let f32_logits = plain(&Model::load(&target_path).expect("target loads"), &qwen35_prompt(), 16, SamplingParams::greedy()).1;
+    for (k, v) in [(KvType::F16, KvType::F16), (KvType::Q8_0, KvType::Q8_0), (KvType::Q4_0, KvType::Q4_0), (KvType::Q8_0, KvType::Q4_0)] {
+        let mut target = Model::load(&target_path).expect("target loads");
+        target.set_cache_types(k, v).expect("Qwen3.5 on the CPU keeps every type");
+        let mut draft = Model::load(&draft_path).expect("draft loads");
+        draft.set_cache_types(KvType::Q4_0, KvType::F16).expect("the draft model's own types");
+        let fx = Qwen35Fixture { _dir: tempfile::tempdir().expect("tempdir"), target: Arc::new(target), draft: Arc::new(draft) };
+        let greedy = plain(&fx.target, &qwen35_prompt(), 16, SamplingParams::greedy());
+        assert!(greedy.1.iter().zip(&f32_logits).any(|(a, b)| a != b), "K {k} V {v}: logits equal the f32 cache's, so the type is not in effect");
+        let mut drafted = 0;
+        for params in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::default() }] {
+            let want = plain(&fx.target, &qwen35_prompt(), 16, params.clone());
+            for kind in [SpecType::DraftMtp, SpecType::Draft, SpecType::Ngram] {
+                let d = qwen35_drafter(&fx, kind).expect("a drafter");
+                let mut spec = Speculator::new(d, DraftParams { n_max: 3, ..DraftParams::default() });
+                let got = speculate(&fx.target, &mut spec, &qwen35_prompt(), 16, params.clone());
+                assert_bit_identical(&format!("qwen35 K {k} V {v}, {kind}, T {}", params.temperature), &want, &got);
+                drafted += spec.stats.draft_n;
+            }
+        }
+        assert!(drafted > 0, "K {k} V {v}: nothing was drafted, so nothing was tested");
+    }
+}
+
 #[test]
 fn qwen35_rollback_at_every_partial_accept_length_leaves_the_state_as_plain_decoding_would() {
     let fx = qwen35_fixture(false);
