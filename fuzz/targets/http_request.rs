@@ -15,7 +15,7 @@ fuzz_target!(|data: &[u8]| {
         let first = decode_any(ep, data, VOCAB);
         assert_eq!(first, decode_any(ep, data, VOCAB), "{ep:?}: decoding is not deterministic");
         if let Err(e) = first {
-            assert!(!e.0.is_empty(), "{ep:?}: a refusal without a message");
+            assert!(!e.message.is_empty(), "{ep:?}: a refusal without a message");
         }
     }
 });

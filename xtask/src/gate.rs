@@ -631,25 +631,26 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                 let mut cmd = Command::new(tine);
                 cmd.args(["logit-equiv", "--spec-type", spec, "--depths", "1,2,3", "-n", "32", "-m"]).arg(&m).args(&extra).arg("--json").arg(&json);
                 let o = run_logged(name, &mut cmd, &dir.join(format!("{}.log", slug(name))));
-                let v: serde_json::Value = serde_json::from_slice(&fs::read(&json).with_context(|| format!("`tine logit-equiv` wrote no JSON ({})", o.reason))?)?;
-                let rows = v["results"].as_array().cloned().unwrap_or_default();
+                let bytes = fs::read(&json).with_context(|| format!("`tine logit-equiv` wrote no JSON ({})", o.reason))?;
+                let report: tine_report::LogitEquivReport = tine_report::from_slice(&bytes).with_context(|| format!("reading {}", json.display()))?;
+                let rows = report.results;
                 let greedy = matches!(g, Gate::GreedyIdentical { .. });
                 let mut bad = Vec::new();
                 let mut figs = Vec::new();
                 for r in &rows {
-                    let depth = r["depth"].as_u64().unwrap_or(0);
+                    let depth = r.depth;
                     if greedy {
-                        let (same, n) = (r["greedy_identical_prompts"].as_u64().unwrap_or(0), r["prompts"].as_u64().unwrap_or(0));
+                        let (same, n) = (r.greedy_identical_prompts, r.prompts);
                         figs.push(format!("d{depth} {same}/{n}"));
                         if same != n || n == 0 {
                             bad.push(format!("depth {depth}: {same} of {n} prompts identical"));
                         }
                     } else {
-                        figs.push(format!("d{depth} real_frac {} max|dl| {}", r["real_frac"], r["max_abs_logit_diff"]));
-                        if r["exact"] != serde_json::Value::Bool(true) {
+                        figs.push(format!("d{depth} real_frac {} max|dl| {}", r.real_frac, r.max_abs_logit_diff));
+                        if !r.exact {
                             bad.push(format!(
                                 "depth {depth}: real_frac {}, frac_full_agree {}, mean_top1_mae {}, max |dlogit| {}",
-                                r["real_frac"], r["frac_full_agree"], r["mean_top1_mae"], r["max_abs_logit_diff"]
+                                r.real_frac, r.frac_full_agree, r.mean_top1_mae, r.max_abs_logit_diff
                             ));
                         }
                     }
@@ -662,12 +663,12 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
             Gate::Accept { spec, min } => {
                 let rows = spec_bench(p, tine, &model, &[spec.as_str()], &[3], 1, dir, name)?;
                 let label = format!("{spec} d3");
-                let r = rows.iter().find(|r| r["config"] == label.as_str()).with_context(|| format!("spec-bench reported no row {label}"))?;
-                let a = r["accept"].as_f64().unwrap_or(0.0);
+                let r = rows.row(&label).with_context(|| format!("spec-bench reported no row {label}"))?;
+                let a = r.accept;
                 Ok(Outcome {
                     gate: name.into(),
                     passed: a >= *min,
-                    figures: format!("accept {a:.3} (tau {:.2})", r["tau"].as_f64().unwrap_or(0.0)),
+                    figures: format!("accept {a:.3} (tau {:.2})", r.tau),
                     reason: if a >= *min { String::new() } else { format!("acceptance {a:.3} < {min}") },
                     seconds: 0.0,
                     log: None,
@@ -681,7 +682,7 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                 let rows = spec_bench(p, tine, &model, &specs, &depths, 3, dir, name)?;
                 let tps = |c: &Config| -> anyhow::Result<f64> {
                     let label = c.label();
-                    rows.iter().find(|r| r["config"] == label.as_str()).and_then(|r| r["tps"].as_f64()).with_context(|| format!("spec-bench reported no row {label}"))
+                    rows.row(&label).map(|r| r.tps).with_context(|| format!("spec-bench reported no row {label}"))
                 };
                 let (ta, tb) = (tps(a)?, tps(b)?);
                 let ratio = ta / tb;
@@ -703,7 +704,12 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
                     let text = c["text"].as_str().context("a case without text")?;
                     let want: Vec<u64> = c["ids"].as_array().context("a case without ids")?.iter().filter_map(|x| x.as_u64()).collect();
                     let out = Command::new(tine).args(["tokenize", "--no-bos", "-m"]).arg(&model).args(["-p", text]).output()?;
-                    let got: Vec<u64> = serde_json::from_slice(&out.stdout).unwrap_or_default();
+                    // A failed or garbled `tine tokenize` is a failure of its own, not a
+                    // difference from llama.cpp.
+                    if !out.status.success() {
+                        bail!("`tine tokenize` failed ({}) on {text:?}: {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+                    }
+                    let got: Vec<u64> = serde_json::from_slice(&out.stdout).with_context(|| format!("`tine tokenize` printed no id list for {text:?}"))?;
                     if got != want {
                         bad.push(format!("{text:?}"));
                     }
@@ -724,7 +730,7 @@ fn engine_gate(p: &Project, name: &str, g: &Gate, tine: &Path, dir: &Path) -> Ou
 }
 
 #[allow(clippy::too_many_arguments)]
-fn spec_bench(p: &Project, tine: &Path, model: &Path, specs: &[&str], depths: &[usize], rounds: usize, dir: &Path, name: &str) -> anyhow::Result<Vec<serde_json::Value>> {
+fn spec_bench(p: &Project, tine: &Path, model: &Path, specs: &[&str], depths: &[usize], rounds: usize, dir: &Path, name: &str) -> anyhow::Result<tine_report::SpecBenchReport> {
     let mut models = None;
     let mut extra = Vec::new();
     for s in specs {
@@ -742,8 +748,8 @@ fn spec_bench(p: &Project, tine: &Path, model: &Path, specs: &[&str], depths: &[
     if !o.passed {
         bail!("`tine spec-bench` failed: {}", o.reason);
     }
-    let v: serde_json::Value = serde_json::from_slice(&fs::read(md.with_extension("json")).context("spec-bench wrote no JSON")?)?;
-    Ok(v["rows"].as_array().cloned().unwrap_or_default())
+    let json = md.with_extension("json");
+    tine_report::from_slice(&fs::read(&json).context("spec-bench wrote no JSON")?).with_context(|| format!("reading {}", json.display()))
 }
 
 /// The terminal table of a suite's outcomes.

@@ -7,6 +7,8 @@ pub mod bump;
 pub mod cmd;
 pub mod gate;
 pub mod model;
+pub mod paths;
 pub mod tine;
 
-pub use tine::{project, Tine};
+pub use paths::project;
+pub use tine::Tine;

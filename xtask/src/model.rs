@@ -19,7 +19,7 @@ const VERSION: &str = "1.0.0";
 const PARTS: usize = 4;
 
 pub fn model_path() -> PathBuf {
-    crate::tine::cache_dir().join("models").join(MODEL_FILE)
+    crate::paths::cache_dir().join("models").join(MODEL_FILE)
 }
 
 fn sha256_file(path: &Path) -> anyhow::Result<String> {

@@ -2,6 +2,8 @@
 
 use std::process::{Command, ExitCode};
 
+use anyhow::Context;
+
 use patchchain::Project;
 
 use super::{setup, step};
@@ -18,36 +20,28 @@ pub fn run(p: &Project, prompt: &str) -> anyhow::Result<ExitCode> {
     // Plain and speculative decoding of the same prompt, side by side, at temperature 0 (where
     // the measured speedups are: docs/evaluations/spec-adaptive.md). Same seed and greedy, so
     // the two texts are identical; only the speed differs.
-    let mut rates = Vec::new();
+    let mut runs = Vec::new();
     for (label, spec) in [("plain", &[][..]), ("speculative (draft-mtp)", &["--spec-type", "draft-mtp"][..])] {
         eprintln!("==> tine generate, {label}");
-        let out = Command::new(&tine).args(["generate", "--temp", "0", "-n", "128", "-m"]).arg(&grafted).args(spec).args(["-p", prompt]).output()?;
+        let json = grafted.with_extension(format!("{}.json", if spec.is_empty() { "plain" } else { "spec" }));
+        let out = Command::new(&tine).args(["generate", "--temp", "0", "-n", "128", "-m"]).arg(&grafted).args(spec).args(["-p", prompt, "--json"]).arg(&json).output()?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         anyhow::ensure!(out.status.success(), "tine generate ({label}) failed:\n{stderr}");
         print!("{}", String::from_utf8_lossy(&out.stdout));
-        let summary = stderr.lines().rev().find(|l| l.contains("generated:")).unwrap_or_default().to_owned();
-        eprintln!("{summary}");
-        rates.push((label, decode_rate(&summary).ok_or_else(|| anyhow::anyhow!("no decode rate in tine generate's summary: {summary:?}"))?, out.stdout));
+        eprintln!("{}", stderr.lines().rev().find(|l| l.contains("generated:")).unwrap_or_default());
+        // The figures from the typed report `--json` writes, not from the human summary.
+        let report: tine_report::GenerateReport =
+            tine_report::from_slice(&std::fs::read(&json).with_context(|| format!("tine generate ({label}) wrote no {}", json.display()))?).with_context(|| format!("reading {}", json.display()))?;
+        runs.push((label, report));
     }
-    anyhow::ensure!(rates[0].2 == rates[1].2, "speculative decoding changed the greedy text");
-    eprintln!("\ndecode: plain {:.1} tok/s, speculative {:.1} tok/s: {:.2}x, the same text", rates[0].1, rates[1].1, rates[1].1 / rates[0].1);
+    let (plain, spec) = (&runs[0].1, &runs[1].1);
+    anyhow::ensure!(plain.ids == spec.ids, "speculative decoding changed the greedy tokens");
+    eprintln!(
+        "\ndecode: plain {:.1} tok/s, speculative {:.1} tok/s: {:.2}x, the same tokens",
+        plain.predicted_per_second,
+        spec.predicted_per_second,
+        spec.predicted_per_second / plain.predicted_per_second
+    );
     eprintln!("\nserve it:  {} serve --model {} --spec-type draft-mtp --host 127.0.0.1 --port 8080 --parallel 2", p.rel(&tine), p.rel(&grafted));
     Ok(ExitCode::SUCCESS)
-}
-
-/// The `(Y tok/s)` after `generated:` in `tine generate`'s summary line.
-fn decode_rate(summary: &str) -> Option<f64> {
-    let after = summary.split("generated:").nth(1)?;
-    let open = after.find('(')?;
-    after[open + 1..].split_whitespace().next()?.parse().ok()
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_decode_rate_is_read_from_tine_generates_summary() {
-        let line = "prompt: 5 tokens in 439.7 ms (11.4 tok/s) | generated: 16 tokens in 1855.5 ms (8.1 tok/s) | stop: limit";
-        assert_eq!(super::decode_rate(line), Some(8.1));
-        assert_eq!(super::decode_rate("nothing here"), None);
-    }
 }

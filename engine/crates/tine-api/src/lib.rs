@@ -8,14 +8,24 @@
 use serde::Deserialize;
 use tine_sampling::SamplingParams;
 
-/// A request the client must change: the server answers 400 with this message.
+/// A request the client must change: the server answers 400 with this message, and with the
+/// field at fault as OpenAI's `param` where there is one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct RequestError(pub String);
+#[error("{message}")]
+pub struct RequestError {
+    /// The request field at fault (`logit_bias`, `response_format.type`, ...), if one is.
+    pub param: Option<String>,
+    pub message: String,
+}
 
 impl RequestError {
+    /// An error of the request as a whole (an empty body, malformed JSON).
     fn new(m: impl Into<String>) -> RequestError {
-        RequestError(m.into())
+        RequestError { param: None, message: m.into() }
+    }
+    /// An error of the field `param`.
+    fn on(param: impl Into<String>, m: impl Into<String>) -> RequestError {
+        RequestError { param: Some(param.into()), message: m.into() }
     }
 }
 
@@ -24,7 +34,7 @@ pub fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RequestE
     if body.iter().all(|b| b.is_ascii_whitespace()) {
         return Err(RequestError::new("the request body is empty; send a JSON object"));
     }
-    serde_json::from_slice(body).map_err(|e| RequestError(format!("invalid JSON body: {e}")))
+    serde_json::from_slice(body).map_err(|e| RequestError::new(format!("invalid JSON body: {e}")))
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -70,10 +80,10 @@ impl PromptInput {
                 .collect(),
         };
         if v.is_empty() {
-            return Err(RequestError::new("`prompt` is an empty list"));
+            return Err(RequestError::on("prompt", "`prompt` is an empty list"));
         }
         if v.len() > MAX_CHOICES {
-            return Err(RequestError(format!("at most {MAX_CHOICES} prompts per request, got {}", v.len())));
+            return Err(RequestError::on("prompt", format!("at most {MAX_CHOICES} prompts per request, got {}", v.len())));
         }
         Ok(v)
     }
@@ -149,7 +159,7 @@ impl GenFields {
     pub fn constraint(&self) -> Result<Option<(&'static str, Constraint)>, RequestError> {
         let mut found: Vec<(&str, Constraint)> = Vec::new();
         if let Some(rf) = &self.response_format {
-            let o = rf.as_object().ok_or_else(|| RequestError::new("response_format must be an object with a `type`"))?;
+            let o = rf.as_object().ok_or_else(|| RequestError::on("response_format", "response_format must be an object with a `type`"))?;
             match o.get("type").and_then(|t| t.as_str()) {
                 Some("text") => {}
                 // llama-server takes a `schema` here too.
@@ -159,11 +169,11 @@ impl GenFields {
                         .get("json_schema")
                         .and_then(|j| j.get("schema"))
                         .or_else(|| o.get("schema"))
-                        .ok_or_else(|| RequestError::new("response_format: `json_schema.schema` is required with type json_schema"))?;
+                        .ok_or_else(|| RequestError::on("response_format", "response_format: `json_schema.schema` is required with type json_schema"))?;
                     found.push(("response_format", Constraint::JsonSchema(schema.clone())));
                 }
-                Some(other) => return Err(RequestError(format!("response_format.type must be text, json_object or json_schema, got {other:?}"))),
-                None => return Err(RequestError::new("response_format.type is required")),
+                Some(other) => return Err(RequestError::on("response_format.type", format!("response_format.type must be text, json_object or json_schema, got {other:?}"))),
+                None => return Err(RequestError::on("response_format.type", "response_format.type is required")),
             }
         }
         if let Some(schema) = &self.json_schema {
@@ -176,7 +186,7 @@ impl GenFields {
         match found.len() {
             0 => Ok(None),
             1 => Ok(found.pop()),
-            _ => Err(RequestError(format!("only one of {} may constrain the output", found.iter().map(|f| f.0).collect::<Vec<_>>().join(" and ")))),
+            _ => Err(RequestError::new(format!("only one of {} may constrain the output", found.iter().map(|f| f.0).collect::<Vec<_>>().join(" and ")))),
         }
     }
 }
@@ -204,9 +214,9 @@ fn bias_value(v: &serde_json::Value) -> Result<f32, RequestError> {
         serde_json::Value::Bool(false) => Ok(f32::NEG_INFINITY),
         serde_json::Value::Number(n) => match n.as_f64() {
             Some(b) if (-MAX_LOGIT_BIAS..=MAX_LOGIT_BIAS).contains(&b) => Ok(b as f32),
-            _ => Err(RequestError(format!("logit_bias: a bias must lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {n}"))),
+            _ => Err(RequestError::on("logit_bias", format!("logit_bias: a bias must lie in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {n}"))),
         },
-        other => Err(RequestError(format!("logit_bias: a bias is a number or false, got {other}"))),
+        other => Err(RequestError::on("logit_bias", format!("logit_bias: a bias is a number or false, got {other}"))),
     }
 }
 
@@ -216,7 +226,7 @@ impl LogitBiasInput {
             LogitBiasInput::Map(m) => m
                 .iter()
                 .map(|(k, v)| {
-                    let id = k.trim().parse::<i64>().map_err(|_| RequestError(format!("logit_bias: key {k:?} is not a token id")))?;
+                    let id = k.trim().parse::<i64>().map_err(|_| RequestError::on("logit_bias", format!("logit_bias: key {k:?} is not a token id")))?;
                     Ok((BiasTarget::Id(id), bias_value(v)?))
                 })
                 .collect(),
@@ -224,9 +234,9 @@ impl LogitBiasInput {
                 .iter()
                 .map(|(t, v)| {
                     let target = match t {
-                        serde_json::Value::Number(n) => BiasTarget::Id(n.as_i64().ok_or_else(|| RequestError(format!("logit_bias: token {n} is not a token id")))?),
+                        serde_json::Value::Number(n) => BiasTarget::Id(n.as_i64().ok_or_else(|| RequestError::on("logit_bias", format!("logit_bias: token {n} is not a token id")))?),
                         serde_json::Value::String(s) => BiasTarget::Text(s.clone()),
-                        other => return Err(RequestError(format!("logit_bias: a token is an id or a text, got {other}"))),
+                        other => return Err(RequestError::on("logit_bias", format!("logit_bias: a token is an id or a text, got {other}"))),
                     };
                     Ok((target, bias_value(v)?))
                 })
@@ -296,7 +306,7 @@ impl GenFields {
         self.choices()?;
         let n_predict = self.n_predict.or(self.max_completion_tokens).or(self.max_tokens).unwrap_or(defaults.n_predict);
         if n_predict < -1 {
-            return Err(RequestError(format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
+            return Err(RequestError::on("n_predict", format!("n_predict must be -1 (no limit) or >= 0, got {n_predict}")));
         }
         let d = &defaults.sampling;
         let sampling = SamplingParams {
@@ -315,20 +325,20 @@ impl GenFields {
                 None => d.seed,
             },
         };
-        sampling.validate().map_err(|e| RequestError(e.to_string()))?;
+        sampling.validate().map_err(|e| RequestError::on(e.param(), e.to_string()))?;
         if self.n_probs > MAX_N_PROBS {
-            return Err(RequestError(format!("n_probs must be at most {MAX_N_PROBS}, got {}", self.n_probs)));
+            return Err(RequestError::on("n_probs", format!("n_probs must be at most {MAX_N_PROBS}, got {}", self.n_probs)));
         }
         let in_range = |name: &str, n: i64| -> Result<usize, RequestError> {
             if (0..=MAX_N_PROBS as i64).contains(&n) {
                 Ok(n as usize)
             } else {
-                Err(RequestError(format!("{name} must lie in 0..={MAX_N_PROBS}, got {n}")))
+                Err(RequestError::on(name, format!("{name} must lie in 0..={MAX_N_PROBS}, got {n}")))
             }
         };
         let logprobs = match (self.logprobs, self.top_logprobs) {
             (None | Some(LogprobsInput::On(false)), None) => None,
-            (None | Some(LogprobsInput::On(false)), Some(_)) => return Err(RequestError::new("top_logprobs needs `logprobs: true`")),
+            (None | Some(LogprobsInput::On(false)), Some(_)) => return Err(RequestError::on("top_logprobs", "top_logprobs needs `logprobs: true`")),
             (Some(LogprobsInput::On(true)), top) => Some(in_range("top_logprobs", top.unwrap_or(0))?),
             (Some(LogprobsInput::Top(n)), top) => Some(in_range("top_logprobs", top.unwrap_or(0))?.max(in_range("logprobs", n)?)),
         };
@@ -352,7 +362,7 @@ impl GenFields {
             constraint: self.constraint()?,
             n_keep: match self.n_keep.unwrap_or(defaults.n_keep) {
                 n @ -1..=0x7fff_ffff => n as i32,
-                n => return Err(RequestError(format!("n_keep must be -1 (the whole prompt) or >= 0, got {n}"))),
+                n => return Err(RequestError::on("n_keep", format!("n_keep must be -1 (the whole prompt) or >= 0, got {n}"))),
             },
         })
     }
@@ -362,7 +372,7 @@ impl GenFields {
         match self.n {
             None => Ok(1),
             Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => Ok(n as usize),
-            Some(n) => Err(RequestError(format!("n must lie in 1..={MAX_CHOICES}, got n = {n}"))),
+            Some(n) => Err(RequestError::on("n", format!("n must lie in 1..={MAX_CHOICES}, got n = {n}"))),
         }
     }
 
@@ -389,15 +399,15 @@ pub struct CompletionBody {
 impl CompletionBody {
     pub fn prompts(&mut self) -> Result<Vec<Prompt>, RequestError> {
         if self.echo {
-            return Err(RequestError::new("echo: echoing the prompt back is not supported"));
+            return Err(RequestError::on("echo", "echo: echoing the prompt back is not supported"));
         }
         if let Some(b) = self.best_of.filter(|&b| b != 1) {
-            return Err(RequestError(format!("best_of: only 1 is supported, got {b}")));
+            return Err(RequestError::on("best_of", format!("best_of: only 1 is supported, got {b}")));
         }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-            return Err(RequestError::new("suffix: insertion after a suffix is not supported"));
+            return Err(RequestError::on("suffix", "suffix: insertion after a suffix is not supported"));
         }
-        self.prompt.take().ok_or_else(|| RequestError::new("`prompt` is required"))?.into_prompts()
+        self.prompt.take().ok_or_else(|| RequestError::on("prompt", "`prompt` is required"))?.into_prompts()
     }
 }
 
@@ -446,7 +456,7 @@ impl ChatMessage {
             Some(ContentInput::Text(t)) => Ok(t.clone()),
             Some(ContentInput::Parts(parts)) => {
                 if let Some(p) = parts.iter().find(|p| p.kind != "text") {
-                    return Err(RequestError(format!("content parts of type `{}` are not supported: this model reads text only", p.kind)));
+                    return Err(RequestError::on("messages", format!("content parts of type `{}` are not supported: this model reads text only", p.kind)));
                 }
                 Ok(parts.iter().map(|p| p.text.as_str()).collect())
             }
@@ -492,22 +502,22 @@ impl ChatBody {
                     .get("function")
                     .and_then(|f| f.get("name"))
                     .and_then(|n| n.as_str())
-                    .ok_or_else(|| RequestError::new("tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}"))?;
+                    .ok_or_else(|| RequestError::on("tool_choice", "tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}"))?;
                 let found: Vec<&Value> = tools.iter().filter(|t| name_of(t).as_deref() == Some(want)).collect();
                 if found.is_empty() {
-                    return Err(RequestError(format!("tool_choice: no tool is named {want:?}")));
+                    return Err(RequestError::on("tool_choice", format!("tool_choice: no tool is named {want:?}")));
                 }
                 found
             }
-            Some(other) => return Err(RequestError(format!("tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {other}"))),
+            Some(other) => return Err(RequestError::on("tool_choice", format!("tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {other}"))),
         };
         if allowed.is_empty() {
-            return Err(RequestError::new("tool_choice: a call is required but `tools` is empty"));
+            return Err(RequestError::on("tool_choice", "tool_choice: a call is required but `tools` is empty"));
         }
         let alternatives = allowed
             .iter()
             .map(|t| {
-                let name = name_of(t).ok_or_else(|| RequestError::new("tools: every tool needs `function.name`"))?;
+                let name = name_of(t).ok_or_else(|| RequestError::on("tools", "tools: every tool needs `function.name`"))?;
                 let params = t.get("function").and_then(|f| f.get("parameters")).cloned().unwrap_or_else(|| json!({"type": "object"}));
                 Ok(json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params}, "required": ["name", "arguments"], "additionalProperties": false}))
             })
@@ -543,7 +553,7 @@ pub struct DetokenizeBody {
 /// Token ids from a client, checked against a vocabulary of `vocab` tokens.
 pub fn check_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, RequestError> {
     let v = vocab as i64;
-    ids.iter().map(|&t| if (0..v).contains(&t) { Ok(t as u32) } else { Err(RequestError(format!("token id {t} is outside the vocabulary (0..{vocab})"))) }).collect()
+    ids.iter().map(|&t| if (0..v).contains(&t) { Ok(t as u32) } else { Err(RequestError::new(format!("token id {t} is outside the vocabulary (0..{vocab})"))) }).collect()
 }
 
 /// The endpoints that take a body.

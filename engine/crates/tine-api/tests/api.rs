@@ -44,7 +44,7 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         let got = decode_any(*ep, body.as_bytes(), 300);
         match (want, &got) {
             (Ok(needle), Ok(summary)) => assert!(summary.contains(needle), "{ep:?} {body}: {summary}"),
-            (Err(needle), Err(e)) => assert!(e.0.contains(needle), "{ep:?} {body}: {e}"),
+            (Err(needle), Err(e)) => assert!(e.message.contains(needle), "{ep:?} {body}: {e}"),
             _ => panic!("{ep:?} {body}: want {want:?}, got {got:?}"),
         }
     }

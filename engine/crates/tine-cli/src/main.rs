@@ -9,7 +9,6 @@ mod spec_bench;
 
 use anyhow::Context as _;
 use clap::{Args, Parser, Subcommand};
-use tine_engine::chat::{render_gemma, Message};
 use tine_engine::{GenerateRequest, Generation};
 use tine_runtime::Model;
 use tine_sampling::SamplingParams;
@@ -333,7 +332,8 @@ struct GenerateArgs {
     /// Read the prompt as token ids from a JSON array file instead (benchmarks use this).
     #[arg(long, value_name = "FILE", conflicts_with = "chat")]
     prompt_ids: Option<PathBuf>,
-    /// Wrap the prompt in a Gemma chat turn (`<start_of_turn>user …`).
+    /// Wrap the prompt in a user turn of the model's chat template (the GGUF's
+    /// `tokenizer.chat_template`, else Gemma's turns), as `tine serve` renders chats.
     #[arg(long)]
     chat: bool,
     /// Tokens to generate (-1: until end of generation).
@@ -391,6 +391,16 @@ struct LogitEquivArgs {
     json: Option<PathBuf>,
 }
 
+/// Writes `bytes` to `path` through a temporary file beside it and a rename, so a reader
+/// never sees half a report.
+pub(crate) fn write_atomically(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))
+}
+
 /// `--model`, or the cached default model.
 fn model_path(args: &ModelArgs) -> anyhow::Result<PathBuf> {
     match &args.model {
@@ -436,8 +446,9 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         parse_ids(&text).with_context(|| format!("{} is not a JSON array of token ids", file.display()))?
     } else if a.chat {
-        let text = render_gemma(&[Message { role: "user".into(), content: a.prompt.clone() }], true)?;
-        model.tokenizer.encode(&text, false, true)
+        // The model's chat template, as the server renders it.
+        let template = tine_engine::template::ChatTemplate::for_model(&model, None);
+        template.prompt(&model, &[serde_json::json!({"role": "user", "content": a.prompt})], None)?.1
     } else {
         model.tokenizer.encode(&a.prompt, true, true)
     };
@@ -465,15 +476,25 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     writeln!(out)?;
     let t = g.timings();
     if let Some(path) = &a.json {
-        let doc = serde_json::json!({
-            "model": model.info.path, "device": tine_runtime::describe_device(model.device()), "engine": model.engine(),
-            "prompt_ids": prompt_ids, "ids": g.tokens(), "stop": g.stop_type().map(|s| s.as_str()),
-            "first_token_ms": first_token_ms, "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
-            "prompt_per_second": t.prompt_per_second(), "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms,
-            "predicted_per_second": t.predicted_per_second(),
-            "draft_n": t.draft.draft_n, "draft_n_accepted": t.draft.draft_n_accepted, "draft_verify_steps": t.draft.draft_verify_steps,
-        });
-        std::fs::write(path, serde_json::to_string(&doc)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+        let doc = tine_report::GenerateReport {
+            model: model.info.path.display().to_string(),
+            device: tine_runtime::describe_device(model.device()),
+            engine: model.engine().to_string(),
+            prompt_ids: prompt_ids.clone(),
+            ids: g.tokens().to_vec(),
+            stop: g.stop_type().map(|s| s.as_str().to_owned()),
+            first_token_ms,
+            prompt_n: t.prompt_n,
+            prompt_ms: t.prompt_ms,
+            prompt_per_second: t.prompt_per_second(),
+            predicted_n: t.predicted_n,
+            predicted_ms: t.predicted_ms,
+            predicted_per_second: t.predicted_per_second(),
+            draft_n: t.draft.draft_n,
+            draft_n_accepted: t.draft.draft_n_accepted,
+            draft_verify_steps: t.draft.draft_verify_steps,
+        };
+        write_atomically(path, (serde_json::to_string(&doc)? + "\n").as_bytes())?;
     }
     eprintln!(
         "prompt: {} tokens in {:.1} ms ({:.1} tok/s) | generated: {} tokens in {:.1} ms ({:.1} tok/s) | stop: {}",
@@ -609,21 +630,27 @@ fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
                 stats.accept_rate(),
                 stats.tau()
             );
-            results.push(serde_json::json!({
-                "spec_type": cfg.spec_type.as_str(), "depth": depth, "positions": total.positions,
-                "real_disagreements": total.real_disagreements, "real_frac": total.real_frac,
-                "frac_full_agree": total.frac_full_agree, "mean_top1_mae": total.mean_top1_mae,
-                "max_abs_logit_diff": total.max_abs_logit_diff, "greedy_identical_prompts": identical,
-                "prompts": encoded.len(), "draft_n": stats.draft_n, "draft_n_accepted": stats.draft_n_accepted,
-                "draft_verify_steps": stats.draft_verify_steps, "exact": total.is_exact(),
-            }));
+            results.push(tine_report::LogitEquivRow {
+                spec_type: cfg.spec_type.as_str().to_owned(),
+                depth,
+                positions: total.positions,
+                real_disagreements: total.real_disagreements,
+                real_frac: total.real_frac,
+                frac_full_agree: total.frac_full_agree,
+                mean_top1_mae: total.mean_top1_mae,
+                max_abs_logit_diff: total.max_abs_logit_diff,
+                greedy_identical_prompts: identical,
+                prompts: encoded.len(),
+                draft_n: stats.draft_n,
+                draft_n_accepted: stats.draft_n_accepted,
+                draft_verify_steps: stats.draft_verify_steps,
+                exact: total.is_exact(),
+            });
         }
     }
     if let Some(path) = &a.json {
-        let doc = serde_json::json!({"model": model.info.path, "n_predict": a.n_predict, "tie_margin": a.tie_margin, "results": results, "exact": all_exact});
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, path).with_context(|| format!("writing {}", path.display()))?;
+        let doc = tine_report::LogitEquivReport { model: model.info.path.display().to_string(), n_predict: a.n_predict, tie_margin: a.tie_margin, results, exact: all_exact };
+        write_atomically(path, serde_json::to_string_pretty(&doc)?.as_bytes())?;
     }
     println!("{}", if all_exact { "logit-equiv: exact (every figure zero, greedy output identical)" } else { "logit-equiv: NOT exact" });
     Ok(all_exact)

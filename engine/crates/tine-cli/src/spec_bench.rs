@@ -7,7 +7,6 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 use clap::Args;
-use tine_engine::chat::{render_gemma, Message};
 use tine_spec::{DraftInput, DraftParams, Drafter, SpecConfig, SpecError, SpecFactory, SpecStats, SpecType, Speculator};
 
 #[derive(Args)]
@@ -237,15 +236,13 @@ fn draft_step_costs(model: &tine_runtime::Model, head: &std::path::Path, out: Op
     report(&md, &serde_json::json!(json), out)
 }
 
-/// Prints the Markdown report and, with `--out`, writes it (atomically) and its JSON beside it.
-fn report(md: &str, json: &serde_json::Value, out: Option<&PathBuf>) -> anyhow::Result<()> {
+/// Prints the Markdown report and, with `--out`, writes it and its JSON beside it (each
+/// atomically).
+fn report(md: &str, json: &impl serde::Serialize, out: Option<&PathBuf>) -> anyhow::Result<()> {
     print!("{md}");
     if let Some(out) = out {
-        let tmp = out.with_extension("md.tmp");
-        std::fs::write(&tmp, md).with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, out)?;
-        let j = out.with_extension("json");
-        std::fs::write(&j, serde_json::to_string_pretty(json)?).with_context(|| format!("writing {}", j.display()))?;
+        crate::write_atomically(out, md.as_bytes())?;
+        crate::write_atomically(&out.with_extension("json"), serde_json::to_string_pretty(json)?.as_bytes())?;
     }
     Ok(())
 }
@@ -262,8 +259,9 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
         return draft_step_costs(&model, head, a.out.as_ref());
     }
     let prompts: Vec<_> = prompts().into_iter().filter(|p| a.sets.iter().any(|s| s == p.0)).collect();
-    let encoded: Vec<Vec<u32>> =
-        prompts.iter().map(|p| Ok(model.tokenizer.encode(&render_gemma(&[Message { role: "user".into(), content: p.2.clone() }], true)?, false, true))).collect::<anyhow::Result<_>>()?;
+    // The model's chat template, as `tine serve` renders chats.
+    let template = tine_engine::template::ChatTemplate::for_model(&model, None);
+    let encoded: Vec<Vec<u32>> = prompts.iter().map(|p| Ok(template.prompt(&model, &[serde_json::json!({"role": "user", "content": p.2})], None)?.1)).collect::<anyhow::Result<_>>()?;
     let mut factories: BTreeMap<String, SpecFactory> = BTreeMap::new();
     for t in &a.types {
         if t == "reject" {
@@ -376,7 +374,21 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
             let v = tps(c);
             let (acc, tau) = if c.kind == "plain" { ("-".to_string(), "1".to_string()) } else { (format!("{:.3}", st.accept_rate()), format!("{:.2}", st.tau())) };
             writeln!(md, "| {} | {} | {acc} | {tau} | {v:.1} | {:.2}x | {ident}/{} |", c.temperature, c.label(), v / plain_tps, idx.len() * a.rounds)?;
-            json_rows.push(serde_json::json!({"set": set, "temperature": c.temperature, "config": c.label(), "adaptive": c.adaptive, "accept": st.accept_rate(), "tau": st.tau(), "tps": v, "speedup": v / plain_tps, "draft_n": st.draft_n, "draft_n_accepted": st.draft_n_accepted, "draft_verify_steps": st.draft_verify_steps, "identical": ident, "runs": idx.len() * a.rounds}));
+            json_rows.push(tine_report::SpecBenchRow {
+                set: set.to_owned(),
+                temperature: c.temperature,
+                config: c.label(),
+                adaptive: c.adaptive,
+                accept: st.accept_rate(),
+                tau: st.tau(),
+                tps: v,
+                speedup: v / plain_tps,
+                draft_n: st.draft_n,
+                draft_n_accepted: st.draft_n_accepted,
+                draft_verify_steps: st.draft_verify_steps,
+                identical: ident,
+                runs: idx.len() * a.rounds,
+            });
         }
         writeln!(md)?;
         // Per prompt: the best depth of each type.
@@ -401,5 +413,5 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
         }
         writeln!(md)?;
     }
-    report(&md, &serde_json::json!({"n_predict": a.n_predict, "rounds": a.rounds, "rows": json_rows}), a.out.as_ref())
+    report(&md, &tine_report::SpecBenchReport { n_predict: a.n_predict, rounds: a.rounds, rows: json_rows }, a.out.as_ref())
 }

@@ -11,7 +11,8 @@ use tine_spec::{SpecError, SpecStats, Speculator};
 use crate::grammar::{Grammar, GrammarError};
 use crate::stop::StopMatcher;
 
-/// A validated generation request over token ids.
+/// A generation request over token ids, as a caller builds it; [`GenerateRequest::validate`]
+/// turns it into the [`ValidRequest`] a generation runs.
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
     pub prompt: Vec<u32>,
@@ -55,6 +56,46 @@ impl GenerateRequest {
             context_shift: false,
             n_keep: 0,
         }
+    }
+
+    /// Every check of the request against a sequence of `context` positions, done once: the
+    /// prompt is not empty and leaves room to generate, `n_predict` is -1 or a count, the
+    /// sampling parameters are in range. A server runs it at its edge; [`Generation`] takes only
+    /// what it returns.
+    pub fn validate(self, context: usize) -> Result<ValidRequest, GenerateError> {
+        if self.prompt.is_empty() {
+            return Err(GenerateError::EmptyPrompt);
+        }
+        if self.prompt.len() >= context {
+            return Err(GenerateError::PromptTooLong { prompt: self.prompt.len(), context });
+        }
+        if self.n_predict < -1 {
+            return Err(GenerateError::BadNPredict(self.n_predict));
+        }
+        self.sampling.validate()?;
+        Ok(ValidRequest { request: self, context })
+    }
+}
+
+/// A [`GenerateRequest`] that passed [`GenerateRequest::validate`] for a context size: the only
+/// way to make one, and read-only after (it dereferences to the request).
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    request: GenerateRequest,
+    context: usize,
+}
+
+impl ValidRequest {
+    /// The context size it was validated for.
+    pub fn context(&self) -> usize {
+        self.context
+    }
+}
+
+impl std::ops::Deref for ValidRequest {
+    type Target = GenerateRequest;
+    fn deref(&self) -> &GenerateRequest {
+        &self.request
     }
 }
 
@@ -139,6 +180,9 @@ pub enum GenerateError {
     Spec(#[from] SpecError),
     #[error(transparent)]
     Grammar(#[from] GrammarError),
+    /// A broken invariant (a bug) caught where the request ran; its slot starts afresh.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 /// What one step produced.
@@ -200,6 +244,7 @@ impl Generation {
     /// [`Generation::step_with`] on every step).
     pub fn start_with(model: &Model, seq: &mut Sequence, req: GenerateRequest, spec: Option<&mut Speculator>) -> Result<Generation, GenerateError> {
         let mut spec = spec;
+        let req = req.validate(seq.context())?;
         let mut g = Self::begin_with(seq, req, spec.as_deref_mut(), PREFILL_CHUNK)?;
         while g.is_prefilling() {
             g.prefill_step(model, seq, spec.as_deref_mut())?;
@@ -207,21 +252,15 @@ impl Generation {
         Ok(g)
     }
 
-    /// Validates the request and rolls `seq` back to the prefix it can reuse, without
-    /// evaluating anything: the prompt is then evaluated `chunk` tokens per
-    /// [`Generation::step_with`] call (each returns an empty event until it is done), so a
-    /// scheduler can interleave a long prompt with other sequences' decode steps.
-    pub fn begin_with(seq: &mut Sequence, req: GenerateRequest, spec: Option<&mut Speculator>, chunk: usize) -> Result<Generation, GenerateError> {
-        if req.prompt.is_empty() {
-            return Err(GenerateError::EmptyPrompt);
+    /// Rolls `seq` back to the prefix the validated request can reuse, without evaluating
+    /// anything: the prompt is then evaluated `chunk` tokens per [`Generation::step_with`] call
+    /// (each returns an empty event until it is done), so a scheduler can interleave a long
+    /// prompt with other sequences' decode steps. `req` was validated for `seq`'s context size.
+    pub fn begin_with(seq: &mut Sequence, req: ValidRequest, spec: Option<&mut Speculator>, chunk: usize) -> Result<Generation, GenerateError> {
+        if req.context != seq.context() {
+            return Err(GenerateError::Internal(format!("a request validated for a context of {} run in a sequence of {}", req.context, seq.context())));
         }
-        if req.prompt.len() >= seq.context() {
-            return Err(GenerateError::PromptTooLong { prompt: req.prompt.len(), context: seq.context() });
-        }
-        if req.n_predict < -1 {
-            return Err(GenerateError::BadNPredict(req.n_predict));
-        }
-        req.sampling.validate()?;
+        let req = req.request;
         let common = if req.cache_prompt { common_prefix(seq.tokens(), &req.prompt) } else { 0 };
         // The last prompt token is always evaluated: its logits start the generation.
         let mut keep = common.min(req.prompt.len() - 1);

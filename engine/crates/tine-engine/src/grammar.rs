@@ -96,7 +96,7 @@ impl Grammars {
     /// Compiles one request's grammar.
     pub fn compile(&self, spec: &GrammarSpec) -> Result<Grammar, GrammarError> {
         let top = match spec {
-            GrammarSpec::JsonSchema(v) => TopLevelGrammar::from_json_schema(bounded_whitespace(v)),
+            GrammarSpec::JsonSchema(v) => TopLevelGrammar::from_json_schema(bounded_numbers(bounded_whitespace(v))),
             GrammarSpec::Lark(s) => TopLevelGrammar::from_lark(s.clone()),
             GrammarSpec::Regex(s) => TopLevelGrammar::from_regex(s),
             GrammarSpec::Gbnf(s) => TopLevelGrammar::from_lark(gbnf_to_lark(s)?),
@@ -120,6 +120,74 @@ fn bounded_whitespace(schema: &serde_json::Value) -> serde_json::Value {
         o.entry("x-guidance").or_insert_with(|| serde_json::json!({"whitespace_pattern": "( |\\n[ \\t]{0,20})"}));
     }
     v
+}
+
+/// The most digits llama.cpp's schema grammars let an integer part have (`[1-9] [0-9]{0,15}`).
+pub const JSON_INTEGER_DIGITS: i32 = 16;
+
+/// The most digits a fraction gets here. llama.cpp allows 16 (`DECIMALS_MAX_DIGITS`); llguidance
+/// reads `multipleOf` through an f64, multiplying by ten until it is whole, which is exact only
+/// down to 1e-10 (1e-11 already gives 9999999999999998 x 1e-27).
+pub const JSON_FRACTION_DIGITS: i32 = 10;
+
+/// llguidance lets a JSON number have any count of digits; a small model can then write a
+/// 40-digit "age" until the token limit cuts the JSON. Unless a schema bounds a number itself,
+/// its integer part is bounded to [`JSON_INTEGER_DIGITS`] digits as llama.cpp's schema grammars
+/// bound it (an absent `minimum` or `maximum` becomes an exclusive bound of ±1e16) and a
+/// `number`'s fraction to [`JSON_FRACTION_DIGITS`] (an absent `multipleOf` becomes 1e-10).
+/// Unlike llama.cpp's, such a number has no exponent (llguidance's bounded ranges and
+/// `multipleOf` read plain decimals). Only subschemas in schema positions are touched, never
+/// `enum`/`const`/`default` data.
+pub fn bounded_numbers(mut schema: serde_json::Value) -> serde_json::Value {
+    bound_numbers_in(&mut schema);
+    schema
+}
+
+fn bound_numbers_in(schema: &mut serde_json::Value) {
+    use serde_json::{json, Value};
+    let Some(o) = schema.as_object_mut() else { return };
+    let types: Vec<&str> = match o.get("type") {
+        Some(Value::String(t)) => vec![t.as_str()],
+        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+        _ => Vec::new(),
+    };
+    let (integer, number) = (types.contains(&"integer"), types.contains(&"number"));
+    if integer || number {
+        let limit = 10f64.powi(JSON_INTEGER_DIGITS);
+        // A draft-4 boolean `exclusiveMinimum`/`exclusiveMaximum` modifies the schema's own bound.
+        let num = |k: &str| o.get(k).and_then(Value::as_f64);
+        let (low, high) = (num("minimum").or(num("exclusiveMinimum")), num("maximum").or(num("exclusiveMaximum")));
+        let bounded_low = o.contains_key("minimum") || o.contains_key("exclusiveMinimum");
+        let bounded_high = o.contains_key("maximum") || o.contains_key("exclusiveMaximum");
+        if !bounded_low && high.is_none_or(|h| h > -limit) {
+            o.insert("exclusiveMinimum".into(), json!(-limit));
+        }
+        if !bounded_high && low.is_none_or(|l| l < limit) {
+            o.insert("exclusiveMaximum".into(), json!(limit));
+        }
+        if number && !o.contains_key("multipleOf") {
+            o.insert("multipleOf".into(), json!(10f64.powi(-JSON_FRACTION_DIGITS)));
+        }
+    }
+    for (key, value) in o.iter_mut() {
+        match key.as_str() {
+            "items" | "additionalItems" | "additionalProperties" | "contains" | "not" | "if" | "then" | "else" | "propertyNames" | "unevaluatedItems" | "unevaluatedProperties" => match value {
+                Value::Array(schemas) => schemas.iter_mut().for_each(bound_numbers_in),
+                v => bound_numbers_in(v),
+            },
+            "allOf" | "anyOf" | "oneOf" | "prefixItems" => {
+                if let Value::Array(schemas) = value {
+                    schemas.iter_mut().for_each(bound_numbers_in);
+                }
+            }
+            "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                if let Value::Object(map) = value {
+                    map.values_mut().for_each(bound_numbers_in);
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
 /// One request's parser state.

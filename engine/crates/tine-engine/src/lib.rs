@@ -11,7 +11,7 @@ pub mod grammar;
 mod stop;
 pub mod template;
 
-pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, Timings, TokenProb};
+pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, Timings, TokenProb, ValidRequest};
 pub use stop::StopMatcher;
 
 /// `e` and its sources on one line (it lives in tine-runtime, which also needs it).

@@ -75,6 +75,40 @@ impl ChatTemplate {
         }
     }
 
+    /// The template `model`'s chats use, the same for `tine generate --chat`, `spec-bench` and
+    /// the server: `overriding` (`--chat-template`) if given, else the GGUF's
+    /// `tokenizer.chat_template` when it parses, else Gemma's turns (with a warning on stderr
+    /// naming why).
+    pub fn for_model(model: &tine_runtime::Model, overriding: Option<ChatTemplate>) -> ChatTemplate {
+        overriding.unwrap_or_else(|| {
+            let t = ChatTemplate::from_gguf(model.info.chat_template.as_deref());
+            match t.check() {
+                Ok(()) => t,
+                Err(e) => {
+                    eprintln!("warning: {}: {e}; chat requests use Gemma's turns instead", model.info.path.display());
+                    ChatTemplate::Gemma
+                }
+            }
+        })
+    }
+
+    /// A chat's prompt for `model`: `messages` (OpenAI messages as JSON) rendered with an open
+    /// assistant turn, then tokenized with special tokens parsed and BOS in front if the
+    /// template left it out. Returns the text and the ids.
+    pub fn prompt(&self, model: &tine_runtime::Model, messages: &[Value], tools: Option<&Value>) -> Result<(String, Vec<u32>), TemplateError> {
+        let tok = &model.tokenizer;
+        let bos = tok.bos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
+        let eos = tok.eos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
+        let text = self.render(&RenderInput { messages, tools, add_generation_prompt: true, bos_token: bos, eos_token: eos })?;
+        let mut ids = tok.encode(&text, false, true);
+        if let Some(b) = tok.bos_token() {
+            if ids.first() != Some(&b) {
+                ids.insert(0, b);
+            }
+        }
+        Ok((text, ids))
+    }
+
     /// `--chat-template NAME|FILE`: `gemma`, `chatml`, or a Jinja file.
     pub fn named(spec: &str) -> Result<ChatTemplate, TemplateError> {
         let t = match spec {

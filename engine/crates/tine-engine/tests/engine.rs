@@ -133,7 +133,8 @@ fn a_prompt_begun_in_ubatches_is_evaluated_one_chunk_per_step_and_generates_the_
         for ubatch in [1, 3, 7, prompt.len()] {
             let mut seq = model.new_sequence(256);
             let mut spec = factory.as_ref().map(|f| f.speculator(&model, 256).expect("speculator"));
-            let mut g = Generation::begin_with(&mut seq, req.clone(), spec.as_mut(), ubatch).expect("begin");
+            let valid = req.clone().validate(seq.context()).expect("valid");
+            let mut g = Generation::begin_with(&mut seq, valid, spec.as_mut(), ubatch).expect("begin");
             assert!(seq.is_empty(), "begin_with evaluates nothing");
             let mut prefill_steps = 0;
             while g.is_prefilling() {

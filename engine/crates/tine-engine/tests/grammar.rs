@@ -100,6 +100,48 @@ fn malformed_gbnf_is_refused_with_its_line() {
     assert!(matches!(g.compile(&GrammarSpec::Lark("start: undefined_rule".into())), Err(GrammarError::Compile(_))));
 }
 
+/// Issue 30: a 270M model wrote a 40-digit "age" under `{"type": "integer"}` until max_tokens
+/// cut the JSON. Numbers are bounded wherever the schema leaves them unbounded (16 digits in the
+/// integer part, as llama.cpp's schema grammars; 10 in a fraction, see `JSON_FRACTION_DIGITS`),
+/// nested schemas and `$defs` included; a schema's own bounds stand.
+#[test]
+fn json_schema_numbers_are_bounded_to_llama_cpps_digits_unless_the_schema_bounds_them() {
+    use serde_json::json;
+    let f = fixture();
+    let g = Grammars::new(&f.model).expect("trie");
+    let d16 = "9".repeat(16);
+    let d17 = "9".repeat(17);
+    let frac16 = format!("0.{}", "3".repeat(10));
+    let frac17 = format!("0.{}", "3".repeat(11));
+    let cases: Vec<(serde_json::Value, Vec<String>, Vec<String>)> = vec![
+        (json!({"type": "integer"}), vec!["0".into(), "-7".into(), d16.clone(), format!("-{d16}")], vec![d17.clone(), format!("-{d17}"), "1.5".into()]),
+        (json!({"type": "number"}), vec!["0".into(), "42".into(), "-3.25".into(), d16.clone(), frac16.clone()], vec![d17.clone(), frac17.clone()]),
+        (json!({"type": ["integer", "null"]}), vec![d16.clone(), "null".into()], vec![d17.clone()]),
+        // The schema's own bounds stand, on either side.
+        (json!({"type": "integer", "maximum": 1e18}), vec![format!("{d17}9")], vec![format!("-{d17}"), format!("{d17}99")]),
+        (json!({"type": "integer", "minimum": 0}), vec![d16.clone()], vec![d17.clone(), "-1".into()]),
+        (json!({"type": "number", "multipleOf": 0.5}), vec!["2.5".into()], vec!["2.25".into(), d17.clone()]),
+        // Nested: properties, items, anyOf and $defs.
+        (
+            json!({"type": "object", "properties": {"age": {"type": "integer"}, "xs": {"type": "array", "items": {"$ref": "#/$defs/n"}}}, "required": ["age", "xs"], "additionalProperties": false, "$defs": {"n": {"anyOf": [{"type": "number"}, {"type": "string"}]}}}),
+            vec![format!("{{\"age\": {d16}, \"xs\": [{frac16}, \"a\"]}}")],
+            vec![format!("{{\"age\": {d17}, \"xs\": []}}"), format!("{{\"age\": 1, \"xs\": [{frac17}]}}")],
+        ),
+    ];
+    for (schema, yes, no) in cases {
+        let spec = GrammarSpec::JsonSchema(schema.clone());
+        for s in &yes {
+            assert!(accepts(&g, &f.model, &spec, s), "{schema} must accept {s}");
+        }
+        for s in &no {
+            assert!(!accepts(&g, &f.model, &spec, s), "{schema} must refuse {s}");
+        }
+    }
+    // Data is not a schema: an enum of objects keeps its objects as they are.
+    let e = json!({"enum": [{"type": "integer"}]});
+    assert_eq!(tine_engine::grammar::bounded_numbers(e.clone()), e);
+}
+
 /// A schema whose every instance is short, so generation from random weights ends.
 fn schema() -> serde_json::Value {
     serde_json::json!({

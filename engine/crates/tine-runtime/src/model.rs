@@ -270,6 +270,11 @@ fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
     ct.metadata.get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize)
 }
 
+/// FNV-1a 64: the model's tail hash and the slot file's checksum.
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
+}
+
 fn tail_hash(mut file: &File, size: u64) -> std::io::Result<u64> {
     use std::io::{Read, Seek, SeekFrom};
     let n = size.min(4 << 20);
@@ -277,7 +282,7 @@ fn tail_hash(mut file: &File, size: u64) -> std::io::Result<u64> {
     let mut buf = vec![0u8; n as usize];
     file.read_exact(&mut buf)?;
     file.seek(SeekFrom::Start(0))?;
-    Ok(crate::slot_file::fnv1a(&buf))
+    Ok(fnv1a(&buf))
 }
 
 impl Model {
@@ -540,9 +545,25 @@ impl Model {
                 let context = context.min(gpu.max_context());
                 let seq = gpu.new_seq(context).expect("GPU memory for a sequence's KV cache");
                 // candle's cache stays empty: the engine's holds the positions.
-                Sequence { cache: self.new_cache_for(1), tokens: Vec::new(), context, fail_after: None, gpu: Some(seq), on_cpu: false }
+                Sequence {
+                    cache: self.new_cache_for(1),
+                    tokens: Vec::new(),
+                    context,
+                    #[cfg(feature = "failure-injection")]
+                    fail_after: None,
+                    gpu: Some(seq),
+                    on_cpu: false,
+                }
             }
-            None => Sequence { cache: self.new_cache_for(context), tokens: Vec::new(), context, fail_after: None, gpu: None, on_cpu: self.device.is_cpu() },
+            None => Sequence {
+                cache: self.new_cache_for(context),
+                tokens: Vec::new(),
+                context,
+                #[cfg(feature = "failure-injection")]
+                fail_after: None,
+                gpu: None,
+                on_cpu: self.device.is_cpu(),
+            },
         }
     }
 
@@ -602,6 +623,7 @@ pub struct Sequence {
     pub(crate) tokens: Vec<u32>,
     pub(crate) context: usize,
     /// Forwards left before an injected failure ([`Sequence::inject_failure`]).
+    #[cfg(feature = "failure-injection")]
     fail_after: Option<usize>,
     /// The engine's KV cache, when the model runs on the GPU engine (then `cache` is unused).
     pub(crate) gpu: Option<GpuSeq>,
@@ -677,25 +699,25 @@ impl Sequence {
 
     /// Failure injection: the forward after `forwards` more succeed fails with
     /// [`StepError::Injected`] once its KV rows are written (the worst moment), to prove that
-    /// steps are atomic. `None` turns it off.
-    #[doc(hidden)]
+    /// steps are atomic. `None` turns it off. Only in builds with the `failure-injection`
+    /// feature (the tests'), never in a release binary.
+    #[cfg(feature = "failure-injection")]
     pub fn inject_failure(&mut self, forwards: Option<usize>) {
         self.fail_after = forwards;
     }
 
     /// Called after each forward has written its KV rows.
     fn injected(&mut self) -> Result<(), StepError> {
+        #[cfg(feature = "failure-injection")]
         match self.fail_after {
             Some(0) => {
                 self.fail_after = None;
-                Err(StepError::Injected)
+                return Err(StepError::Injected);
             }
-            Some(n) => {
-                self.fail_after = Some(n - 1);
-                Ok(())
-            }
-            None => Ok(()),
+            Some(n) => self.fail_after = Some(n - 1),
+            None => {}
         }
+        Ok(())
     }
 
     /// Runs a step; on error, puts the sequence back to its `len()` before the step.

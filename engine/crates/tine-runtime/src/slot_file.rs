@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::model::{KvType, Model, Sequence, StepError};
+use crate::model::{fnv1a, KvType, Model, Sequence, StepError};
 
 const MAGIC: &[u8; 8] = b"TINESLOT";
 /// The newest version: written for caches of other types than f32 (2 for recurrent states, 1 for
@@ -77,11 +77,6 @@ pub enum SlotFileError {
 pub fn fingerprint(model: &Model) -> String {
     let i = &model.info;
     format!("{} {:?} vocab {} embd {} blocks {} bytes {} tail {:016x}", i.architecture, i.name, i.vocab_size, i.embedding_length, i.block_count, i.file_size, i.tail_hash)
-}
-
-/// FNV-1a 64: the slot file's checksum and the model's tail hash.
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
 impl SlotImage {

@@ -47,6 +47,19 @@ pub enum ParamsError {
     RepeatLastN(i32),
 }
 
+impl ParamsError {
+    /// The request field at fault (llama-server's name).
+    pub fn param(&self) -> &'static str {
+        match self {
+            ParamsError::NotFinite { name, .. } => name,
+            ParamsError::TopP(_) => "top_p",
+            ParamsError::MinP(_) => "min_p",
+            ParamsError::RepeatPenalty(_) => "repeat_penalty",
+            ParamsError::RepeatLastN(_) => "repeat_last_n",
+        }
+    }
+}
+
 impl SamplingParams {
     pub fn greedy() -> Self {
         SamplingParams { temperature: 0.0, ..Default::default() }

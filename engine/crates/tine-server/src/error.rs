@@ -1,6 +1,7 @@
 //! Every error the server answers, and the one place that maps an error's type to a status.
 //!
-//! The body is llama-server's (and OpenAI's) shape: `{"error": {"code", "message", "type"}}`.
+//! The body is llama-server's (and OpenAI's) shape: `{"error": {"code", "message", "type"}}`,
+//! with OpenAI's `param` naming the field when a request field is at fault.
 //! The message is the whole cause chain (`model step failed: tensor operation failed: ...`),
 //! so a client sees why, not only that, something failed.
 
@@ -18,12 +19,14 @@ pub struct ApiError {
     pub message: String,
     /// A more precise `type` than the status gives, and fields of its own (llama-server's
     /// `exceed_context_size_error` carries `n_prompt_tokens` and `n_ctx`).
-    pub detail: Option<(&'static str, serde_json::Map<String, Value>)>,
+    pub detail: Option<Box<(&'static str, serde_json::Map<String, Value>)>>,
+    /// The request field at fault, sent as OpenAI's `param` (`logit_bias`, `top_p`, ...).
+    pub param: Option<String>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), detail: None }
+        ApiError { status, message: message.into(), detail: None, param: None }
     }
     /// A prompt that does not fit the context, in llama-server's shape.
     pub fn exceeds_context(n_prompt: usize, n_ctx: usize) -> ApiError {
@@ -31,7 +34,7 @@ impl ApiError {
         fields.insert("n_prompt_tokens".into(), json!(n_prompt));
         fields.insert("n_ctx".into(), json!(n_ctx));
         ApiError {
-            detail: Some(("exceed_context_size_error", fields)),
+            detail: Some(Box::new(("exceed_context_size_error", fields))),
             ..ApiError::bad(format!("the request exceeds the available context size: the prompt has {n_prompt} tokens, the context holds {n_ctx}"))
         }
     }
@@ -47,7 +50,7 @@ impl ApiError {
 
     /// llama-server's `type` for a status.
     pub fn kind(&self) -> &'static str {
-        if let Some((kind, _)) = &self.detail {
+        if let Some((kind, _)) = self.detail.as_deref() {
             return kind;
         }
         match self.status {
@@ -63,8 +66,11 @@ impl ApiError {
     /// The JSON body (also sent as an SSE event when a stream fails midway).
     pub fn body(&self) -> Value {
         let mut e = json!({"code": self.status.as_u16(), "message": self.message, "type": self.kind()});
-        if let Some((_, fields)) = &self.detail {
+        if let Some((_, fields)) = self.detail.as_deref() {
             e.as_object_mut().expect("an object").extend(fields.clone());
+        }
+        if let Some(param) = &self.param {
+            e["param"] = json!(param);
         }
         json!({ "error": e })
     }
@@ -102,7 +108,7 @@ pub fn status_of(e: &GenerateError) -> StatusCode {
         GenerateError::EmptyPrompt | GenerateError::PromptTooLong { .. } | GenerateError::BadNPredict(_) | GenerateError::Sampling(_) => StatusCode::BAD_REQUEST,
         GenerateError::Step(s) => step_status(s),
         // A drafter or verify failure is the server's, whatever the step error says.
-        GenerateError::Spec(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        GenerateError::Spec(_) | GenerateError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         GenerateError::Grammar(g) => grammar_status(g),
     }
 }
@@ -120,6 +126,8 @@ impl From<&GenerateError> for ApiError {
     fn from(e: &GenerateError) -> ApiError {
         match e {
             GenerateError::PromptTooLong { prompt, context } => ApiError::exceeds_context(*prompt, *context),
+            GenerateError::Sampling(p) => ApiError { param: Some(p.param().to_owned()), ..ApiError::bad(p.to_string()) },
+            GenerateError::BadNPredict(_) => ApiError { param: Some("n_predict".into()), ..ApiError::bad(e.to_string()) },
             _ => ApiError::new(status_of(e), tine_engine::error_chain(e)),
         }
     }
@@ -143,7 +151,7 @@ impl From<&crate::scheduler::SlotError> for ApiError {
 /// A request the client must change.
 impl From<tine_api::RequestError> for ApiError {
     fn from(e: tine_api::RequestError) -> ApiError {
-        ApiError::bad(e.0)
+        ApiError { param: e.param, ..ApiError::bad(e.message) }
     }
 }
 

@@ -11,11 +11,11 @@
 //! holds a [`Permit`] until the engine drops it, and the rest are refused at the edge.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
-use tine_engine::{GenerateError, GenerateRequest, Generation, StopType, Timings, TokenProb};
+use tine_engine::{GenerateError, Generation, StopType, Timings, TokenProb, ValidRequest};
 use tine_runtime::{Model, Sequence, SlotFileError, SlotImage, StepError};
 use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
@@ -93,7 +93,8 @@ enum Msg {
 }
 
 pub struct Job {
-    pub request: GenerateRequest,
+    /// Validated at the edge for the server's context size.
+    pub request: ValidRequest,
     pub events: UnboundedSender<Event>,
     /// Held until the engine is done with the request.
     pub permit: Permit,
@@ -164,7 +165,8 @@ pub struct EngineConfig {
     pub ubatch: usize,
     /// Failure injection for tests: when set to `n >= 0`, the next admitted request's sequence
     /// fails its forward after `n` successful ones (then it is reset to -1).
-    pub fault: Option<Arc<AtomicI64>>,
+    #[cfg(feature = "failure-injection")]
+    pub fault: Option<Arc<std::sync::atomic::AtomicI64>>,
     /// Bytes of KV the shared prefixes may hold (`--cache-ram`; `None`: no limit, `Some(0)`: no
     /// sharing between slots).
     pub cache_ram: Option<usize>,
@@ -235,9 +237,50 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// A slot's drafter. The factory was checked against this model when the server started, so
+/// this fails only when a drafter's state cannot be made (memory, a device); the slot then
+/// decodes without speculation (the same output, since speculation is lossless) and says so.
 fn new_speculator(model: &Model, factory: Option<&Arc<SpecFactory>>, seq: &Sequence) -> Option<Speculator> {
-    // The factory was checked against this model when the server started.
-    factory.map(|f| f.speculator(model, seq.context()).expect("the speculative setup was validated at startup"))
+    match factory?.speculator(model, seq.context()) {
+        Ok(spec) => Some(spec),
+        Err(e) => {
+            eprintln!("warning: a slot's drafter could not be made ({}); the slot decodes without speculation", tine_engine::error_chain(&e));
+            None
+        }
+    }
+}
+
+/// Runs one request's part of an engine step, a panic (a broken invariant: a bug) turned into
+/// [`GenerateError::Internal`]. The engine thread, and every other slot, go on: the caller
+/// fails the request with a 500 and starts the slot afresh ([`reset_slot`]).
+fn guarded<T>(f: impl FnOnce() -> Result<T, GenerateError>) -> Result<T, (GenerateError, bool)> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r.map_err(|e| (e, false)),
+        Err(payload) => {
+            let what = payload.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| payload.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into());
+            Err((GenerateError::Internal(what), true))
+        }
+    }
+}
+
+/// Clears a failure a test injected that its request left unused.
+fn clear_injected(seq: &mut Sequence) {
+    #[cfg(feature = "failure-injection")]
+    seq.inject_failure(None);
+    #[cfg(not(feature = "failure-injection"))]
+    let _ = seq;
+}
+
+/// A slot after a panic: its state may be anything, so it forgets every position and its
+/// prefix, and gets a new drafter.
+fn reset_slot(model: &Model, factory: Option<&Arc<SpecFactory>>, slot: &mut Slot) {
+    slot.active = None;
+    slot.prefix = None;
+    slot.draft_prefix = None;
+    slot.nextn_prefix = None;
+    slot.seq.reset();
+    clear_injected(&mut slot.seq);
+    slot.spec = new_speculator(model, factory, &slot.seq);
 }
 
 fn publish(views: &Mutex<Vec<SlotView>>, i: usize, slot: &Slot, task: Option<i64>) {
@@ -546,16 +589,20 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 publish_pool(&pool_stats, &[&pool, &draft_pool, &nextn_pool]);
             }
             let slot = &mut slots[i];
+            #[cfg(feature = "failure-injection")]
             if let Some(n) = config.fault.as_ref().map(|f| f.swap(-1, Ordering::AcqRel)).filter(|&n| n >= 0) {
                 slot.seq.inject_failure(Some(n as usize));
             }
-            match Generation::begin_with(&mut slot.seq, job.request, slot.spec.as_mut(), config.ubatch) {
+            match guarded(|| Generation::begin_with(&mut slot.seq, job.request, slot.spec.as_mut(), config.ubatch)) {
                 Ok(gen) => {
                     let draft_unshared = slot.spec.as_mut().is_some_and(|s| s.draft_sequence().is_some());
                     slot.active = Some(Active { gen, events: job.events, _permit: job.permit, draft_unshared })
                 }
-                Err(e) => {
+                Err((e, panicked)) => {
                     let _ = job.events.send(Event::Error(e));
+                    if panicked {
+                        reset_slot(&model, factory.as_ref(), slot);
+                    }
                 }
             }
             release_prefix(slot);
@@ -580,7 +627,14 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 publish(&views, i, slot, None);
                 continue;
             }
-            let stepped = a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut());
+            let stepped = guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()));
+            if let Err((e, true)) = stepped {
+                let _ = a.events.send(Event::Error(e));
+                reset_slot(&model, factory.as_ref(), slot);
+                publish(&views, i, slot, None);
+                continue;
+            }
+            let stepped = stepped.map_err(|(e, _)| e);
             if slot.prefix.is_some() {
                 release_prefix(slot); // a context shift starts over from position 0
             }
@@ -610,7 +664,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                         let _ = a.events.send(Event::Done(Box::new(summary)));
                         slot.active = None;
                         release_prefix(slot);
-                        slot.seq.inject_failure(None);
+                        clear_injected(&mut slot.seq);
                         publish(&views, i, slot, None);
                     }
                 }
@@ -619,11 +673,31 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                     slot.active = None;
                     // The sequence is as before the failed step (steps are atomic) and keeps
                     // its prefix; the drafter's own state may be mid-round, so it starts over.
-                    slot.seq.inject_failure(None);
+                    clear_injected(&mut slot.seq);
                     slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
                     publish(&views, i, slot, None);
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 30: a panic inside a request's step (a broken invariant) becomes that request's
+    /// internal error; the engine thread does not unwind.
+    #[test]
+    fn a_panic_in_a_step_becomes_an_internal_error_and_errors_pass_through() {
+        let caught = guarded::<()>(|| panic!("a broken invariant"));
+        match caught {
+            Err((GenerateError::Internal(what), true)) => assert!(what.contains("a broken invariant"), "{what}"),
+            other => panic!("expected an internal error from the panic, got {other:?}"),
+        }
+        let formatted = guarded::<()>(|| panic!("slot {} of {}", 3, 4));
+        assert!(matches!(formatted, Err((GenerateError::Internal(ref w), true)) if w == "slot 3 of 4"), "{formatted:?}");
+        assert!(matches!(guarded(|| Err::<(), _>(GenerateError::EmptyPrompt)), Err((GenerateError::EmptyPrompt, false))));
+        assert_eq!(guarded(|| Ok(7)).ok(), Some(7));
     }
 }

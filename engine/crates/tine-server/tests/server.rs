@@ -187,6 +187,20 @@ fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
             assert!(v["error"]["n_prompt_tokens"].as_u64().expect("n_prompt_tokens") > 32 && v["error"]["n_ctx"] == 32, "{text}");
         }
     }
+    // Issue 30: a field at fault is named as OpenAI's `param`, not only inside the message.
+    for (path, body, param) in [
+        ("/completion", r#"{"prompt": "hello", "top_p": 3}"#, Some("top_p")),
+        ("/completion", r#"{"prompt": "hello", "n_predict": -2}"#, Some("n_predict")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}"#, Some("logit_bias")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}"#, Some("response_format.type")),
+        ("/v1/completions", r#"{"prompt": "x", "n": 0}"#, Some("n")),
+        ("/completion", "{bad json", None),
+    ] {
+        let (status, text) = http(srv.addr, "POST", path, body);
+        assert_eq!(status, 400, "{path} {body}: {text}");
+        let v: Value = serde_json::from_str(&text).expect("error body is JSON");
+        assert_eq!(v["error"]["param"].as_str(), param, "{path} {body}: {text}");
+    }
     let (status, _) = http(srv.addr, "GET", "/nope", "");
     assert_eq!(status, 404);
     assert_eq!(http(srv.addr, "GET", "/health", "").0, 200);

@@ -1,0 +1,78 @@
+//! `ServerConfig`: what `tine serve`'s flags set, and their defaults.
+
+use super::*;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub parallel: usize,
+    pub ctx_size: usize,
+    /// Speculative decoding for every slot (each slot keeps its own drafter state).
+    pub spec: Option<Arc<tine_spec::SpecFactory>>,
+    /// `--api-key`: when not empty, every endpoint but `/health` needs one of these.
+    pub api_keys: ApiKeys,
+    /// Largest request body accepted (413 above it).
+    pub max_body_bytes: usize,
+    /// Time a client has to send its whole body (408 after it).
+    pub body_timeout: Duration,
+    /// Requests waiting for a slot beyond the busy ones; more are refused with 503.
+    pub max_queue: usize,
+    /// Prompt tokens evaluated per engine step (`--ubatch-size`).
+    pub ubatch: usize,
+    /// What a request gets for the fields it leaves out (`--temp`, `--n-predict`, ...).
+    pub defaults: tine_api::Defaults,
+    /// `--alias`: the model id in `/v1/models` and responses (default: the file name).
+    pub alias: Option<String>,
+    /// `/slots` answers (llama-server's default; `--no-slots` turns it off).
+    pub slots_endpoint: bool,
+    /// `/metrics` answers (`--metrics`, off by default as in llama-server).
+    pub metrics: bool,
+    /// `--chat-template`: overrides the GGUF's `tokenizer.chat_template`.
+    pub chat_template: Option<ChatTemplate>,
+    /// `--slot-save-path`: the directory slot files are saved to and restored from
+    /// (`/slots/{id}?action=save|restore` answer 501 without it).
+    pub slot_save_path: Option<std::path::PathBuf>,
+    /// `--context-shift`: a generation that fills its context drops the oldest half of the
+    /// tokens after `n_keep` and continues.
+    pub context_shift: bool,
+    /// `--cache-ram`: bytes of KV the prompt prefixes shared between slots may hold (`None`: no
+    /// limit; `Some(0)`: every slot keeps its own copy).
+    pub cache_ram: Option<usize>,
+    /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]); only with the
+    /// `failure-injection` feature.
+    #[cfg(feature = "failure-injection")]
+    pub fault: Option<Arc<std::sync::atomic::AtomicI64>>,
+}
+
+impl ServerConfig {
+    pub fn new(parallel: usize, ctx_size: usize) -> ServerConfig {
+        ServerConfig {
+            parallel,
+            ctx_size,
+            spec: None,
+            api_keys: ApiKeys::default(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            body_timeout: Duration::from_secs(60),
+            max_queue: DEFAULT_MAX_QUEUE,
+            ubatch: tine_runtime::PREFILL_CHUNK,
+            defaults: tine_api::Defaults::default(),
+            alias: None,
+            slots_endpoint: true,
+            metrics: false,
+            chat_template: None,
+            context_shift: false,
+            slot_save_path: None,
+            cache_ram: Some(DEFAULT_CACHE_RAM_MIB << 20),
+            #[cfg(feature = "failure-injection")]
+            fault: None,
+        }
+    }
+}
+
+/// 16 MiB: a full 128k-token prompt as JSON text fits several times over.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+/// `--cache-ram`'s default in MiB (llama-server's).
+pub const DEFAULT_CACHE_RAM_MIB: usize = 8192;
+
+/// Queued requests allowed beyond the slots.
+pub const DEFAULT_MAX_QUEUE: usize = 256;

@@ -1,0 +1,150 @@
+//! The request edge: a body read within its limits, decoded (400 naming the field), and
+//! validated once into a [`Validated`] request, the one type the rest of the server submits.
+//! The model-free checks are tine-api's; the ones that need the model (token ids, the context
+//! size, the chat template, a grammar compiled against the vocabulary) are here. The heavy ones
+//! (tokenizing, rendering, compiling a grammar: up to a second) run on tokio's blocking pool
+//! ([`prepare`]), so the async workers keep answering.
+
+use super::*;
+
+/// Reads the whole body within the size and time limits.
+pub(crate) async fn read_body(st: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    let limit = st.config.max_body_bytes;
+    match tokio::time::timeout(st.config.body_timeout, axum::body::to_bytes(body, limit)).await {
+        Err(_) => Err(ApiError::new(StatusCode::REQUEST_TIMEOUT, format!("the request body did not arrive within {} s", st.config.body_timeout.as_secs()))),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let too_big = std::error::Error::source(&e).is_some_and(|s| s.is::<http_body_util::LengthLimitError>());
+            if too_big {
+                Err(ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, format!("the request body is larger than the limit of {limit} bytes")))
+            } else {
+                Err(ApiError::bad(format!("cannot read the request body: {}", tine_engine::error_chain(&e))))
+            }
+        }
+    }
+}
+
+pub(crate) async fn json_body<T: serde::de::DeserializeOwned>(st: &AppState, body: Body) -> Result<T, ApiError> {
+    Ok(tine_api::decode(&read_body(st, body).await?)?)
+}
+
+pub(crate) fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {
+    Ok(tine_api::check_ids(ids, st.model.info.vocab_size)?)
+}
+
+/// Request fields after validation.
+pub(crate) struct Validated {
+    pub(crate) request: ValidRequest,
+    pub(crate) stream: bool,
+    pub(crate) return_tokens: bool,
+    pub(crate) n_probs: usize,
+    /// OpenAI log-probabilities, with this many alternatives.
+    pub(crate) logprobs: Option<usize>,
+}
+
+/// Validates one result's request: tine-api's model-free checks of the fields, then what needs
+/// the model (ids, bias texts, a grammar compiled against the vocabulary), then the engine's own
+/// [`GenerateRequest::validate`] against the context size, once. `choice` is the result's index
+/// among the request's `n` (it samples with `seed + choice`).
+pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields, choice: usize) -> Result<Validated, ApiError> {
+    let mut l = g.limits_with(&st.config.defaults)?;
+    if let Some(seed) = l.sampling.seed.as_mut() {
+        *seed = seed.wrapping_add(choice as u64);
+    }
+    let speculative = match &st.config.spec {
+        Some(f) if g.has_spec_override() => {
+            let d = f.config.params;
+            let p = tine_spec::DraftParams { n_max: g.spec_n_max.unwrap_or(d.n_max), n_min: g.spec_n_min.unwrap_or(d.n_min), p_min: g.spec_p_min.unwrap_or(d.p_min), adaptive: d.adaptive };
+            p.check().map_err(|e| ApiError::bad(format!("speculative: {e}")))?;
+            Some(p)
+        }
+        _ => None,
+    };
+    let logit_bias = resolve_bias(st, &l.logit_bias)?;
+    let grammar = l.constraint.as_ref().map(|(field, c)| compile_constraint(st, field, c)).transpose()?;
+    let request = GenerateRequest {
+        speculative,
+        prompt,
+        n_predict: l.n_predict,
+        sampling: l.sampling,
+        stop: l.stop,
+        ignore_eos: l.ignore_eos,
+        n_probs: l.n_probs,
+        cache_prompt: l.cache_prompt,
+        logit_bias,
+        grammar,
+        context_shift: st.config.context_shift,
+        n_keep: l.n_keep,
+    };
+    let request = request.validate(st.config.ctx_size).map_err(|e| ApiError::from(&e))?;
+    Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
+}
+
+/// A request's schema or grammar compiled against the vocabulary (400 naming the field when
+/// it does not compile).
+pub(crate) fn compile_constraint(st: &AppState, field: &str, c: &tine_api::Constraint) -> Result<tine_engine::grammar::Grammar, ApiError> {
+    use tine_engine::grammar::{GrammarSpec, Grammars};
+    let grammars = st.grammars.get_or_init(|| Grammars::new(&st.model).map(Arc::new).map_err(|e| e.to_string())).clone().map_err(ApiError::internal)?;
+    let spec = match c {
+        tine_api::Constraint::JsonSchema(v) => GrammarSpec::JsonSchema(v.clone()),
+        tine_api::Constraint::Gbnf(g) => GrammarSpec::Gbnf(g.clone()),
+        tine_api::Constraint::Lark(g) => GrammarSpec::Lark(g.clone()),
+    };
+    grammars.compile(&spec).map_err(|e| ApiError::new(error::grammar_status(&e), format!("{field}: {e}")))
+}
+
+/// `logit_bias` against the vocabulary: ids checked, a text biases each of its tokens (llama-server).
+pub(crate) fn resolve_bias(st: &AppState, entries: &[(tine_api::BiasTarget, f32)]) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut out = Vec::new();
+    for (target, bias) in entries {
+        match target {
+            tine_api::BiasTarget::Id(id) => out.extend(tine_api::check_ids(&[*id], st.model.info.vocab_size)?.into_iter().map(|t| (t, *bias))),
+            tine_api::BiasTarget::Text(text) => out.extend(st.model.tokenizer.encode(text, false, false).into_iter().map(|t| (t, *bias))),
+        }
+    }
+    Ok(out)
+}
+
+pub(crate) fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<Vec<u32>>, ApiError> {
+    b.prompts()?
+        .into_iter()
+        .map(|p| match p {
+            Prompt::Text(t) => Ok(st.model.tokenizer.encode(&t, true, true)),
+            Prompt::Tokens(ids) => checked_ids(st, &ids),
+        })
+        .collect()
+}
+
+/// Every result a request asks for: each prompt `n` times, choice `i` sampling with `seed + i`
+/// (a request without a seed draws one per choice). Each is validated on its own (a grammar
+/// gets its own parser state).
+pub(crate) fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, g: GenFields) -> Result<Vec<Validated>, ApiError> {
+    let n = g.choices()?;
+    if prompts.len() * n > tine_api::MAX_CHOICES {
+        return Err(ApiError::bad(format!("at most {} results per request (prompts x n), got {} x {n}", tine_api::MAX_CHOICES, prompts.len())));
+    }
+    let mut out = Vec::with_capacity(prompts.len() * n);
+    for prompt in prompts {
+        for i in 0..n {
+            out.push(validate(st, prompt.clone(), g.clone(), i)?);
+        }
+    }
+    Ok(out)
+}
+
+/// The chat prompt as tokens: the template's text (`ChatTemplate::prompt`, as the CLI renders it).
+pub(crate) fn chat_prompt(st: &AppState, b: &ChatBody, tools: Option<&Value>) -> Result<(String, Vec<u32>), ApiError> {
+    let messages: Vec<Value> = b.messages.iter().map(|m| m.to_template_value()).collect::<Result<_, _>>()?;
+    st.template.prompt(&st.model, &messages, tools).map_err(|e| match e {
+        // The server's own template is broken: not the client's fault.
+        TemplateError::Syntax(_) | TemplateError::Read { .. } => ApiError::internal(e.to_string()),
+        _ => ApiError::bad(e.to_string()),
+    })
+}
+
+/// Runs a request's heavy preparation (tokenizing, rendering the chat template, compiling a
+/// grammar) on tokio's blocking pool, so the async workers keep reading other requests meanwhile.
+pub(crate) async fn prepare<T: Send + 'static>(st: &Shared, f: impl FnOnce(&AppState) -> Result<T, ApiError> + Send + 'static) -> Result<T, ApiError> {
+    let st = st.clone();
+    tokio::task::spawn_blocking(move || f(&st)).await.map_err(|e| ApiError::internal(format!("preparing the request failed: {e}")))?
+}

@@ -1,0 +1,174 @@
+//! llama-server's own dialect: `/health`, `/props`, `/metrics`, `/tokenize`, `/detokenize`,
+//! `/apply-template` and `/completion` with its JSON shapes.
+
+use super::*;
+
+pub(crate) async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+pub(crate) fn default_settings(st: &AppState) -> Value {
+    let d = &st.config.defaults.sampling;
+    // llama-server reports the default seed as 4294967295 (LLAMA_DEFAULT_SEED: a random one).
+    let seed = d.seed.map_or(json!(u32::MAX), |s| json!(s));
+    json!({
+        "n_ctx": st.config.ctx_size,
+        "seed": seed,
+        "params": {
+            "n_predict": st.config.defaults.n_predict, "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+            "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n, "presence_penalty": d.presence_penalty,
+            "frequency_penalty": d.frequency_penalty, "seed": seed, "n_probs": 0, "ignore_eos": false, "stop": [], "cache_prompt": true, "n_keep": st.config.defaults.n_keep, "context_shift": st.config.context_shift
+        }
+    })
+}
+
+pub(crate) async fn props(State(st): State<Shared>) -> Json<Value> {
+    Json(json!({
+        "default_generation_settings": default_settings(&st),
+        "total_slots": st.scheduler.slots,
+        "model_alias": st.model_id,
+        "endpoint_slots": st.config.slots_endpoint,
+        "endpoint_metrics": st.config.metrics,
+        "model_path": st.model.info.path.display().to_string(),
+        "modalities": {"vision": false, "audio": false},
+        "chat_template": st.template.source().unwrap_or(st.template.name()),
+        "bos_token": st.model.tokenizer.bos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
+        "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
+        "build_info": format!("tine {}", env!("CARGO_PKG_VERSION")),
+        "speculative": st.config.spec.as_ref().map(|f| json!({
+            "type": f.config.label(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
+        })),
+    }))
+}
+
+pub(crate) async fn metrics_text(State(st): State<Shared>) -> Result<Response, ApiError> {
+    if !st.config.metrics {
+        return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support metrics endpoint. Start it with `--metrics`"));
+    }
+    let views = st.scheduler.slot_views();
+    let busy = views.iter().filter(|v| v.is_processing).count();
+    let load = metrics::Load { slots: views.len(), busy, queued: st.admission.in_flight().saturating_sub(busy), pool: st.scheduler.pool_stats() };
+    Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(&load)).into_response())
+}
+
+pub(crate) async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let b: TokenizeBody = json_body(&st, body).await?;
+    let (ids, b) = prepare(&st, move |st| Ok((st.model.tokenizer.encode(&b.content, b.add_special, b.parse_special), b))).await?;
+    if b.with_pieces {
+        let pieces: Vec<Value> = ids.iter().map(|&id| json!({"id": id, "piece": String::from_utf8_lossy(&st.model.tokenizer.token_bytes(id, true))})).collect();
+        return Ok(Json(json!({"tokens": pieces})));
+    }
+    Ok(Json(json!({"tokens": ids})))
+}
+
+pub(crate) async fn detokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let b: DetokenizeBody = json_body(&st, body).await?;
+    let ids = checked_ids(&st, &b.tokens)?;
+    Ok(Json(json!({"content": st.model.tokenizer.decode(&ids, true)})))
+}
+
+pub(crate) fn timings_json(t: &Timings) -> Value {
+    json!({
+        "cache_n": t.cached_n,
+        "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms, "prompt_per_token_ms": if t.prompt_n > 0 { t.prompt_ms / t.prompt_n as f64 } else { 0.0 }, "prompt_per_second": t.prompt_per_second(),
+        "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms, "predicted_per_token_ms": if t.predicted_n > 1 { t.predicted_ms / (t.predicted_n - 1) as f64 } else { 0.0 }, "predicted_per_second": t.predicted_per_second(),
+        "draft_n": t.draft.draft_n, "draft_n_accepted": t.draft.draft_n_accepted, "draft_verify_steps": t.draft.draft_verify_steps,
+    })
+}
+
+pub(crate) fn prob_json(st: &AppState, p: &TokenProb) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let bytes = st.model.tokenizer.token_bytes(id, true);
+        json!({"id": id, "token": String::from_utf8_lossy(&bytes), "bytes": bytes, "logprob": lp})
+    };
+    let mut v = entry(p.id, p.logprob);
+    v["top_logprobs"] = Value::Array(p.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+    v
+}
+
+pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let mut b: CompletionBody = json_body(&st, body).await?;
+    let (vs, prompt_texts) = prepare(&st, move |st| {
+        let prompts = prompt_tokens(st, &mut b)?;
+        let vs = validate_many(st, prompts, b.gen)?;
+        let texts: Vec<String> = vs.iter().map(|v| st.model.tokenizer.decode(&v.request.prompt, true)).collect();
+        Ok((vs, texts))
+    })
+    .await?;
+    let single = vs.len() == 1;
+    let (stream, return_tokens, n_probs) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs);
+    let rxs = submit_all(&st, &vs)?;
+    if stream {
+        let st2 = st.clone();
+        // Several prompts: every chunk carries its result's `index`, as llama-server's do.
+        let stream = merged(rxs).map(move |(i, ev)| {
+            let mut j = match ev {
+                Event::Token { id, text, prob } => {
+                    let mut j = json!({"content": text, "stop": false, "tokens": [id]});
+                    if let Some(p) = prob {
+                        j["completion_probabilities"] = json!([prob_json(&st2, &p)]);
+                    }
+                    j
+                }
+                Event::Done(s) => {
+                    log_request(&st2, &s);
+                    final_completion_json(&st2, &s, "", &[], false, &prompt_texts[i])
+                }
+                Event::Error(e) => {
+                    st2.metrics.failed();
+                    ApiError::from(&e).body()
+                }
+            };
+            if !single {
+                j["index"] = json!(i);
+            }
+            sse_json(j)
+        });
+        return Ok(Sse::new(stream).into_response());
+    }
+    let results = collect_all(&st, rxs).await?;
+    let mut out: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (s, probs))| {
+            let mut j = final_completion_json(&st, s, &s.text, probs, return_tokens, &prompt_texts[i]);
+            if n_probs == 0 {
+                j.as_object_mut().expect("object").remove("completion_probabilities");
+            }
+            if !single {
+                j["index"] = json!(i);
+            }
+            j
+        })
+        .collect();
+    // One prompt gets one object; several get an array (llama-server).
+    Ok(Json(if single { out.remove(0) } else { Value::Array(out) }).into_response())
+}
+
+pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[TokenProb], return_tokens: bool, prompt: &str) -> Value {
+    json!({
+        "content": content,
+        "tokens": if return_tokens { json!(s.tokens) } else { json!([]) },
+        "id_slot": s.slot,
+        "stop": true,
+        "model": st.model_id,
+        "tokens_predicted": s.timings.predicted_n,
+        "tokens_evaluated": s.prompt_tokens,
+        "generation_settings": {"n_ctx": st.config.ctx_size, "seed": s.seed},
+        "prompt": prompt,
+        "has_new_line": content.contains('\n'),
+        "truncated": s.truncated,
+        "stop_type": s.stop_type.as_str(),
+        "stopping_word": s.stopping_word,
+        "tokens_cached": s.timings.cached_n + s.timings.prompt_n + s.timings.predicted_n,
+        "timings": timings_json(&s.timings),
+        "completion_probabilities": probs.iter().map(|p| prob_json(st, p)).collect::<Vec<_>>(),
+    })
+}
+
+/// llama-server's `/apply-template`: the prompt a chat request would run.
+pub(crate) async fn apply_template(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let b: ChatBody = json_body(&st, body).await?;
+    let (text, _) = prepare(&st, move |st| chat_prompt(st, &b, b.tools()?.as_ref())).await?;
+    Ok(Json(json!({ "prompt": text })))
+}

@@ -1,0 +1,250 @@
+//! OpenAI's dialect: `/v1/models`, `/v1/completions` and `/v1/chat/completions` with their
+//! JSON shapes (choices, usage, log-probabilities, tool calls, stream chunks).
+
+use super::*;
+
+pub(crate) async fn models(State(st): State<Shared>) -> Json<Value> {
+    let i = &st.model.info;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": st.model_id, "object": "model", "created": 0, "owned_by": "tine",
+            "meta": {"n_vocab": i.vocab_size, "n_ctx_train": i.context_length, "n_embd": i.embedding_length, "size": i.file_size, "architecture": i.architecture}
+        }]
+    }))
+}
+
+pub(crate) fn now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+pub(crate) fn token_text(st: &AppState, id: u32) -> String {
+    String::from_utf8_lossy(&st.model.tokenizer.token_bytes(id, true)).into_owned()
+}
+
+/// OpenAI completions' `logprobs` over `probs`, whose text starts `offset` characters into
+/// the completion (streamed chunks carry on from the previous one).
+pub(crate) fn completion_logprobs(st: &AppState, probs: &[TokenProb], top: usize, offset: &mut usize) -> Value {
+    let mut tokens = Vec::new();
+    let mut token_logprobs = Vec::new();
+    let mut tops = Vec::new();
+    let mut offsets = Vec::new();
+    for p in probs {
+        let text = token_text(st, p.id);
+        offsets.push(*offset);
+        *offset += text.chars().count();
+        tokens.push(text);
+        token_logprobs.push(p.logprob);
+        let alts: serde_json::Map<String, Value> = p.top.iter().take(top).map(|&(id, lp)| (token_text(st, id), json!(lp))).collect();
+        tops.push(Value::Object(alts));
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets})
+}
+
+/// OpenAI chat's `logprobs` over `probs`.
+pub(crate) fn chat_logprobs(st: &AppState, probs: &[TokenProb], top: usize) -> Value {
+    let entry = |id: u32, lp: f32| {
+        let bytes = st.model.tokenizer.token_bytes(id, true);
+        json!({"token": String::from_utf8_lossy(&bytes), "logprob": lp, "bytes": bytes})
+    };
+    let content: Vec<Value> = probs
+        .iter()
+        .map(|p| {
+            let mut e = entry(p.id, p.logprob);
+            e["top_logprobs"] = Value::Array(p.top.iter().take(top).map(|&(id, lp)| entry(id, lp)).collect());
+            e
+        })
+        .collect();
+    json!({"content": content, "refusal": null})
+}
+
+/// The assistant message (`content`, or `tool_calls` when the output is a call) and its finish reason.
+pub(crate) fn chat_message(s: &Summary, tool_syntax: Option<tine_engine::template::ToolSyntax>) -> (Value, &'static str) {
+    match tool_syntax.and_then(|syntax| parse_tool_calls(syntax, &s.text)) {
+        Some((content, calls)) => (json!({"content": if content.is_empty() { Value::Null } else { json!(content) }, "tool_calls": tool_calls_json(&calls)}), "tool_calls"),
+        None => (json!({"content": s.text}), finish_reason(s.stop_type)),
+    }
+}
+
+pub(crate) fn finish_reason(s: StopType) -> &'static str {
+    match s {
+        StopType::Limit => "length",
+        StopType::Eos | StopType::Word => "stop",
+    }
+}
+
+pub(crate) fn usage(s: &Summary) -> Value {
+    usage_of(std::slice::from_ref(s))
+}
+
+/// Usage over every choice of a request.
+pub(crate) fn usage_of<'a>(all: impl IntoIterator<Item = &'a Summary>) -> Value {
+    let (mut prompt, mut completion, mut cached) = (0, 0, 0);
+    for s in all {
+        prompt += s.prompt_tokens;
+        completion += s.timings.predicted_n;
+        cached += s.timings.cached_n;
+    }
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": cached}})
+}
+
+/// OpenAI's `system_fingerprint`: the build that answered (llama-server sends its build too).
+pub(crate) fn fingerprint() -> String {
+    format!("tine-{}", env!("CARGO_PKG_VERSION"))
+}
+
+pub(crate) async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let mut b: CompletionBody = json_body(&st, body).await?;
+    let vs = prepare(&st, move |st| {
+        let prompts = prompt_tokens(st, &mut b)?;
+        validate_many(st, prompts, b.gen)
+    })
+    .await?;
+    let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
+    let rxs = submit_all(&st, &vs)?;
+    let id = format!("cmpl-{}", now());
+    let created = now();
+    if stream {
+        let (st2, id2) = (st.clone(), id.clone());
+        let mut offsets = vec![0usize; rxs.len()];
+        let stream = merged(rxs)
+            .map(move |(i, ev)| match ev {
+                Event::Token { text, prob, .. } => {
+                    let lp = match (logprobs, prob) {
+                        (Some(top), Some(p)) => completion_logprobs(&st2, &[p], top, &mut offsets[i]),
+                        _ => Value::Null,
+                    };
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": null}]}))
+                }
+                Event::Done(s) => {
+                    log_request(&st2, &s);
+                    sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": i, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
+                }
+                Event::Error(e) => {
+                    st2.metrics.failed();
+                    sse_json(ApiError::from(&e).body())
+                }
+            })
+            .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+        return Ok(Sse::new(stream).into_response());
+    }
+    let results = collect_all(&st, rxs).await?;
+    let choices: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (s, probs))| {
+            let lp = logprobs.map_or(Value::Null, |top| completion_logprobs(&st, probs, top, &mut 0));
+            json!({"text": s.text, "index": i, "logprobs": lp, "finish_reason": finish_reason(s.stop_type)})
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
+        "choices": choices,
+        "usage": usage_of(results.iter().map(|r| &r.0)), "timings": timings_json(&results[0].0.timings),
+    }))
+    .into_response())
+}
+
+/// OpenAI's `tool_calls` for parsed calls.
+pub(crate) fn tool_calls_json(calls: &[tine_engine::template::ToolCall]) -> Value {
+    Value::Array(calls.iter().enumerate().map(|(i, c)| json!({"id": format!("call_{i}"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect())
+}
+
+pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let b: ChatBody = json_body(&st, body).await?;
+    let (vs, tool_syntax) = prepare(&st, move |st| {
+        let tools = b.tools()?;
+        let (_, prompt) = chat_prompt(st, &b, tools.as_ref())?;
+        // With tools, the output is parsed for calls in the template family's syntax; a forced
+        // call is constrained to a JSON object naming the tool, and read as one.
+        let forced = b.forced_call()?;
+        let mut gen = b.gen;
+        let tool_syntax = match forced {
+            Some(schema) => {
+                if gen.constraint()?.is_some() {
+                    return Err(ApiError::bad("tool_choice: a forced call cannot be combined with response_format, json_schema or grammar"));
+                }
+                gen.json_schema = Some(schema);
+                Some(tine_engine::template::ToolSyntax::JsonObject)
+            }
+            None => tools.as_ref().and_then(|_| st.template.tool_syntax()),
+        };
+        Ok((validate_many(st, vec![prompt], gen)?, tool_syntax))
+    })
+    .await?;
+    let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
+    let rxs = submit_all(&st, &vs)?;
+    let id = format!("chatcmpl-{}", now());
+    let created = now();
+    let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": choices});
+    if stream && tool_syntax.is_some() {
+        // A call can only be told from text at the end: each answer comes as one chunk.
+        let results = collect_all(&st, rxs).await?;
+        let mut events = Vec::new();
+        for (i, (s, probs)) in results.iter().enumerate() {
+            let (mut delta, finish) = chat_message(s, tool_syntax);
+            delta["role"] = json!("assistant");
+            let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
+            events.push(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))));
+            let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish}]));
+            last["usage"] = usage(s);
+            last["timings"] = timings_json(&s.timings);
+            events.push(sse_json(last));
+        }
+        events.push(Ok(SseEvent::default().data("[DONE]")));
+        return Ok(Sse::new(tokio_stream::iter(events)).into_response());
+    }
+    if stream {
+        let (st2, id2) = (st.clone(), id.clone());
+        // llama-server's first chunk: the role, and no content yet (`null`, never "").
+        let firsts: Vec<_> = (0..rxs.len()).map(|i| sse_json(chunk(json!([{"index": i, "delta": {"role": "assistant", "content": null}, "finish_reason": null}])))).collect();
+        let stream = tokio_stream::iter(firsts)
+            .chain(merged(rxs).filter_map(move |(i, ev)| {
+                let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
+                match ev {
+                    Event::Token { text, prob, .. } => {
+                        let lp = match (logprobs, prob) {
+                            (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
+                            _ => Value::Null,
+                        };
+                        // Text held back while a stop string may be forming is not an empty delta.
+                        if text.is_empty() && lp.is_null() {
+                            return None;
+                        }
+                        let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
+                        Some(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))))
+                    }
+                    Event::Done(s) => {
+                        log_request(&st2, &s);
+                        let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish_reason(s.stop_type)}]));
+                        last["usage"] = usage(&s);
+                        last["timings"] = timings_json(&s.timings);
+                        Some(sse_json(last))
+                    }
+                    Event::Error(e) => {
+                        st2.metrics.failed();
+                        Some(sse_json(ApiError::from(&e).body()))
+                    }
+                }
+            }))
+            .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+        return Ok(Sse::new(stream).into_response());
+    }
+    let results = collect_all(&st, rxs).await?;
+    let choices: Vec<Value> = results
+        .iter()
+        .enumerate()
+        .map(|(i, (s, probs))| {
+            let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
+            let (mut message, finish) = chat_message(s, tool_syntax);
+            message["role"] = json!("assistant");
+            json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
+        })
+        .collect();
+    Ok(Json(json!({
+        "id": id, "object": "chat.completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
+        "choices": choices,
+        "usage": usage_of(results.iter().map(|r| &r.0)), "timings": timings_json(&results[0].0.timings),
+    }))
+    .into_response())
+}
