@@ -816,7 +816,7 @@ status = "maybe"
 bump = "reapply"
 "#;
         let reg: Registry = toml::from_str(text).expect("valid toml");
-        let got = registry::lint(&reg, &|r, e, g| Tine.check_gate(r, e, g)).join("\n");
+        let got = registry::lint(&reg, &|r, e, g| Tine.check_gate(r, e, g), Tine.areas()).join("\n");
         let expect = r#"patch 0002: sha256 must be 64 lowercase hex digits
 patch 0002: status "carried" / bump "drop-if-upstream" needs an upstream reference
 patch 0002: gate "tps-ratio:spec/plain": expected tps-ratio:<A>/<B>:<min>

@@ -15,7 +15,14 @@ use crate::gate::{self, Gate};
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Tine;
 
+/// The areas Tine sorts its patches into (the registry's `area`).
+pub const AREAS: &[&str] = &["kernels", "kv", "mtp", "tokenizer", "model", "attention", "quant", "sampling", "build", "api", "other"];
+
 impl Extension for Tine {
+    fn areas(&self) -> &[&'static str] {
+        AREAS
+    }
+
     /// The gate runner's grammar; engine gates only from `[engine] builds_from` on.
     fn check_gate(&self, reg: &Registry, patch: &PatchEntry, name: &str) -> Result<(), GateSpecError> {
         let g = Gate::parse(name).map_err(|e| GateSpecError::Malformed(Box::new(e)))?;

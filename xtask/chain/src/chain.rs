@@ -70,22 +70,24 @@ pub enum LiveEditsError {
     #[error(transparent)]
     Live(#[from] LiveError),
     #[error(
-        "engine/upstream/ holds edits that no patch carries, so `{verb}` would lose them:\n{drift}\n\
-         keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot engine/upstream/, after which `{verb}` may replace it; `cargo xtask restore` brings it back)"
+        "{live} holds edits that no patch carries, so `{verb}` would lose them:\n{drift}\n\
+         keep them first, with one of:\n  cargo xtask refresh {top}            (fold them into patch {top}, the top of the applied chain)\n  cargo xtask capture NNNN-slug        (record them as a new patch after {top})\n  cargo xtask backup                   (snapshot {live}, after which `{verb}` may replace it; `cargo xtask restore` brings it back)"
     )]
     Edits {
+        /// The live tree, as messages name it ([`Project::live_name`]).
+        live: String,
         verb: String,
         /// The drifted files, described.
         drift: String,
         top: String,
     },
-    #[error("engine/upstream/ holds patches {applied:?}, which is not a prefix of the series {series:?}; `cargo xtask backup`, then remove engine/upstream/ and apply again")]
-    NotAPrefix { applied: Vec<String>, series: Vec<String> },
+    #[error("{live} holds patches {applied:?}, which is not a prefix of the series {series:?}; `cargo xtask backup`, then remove {live} and apply again")]
+    NotAPrefix { live: String, applied: Vec<String>, series: Vec<String> },
     #[error(
-        "engine/upstream/ has no chain state and matches no prefix of the chain, so `{verb}` would lose whatever it holds;\n\
-         keep it with `cargo xtask backup`, then remove engine/upstream/ and run `cargo xtask apply-chain`"
+        "{live} has no chain state and matches no prefix of the chain, so `{verb}` would lose whatever it holds;\n\
+         keep it with `cargo xtask backup`, then remove {live} and run `cargo xtask apply-chain`"
     )]
-    Unknown { verb: String },
+    Unknown { live: String, verb: String },
 }
 
 /// Step 1 of verify: the base against `manifest.pristine`.
@@ -122,8 +124,10 @@ pub enum LoadAllError {
 
 /// A path a patch touches runs through a symbolic link in the live tree.
 #[derive(Debug, thiserror::Error)]
-#[error("patch {patch} touches {path}, but engine/upstream/{link} is a symbolic link (to {target}); the chain never writes through links, and a tree holding one is not the chain's:\nmove it away (keep what it points to), then run again")]
+#[error("patch {patch} touches {path}, but {live}{link} is a symbolic link (to {target}); the chain never writes through links, and a tree holding one is not the chain's:\nmove it away (keep what it points to), then run again")]
 pub struct LinkError {
+    /// The live tree, as messages name it ([`Project::live_name`]).
+    pub live: String,
     pub patch: String,
     pub path: String,
     pub link: String,
@@ -298,13 +302,13 @@ pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch
             let drift = live.drift().expect("state is present");
             // Edits a backup holds exactly are safe: `cargo xtask restore` brings them back.
             if !drift.is_empty() && !backed_up(p, &live.tree) {
-                return Err(LiveEditsError::Edits { verb: verb.to_owned(), drift: drift.describe(20), top: state.top().to_owned() });
+                return Err(LiveEditsError::Edits { live: p.live_name(), verb: verb.to_owned(), drift: drift.describe(20), top: state.top().to_owned() });
             }
             // The applied prefix must still be a prefix of the series (by id).
             let n = state.applied.len();
             let ids: Vec<&str> = patches.iter().map(|p| p.entry.id.as_str()).collect();
             if n > ids.len() || state.applied.iter().zip(&ids).any(|(a, b)| a != b) {
-                return Err(LiveEditsError::NotAPrefix { applied: state.applied.clone(), series: ids.iter().map(|s| (*s).to_owned()).collect() });
+                return Err(LiveEditsError::NotAPrefix { live: p.live_name(), applied: state.applied.clone(), series: ids.iter().map(|s| (*s).to_owned()).collect() });
             }
             Ok(Some((live, n)))
         }
@@ -322,7 +326,7 @@ pub fn live_state_without_edits(p: &Project, base: &Tree, patches: &[LoadedPatch
                     return Ok(Some((live, i + 1)));
                 }
             }
-            Err(LiveEditsError::Unknown { verb: verb.to_owned() })
+            Err(LiveEditsError::Unknown { live: p.live_name(), verb: verb.to_owned() })
         }
     }
 }
@@ -408,7 +412,7 @@ pub fn check_no_links(p: &Project, patches: &[LoadedPatch]) -> Result<(), LinkEr
                     };
                     if meta.file_type().is_symlink() {
                         let target = fs::read_link(dir.join(&prefix)).map(|t| t.display().to_string()).unwrap_or_else(|_| "?".into());
-                        return Err(LinkError { patch: lp.name().to_owned(), path: path.clone(), link: prefix, target });
+                        return Err(LinkError { live: p.live_name(), patch: lp.name().to_owned(), path: path.clone(), link: prefix, target });
                     }
                     clean.insert(prefix.clone());
                 }

@@ -62,17 +62,17 @@ pub fn apply_chain(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -
         // (Edits a backup holds leave a drift: then the tree is written even at the same state.)
         if live.state.as_ref() == Some(&target) && live.drift().is_none_or(|d| d.is_empty()) {
             tree::remove_stale_scratch(&p.upstream_dir());
-            say(format!("engine/upstream/ already holds the base + {n} patch(es) (up to {}); nothing to do", target.top()));
+            say(format!("{} already holds the base + {n} patch(es) (up to {}); nothing to do", p.live_name(), target.top()));
             return Ok(());
         }
     }
-    pb.set_message("writing engine/upstream/");
+    pb.set_message(format!("writing {}", p.live_name()));
     chain::write_live(p, &t, &l.patches[..n], pb)?;
     pb.finish_and_clear();
     for lp in &l.patches[..n] {
         say(format!("applied {}", lp.name()));
     }
-    say(format!("engine/upstream/ = base + {n} of {} patch(es), up to {} ({} files)", l.patches.len(), target.top(), t.len()));
+    say(format!("{} = base + {n} of {} patch(es), up to {} ({} files)", p.live_name(), l.patches.len(), target.top(), t.len()));
     Ok(())
 }
 
@@ -82,11 +82,12 @@ pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> an
     let n = resolve_to(&l.patches, Some(to.unwrap_or("0000")))?;
     refuse_links(p, &l.patches)?;
     let Some((live, k)) = live_state_without_edits(p, &l.base, &l.patches, "unapply").map_err(|e| Refused(Causes(&e).to_string()))? else {
-        bail!("engine/upstream/ does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)");
+        bail!("{} does not exist; nothing to unapply (`cargo xtask apply-chain --to NNNN` builds a prefix)", p.live_name());
     };
     if n > k {
         bail!(
-            "engine/upstream/ holds the chain up to {}; unapply only goes down (use `cargo xtask apply-chain --to {}`)",
+            "{} holds the chain up to {}; unapply only goes down (use `cargo xtask apply-chain --to {}`)",
+            p.live_name(),
             live.state.as_ref().map(|s| s.top().to_owned()).unwrap_or_else(|| "0000".into()),
             l.patches[n - 1].entry.id
         );
@@ -111,7 +112,7 @@ pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> an
     } else {
         // The live tree has no edits (or a backup holds them), so rebuilding forward loses nothing.
         if backed_up_edits {
-            say("engine/upstream/'s edits are in a backup (`cargo xtask restore` brings them back); rebuilding the prefix from the base");
+            say(format!("{}'s edits are in a backup (`cargo xtask restore` brings them back); rebuilding the prefix from the base", p.live_name()));
         } else {
             say(format!("patch file(s) changed since they were applied ({}); rebuilding the prefix from the base instead of reversing", changed_since.join(", ")));
         }
@@ -119,18 +120,18 @@ pub fn unapply(p: &Project, to: Option<&str>, pb: &indicatif::ProgressBar) -> an
     }
     chain::write_live(p, &t, &l.patches[..n], pb)?;
     pb.finish_and_clear();
-    say(format!("engine/upstream/ = base + {n} patch(es)"));
+    say(format!("{} = base + {n} patch(es)", p.live_name()));
     Ok(())
 }
 
 /// The live tree with its state, edits allowed (refresh and capture record them).
 fn live_with_state(p: &Project, patches: &[LoadedPatch]) -> anyhow::Result<(Live, State, usize)> {
-    let live = Live::read(p)?.context("engine/upstream/ does not exist: `cargo xtask apply-chain --to NNNN`, edit, then refresh or capture")?;
-    let state = live.state.clone().context("engine/upstream/ has no chain state; run `cargo xtask apply-chain` first (back it up with `cargo xtask backup` if it holds work)")?;
+    let live = Live::read(p)?.with_context(|| format!("{} does not exist: `cargo xtask apply-chain --to NNNN`, edit, then refresh or capture", p.live_name()))?;
+    let state = live.state.clone().with_context(|| format!("{} has no chain state; run `cargo xtask apply-chain` first (back it up with `cargo xtask backup` if it holds work)", p.live_name()))?;
     let k = state.applied.len();
     let ids: Vec<&str> = patches.iter().map(|lp| lp.entry.id.as_str()).collect();
     if k > ids.len() || state.applied.iter().zip(&ids).any(|(a, b)| a != b) {
-        bail!("engine/upstream/ holds patches {:?}, not a prefix of the series {:?}", state.applied, ids);
+        bail!("{} holds patches {:?}, not a prefix of the series {:?}", p.live_name(), state.applied, ids);
     }
     Ok((live, state, k))
 }
@@ -194,8 +195,9 @@ pub fn refresh(p: &Project, ext: &dyn Extension, id: &str, pb: &indicatif::Progr
     let (live, state, k) = live_with_state(p, &l.patches)?;
     if k != idx {
         bail!(
-            "engine/upstream/ holds the chain up to {}; `refresh {id}` needs it applied up to {id} exactly, with your edits on top\n\
+            "{} holds the chain up to {}; `refresh {id}` needs it applied up to {id} exactly, with your edits on top\n\
              (if you have edits now, keep them with `cargo xtask backup` first; then `cargo xtask apply-chain --to {id}`)",
+            p.live_name(),
             state.top()
         );
     }
@@ -244,7 +246,7 @@ pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &in
     if let Some(after) = o.after {
         let want = resolve_to(&l.patches, Some(after))?;
         if want != k {
-            bail!("engine/upstream/ holds the chain up to {}; `capture --after {after}` needs it applied up to {after} with your edits on top", state.top());
+            bail!("{} holds the chain up to {}; `capture --after {after}` needs it applied up to {after} with your edits on top", p.live_name(), state.top());
         }
     }
     let prev = state.top();
@@ -254,7 +256,7 @@ pub fn capture(p: &Project, ext: &dyn Extension, o: &CaptureOptions<'_>, pb: &in
     }
     let old = build(&l.base, &l.patches[..k])?;
     if tree::manifest_of(&old) == tree::manifest_of(&live.tree) {
-        bail!("engine/upstream/ holds no edits on top of {prev}; nothing to capture");
+        bail!("{} holds no edits on top of {prev}; nothing to capture", p.live_name());
     }
     let hooks = chain::hooks_added(&old, &live.tree);
     let title = o.title.map(str::to_owned).unwrap_or_else(|| slug.replace('-', " "));
@@ -298,7 +300,7 @@ fn timestamp() -> String {
 /// The archive and its manifest are written as one journaled change.
 pub fn backup(p: &Project, name: Option<&str>) -> anyhow::Result<String> {
     finish_interrupted(p)?;
-    let live = Live::read(p)?.context("engine/upstream/ does not exist; nothing to back up")?;
+    let live = Live::read(p)?.with_context(|| format!("{} does not exist; nothing to back up", p.live_name()))?;
     let name = name.map(str::to_owned).unwrap_or_else(timestamp);
     if name.is_empty() || name.contains('/') || name.starts_with('.') {
         bail!("backup name {name:?} must be a plain file name");
@@ -312,7 +314,7 @@ pub fn backup(p: &Project, name: Option<&str>) -> anyhow::Result<String> {
     let bytes = tree::tar_tree(&live.tree, state.as_deref())?;
     let manifest = tree::render_manifest(&tree::manifest_of(&live.tree));
     journal::commit(p, &format!("backup {name}"), &[(dir.join(format!("{name}.manifest")), Some(manifest.into_bytes())), (archive_path.clone(), Some(bytes))])?;
-    say(format!("backed up engine/upstream/ ({} files) to {}", live.tree.len(), p.rel(&archive_path)));
+    say(format!("backed up {} ({} files) to {}", p.live_name(), live.tree.len(), p.rel(&archive_path)));
     Ok(name)
 }
 
@@ -349,14 +351,14 @@ pub fn restore(p: &Project, name: Option<&str>, pb: &indicatif::ProgressBar) -> 
         };
         if unsaved && tree::manifest_of(&live.tree) != recorded {
             return Err(
-                Refused(format!("engine/upstream/ holds edits that no patch or backup carries; restoring {name} would lose them.\nback them up first (`cargo xtask backup`), then restore")).into()
+                Refused(format!("{} holds edits that no patch or backup carries; restoring {name} would lose them.\nback them up first (`cargo xtask backup`), then restore", p.live_name())).into()
             );
         }
     }
     let extra: Vec<(&str, &[u8])> = state_bytes.as_deref().map(|s| vec![(tree::STATE_FILE, s)]).unwrap_or_default();
     tree::write_tree_atomically(&p.upstream_dir(), &t, &extra, pb)?;
     pb.finish_and_clear();
-    say(format!("restored engine/upstream/ from backup {name} ({} files)", t.len()));
+    say(format!("restored {} from backup {name} ({} files)", p.live_name(), t.len()));
     Ok(())
 }
 
@@ -377,10 +379,10 @@ pub fn status(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
         println!("  {:8} {} [{}] {}", mark, lp.name(), lp.entry.status, lp.entry.title);
     }
     match live {
-        None => println!("engine/upstream/: absent (run `cargo xtask apply-chain`)"),
+        None => println!("{}: absent (run `cargo xtask apply-chain`)", p.live_name()),
         Some(live) => match (&live.state, live.drift()) {
             (Some(s), Some(d)) => {
-                println!("engine/upstream/: base + {} patch(es), up to {}", s.applied.len(), s.top());
+                println!("{}: base + {} patch(es), up to {}", p.live_name(), s.applied.len(), s.top());
                 for ((id, sha), lp) in s.applied.iter().zip(&s.patch_sha256).zip(&l.patches) {
                     if *sha != tree::sha256_hex(&lp.bytes) {
                         println!("  patch {id} changed since it was applied: `cargo xtask apply-chain`");
@@ -392,7 +394,7 @@ pub fn status(p: &Project, pb: &indicatif::ProgressBar) -> anyhow::Result<()> {
                     println!("drift (edits no patch carries):\n{}", d.describe(50));
                 }
             }
-            _ => println!("engine/upstream/: present, without chain state"),
+            _ => println!("{}: present, without chain state", p.live_name()),
         },
     }
     Ok(())
@@ -426,7 +428,7 @@ pub fn import(p: &Project, ext: &dyn Extension, o: &crate::import::ImportOptions
     pb.finish_and_clear();
     say(format!("imported {} as {} ({} hook(s): {})", o.file.display(), done.file, done.hooks.len(), done.hooks.join(", ")));
     if done.rebuilt_live {
-        say("engine/upstream/ held later patches and was rebuilt to include it");
+        say(format!("{} held later patches and was rebuilt to include it", p.live_name()));
     }
     say("recorded its registry entry, patch sha256s, manifest.patched and docs/UPSTREAM_SYNC.md; gate it with `cargo xtask gate --patch` once it has tests");
     Ok(())

@@ -1,5 +1,5 @@
-//! What a project adds to the generic toolchain: its gate grammar, files generated from the
-//! series, and checks of its own. The generic code calls these hooks and knows nothing else
+//! What a project adds to the generic toolchain: its gate grammar, its patch areas, files
+//! generated from the series, and checks of its own. The generic code calls these hooks and knows nothing else
 //! about the project; [`NoExtension`] adds nothing.
 
 use std::path::PathBuf;
@@ -22,6 +22,12 @@ pub trait Extension {
     fn generated_files(&self, p: &Project, reg: &Registry, series: &[&PatchSet]) -> Vec<(PathBuf, Vec<u8>)> {
         let _ = (p, reg, series);
         Vec::new()
+    }
+
+    /// The registry `area`s this project sorts its patches into: `sync-check` and `import --area`
+    /// refuse any other. The default, empty, takes any lowercase word.
+    fn areas(&self) -> &[&'static str] {
+        &[]
     }
 
     /// Extra `sync-check` problems of `patch`, given the applied series up to and including it

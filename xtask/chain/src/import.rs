@@ -340,9 +340,7 @@ pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indi
     if mail.body.lines().any(|l| l.starts_with("diff --git ")) {
         return Err(ImportError::Usage(format!("{}: the message body holds a `diff --git` line, which would read as a diff; edit it out first", path.display())));
     }
-    if !registry::AREAS.contains(&o.area) {
-        return Err(ImportError::Usage(format!("--area {:?} is not one of {}", o.area, registry::AREAS.join(", "))));
-    }
+    registry::check_area(o.area, ext.areas()).map_err(|e| ImportError::Usage(format!("--area: {e}")))?;
     let slug = match (o.slug, &mail.subject) {
         (Some(s), _) => s.to_owned(),
         (None, Some(subject)) => slugify(subject),
@@ -422,7 +420,8 @@ pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indi
             let drift = lv.drift().expect("state is present");
             if !drift.is_empty() {
                 return Err(ImportError::LiveEdits(format!(
-                    "engine/upstream/ holds edits that no patch carries, on top of patches after {prev}; importing below them would strand them:\n{}\nkeep them first (`cargo xtask refresh {}`, `capture` or `backup`), or `cargo xtask apply-chain --to {prev}`",
+                    "{} holds edits that no patch carries, on top of patches after {prev}; importing below them would strand them:\n{}\nkeep them first (`cargo xtask refresh {}`, `capture` or `backup`), or `cargo xtask apply-chain --to {prev}`",
+                    p.live_name(),
                     drift.describe(20),
                     state.top()
                 )));
@@ -450,7 +449,7 @@ pub fn import(p: &Project, ext: &dyn Extension, o: &ImportOptions<'_>, pb: &indi
             return Err(ImportError::Unverified(new));
         }
         if let Some((t, n)) = &rebuild {
-            pb.set_message("writing engine/upstream/");
+            pb.set_message(format!("writing {}", p.live_name()));
             chain::write_live(p, t, &series[..*n], pb)?;
         }
         Ok(())

@@ -70,3 +70,11 @@ pub fn default_cache_dir() -> PathBuf {
     let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("patchchain")
 }
+
+impl Project {
+    /// The live tree as messages name it: its path from the root, with a trailing `/`
+    /// (`engine/upstream/` by default).
+    pub fn live_name(&self) -> String {
+        format!("{}/", self.live.display())
+    }
+}

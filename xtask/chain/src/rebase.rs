@@ -1046,8 +1046,8 @@ pub enum RebaseError {
     InProgress(String),
     #[error("patch {id}: conflicts without markers are still as the stop left them:\n  {}\nedit or delete each file to resolve it, or keep it as it is with `cargo xtask rebase --continue --accept PATH`", files.join("\n  "))]
     Unresolved { id: String, files: Vec<String> },
-    #[error("patch {id}: conflict markers remain in engine/upstream/:\n  {}\nresolve them, then `cargo xtask rebase --continue`", lines.join("\n  "))]
-    MarkersRemain { id: String, lines: Vec<String> },
+    #[error("patch {id}: conflict markers remain in {live}:\n  {}\nresolve them, then `cargo xtask rebase --continue`", lines.join("\n  "))]
+    MarkersRemain { live: String, id: String, lines: Vec<String> },
     #[error("patch {id} is already upstream and its bump policy is {bump:?}: a person decides. Retire it with `cargo xtask rebase --continue --retire`, or `cargo xtask rebase --abort`")]
     Decide { id: String, bump: String },
     #[error("crash point {0} (test support)")]
@@ -1223,9 +1223,10 @@ fn proceed(p: &Project, inputs: &Inputs, mut state: RebaseState, extra: ExtraFil
             StopKind::Conflict => {
                 let mut m = format!("patch {} ({}) conflicts with {}:\n", lp.entry.id, lp.entry.file, inputs.onto);
                 for c in &stop.conflicts {
-                    m.push_str(&format!("  engine/upstream/{}: hunk(s) {}: {}\n", c.path, c.hunks.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(", "), c.reason));
+                    m.push_str(&format!("  {}{}: hunk(s) {}: {}\n", p.live_name(), c.path, c.hunks.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(", "), c.reason));
                 }
-                m.push_str("engine/upstream/ holds the new base + the carried patches before it + this patch merged, with diff3 markers\n(ours = the patch, ancestor = the old chain, upstream = the new chain).\nResolve them (edit the files; for modify/delete, delete or keep the file), then `cargo xtask rebase --continue`;\nor `cargo xtask rebase --abort` to put everything back.");
+                m.push_str(&p.live_name());
+                m.push_str(" holds the new base + the carried patches before it + this patch merged, with diff3 markers\n(ours = the patch, ancestor = the old chain, upstream = the new chain).\nResolve them (edit the files; for modify/delete, delete or keep the file), then `cargo xtask rebase --continue`;\nor `cargo xtask rebase --abort` to put everything back.");
                 m
             }
             StopKind::Decide => RebaseError::Decide { id: lp.entry.id.clone(), bump: lp.entry.bump.clone() }.to_string(),
@@ -1283,21 +1284,21 @@ pub fn continue_run(p: &Project, opts: &ContinueOptions, extra: ExtraFiles<'_>, 
             for f in &stopped.files {
                 if let Some(e) = live.tree.get(&f.path) {
                     for l in merge3::marker_lines(&e.data) {
-                        left.push(format!("engine/upstream/{}:{l}", f.path));
+                        left.push(format!("{}{}:{l}", p.live_name(), f.path));
                     }
                 }
             }
             if !left.is_empty() {
-                return Err(RebaseError::MarkersRemain { id: stopped.id.clone(), lines: left }.into());
+                return Err(RebaseError::MarkersRemain { live: p.live_name(), id: stopped.id.clone(), lines: left }.into());
             }
             // A conflict without markers is resolved by changing the file, or by saying it stays.
             let untouched: Vec<String> = stopped
                 .unmarked
                 .iter()
                 .filter(|(path, sha)| {
-                    live.tree.get(path.as_str()).map(|e| tree::sha256_hex(&e.data)) == **sha && !opts.accept.iter().any(|a| a == *path || a.strip_prefix("engine/upstream/") == Some(path.as_str()))
+                    live.tree.get(path.as_str()).map(|e| tree::sha256_hex(&e.data)) == **sha && !opts.accept.iter().any(|a| a == *path || a.strip_prefix(p.live_name().as_str()) == Some(path.as_str()))
                 })
-                .map(|(path, _)| format!("engine/upstream/{path}: {}", stopped.files.iter().find(|f| &f.path == path).map(|f| f.reason.as_str()).unwrap_or("conflict")))
+                .map(|(path, _)| format!("{}{path}: {}", p.live_name(), stopped.files.iter().find(|f| &f.path == path).map(|f| f.reason.as_str()).unwrap_or("conflict")))
                 .collect();
             if !untouched.is_empty() {
                 return Err(RebaseError::Unresolved { id: stopped.id.clone(), files: untouched }.into());
@@ -1314,7 +1315,7 @@ pub fn continue_run(p: &Project, opts: &ContinueOptions, extra: ExtraFiles<'_>, 
                 let mut check = before.new_tree.clone();
                 apply::apply(&mut check, &parsed, lp.name())?;
                 if tree::manifest_of(&check) != tree::manifest_of(&live.tree) {
-                    anyhow::bail!("internal error: the resolution does not reproduce engine/upstream/");
+                    anyhow::bail!("internal error: the resolution does not reproduce {}", p.live_name());
                 }
                 b
             };

@@ -11,7 +11,17 @@ use serde::Deserialize;
 
 pub const STATUSES: &[&str] = &["carried", "submitted", "upstreamed", "retired"];
 pub const BUMP_POLICIES: &[&str] = &["reapply", "drop-if-upstream", "reconcile"];
-pub const AREAS: &[&str] = &["kernels", "kv", "mtp", "tokenizer", "model", "attention", "quant", "sampling", "build", "api", "other"];
+
+/// Whether `area` is one of `allowed` (the project's: its extension's `areas`), or
+/// with none given, a lowercase word; the error names what is allowed.
+pub fn check_area(area: &str, allowed: &[&str]) -> Result<(), String> {
+    let ok = if allowed.is_empty() { !area.is_empty() && area.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') } else { allowed.contains(&area) };
+    match (ok, allowed.is_empty()) {
+        (true, _) => Ok(()),
+        (false, true) => Err(format!("area {area:?} is not a lowercase word")),
+        (false, false) => Err(format!("area {area:?} is not one of {}", allowed.join(", "))),
+    }
+}
 
 #[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
@@ -143,7 +153,7 @@ fn list(items: &[String]) -> String {
 pub fn render(reg: &Registry) -> String {
     let mut out = String::new();
     let w = &mut out;
-    writeln!(w, "# Tine's upstream registry: the pinned base and the patch series, in order.").expect("String write");
+    writeln!(w, "# The upstream registry: the pinned base and the patch series, in order.").expect("String write");
     writeln!(w, "# Source of truth for `cargo xtask`; docs/UPSTREAM_SYNC.md is generated from it (`cargo xtask bless`).").expect("String write");
     writeln!(w, "# Tools rewrite this file in this layout; keep hand edits to values.\n").expect("String write");
     writeln!(w, "[base]").expect("String write");
@@ -163,7 +173,7 @@ pub fn render(reg: &Registry) -> String {
         }
     }
     if let Some(e) = &reg.engine {
-        writeln!(w, "\n# The engine crates compile from this patch on; gates that build them sit on it or later.\n[engine]\nbuilds_from = {}", q(&e.builds_from)).expect("String write");
+        writeln!(w, "\n# The project's own code compiles from this patch on; gates that build it sit on it or later.\n[engine]\nbuilds_from = {}", q(&e.builds_from)).expect("String write");
     }
     for p in &reg.patches {
         writeln!(w, "\n[[patch]]").expect("String write");
@@ -243,8 +253,9 @@ fn is_hex(s: &str, len: usize) -> bool {
 }
 
 /// Every problem with the registry's own content (files are checked by `sync_check`); each gate
-/// name is checked by `check_gate`, the project's grammar.
-pub fn lint(reg: &Registry, check_gate: GateCheck<'_>) -> Vec<String> {
+/// name is checked by `check_gate`, the project's grammar, and each area against `areas`, the
+/// project's (empty: any lowercase word).
+pub fn lint(reg: &Registry, check_gate: GateCheck<'_>, areas: &[&str]) -> Vec<String> {
     let mut problems = Vec::new();
     match &reg.base {
         Base::Crates { crates } => {
@@ -284,8 +295,8 @@ pub fn lint(reg: &Registry, check_gate: GateCheck<'_>) -> Vec<String> {
         if p.title.trim().is_empty() {
             problems.push(format!("{who}: title is empty"));
         }
-        if !AREAS.contains(&p.area.as_str()) {
-            problems.push(format!("{who}: area {:?} is not one of {}", p.area, AREAS.join(", ")));
+        if let Err(e) = check_area(&p.area, areas) {
+            problems.push(format!("{who}: {e}"));
         }
         if !STATUSES.contains(&p.status.as_str()) {
             problems.push(format!("{who}: status {:?} is not one of {}", p.status, STATUSES.join(", ")));
@@ -346,6 +357,6 @@ gates = ["apply", "test:-p tine-runtime"]
         let again: Registry = toml::from_str(&render(&reg)).expect("rendered registry parses");
         assert_eq!(reg, again);
         let any: GateCheck<'_> = &|_, _, _| Ok(());
-        assert!(lint(&reg, any).is_empty(), "{:?}", lint(&reg, any));
+        assert!(lint(&reg, any, &[]).is_empty(), "{:?}", lint(&reg, any, &[]));
     }
 }

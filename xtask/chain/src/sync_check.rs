@@ -16,7 +16,7 @@ pub fn sync_check(p: &Project, ext: &dyn Extension, reg: &Registry) -> Vec<Strin
     if let Some(what) = journal::pending(p) {
         return vec![format!("an interrupted `{what}` is still pending in {} (its files are half written); run `cargo xtask recover`", p.rel(&journal::dir(p)))];
     }
-    let mut problems = registry::lint(reg, &|r, e, g| ext.check_gate(r, e, g));
+    let mut problems = registry::lint(reg, &|r, e, g| ext.check_gate(r, e, g), ext.areas());
     let mut series = Vec::new();
     let listed: BTreeSet<&str> = reg.patches.iter().map(|e| e.file.as_str()).collect();
     if let Ok(dir) = fs::read_dir(p.patches_dir()) {

@@ -87,9 +87,9 @@ const T1: &str = "pristine base matches its manifest";
 const T2: &str = "the whole chain applies strictly";
 const T3: &str = "result matches manifest.patched";
 const T4: &str = "reverse-applying the chain gives back the pristine tree";
-const T5: &str = "live engine/upstream/ equals the expected tree";
+const T5: &str = "the live tree equals the expected tree";
 const T6: &str = "each declared hook appears with its patch, not before";
-const T7: &str = "cargo resolves every base crate to engine/upstream/";
+const T7: &str = "cargo resolves every base crate to the live tree";
 
 /// Runs every check it can; a failed step skips only the steps that depend on it.
 pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> Result<Report, VerifyError> {
@@ -211,7 +211,7 @@ pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> Result<Report, Verify
             r.push(6, T6, Outcome::Skipped("the chain did not apply".into()));
         }
     }
-    pb.set_message("checking engine/upstream/");
+    pb.set_message(format!("checking {}", p.live_name()));
     r.push(5, T5, check_live(p, expected.as_ref(), patches.as_deref()));
     pb.set_message("cargo metadata");
     r.push(7, T7, check_cargo(p, &reg));
@@ -222,16 +222,17 @@ pub fn verify(p: &Project, pb: &indicatif::ProgressBar) -> Result<Report, Verify
 fn check_live(p: &Project, expected: Option<&Tree>, patches: Option<&[chain::LoadedPatch]>) -> Outcome {
     let live = match Live::read(p) {
         Ok(Some(l)) => l,
-        Ok(None) => return Outcome::Skipped("engine/upstream/ is absent (`cargo xtask apply-chain` creates it)".into()),
+        Ok(None) => return Outcome::Skipped(format!("{} is absent (`cargo xtask apply-chain` creates it)", p.live_name())),
         Err(e) => return Outcome::Fail(Causes(&e).to_string()),
     };
     let Some(state) = &live.state else {
-        return Outcome::Fail("engine/upstream/ has no chain state; it was not written by `cargo xtask apply-chain` (back it up, remove it, apply again)".into());
+        return Outcome::Fail(format!("{} has no chain state; it was not written by `cargo xtask apply-chain` (back it up, remove it, apply again)", p.live_name()));
     };
     let drift = live.drift().expect("state present");
     if !drift.is_empty() {
         return Outcome::Fail(format!(
-            "engine/upstream/ holds edits that no patch carries:\n{}\ncapture them: `cargo xtask refresh {}` (into the top applied patch) or `cargo xtask capture NNNN-slug` (a new patch)",
+            "{} holds edits that no patch carries:\n{}\ncapture them: `cargo xtask refresh {}` (into the top applied patch) or `cargo xtask capture NNNN-slug` (a new patch)",
+            p.live_name(),
             drift.describe(20),
             state.top()
         ));
@@ -240,13 +241,13 @@ fn check_live(p: &Project, expected: Option<&Tree>, patches: Option<&[chain::Loa
         return Outcome::Skipped("no expected tree (the chain did not apply)".into());
     };
     if state.applied.len() != patches.len() {
-        return Outcome::Fail(format!("engine/upstream/ holds the chain up to {}, not the whole chain ({} patches): run `cargo xtask apply-chain`", state.top(), patches.len()));
+        return Outcome::Fail(format!("{} holds the chain up to {}, not the whole chain ({} patches): run `cargo xtask apply-chain`", p.live_name(), state.top(), patches.len()));
     }
     let d = tree::diff_manifests(&tree::manifest_of(expected), &tree::manifest_of(&live.tree));
     if d.is_empty() {
         Outcome::Pass(format!("base + {} patch(es), no drift", patches.len()))
     } else {
-        Outcome::Fail(format!("engine/upstream/ is stale (patch files changed since it was applied):\n{}\nrun `cargo xtask apply-chain`", d.describe(20)))
+        Outcome::Fail(format!("{} is stale (patch files changed since it was applied):\n{}\nrun `cargo xtask apply-chain`", p.live_name(), d.describe(20)))
     }
 }
 
@@ -261,10 +262,10 @@ pub fn check_cargo(p: &Project, reg: &Registry) -> Outcome {
         return Outcome::Skipped("no engine workspace (Cargo.toml) at the project root".into());
     }
     if !p.upstream_dir().exists() {
-        return Outcome::Fail("engine/upstream/ is absent, so the engine workspace cannot resolve: run `cargo xtask apply-chain`".into());
+        return Outcome::Fail(format!("{} is absent, so the engine workspace cannot resolve: run `cargo xtask apply-chain`", p.live_name()));
     }
     match metadata_problems(&p.root, &p.upstream_dir(), &manifest, crates.iter().map(|c| c.name.as_str())) {
-        Ok(problems) if problems.is_empty() => Outcome::Pass(format!("{} crate(s) from engine/upstream/", crates.len())),
+        Ok(problems) if problems.is_empty() => Outcome::Pass(format!("{} crate(s) from {}", crates.len(), p.live_name())),
         Ok(problems) => Outcome::Fail(problems.join("\n")),
         Err(e) => Outcome::Fail(Causes(&e).to_string()),
     }
@@ -317,9 +318,10 @@ fn metadata_problems<'a>(root: &Path, upstream: &Path, manifest: &Path, names: i
             let path = pkg["manifest_path"].as_str().unwrap_or("");
             if !pkg["source"].is_null() || Path::new(path) != want {
                 problems.push(format!(
-                    "{name} {} resolves to {} ({path}), not engine/upstream/{name}: cargo ignored the [patch.crates-io] entry",
+                    "{name} {} resolves to {} ({path}), not {}: cargo ignored the [patch.crates-io] entry",
                     pkg["version"].as_str().unwrap_or("?"),
-                    pkg["source"].as_str().unwrap_or("a path")
+                    pkg["source"].as_str().unwrap_or("a path"),
+                    want.display()
                 ));
             }
         }

@@ -13,7 +13,7 @@ pub fn run(p: &Project, patch: Option<&str>, all: bool, list: bool, revert: bool
         print!("{}", gate::render_list(&chain::load_registry(p)?));
         return Ok(ExitCode::SUCCESS);
     }
-    let problems = registry::lint(&chain::load_registry(p)?, &|r, e, g| Tine.check_gate(r, e, g));
+    let problems = registry::lint(&chain::load_registry(p)?, &|r, e, g| Tine.check_gate(r, e, g), Tine.areas());
     if !problems.is_empty() {
         pb.finish_and_clear();
         anyhow::bail!("the registry has problems; fix them first:\n  {}", problems.join("\n  "));
