@@ -1,6 +1,6 @@
-//! The HTTP API's request decoder (`tine-api`, what `tine serve` runs on every body before it
-//! touches the model) on any bytes, for every endpoint: an error or a decoded request, never a
-//! panic. A body that decodes must decode the same way again (no hidden state), and a refusal
+//! The HTTP API's request checks (`tine-api`'s `check_completion`, `check_chat`, `decode` and
+//! `check_ids`: the functions `tine serve`'s edge runs on every body before it touches the
+//! model) on any bytes, for every endpoint: an error or a checked request, never a panic. A body that decodes must decode the same way again (no hidden state), and a refusal
 //! must carry a message (the server's 400 names what was wrong).
 #![no_main]
 

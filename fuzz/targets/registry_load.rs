@@ -16,5 +16,5 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(reg, again, "the canonical rendering loads as a different registry");
     assert_eq!(rendered, registry::render(&again), "rendering is not idempotent");
     let _ = registry::render_markdown(&reg);
-    let _ = registry::lint(&reg, &|_, _, _| Ok(()));
+    let _ = registry::lint(&reg, &|_, _, _| Ok(()), &[]);
 });

@@ -277,6 +277,23 @@ pub struct Limits {
     pub constraint: Option<(&'static str, Constraint)>,
     /// `-1`: the whole prompt.
     pub n_keep: i32,
+    /// `speculative.n_max`, `.n_min`, `.p_min`: per-request draft settings (each `None` keeps
+    /// the server's).
+    pub draft: DraftOverride,
+}
+
+/// A request's own draft settings, each over the server's when given.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DraftOverride {
+    pub n_max: Option<usize>,
+    pub n_min: Option<usize>,
+    pub p_min: Option<f32>,
+}
+
+impl DraftOverride {
+    pub fn is_empty(&self) -> bool {
+        *self == DraftOverride::default()
+    }
 }
 
 /// What a request gets for a field it leaves out (the server's `--temp`, `--n-predict`, ...).
@@ -364,6 +381,7 @@ impl GenFields {
                 n @ -1..=0x7fff_ffff => n as i32,
                 n => return Err(RequestError::on("n_keep", format!("n_keep must be -1 (the whole prompt) or >= 0, got {n}"))),
             },
+            draft: DraftOverride { n_max: self.spec_n_max, n_min: self.spec_n_min, p_min: self.spec_p_min },
         })
     }
 
@@ -569,28 +587,98 @@ impl Endpoint {
     pub const ALL: [Endpoint; 4] = [Endpoint::Completion, Endpoint::Chat, Endpoint::Tokenize, Endpoint::Detokenize];
 }
 
-/// Decodes `body` for `endpoint` and runs every model-free check (what the fuzzer drives).
-/// Returns a short summary of what was accepted.
+/// A completion request (`/completion`, `/v1/completions`) after every check that needs no
+/// model: the server's edge calls [`check_completion`], then tokenizes the prompts and checks
+/// what needs the model.
+#[derive(Debug, Clone)]
+pub struct CompletionRequest {
+    pub prompts: Vec<Prompt>,
+    pub limits: Limits,
+    /// Results per prompt (`n`).
+    pub n: usize,
+}
+
+/// Decodes a completion body and runs every model-free check, in the server's order.
+pub fn check_completion(body: &[u8], defaults: &Defaults) -> Result<CompletionRequest, RequestError> {
+    let mut b: CompletionBody = decode(body)?;
+    let prompts = b.prompts()?;
+    let n = b.gen.choices()?;
+    if prompts.len() * n > MAX_CHOICES {
+        return Err(RequestError::on("n", format!("at most {MAX_CHOICES} results per request (prompts x n), got {} x {n}", prompts.len())));
+    }
+    let limits = b.gen.limits_with(defaults)?;
+    Ok(CompletionRequest { prompts, limits, n })
+}
+
+/// A chat's prompt before the template: the messages as a template sees them, and the tools.
+#[derive(Debug, Clone)]
+pub struct ChatPrompt {
+    pub messages: Vec<serde_json::Value>,
+    pub tools: Option<serde_json::Value>,
+}
+
+/// A chat request (`/v1/chat/completions`) after every check that needs no model.
+#[derive(Debug, Clone)]
+pub struct ChatRequest {
+    pub prompt: ChatPrompt,
+    /// `tool_choice` forces a call: the output is constrained to a JSON object naming a tool
+    /// (the limits carry that schema) and read as one.
+    pub forced_call: bool,
+    pub limits: Limits,
+    pub n: usize,
+}
+
+/// Decodes a chat body for its prompt alone (`/apply-template`).
+pub fn check_chat_prompt(body: &[u8]) -> Result<ChatPrompt, RequestError> {
+    chat_prompt_of(&decode::<ChatBody>(body)?)
+}
+
+fn chat_prompt_of(b: &ChatBody) -> Result<ChatPrompt, RequestError> {
+    let tools = b.tools()?;
+    let messages = b.messages.iter().map(ChatMessage::to_template_value).collect::<Result<_, _>>()?;
+    Ok(ChatPrompt { messages, tools })
+}
+
+/// Decodes a chat body and runs every model-free check, in the server's order.
+pub fn check_chat(body: &[u8], defaults: &Defaults) -> Result<ChatRequest, RequestError> {
+    let b: ChatBody = decode(body)?;
+    let prompt = chat_prompt_of(&b)?;
+    let forced = b.forced_call()?;
+    let mut gen = b.gen;
+    if let Some(schema) = &forced {
+        if gen.constraint()?.is_some() {
+            return Err(RequestError::on("tool_choice", "tool_choice: a forced call cannot be combined with response_format, json_schema or grammar"));
+        }
+        gen.json_schema = Some(schema.clone());
+    }
+    let n = gen.choices()?;
+    let limits = gen.limits_with(defaults)?;
+    Ok(ChatRequest { prompt, forced_call: forced.is_some(), limits, n })
+}
+
+/// Runs `endpoint`'s model-free checks on `body` through the functions the server's edge calls
+/// ([`check_completion`], [`check_chat`], [`decode`], [`check_ids`]), with the built-in
+/// defaults (what the fuzzer and tine-api's tests drive). Returns a short summary of what was
+/// accepted.
 pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<String, RequestError> {
+    let defaults = Defaults::default();
     Ok(match endpoint {
         Endpoint::Completion => {
-            let mut b: CompletionBody = decode(body)?;
-            let limits = b.gen.limits()?;
+            let r = check_completion(body, &defaults)?;
             let mut sizes = Vec::new();
-            for p in b.prompts()? {
+            for p in &r.prompts {
                 sizes.push(match p {
                     Prompt::Text(t) => t.len(),
-                    Prompt::Tokens(ids) => check_ids(&ids, vocab)?.len(),
+                    Prompt::Tokens(ids) => check_ids(ids, vocab)?.len(),
                 });
             }
             let sizes: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();
-            format!("completion prompt {} n_predict {} n {}", sizes.join("+"), limits.n_predict, b.gen.choices()?)
+            format!("completion prompt {} n_predict {} n {}", sizes.join("+"), r.limits.n_predict, r.n)
         }
         Endpoint::Chat => {
-            let b: ChatBody = decode(body)?;
-            let limits = b.gen.limits()?;
-            let chars: usize = b.messages.iter().map(|m| m.text().map(|t| t.len())).sum::<Result<usize, _>>()?;
-            format!("chat {} messages {chars} bytes n_predict {}", b.messages.len(), limits.n_predict)
+            let r = check_chat(body, &defaults)?;
+            let chars: usize = r.prompt.messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum();
+            format!("chat {} messages {chars} bytes n_predict {}", r.prompt.messages.len(), r.limits.n_predict)
         }
         Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.content.len()),
         Endpoint::Detokenize => format!("detokenize {} ids", check_ids(&decode::<DetokenizeBody>(body)?.tokens, vocab)?.len()),

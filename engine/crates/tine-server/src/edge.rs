@@ -28,6 +28,17 @@ pub(crate) async fn json_body<T: serde::de::DeserializeOwned>(st: &AppState, bod
     Ok(tine_api::decode(&read_body(st, body).await?)?)
 }
 
+/// A completion body read and through tine-api's model-free checks ([`tine_api::check_completion`],
+/// the function the fuzzer drives).
+pub(crate) async fn completion_body(st: &AppState, body: Body) -> Result<tine_api::CompletionRequest, ApiError> {
+    Ok(tine_api::check_completion(&read_body(st, body).await?, &st.config.defaults)?)
+}
+
+/// A chat body read and through tine-api's model-free checks ([`tine_api::check_chat`]).
+pub(crate) async fn chat_body(st: &AppState, body: Body) -> Result<tine_api::ChatRequest, ApiError> {
+    Ok(tine_api::check_chat(&read_body(st, body).await?, &st.config.defaults)?)
+}
+
 pub(crate) fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {
     Ok(tine_api::check_ids(ids, st.model.info.vocab_size)?)
 }
@@ -42,19 +53,19 @@ pub(crate) struct Validated {
     pub(crate) logprobs: Option<usize>,
 }
 
-/// Validates one result's request: tine-api's model-free checks of the fields, then what needs
-/// the model (ids, bias texts, a grammar compiled against the vocabulary), then the engine's own
-/// [`GenerateRequest::validate`] against the context size, once. `choice` is the result's index
-/// among the request's `n` (it samples with `seed + choice`).
-pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, g: GenFields, choice: usize) -> Result<Validated, ApiError> {
-    let mut l = g.limits_with(&st.config.defaults)?;
+/// Validates one result's request: tine-api's model-free checks are done ([`tine_api::Limits`]);
+/// here what needs the model (bias texts, a grammar compiled against the vocabulary), then the
+/// engine's own [`GenerateRequest::validate`] against the context size, once. `choice` is the
+/// result's index among the request's `n` (it samples with `seed + choice`).
+pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, choice: usize) -> Result<Validated, ApiError> {
+    let mut l = l.clone();
     if let Some(seed) = l.sampling.seed.as_mut() {
         *seed = seed.wrapping_add(choice as u64);
     }
     let speculative = match &st.config.spec {
-        Some(f) if g.has_spec_override() => {
-            let d = f.config.params;
-            let p = tine_spec::DraftParams { n_max: g.spec_n_max.unwrap_or(d.n_max), n_min: g.spec_n_min.unwrap_or(d.n_min), p_min: g.spec_p_min.unwrap_or(d.p_min), adaptive: d.adaptive };
+        Some(f) if !l.draft.is_empty() => {
+            let (d, o) = (f.config.params, l.draft);
+            let p = tine_spec::DraftParams { n_max: o.n_max.unwrap_or(d.n_max), n_min: o.n_min.unwrap_or(d.n_min), p_min: o.p_min.unwrap_or(d.p_min), adaptive: d.adaptive };
             p.check().map_err(|e| ApiError::bad(format!("speculative: {e}")))?;
             Some(p)
         }
@@ -105,8 +116,10 @@ pub(crate) fn resolve_bias(st: &AppState, entries: &[(tine_api::BiasTarget, f32)
     Ok(out)
 }
 
-pub(crate) fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec<Vec<u32>>, ApiError> {
-    b.prompts()?
+/// The prompts as tokens: texts tokenized (BOS added, special tokens parsed), ids checked
+/// against the vocabulary.
+pub(crate) fn prompt_tokens(st: &AppState, prompts: Vec<Prompt>) -> Result<Vec<Vec<u32>>, ApiError> {
+    prompts
         .into_iter()
         .map(|p| match p {
             Prompt::Text(t) => Ok(st.model.tokenizer.encode(&t, true, true)),
@@ -117,25 +130,20 @@ pub(crate) fn prompt_tokens(st: &AppState, b: &mut CompletionBody) -> Result<Vec
 
 /// Every result a request asks for: each prompt `n` times, choice `i` sampling with `seed + i`
 /// (a request without a seed draws one per choice). Each is validated on its own (a grammar
-/// gets its own parser state).
-pub(crate) fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, g: GenFields) -> Result<Vec<Validated>, ApiError> {
-    let n = g.choices()?;
-    if prompts.len() * n > tine_api::MAX_CHOICES {
-        return Err(ApiError::bad(format!("at most {} results per request (prompts x n), got {} x {n}", tine_api::MAX_CHOICES, prompts.len())));
-    }
+/// gets its own parser state); tine-api bounded `prompts x n`.
+pub(crate) fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, l: &tine_api::Limits, n: usize) -> Result<Vec<Validated>, ApiError> {
     let mut out = Vec::with_capacity(prompts.len() * n);
     for prompt in prompts {
         for i in 0..n {
-            out.push(validate(st, prompt.clone(), g.clone(), i)?);
+            out.push(validate(st, prompt.clone(), l, i)?);
         }
     }
     Ok(out)
 }
 
 /// The chat prompt as tokens: the template's text (`ChatTemplate::prompt`, as the CLI renders it).
-pub(crate) fn chat_prompt(st: &AppState, b: &ChatBody, tools: Option<&Value>) -> Result<(String, Vec<u32>), ApiError> {
-    let messages: Vec<Value> = b.messages.iter().map(|m| m.to_template_value()).collect::<Result<_, _>>()?;
-    st.template.prompt(&st.model, &messages, tools).map_err(|e| match e {
+pub(crate) fn chat_prompt(st: &AppState, p: &tine_api::ChatPrompt) -> Result<(String, Vec<u32>), ApiError> {
+    st.template.prompt(&st.model, &p.messages, p.tools.as_ref()).map_err(|e| match e {
         // The server's own template is broken: not the client's fault.
         TemplateError::Syntax(_) | TemplateError::Read { .. } => ApiError::internal(e.to_string()),
         _ => ApiError::bad(e.to_string()),

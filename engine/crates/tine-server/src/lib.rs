@@ -35,7 +35,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
-use tine_api::{ChatBody, CompletionBody, DetokenizeBody, GenFields, Prompt, TokenizeBody};
+use tine_api::{DetokenizeBody, Prompt, TokenizeBody};
 use tine_engine::template::{parse_tool_calls, ChatTemplate, TemplateError};
 use tine_engine::{GenerateRequest, StopType, Timings, TokenProb, ValidRequest};
 use tine_runtime::Model;

@@ -87,10 +87,10 @@ pub(crate) fn prob_json(st: &AppState, p: &TokenProb) -> Value {
 }
 
 pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
-    let mut b: CompletionBody = json_body(&st, body).await?;
+    let req = completion_body(&st, body).await?;
     let (vs, prompt_texts) = prepare(&st, move |st| {
-        let prompts = prompt_tokens(st, &mut b)?;
-        let vs = validate_many(st, prompts, b.gen)?;
+        let prompts = prompt_tokens(st, req.prompts)?;
+        let vs = validate_many(st, prompts, &req.limits, req.n)?;
         let texts: Vec<String> = vs.iter().map(|v| st.model.tokenizer.decode(&v.request.prompt, true)).collect();
         Ok((vs, texts))
     })
@@ -168,7 +168,7 @@ pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, p
 
 /// llama-server's `/apply-template`: the prompt a chat request would run.
 pub(crate) async fn apply_template(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
-    let b: ChatBody = json_body(&st, body).await?;
-    let (text, _) = prepare(&st, move |st| chat_prompt(st, &b, b.tools()?.as_ref())).await?;
+    let p = tine_api::check_chat_prompt(&read_body(&st, body).await?)?;
+    let (text, _) = prepare(&st, move |st| chat_prompt(st, &p)).await?;
     Ok(Json(json!({ "prompt": text })))
 }

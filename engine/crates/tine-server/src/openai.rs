@@ -94,10 +94,10 @@ pub(crate) fn fingerprint() -> String {
 }
 
 pub(crate) async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
-    let mut b: CompletionBody = json_body(&st, body).await?;
+    let req = completion_body(&st, body).await?;
     let vs = prepare(&st, move |st| {
-        let prompts = prompt_tokens(st, &mut b)?;
-        validate_many(st, prompts, b.gen)
+        let prompts = prompt_tokens(st, req.prompts)?;
+        validate_many(st, prompts, &req.limits, req.n)
     })
     .await?;
     let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
@@ -151,25 +151,14 @@ pub(crate) fn tool_calls_json(calls: &[tine_engine::template::ToolCall]) -> Valu
 }
 
 pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
-    let b: ChatBody = json_body(&st, body).await?;
-    let (vs, tool_syntax) = prepare(&st, move |st| {
-        let tools = b.tools()?;
-        let (_, prompt) = chat_prompt(st, &b, tools.as_ref())?;
-        // With tools, the output is parsed for calls in the template family's syntax; a forced
-        // call is constrained to a JSON object naming the tool, and read as one.
-        let forced = b.forced_call()?;
-        let mut gen = b.gen;
-        let tool_syntax = match forced {
-            Some(schema) => {
-                if gen.constraint()?.is_some() {
-                    return Err(ApiError::bad("tool_choice: a forced call cannot be combined with response_format, json_schema or grammar"));
-                }
-                gen.json_schema = Some(schema);
-                Some(tine_engine::template::ToolSyntax::JsonObject)
-            }
-            None => tools.as_ref().and_then(|_| st.template.tool_syntax()),
-        };
-        Ok((validate_many(st, vec![prompt], gen)?, tool_syntax))
+    let req = chat_body(&st, body).await?;
+    // With tools, the output is parsed for calls in the template family's syntax; a forced
+    // call is constrained to a JSON object naming the tool (tine-api put that schema in the
+    // limits), and read as one.
+    let tool_syntax = if req.forced_call { Some(tine_engine::template::ToolSyntax::JsonObject) } else { req.prompt.tools.as_ref().and_then(|_| st.template.tool_syntax()) };
+    let vs = prepare(&st, move |st| {
+        let (_, prompt) = chat_prompt(st, &req.prompt)?;
+        validate_many(st, vec![prompt], &req.limits, req.n)
     })
     .await?;
     let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
