@@ -9,14 +9,13 @@ mod device;
 mod gpu;
 mod graft;
 mod model;
-mod slot_file;
 mod tokenizer;
 
 pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 
 pub use graft::{graft_nextn, GraftError, Grafted};
+pub use model::slot_file::{fingerprint, SlotFileError, SlotImage, TypedLayer};
 pub use model::{Assistant, CacheTypeError, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, Sequence, SharedPrefix, StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK};
-pub use slot_file::{fingerprint, SlotFileError, SlotImage, TypedLayer};
 
 /// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to
 /// see the cause, not only that something failed.

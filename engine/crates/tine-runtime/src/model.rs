@@ -15,6 +15,10 @@ use candle_transformers::models::quantized_qwen35 as qwen35;
 use crate::gpu::{GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
 use crate::tokenizer::Tokenizer;
 
+/// Slot files: a sequence's state out to bytes and back (a child module: it reads the model's
+/// and the sequence's private state, and nothing else does).
+pub(crate) mod slot_file;
+
 /// Errors of [`Model::load`].
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -271,7 +275,7 @@ fn md_u32(ct: &gguf_file::Content, key: &str) -> Option<usize> {
 }
 
 /// FNV-1a 64: the model's tail hash and the slot file's checksum.
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3))
 }
 
@@ -619,16 +623,16 @@ impl Logits {
 /// cache's length exactly as they were (the KV rows it wrote past the old end are dead, as
 /// after a rollback), so a caller may keep using the sequence and its cached prefix.
 pub struct Sequence {
-    pub(crate) cache: SeqCache,
-    pub(crate) tokens: Vec<u32>,
-    pub(crate) context: usize,
+    cache: SeqCache,
+    tokens: Vec<u32>,
+    context: usize,
     /// Forwards left before an injected failure ([`Sequence::inject_failure`]).
     #[cfg(feature = "failure-injection")]
     fail_after: Option<usize>,
     /// The engine's KV cache, when the model runs on the GPU engine (then `cache` is unused).
-    pub(crate) gpu: Option<GpuSeq>,
+    gpu: Option<GpuSeq>,
     /// Whether `cache` lives in host memory (shared prefixes are read there).
-    pub(crate) on_cpu: bool,
+    on_cpu: bool,
 }
 
 /// The pieces a prompt runs in: chunks of [`PREFILL_CHUNK`]; on a recurrent model the last token

@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::model::{fnv1a, KvType, Model, Sequence, StepError};
+use super::{fnv1a, KvType, Model, Sequence, StepError};
 
 const MAGIC: &[u8; 8] = b"TINESLOT";
 /// The newest version: written for caches of other types than f32 (2 for recurrent states, 1 for
@@ -264,8 +264,8 @@ impl Sequence {
         }
         let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
         let cache = match &self.cache {
-            crate::model::SeqCache::Gemma3(cache) => cache,
-            crate::model::SeqCache::Qwen35(r) => {
+            super::SeqCache::Gemma3(cache) => cache,
+            super::SeqCache::Qwen35(r) => {
                 let img = r.cache.image()?;
                 let (kt, vt) = r.cache.types();
                 let mut states = Vec::with_capacity(2 * img.recurrent.len());
@@ -284,7 +284,7 @@ impl Sequence {
                 }
                 return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: (kt, vt), layers, typed_layers, states });
             }
-            crate::model::SeqCache::Gemma4(c) => {
+            super::SeqCache::Gemma4(c) => {
                 // The K/V of the layers that own some (KV-shared layers store none), as stored.
                 let (kt, vt) = c.types();
                 let mut typed_layers = Vec::new();
@@ -370,7 +370,7 @@ impl Sequence {
         }
         // Into a fresh cache first: a refused image leaves this sequence as it was.
         let mut cache = match (&model.weights, model.new_cache_for(self.context)) {
-            (crate::model::Weights::Qwen35(w), crate::model::SeqCache::Qwen35(_)) => {
+            (super::Weights::Qwen35(w), super::SeqCache::Qwen35(_)) => {
                 if !img.states.len().is_multiple_of(2) {
                     return Err(SlotFileError::Malformed(format!("{} recurrent tensors: windows and states come in pairs", img.states.len())));
                 }
@@ -383,22 +383,22 @@ impl Sequence {
                 let image = candle_transformers::models::quantized_qwen35::CacheImage { len: img.tokens.len(), kv, recurrent };
                 let (kt, vt) = img.cache_types;
                 let cache = w.cache_from_image_typed(&image, self.context.min(4096), kt, vt).map_err(|e| SlotFileError::Malformed(format!("the state does not fit this model: {e}")))?;
-                self.cache = crate::model::SeqCache::Qwen35(crate::model::Recurrent::new(cache));
+                self.cache = super::SeqCache::Qwen35(super::Recurrent::new(cache));
                 self.tokens = img.tokens.clone();
                 return Ok(());
             }
-            (crate::model::Weights::Gemma4(w), crate::model::SeqCache::Gemma4(_)) => {
+            (super::Weights::Gemma4(w), super::SeqCache::Gemma4(_)) => {
                 if !img.states.is_empty() {
                     return Err(SlotFileError::Malformed("recurrent states for a model without any".into()));
                 }
                 let image = candle_transformers::models::quantized_gemma4::CacheImage { len: img.tokens.len(), kv };
                 let (kt, vt) = img.cache_types;
                 let cache = w.cache_from_image_typed(&image, self.context.min(4096), kt, vt).map_err(|e| SlotFileError::Malformed(format!("the KV does not fit this model: {e}")))?;
-                self.cache = crate::model::SeqCache::Gemma4(cache);
+                self.cache = super::SeqCache::Gemma4(cache);
                 self.tokens = img.tokens.clone();
                 return Ok(());
             }
-            (_, crate::model::SeqCache::Gemma3(cache)) => cache,
+            (_, super::SeqCache::Gemma3(cache)) => cache,
             _ => unreachable!("a model makes its own kind of cache"),
         };
         if !img.states.is_empty() {
@@ -410,7 +410,7 @@ impl Sequence {
         if cache.len() != img.tokens.len() {
             return Err(SlotFileError::Malformed(format!("the KV holds {} positions for {} tokens", cache.len(), img.tokens.len())));
         }
-        self.cache = crate::model::SeqCache::Gemma3(cache);
+        self.cache = super::SeqCache::Gemma3(cache);
         self.tokens = img.tokens.clone();
         Ok(())
     }
