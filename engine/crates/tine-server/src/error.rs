@@ -148,6 +148,21 @@ impl From<&crate::scheduler::SlotError> for ApiError {
     }
 }
 
+/// A slot file `name` that could not be read from `--slot-save-path` (404 when there is none),
+/// or that is not a slot file (400).
+pub fn slot_file_read(name: &str, e: &std::io::Error) -> ApiError {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        ApiError::new(StatusCode::NOT_FOUND, format!("no slot file {name:?}"))
+    } else {
+        ApiError::internal(format!("reading {name:?}: {e}"))
+    }
+}
+
+/// A slot file's bytes that do not parse: the client named the wrong file.
+pub fn slot_file_malformed(name: &str, e: &tine_runtime::SlotFileError) -> ApiError {
+    ApiError::bad(format!("{name:?}: {e}"))
+}
+
 /// A request the client must change.
 impl From<tine_api::RequestError> for ApiError {
     fn from(e: tine_api::RequestError) -> ApiError {

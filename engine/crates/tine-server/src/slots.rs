@@ -53,15 +53,9 @@ pub(crate) async fn slot_action(State(st): State<Shared>, axum::extract::Path(id
             })
             .await
             .map_err(|e| ApiError::internal(e.to_string()))?
-            .map_err(|e| {
-                if e.kind() == std::io::ErrorKind::NotFound {
-                    ApiError::new(StatusCode::NOT_FOUND, format!("no slot file {name:?}"))
-                } else {
-                    ApiError::internal(format!("reading {name:?}: {e}"))
-                }
-            })?;
+            .map_err(|e| error::slot_file_read(&name, &e))?;
             let img = tokio::task::spawn_blocking(move || tine_runtime::SlotImage::from_bytes(&bytes)).await.map_err(|e| ApiError::internal(e.to_string()))?;
-            let img = img.map_err(|e| ApiError::bad(format!("{name:?}: {e}")))?;
+            let img = img.map_err(|e| error::slot_file_malformed(&name, &e))?;
             (SlotAction::Restore(Box::new(img)), Some(path))
         }
         "erase" => (SlotAction::Erase, None),
