@@ -115,6 +115,8 @@ pub struct GenFields {
     pub stop: Option<StopInput>,
     #[serde(default)]
     pub stream: bool,
+    /// OpenAI's `stream_options` (`include_usage`).
+    pub stream_options: Option<StreamOptions>,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -256,6 +258,15 @@ pub enum LogprobsInput {
 /// Most top log-probabilities a request may ask for per token.
 pub const MAX_N_PROBS: usize = 100;
 
+/// OpenAI's `stream_options`.
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct StreamOptions {
+    /// End a chat stream with a chunk of no choices that carries `usage` (OpenAI's and
+    /// llama-server's last chunk).
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
 /// [`GenFields`] checked.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
@@ -267,6 +278,8 @@ pub struct Limits {
     pub ignore_eos: bool,
     pub cache_prompt: bool,
     pub stream: bool,
+    /// `stream_options.include_usage`.
+    pub include_usage: bool,
     pub return_tokens: bool,
     /// OpenAI log-probabilities asked for, with this many alternatives per token.
     pub logprobs: Option<usize>,
@@ -373,6 +386,7 @@ impl GenFields {
             ignore_eos: self.ignore_eos,
             cache_prompt: self.cache_prompt.unwrap_or(true),
             stream: self.stream,
+            include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             return_tokens: self.return_tokens,
             logprobs,
             logit_bias: self.logit_bias.as_ref().map(LogitBiasInput::entries).transpose()?.unwrap_or_default(),
@@ -465,7 +479,8 @@ impl ChatMessage {
 }
 
 impl ChatMessage {
-    /// The message's text: a string, or its `text` parts joined. Other parts (`image_url`,
+    /// The message's text: a string, or its `text` parts joined by newlines (llama-server's
+    /// join). Other parts (`image_url`,
     /// `input_audio`) are refused: no Tine model reads them, and dropping them would answer a
     /// question the client did not ask.
     pub fn text(&self) -> Result<String, RequestError> {
@@ -476,7 +491,7 @@ impl ChatMessage {
                 if let Some(p) = parts.iter().find(|p| p.kind != "text") {
                     return Err(RequestError::on("messages", format!("content parts of type `{}` are not supported: this model reads text only", p.kind)));
                 }
-                Ok(parts.iter().map(|p| p.text.as_str()).collect())
+                Ok(parts.iter().map(|p| p.text.as_str()).collect::<Vec<_>>().join("\n"))
             }
         }
     }

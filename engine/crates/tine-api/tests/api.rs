@@ -29,7 +29,8 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         (Endpoint::Completion, r#"{"prompt": "hi", "stop": 5}"#, Err("`stop` as a string or a list of strings")),
         (Endpoint::Completion, "  ", Err("the request body is empty")),
         (Endpoint::Completion, "[]", Err("expected a JSON object")),
-        (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}"#, Ok("chat 1 messages 3 bytes")),
+        // Issue 32: text parts are joined by a newline, as llama-server joins them ("ab\nc").
+        (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "text", "text": "c"}]}]}"#, Ok("chat 1 messages 4 bytes")),
         (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}, {"type": "image_url"}]}]}"#, Err("`image_url` are not supported")),
         (Endpoint::Chat, r#"{"messages": "x"}"#, Err("invalid type")),
         (Endpoint::Chat, r#"{"messages": [], "top_logprobs": 2}"#, Err("top_logprobs needs `logprobs: true`")),

@@ -26,7 +26,7 @@ enum Cmd {
     /// Generate text for one prompt; prints the text, then a timing line on stderr.
     Generate(GenerateArgs),
     /// Serve a llama-server-compatible HTTP API (/completion, /v1/completions, /v1/chat/completions, ...).
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Print the token ids of a text (special tokens parsed), one JSON array. Reads only the
     /// GGUF's tokenizer (SentencePiece `llama` or byte-level BPE `gpt2` vocabularies, any
     /// architecture); --device and --ctx-size are accepted and unused.
@@ -107,6 +107,20 @@ struct ServeArgs {
     /// Read API keys from a file, one per line (added to --api-key).
     #[arg(long = "api-key-file", value_name = "FILE")]
     api_key_file: Option<std::path::PathBuf>,
+    /// Origins allowed by CORS: `localhost` (pages served from this machine), `*` (any page: use
+    /// with --api-key), or a comma-separated list of origins (llama-server's flag; its default is
+    /// `*`, Tine's is `localhost`).
+    #[arg(long = "cors-origins", value_name = "ORIGINS", default_value = "localhost")]
+    cors_origins: String,
+    /// Methods a CORS preflight allows.
+    #[arg(long = "cors-methods", value_name = "METHODS", default_value = "GET, POST, DELETE, OPTIONS")]
+    cors_methods: String,
+    /// Headers a CORS preflight allows (default: those the browser asks for).
+    #[arg(long = "cors-headers", value_name = "HEADERS")]
+    cors_headers: Option<String>,
+    /// Do not allow credentials (cookies, Authorization) in CORS requests.
+    #[arg(long = "no-cors-credentials")]
+    no_cors_credentials: bool,
     /// Prompt tokens evaluated per engine step: a long prompt stalls the other slots for one such chunk at most.
     #[arg(long = "ubatch-size", default_value_t = tine_runtime::PREFILL_CHUNK)]
     ubatch: usize,
@@ -723,6 +737,12 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         slot_save_path: a.slot_save_path.clone(),
         cache_ram,
         chat_template,
+        cors: tine_server::cors::CorsConfig {
+            origins: tine_server::cors::CorsOrigins::parse(&a.cors_origins),
+            methods: a.cors_methods.clone(),
+            headers: a.cors_headers.clone(),
+            credentials: !a.no_cors_credentials,
+        },
         ..tine_server::ServerConfig::new(parallel, ctx)
     };
     let spec_note = match &config.spec {
@@ -755,7 +775,7 @@ fn llama_style_args() -> Vec<std::ffi::OsString> {
 
 fn main() -> anyhow::Result<()> {
     match Cli::parse_from(llama_style_args()).command {
-        Cmd::Serve(a) => serve(a).context("tine serve"),
+        Cmd::Serve(a) => serve(*a).context("tine serve"),
         Cmd::Generate(a) => generate(a).context("tine generate"),
         Cmd::Tokenize(a) => tokenize(a).context("tine tokenize"),
         Cmd::SpecBench(a) => spec_bench::run(a).context("tine spec-bench"),

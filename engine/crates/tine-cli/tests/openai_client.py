@@ -114,6 +114,14 @@ def _():
     assert roles == ["assistant"] and text == whole, (roles, text, whole)
 
 
+@check("chat: stream_options include_usage ends with a usage chunk of no choices")
+def _():
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens, last
+    assert all(c.usage is None for c in chunks[:-1]), chunks
+
+
 @check("chat: logprobs and top_logprobs")
 def _():
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)

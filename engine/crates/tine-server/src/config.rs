@@ -34,6 +34,8 @@ pub struct ServerConfig {
     /// `--context-shift`: a generation that fills its context drops the oldest half of the
     /// tokens after `n_keep` and continues.
     pub context_shift: bool,
+    /// `--cors-origins`, `--cors-methods`, `--cors-headers`, `--cors-credentials`.
+    pub cors: crate::cors::CorsConfig,
     /// `--cache-ram`: bytes of KV the prompt prefixes shared between slots may hold (`None`: no
     /// limit; `Some(0)`: every slot keeps its own copy).
     pub cache_ram: Option<usize>,
@@ -62,6 +64,7 @@ impl ServerConfig {
             context_shift: false,
             slot_save_path: None,
             cache_ram: Some(DEFAULT_CACHE_RAM_MIB << 20),
+            cors: crate::cors::CorsConfig::default(),
             #[cfg(feature = "failure-injection")]
             fault: None,
         }

@@ -47,6 +47,8 @@ pub(crate) fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiErr
 pub(crate) struct Validated {
     pub(crate) request: ValidRequest,
     pub(crate) stream: bool,
+    /// `stream_options.include_usage`: a chat stream ends with a usage chunk of no choices.
+    pub(crate) include_usage: bool,
     pub(crate) return_tokens: bool,
     pub(crate) n_probs: usize,
     /// OpenAI log-probabilities, with this many alternatives.
@@ -88,7 +90,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         n_keep: l.n_keep,
     };
     let request = request.validate(st.config.ctx_size).map_err(|e| ApiError::from(&e))?;
-    Ok(Validated { request, stream: l.stream, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
+    Ok(Validated { request, stream: l.stream, include_usage: l.include_usage, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
 }
 
 /// A request's schema or grammar compiled against the vocabulary (400 naming the field when

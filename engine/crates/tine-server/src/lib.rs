@@ -81,6 +81,10 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
     let admission = Admission::new(config.parallel.max(1) + config.max_queue);
     let model_id = config.alias.clone().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
     let keys = config.api_keys.clone();
+    let cors = Arc::new(config.cors.clone());
+    if cors.origins == cors::CorsOrigins::Any && keys.is_empty() {
+        eprintln!("warning: --cors-origins '*' without --api-key: any web page a browser here opens can use this server");
+    }
     let template = ChatTemplate::for_model(&model, config.chat_template.clone());
     let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template, grammars: std::sync::OnceLock::new() });
     Router::new()
@@ -105,7 +109,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .with_state(state)
         .layer(axum::middleware::from_fn_with_state(keys, auth::require_key))
         // Outermost: preflights need no key, and a 401 still carries the CORS headers.
-        .layer(axum::middleware::from_fn(cors::cors))
+        .layer(axum::middleware::from_fn_with_state(cors, cors::cors))
 }
 
 /// Serves until the process ends.

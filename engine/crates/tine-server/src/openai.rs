@@ -77,6 +77,16 @@ pub(crate) fn usage(s: &Summary) -> Value {
     usage_of(std::slice::from_ref(s))
 }
 
+/// A chat stream's last chunk with `stream_options.include_usage`: `chunk` (with no choices)
+/// carrying the usage of every choice, and the first choice's timings.
+pub(crate) fn usage_chunk(mut chunk: Value, summaries: &[Summary]) -> Value {
+    chunk["usage"] = usage_of(summaries);
+    if let Some(s) = summaries.first() {
+        chunk["timings"] = timings_json(&s.timings);
+    }
+    chunk
+}
+
 /// Usage over every choice of a request.
 pub(crate) fn usage_of<'a>(all: impl IntoIterator<Item = &'a Summary>) -> Value {
     let (mut prompt, mut completion, mut cached) = (0, 0, 0);
@@ -161,7 +171,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         validate_many(st, vec![prompt], &req.limits, req.n)
     })
     .await?;
-    let (stream, logprobs) = (vs[0].stream, vs[0].logprobs);
+    let (stream, logprobs, include_usage) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage);
     let rxs = submit_all(&st, &vs)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();
@@ -176,9 +186,14 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
             let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
             events.push(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))));
             let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish}]));
-            last["usage"] = usage(s);
-            last["timings"] = timings_json(&s.timings);
+            if !include_usage {
+                last["timings"] = timings_json(&s.timings);
+            }
             events.push(sse_json(last));
+        }
+        if include_usage {
+            let summaries: Vec<Summary> = results.iter().map(|r| r.0.clone()).collect();
+            events.push(sse_json(usage_chunk(chunk(json!([])), &summaries)));
         }
         events.push(Ok(SseEvent::default().data("[DONE]")));
         return Ok(Sse::new(tokio_stream::iter(events)).into_response());
@@ -187,6 +202,12 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         let (st2, id2) = (st.clone(), id.clone());
         // llama-server's first chunk: the role, and no content yet (`null`, never "").
         let firsts: Vec<_> = (0..rxs.len()).map(|i| sse_json(chunk(json!([{"index": i, "delta": {"role": "assistant", "content": null}, "finish_reason": null}])))).collect();
+        // With `stream_options.include_usage`, one chunk of no choices carries the usage of every
+        // choice once all have ended (OpenAI's and llama-server's last chunk); it comes through
+        // this channel, whose sender is dropped when the last choice ends.
+        let (usage_tx, usage_rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut usage_tx = Some(usage_tx);
+        let (total, mut ended, mut summaries) = (rxs.len(), 0, Vec::new());
         let stream = tokio_stream::iter(firsts)
             .chain(merged(rxs).filter_map(move |(i, ev)| {
                 let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
@@ -206,16 +227,29 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
                     Event::Done(s) => {
                         log_request(&st2, &s);
                         let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish_reason(s.stop_type)}]));
-                        last["usage"] = usage(&s);
-                        last["timings"] = timings_json(&s.timings);
+                        if !include_usage {
+                            last["timings"] = timings_json(&s.timings);
+                        }
+                        summaries.push(*s);
+                        ended += 1;
+                        if ended == total {
+                            if let Some(tx) = usage_tx.take().filter(|_| include_usage) {
+                                let _ = tx.send(sse_json(usage_chunk(chunk(json!([])), &summaries)));
+                            }
+                        }
                         Some(sse_json(last))
                     }
                     Event::Error(e) => {
                         st2.metrics.failed();
+                        ended += 1;
+                        if ended == total {
+                            usage_tx.take();
+                        }
                         Some(sse_json(ApiError::from(&e).body()))
                     }
                 }
             }))
+            .chain(UnboundedReceiverStream::new(usage_rx))
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());
     }

@@ -232,6 +232,23 @@ fn streaming_gives_the_same_text_as_one_response() {
     let first: Value = serde_json::from_str(&data[0]).expect("chunk");
     assert_eq!(first["object"], "chat.completion.chunk");
     assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    // Issue 32: no usage in a stream unless asked; with `stream_options.include_usage` the last
+    // chunk has no choices and carries the usage (and the timings), as OpenAI and llama-server.
+    let chunks = |data: &[String]| -> Vec<Value> { data.iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("chunk")).collect() };
+    assert!(chunks(&data).iter().all(|c| c.get("usage").is_none()), "{data:?}");
+    for n in [1, 2] {
+        let req = json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "stream": true, "temperature": 0, "ignore_eos": true, "n": n, "stream_options": {"include_usage": true}});
+        let (_, body) = http(srv.addr, "POST", "/v1/chat/completions", &req.to_string());
+        let data = sse_data(&body);
+        assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+        let cs = chunks(&data);
+        let last = cs.last().expect("chunks");
+        assert_eq!(last["choices"], json!([]), "{last}");
+        assert_eq!(last["usage"]["completion_tokens"].as_u64(), Some(4 * n), "{last}");
+        assert!(last["timings"]["predicted_n"].is_number(), "{last}");
+        assert_eq!(cs.iter().filter(|c| c.get("usage").is_some()).count(), 1, "{data:?}");
+        assert_eq!(cs.iter().filter(|c| c["choices"][0]["finish_reason"].is_string()).count(), n as usize, "{data:?}");
+    }
 }
 
 #[test]
@@ -381,6 +398,18 @@ fn generation_that_fills_the_context_is_reported_truncated() {
     assert_eq!((limited["stop_type"].as_str(), limited["truncated"].as_bool()), (Some("limit"), Some(false)), "{limited}");
 }
 
+/// Issue 32: text parts are joined by a newline, as llama-server joins them ("What is" +
+/// "the best book" is not "What isthe best book").
+#[test]
+fn text_content_parts_are_joined_by_a_newline() {
+    let srv = start(1, 64);
+    let parts = json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the best book"}]}]});
+    let (s, v) = post(srv.addr, "/apply-template", parts);
+    assert_eq!(s, 200, "{v}");
+    let prompt = v["prompt"].as_str().expect("prompt");
+    assert!(prompt.contains("What is\nthe best book") && !prompt.contains("What isthe"), "{prompt:?}");
+}
+
 #[test]
 fn non_text_content_parts_are_refused_not_dropped() {
     let srv = start(1, 64);
@@ -434,13 +463,33 @@ fn localhost_origins_get_cors_headers_and_preflights_an_answer() {
         out.to_ascii_lowercase()
     };
     let pre = send("OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:5173\r\nAccess-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: authorization, content-type\r\nConnection: close\r\n\r\n".into());
-    assert!(pre.starts_with("http/1.1 204"), "{pre}");
+    // Issue 32: llama-server answers a preflight 200 and allows DELETE.
+    assert!(pre.starts_with("http/1.1 200"), "{pre}");
+    assert!(pre.contains("access-control-allow-methods: get, post, delete, options"), "{pre}");
     assert!(pre.contains("access-control-allow-origin: http://localhost:5173") && pre.contains("access-control-allow-headers: authorization, content-type"), "{pre}");
     // A request without its key is still refused, and the browser can read why.
     let denied = send("GET /props HTTP/1.1\r\nHost: x\r\nOrigin: http://127.0.0.1:3000\r\nConnection: close\r\n\r\n".into());
     assert!(denied.starts_with("http/1.1 401") && denied.contains("access-control-allow-origin: http://127.0.0.1:3000"), "{denied}");
     let foreign = send("GET /props HTTP/1.1\r\nHost: x\r\nOrigin: http://evil.example\r\nAuthorization: Bearer k\r\nConnection: close\r\n\r\n".into());
     assert!(foreign.starts_with("http/1.1 200") && !foreign.contains("access-control-allow-origin"), "{foreign}");
+}
+
+/// Issue 32: `--cors-origins` as llama-server takes it: a list of origins, or `*`.
+#[test]
+fn cors_origins_allow_the_listed_origins_or_any() {
+    let send = |addr: std::net::SocketAddr, origin: &str| {
+        let mut s = TcpStream::connect(addr).expect("connect");
+        s.write_all(format!("GET /health HTTP/1.1\r\nHost: x\r\nOrigin: {origin}\r\nConnection: close\r\n\r\n").as_bytes()).expect("send");
+        let mut out = String::new();
+        s.read_to_string(&mut out).expect("read");
+        out.to_ascii_lowercase()
+    };
+    let listed = start_cfg(None, |c| c.cors.origins = tine_server::cors::CorsOrigins::parse("https://app.example, https://other.example"));
+    assert!(send(listed.addr, "https://app.example").contains("access-control-allow-origin: https://app.example"));
+    let no = send(listed.addr, "http://localhost:3000");
+    assert!(no.starts_with("http/1.1 200") && !no.contains("access-control-allow-origin"), "{no}");
+    let any = start_cfg(None, |c| c.cors.origins = tine_server::cors::CorsOrigins::Any);
+    assert!(send(any.addr, "https://anywhere.example").contains("access-control-allow-origin: https://anywhere.example"));
 }
 
 #[test]
