@@ -117,6 +117,8 @@ pub struct GenFields {
     pub stream: bool,
     /// OpenAI's `stream_options` (`include_usage`).
     pub stream_options: Option<StreamOptions>,
+    /// llama-server's `id_slot`: run in this slot (waiting for it), `-1` or absent for any.
+    pub id_slot: Option<i64>,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -280,6 +282,8 @@ pub struct Limits {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// `id_slot`: the slot to run in (`None`: any; the server checks it names one of its slots).
+    pub id_slot: Option<usize>,
     pub return_tokens: bool,
     /// OpenAI log-probabilities asked for, with this many alternatives per token.
     pub logprobs: Option<usize>,
@@ -387,6 +391,11 @@ impl GenFields {
             cache_prompt: self.cache_prompt.unwrap_or(true),
             stream: self.stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            id_slot: match self.id_slot {
+                None | Some(-1) => None,
+                Some(n) if n >= 0 => Some(n as usize),
+                Some(n) => return Err(RequestError::on("id_slot", format!("id_slot must be -1 (any slot) or a slot's index, got {n}"))),
+            },
             return_tokens: self.return_tokens,
             logprobs,
             logit_bias: self.logit_bias.as_ref().map(LogitBiasInput::entries).transpose()?.unwrap_or_default(),

@@ -49,6 +49,8 @@ pub(crate) struct Validated {
     pub(crate) stream: bool,
     /// `stream_options.include_usage`: a chat stream ends with a usage chunk of no choices.
     pub(crate) include_usage: bool,
+    /// `id_slot`: the slot it must run in.
+    pub(crate) slot: Option<usize>,
     pub(crate) return_tokens: bool,
     pub(crate) n_probs: usize,
     /// OpenAI log-probabilities, with this many alternatives.
@@ -61,6 +63,9 @@ pub(crate) struct Validated {
 /// result's index among the request's `n` (it samples with `seed + choice`).
 pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, choice: usize) -> Result<Validated, ApiError> {
     let mut l = l.clone();
+    if let Some(i) = l.id_slot.filter(|&i| i >= st.scheduler.slots) {
+        return Err(ApiError { param: Some("id_slot".into()), ..ApiError::bad(format!("id_slot {i}: this server has {} slot(s) (0..{})", st.scheduler.slots, st.scheduler.slots)) });
+    }
     if let Some(seed) = l.sampling.seed.as_mut() {
         *seed = seed.wrapping_add(choice as u64);
     }
@@ -90,7 +95,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         n_keep: l.n_keep,
     };
     let request = request.validate(st.config.ctx_size).map_err(|e| ApiError::from(&e))?;
-    Ok(Validated { request, stream: l.stream, include_usage: l.include_usage, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
+    Ok(Validated { request, stream: l.stream, include_usage: l.include_usage, slot: l.id_slot, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
 }
 
 /// A request's schema or grammar compiled against the vocabulary (400 naming the field when

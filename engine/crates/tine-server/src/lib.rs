@@ -128,7 +128,7 @@ async fn method_not_allowed() -> ApiError {
 
 /// Submits every request; if one is refused, those already in are cancelled (their receivers drop).
 fn submit_all(st: &AppState, vs: &[Validated]) -> Result<Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>, ApiError> {
-    vs.iter().map(|v| submit(st, v.request.clone())).collect()
+    vs.iter().map(|v| submit(st, v.request.clone(), v.slot)).collect()
 }
 
 /// Waits for every generation, in order.
@@ -150,13 +150,13 @@ fn merged(rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>) -> tokio_stream
 }
 
 /// Submits and returns the event stream.
-fn submit(st: &AppState, request: ValidRequest) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
+fn submit(st: &AppState, request: ValidRequest, slot: Option<usize>) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
     let permit = st
         .admission
         .try_admit()
         .ok_or_else(|| ApiError::unavailable(format!("the server is busy: {} requests are in progress or queued (limit {}); retry later", st.admission.in_flight(), st.admission.limit())))?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    st.scheduler.submit(Job { request, events: tx, permit }).map_err(|_| ApiError::unavailable("the engine thread has stopped"))?;
+    st.scheduler.submit(Job { request, slot, events: tx, permit }).map_err(|_| ApiError::unavailable("the engine thread has stopped"))?;
     Ok(rx)
 }
 

@@ -95,6 +95,8 @@ enum Msg {
 pub struct Job {
     /// Validated at the edge for the server's context size.
     pub request: ValidRequest,
+    /// `id_slot`: the slot it must run in (it waits for that one); `None`: any free slot.
+    pub slot: Option<usize>,
     pub events: UnboundedSender<Event>,
     /// Held until the engine is done with the request.
     pub permit: Permit,
@@ -565,14 +567,22 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 k += 1;
                 continue;
             }
-            let free = slots.iter().enumerate().filter(|(_, s)| s.active.is_none());
+            // A job for one slot waits for that slot; the others take any free one.
+            let free = slots.iter().enumerate().filter(|(i, s)| s.active.is_none() && job.slot.is_none_or(|want| want == *i));
             let best = free
                 .max_by_key(|(_, s)| {
                     let shared = if job.request.cache_prompt { common_prefix(s.seq.tokens(), &job.request.prompt) } else { 0 };
                     (shared, std::cmp::Reverse(s.last_used))
                 })
                 .map(|(i, _)| i);
-            let Some(i) = best else { break };
+            let Some(i) = best else {
+                if job.slot.is_some() {
+                    // Its slot is busy: it waits there, and the jobs behind it may go on.
+                    k += 1;
+                    continue;
+                }
+                break;
+            };
             let job = queue.remove(k).expect("a queued job at k");
             clock += 1;
             let slot = &mut slots[i];

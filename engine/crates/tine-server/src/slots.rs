@@ -30,15 +30,16 @@ pub(crate) fn slot_file_name(body: &Value) -> Result<String, ApiError> {
 /// llama-server's `POST /slots/{id}?action=save|restore|erase`.
 pub(crate) async fn slot_action(State(st): State<Shared>, axum::extract::Path(id): axum::extract::Path<String>, uri: axum::http::Uri, body: Body) -> Result<Json<Value>, ApiError> {
     use scheduler::{SlotAction, SlotCommand, SlotOutcome};
-    if !st.config.slots_endpoint {
-        return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support slots endpoint. Start it without `--no-slots`"));
-    }
+    // As llama-server: the actions need `--slot-save-path` (save and restore), not `/slots`
+    // (which `--no-slots` turns off).
     let id: usize = id.parse().map_err(|_| ApiError::bad(format!("slot id {id:?} is not a number")))?;
     let action = uri.query().unwrap_or("").split('&').find_map(|kv| kv.strip_prefix("action=")).unwrap_or("").to_owned();
     let raw = read_body(&st, body).await?;
     let body: Value = if raw.iter().all(u8::is_ascii_whitespace) { json!({}) } else { tine_api::decode(&raw)? };
     let dir = || st.config.slot_save_path.clone().ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support slots action. Start it with `--slot-save-path`"));
     let t0 = std::time::Instant::now();
+    // Bytes of the slot file a restore read (llama-server's `n_read`).
+    let mut n_read = 0;
     let (cmd_action, file) = match action.as_str() {
         "save" => {
             let path = dir()?.join(slot_file_name(&body)?);
@@ -54,6 +55,7 @@ pub(crate) async fn slot_action(State(st): State<Shared>, axum::extract::Path(id
             .await
             .map_err(|e| ApiError::internal(e.to_string()))?
             .map_err(|e| error::slot_file_read(&name, &e))?;
+            n_read = bytes.len();
             let img = tokio::task::spawn_blocking(move || tine_runtime::SlotImage::from_bytes(&bytes)).await.map_err(|e| ApiError::internal(e.to_string()))?;
             let img = img.map_err(|e| error::slot_file_malformed(&name, &e))?;
             (SlotAction::Restore(Box::new(img)), Some(path))
@@ -84,7 +86,7 @@ pub(crate) async fn slot_action(State(st): State<Shared>, axum::extract::Path(id
             json!({"id_slot": id, "filename": filename, "n_saved": n_saved, "n_written": n_written, "timings": {"save_ms": t0.elapsed().as_secs_f64() * 1e3}})
         }
         SlotOutcome::Restored { n_restored } => {
-            json!({"id_slot": id, "filename": filename, "n_restored": n_restored, "n_read": n_restored, "timings": {"restore_ms": t0.elapsed().as_secs_f64() * 1e3}})
+            json!({"id_slot": id, "filename": filename, "n_restored": n_restored, "n_read": n_read, "timings": {"restore_ms": t0.elapsed().as_secs_f64() * 1e3}})
         }
         SlotOutcome::Erased { n_erased } => json!({"id_slot": id, "n_erased": n_erased}),
     }))

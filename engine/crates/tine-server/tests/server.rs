@@ -398,6 +398,28 @@ fn generation_that_fills_the_context_is_reported_truncated() {
     assert_eq!((limited["stop_type"].as_str(), limited["truncated"].as_bool()), (Some("limit"), Some(false)), "{limited}");
 }
 
+/// Issue 32: a request's `id_slot` runs it in that slot (llama-server); a slot the server does
+/// not have, or a negative index other than -1, is a 400 naming the field.
+#[test]
+fn id_slot_runs_the_request_in_that_slot() {
+    let srv = start(2, 64);
+    for want in [1u64, 0, 1] {
+        let mut req = greedy("hello world", 2);
+        req["id_slot"] = json!(want);
+        let (s, v) = post(srv.addr, "/completion", req);
+        assert_eq!((s, v["id_slot"].as_u64()), (200, Some(want)), "{v}");
+    }
+    let mut any = greedy("hello world", 2);
+    any["id_slot"] = json!(-1);
+    assert_eq!(post(srv.addr, "/completion", any).0, 200);
+    for bad in [json!(2), json!(-2)] {
+        let mut req = greedy("hello world", 2);
+        req["id_slot"] = bad.clone();
+        let (s, v) = post(srv.addr, "/completion", req);
+        assert_eq!((s, v["error"]["param"].as_str()), (400, Some("id_slot")), "{bad}: {v}");
+    }
+}
+
 /// Issue 32: text parts are joined by a newline, as llama-server joins them ("What is" +
 /// "the best book" is not "What isthe best book").
 #[test]
@@ -513,6 +535,13 @@ fn server_defaults_alias_and_no_slots_follow_the_flags() {
     let p: Value = serde_json::from_str(&p).expect("json");
     assert_eq!((p["default_generation_settings"]["params"]["n_predict"].as_i64(), p["default_generation_settings"]["seed"].as_u64()), (Some(3), Some(42)));
     assert_eq!(http(srv.addr, "GET", "/slots", "").0, 501);
+    // Issue 32: the slot actions follow --slot-save-path, not --no-slots (llama-server): an
+    // erase answers, and a save without the path is 501 naming that flag.
+    let (s, v) = post(srv.addr, "/slots/0?action=erase", json!({}));
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(srv.addr, "/slots/0?action=save", json!({"filename": "a.bin"}));
+    assert_eq!(s, 501, "{v}");
+    assert!(v["error"]["message"].as_str().expect("message").contains("--slot-save-path"), "{v}");
 }
 
 /// A ChatML template with Hermes tool calls, as Qwen-style GGUFs carry.
@@ -771,6 +800,8 @@ fn a_slot_saved_erased_and_restored_continues_as_before_and_bad_actions_are_refu
         assert_eq!(slots[0]["n_cached"], 0, "{slots}");
         let (s, restored) = post(srv.addr, "/slots/0?action=restore", json!({"filename": "a.bin"}));
         assert_eq!((s, restored["n_restored"].as_u64()), (200, Some(n)), "{restored}");
+        // Issue 32: `n_read` is the file's bytes, as llama-server counts it (`n_written` on save).
+        assert_eq!(restored["n_read"], saved["n_written"], "{restored}");
         // The restored KV serves the prompt from the cache, with the same output.
         let (_, again) = post(srv.addr, "/completion", body.clone());
         assert_eq!(again["content"], first["content"]);
