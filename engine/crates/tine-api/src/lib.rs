@@ -230,8 +230,12 @@ impl LogitBiasInput {
             LogitBiasInput::Map(m) => m
                 .iter()
                 .map(|(k, v)| {
-                    let id = k.trim().parse::<i64>().map_err(|_| RequestError::on("logit_bias", format!("logit_bias: key {k:?} is not a token id")))?;
-                    Ok((BiasTarget::Id(id), bias_value(v)?))
+                    // A key that is not a number is a text whose tokens are biased (llama-server).
+                    let target = match k.trim().parse::<i64>() {
+                        Ok(id) => BiasTarget::Id(id),
+                        Err(_) => BiasTarget::Text(k.clone()),
+                    };
+                    Ok((target, bias_value(v)?))
                 })
                 .collect(),
             LogitBiasInput::Pairs(pairs) => pairs

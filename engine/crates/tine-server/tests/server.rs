@@ -191,7 +191,7 @@ fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
     for (path, body, param) in [
         ("/completion", r#"{"prompt": "hello", "top_p": 3}"#, Some("top_p")),
         ("/completion", r#"{"prompt": "hello", "n_predict": -2}"#, Some("n_predict")),
-        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}"#, Some("logit_bias")),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": "high"}}"#, Some("logit_bias")),
         ("/v1/chat/completions", r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}"#, Some("response_format.type")),
         ("/v1/completions", r#"{"prompt": "x", "n": 0}"#, Some("n")),
         ("/completion", "{bad json", None),
@@ -623,7 +623,12 @@ fn logit_bias_moves_and_bans_tokens_in_both_shapes_and_speculation_keeps_it() {
         assert_eq!(s, 200, "{forced}");
         assert!(forced["tokens"].as_array().expect("tokens").iter().all(|t| t.as_u64() == Some(7)), "{bias}: {forced}");
     }
-    for (bad, needle) in [(json!({"x": 1}), "not a token id"), (json!({"7": 1000}), "must lie in"), (json!([[999999, 1]]), "outside the vocabulary"), (json!("nope"), "logit_bias")] {
+    // Issue 32: an OpenAI map with a text key biases that text's tokens, as llama-server does
+    // (the same as the pair form).
+    let (s, by_map) = post(srv.addr, "/completion", with(json!({"hello": -5})));
+    let (_, by_pair) = post(srv.addr, "/completion", with(json!([["hello", -5]])));
+    assert_eq!((s, &by_map["tokens"]), (200, &by_pair["tokens"]), "{by_map}");
+    for (bad, needle) in [(json!({"x": "high"}), "a bias is a number or false"), (json!({"7": 1000}), "must lie in"), (json!([[999999, 1]]), "outside the vocabulary"), (json!("nope"), "logit_bias")] {
         let (s, v) = post(srv.addr, "/completion", with(bad));
         assert_eq!(s, 400, "{v}");
         assert!(v["error"]["message"].as_str().expect("message").contains(needle), "{v}");
