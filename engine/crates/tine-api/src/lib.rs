@@ -518,6 +518,10 @@ pub struct ChatBody {
     /// OpenAI tools, passed to the chat template.
     pub tools: Option<Vec<serde_json::Value>>,
     pub tool_choice: Option<serde_json::Value>,
+    /// Open an assistant turn after the messages (true when absent).
+    pub add_generation_prompt: Option<bool>,
+    /// Continue the last (assistant) message instead of answering it: `true` or `"content"`.
+    pub continue_final_message: Option<serde_json::Value>,
     #[serde(flatten)]
     pub gen: GenFields,
 }
@@ -643,6 +647,12 @@ pub fn check_completion(body: &[u8], defaults: &Defaults) -> Result<CompletionRe
 pub struct ChatPrompt {
     pub messages: Vec<serde_json::Value>,
     pub tools: Option<serde_json::Value>,
+    /// Render an open assistant turn after the messages.
+    pub add_generation_prompt: bool,
+    /// Assistant prefill (llama-server's): a trailing assistant message, or
+    /// `continue_final_message`, is continued, not answered. Its text follows the messages
+    /// before it rendered with an open assistant turn.
+    pub prefill: Option<String>,
 }
 
 /// A chat request (`/v1/chat/completions`) after every check that needs no model.
@@ -663,8 +673,46 @@ pub fn check_chat_prompt(body: &[u8]) -> Result<ChatPrompt, RequestError> {
 
 fn chat_prompt_of(b: &ChatBody) -> Result<ChatPrompt, RequestError> {
     let tools = b.tools()?;
-    let messages = b.messages.iter().map(ChatMessage::to_template_value).collect::<Result<_, _>>()?;
-    Ok(ChatPrompt { messages, tools })
+    let mut messages: Vec<serde_json::Value> = b.messages.iter().map(ChatMessage::to_template_value).collect::<Result<_, _>>()?;
+    // llama-server's rules: `continue_final_message` true (or "content") continues the last
+    // message; without it a trailing assistant message is continued too (assistant prefill),
+    // unless another assistant message precedes it.
+    let explicit = match &b.continue_final_message {
+        None | Some(serde_json::Value::Bool(false)) | Some(serde_json::Value::Null) => false,
+        Some(serde_json::Value::Bool(true)) => true,
+        Some(serde_json::Value::String(s)) if s == "content" => true,
+        Some(other) => return Err(RequestError::on("continue_final_message", format!("continue_final_message must be true, false or \"content\", got {other}"))),
+    };
+    let role = |m: Option<&serde_json::Value>| m.and_then(|m| m["role"].as_str()).unwrap_or("").to_owned();
+    let last_is_assistant = role(messages.last()) == "assistant";
+    let mut add_generation_prompt = b.add_generation_prompt.unwrap_or(true);
+    let continues = if explicit {
+        if add_generation_prompt {
+            return Err(RequestError::on("continue_final_message", "Cannot set both add_generation_prompt and continue_final_message to true."));
+        }
+        if messages.is_empty() {
+            return Err(RequestError::on("continue_final_message", "continue_final_message: there is no message to continue"));
+        }
+        true
+    } else if last_is_assistant {
+        if role(messages.len().checked_sub(2).and_then(|i| messages.get(i))) == "assistant" {
+            return Err(RequestError::on("messages", "Cannot have 2 or more assistant messages at the end of the list."));
+        }
+        true
+    } else {
+        false
+    };
+    let prefill = if continues {
+        let last = messages.pop().expect("checked: there is a last message");
+        if last.get("tool_calls").is_some_and(|c| !c.is_null() && c.as_array().is_none_or(|a| !a.is_empty())) {
+            return Err(RequestError::on("messages", "Cannot continue an assistant message that contains tool calls."));
+        }
+        add_generation_prompt = true;
+        Some(last["content"].as_str().unwrap_or("").to_owned())
+    } else {
+        None
+    };
+    Ok(ChatPrompt { messages, tools, add_generation_prompt, prefill })
 }
 
 /// Decodes a chat body and runs every model-free check, in the server's order.

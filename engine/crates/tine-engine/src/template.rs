@@ -96,10 +96,17 @@ impl ChatTemplate {
     /// assistant turn, then tokenized with special tokens parsed and BOS in front if the
     /// template left it out. Returns the text and the ids.
     pub fn prompt(&self, model: &tine_runtime::Model, messages: &[Value], tools: Option<&Value>) -> Result<(String, Vec<u32>), TemplateError> {
+        self.prompt_with(model, messages, tools, true, None)
+    }
+
+    /// [`ChatTemplate::prompt`] with or without the open assistant turn, and with `prefill`
+    /// (an assistant turn's beginning, continued by the model) after it.
+    pub fn prompt_with(&self, model: &tine_runtime::Model, messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool, prefill: Option<&str>) -> Result<(String, Vec<u32>), TemplateError> {
         let tok = &model.tokenizer;
         let bos = tok.bos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
         let eos = tok.eos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
-        let text = self.render(&RenderInput { messages, tools, add_generation_prompt: true, bos_token: bos, eos_token: eos })?;
+        let mut text = self.render(&RenderInput { messages, tools, add_generation_prompt, bos_token: bos, eos_token: eos })?;
+        text.push_str(prefill.unwrap_or(""));
         let mut ids = tok.encode(&text, false, true);
         if let Some(b) = tok.bos_token() {
             if ids.first() != Some(&b) {

@@ -150,7 +150,7 @@ pub(crate) fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, l: &tine_api:
 
 /// The chat prompt as tokens: the template's text (`ChatTemplate::prompt`, as the CLI renders it).
 pub(crate) fn chat_prompt(st: &AppState, p: &tine_api::ChatPrompt) -> Result<(String, Vec<u32>), ApiError> {
-    st.template.prompt(&st.model, &p.messages, p.tools.as_ref()).map_err(|e| match e {
+    st.template.prompt_with(&st.model, &p.messages, p.tools.as_ref(), p.add_generation_prompt, p.prefill.as_deref()).map_err(|e| match e {
         // The server's own template is broken: not the client's fault.
         TemplateError::Syntax(_) | TemplateError::Read { .. } => ApiError::internal(e.to_string()),
         _ => ApiError::bad(e.to_string()),

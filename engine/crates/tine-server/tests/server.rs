@@ -420,6 +420,36 @@ fn id_slot_runs_the_request_in_that_slot() {
     }
 }
 
+/// Issue 32: a trailing assistant message is continued, not answered (llama-server's assistant
+/// prefill), as is the last message with `continue_final_message`; `add_generation_prompt:
+/// false` leaves the assistant turn closed; contradictions are a 400 naming the field.
+#[test]
+fn assistant_prefill_and_continue_final_message_continue_the_last_message() {
+    let srv = start(1, 256);
+    let prompt_of = |body: Value| -> String {
+        let (s, v) = post(srv.addr, "/apply-template", body);
+        assert_eq!(s, 200, "{v}");
+        v["prompt"].as_str().expect("prompt").to_owned()
+    };
+    let user = json!({"role": "user", "content": "Name a colour."});
+    let answered = prompt_of(json!({"messages": [user]}));
+    let prefilled = prompt_of(json!({"messages": [user, {"role": "assistant", "content": "The colour is"}]}));
+    assert_eq!(prefilled, format!("{answered}The colour is"), "the open assistant turn, then the prefill");
+    let continued = prompt_of(json!({"messages": [user, {"role": "assistant", "content": "The colour is"}], "continue_final_message": true, "add_generation_prompt": false}));
+    assert_eq!(continued, prefilled);
+    let closed = prompt_of(json!({"messages": [user], "add_generation_prompt": false}));
+    assert!(answered.starts_with(&closed) && answered.len() > closed.len(), "{closed:?} vs {answered:?}");
+    let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": [user, {"role": "assistant", "content": "The colour is"}], "max_tokens": 3, "temperature": 0}));
+    assert_eq!(s, 200, "{v}");
+    for (body, param) in [
+        (json!({"messages": [user, {"role": "assistant", "content": "x"}], "continue_final_message": true}), "continue_final_message"),
+        (json!({"messages": [user, {"role": "assistant", "content": "x"}, {"role": "assistant", "content": "y"}]}), "messages"),
+    ] {
+        let (s, v) = post(srv.addr, "/v1/chat/completions", body);
+        assert_eq!((s, v["error"]["param"].as_str()), (400, Some(param)), "{v}");
+    }
+}
+
 /// Issue 32: text parts are joined by a newline, as llama-server joins them ("What is" +
 /// "the best book" is not "What isthe best book").
 #[test]
