@@ -93,7 +93,9 @@ struct ServeArgs {
     /// (created if missing; without it those actions answer 501).
     #[arg(long = "slot-save-path", value_name = "DIR")]
     slot_save_path: Option<std::path::PathBuf>,
-    /// The chat template: `gemma`, `chatml` or a Jinja file (default: the GGUF's tokenizer.chat_template, else gemma).
+    /// The chat template: `gemma`, one of llama.cpp's names (`chatml`, `llama3`, `phi3`, `zephyr`,
+    /// `mistral-v7`, `mistral-v7-tekken`), a Jinja file, or the Jinja template itself (default:
+    /// the GGUF's tokenizer.chat_template, else gemma).
     #[arg(long = "chat-template", value_name = "NAME|FILE", alias = "chat-template-file")]
     chat_template: Option<String>,
     /// Accepted for llama-server compatibility: Tine always renders the GGUF's Jinja template.

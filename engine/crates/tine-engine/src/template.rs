@@ -48,6 +48,18 @@ pub enum ChatTemplate {
     },
 }
 
+/// llama.cpp's built-in templates Tine knows by name (`--chat-template NAME`), as Jinja that
+/// renders what llama.cpp's C++ renders for them (`src/llama-chat.cpp`): `gemma` is Tine's own
+/// Rust renderer.
+pub const NAMED: &[(&str, &str)] = &[
+    ("chatml", CHATML),
+    ("llama3", "{%- for m in messages -%}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + (m['content'] | trim) + '<|eot_id|>' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"),
+    ("phi3", "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"),
+    ("zephyr", "{%- for m in messages -%}{{- '<|' + m['role'] + '|>\n' + m['content'] + '<|endoftext|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"),
+    ("mistral-v7", "{%- for m in messages -%}{%- if m['role'] == 'system' -%}{{- '[SYSTEM_PROMPT] ' + m['content'] + '[/SYSTEM_PROMPT]' -}}{%- elif m['role'] == 'user' -%}{{- '[INST] ' + m['content'] + '[/INST]' -}}{%- else -%}{{- ' ' + m['content'] + '</s>' -}}{%- endif -%}{%- endfor -%}"),
+    ("mistral-v7-tekken", "{%- for m in messages -%}{%- if m['role'] == 'system' -%}{{- '[SYSTEM_PROMPT]' + m['content'] + '[/SYSTEM_PROMPT]' -}}{%- elif m['role'] == 'user' -%}{{- '[INST]' + m['content'] + '[/INST]' -}}{%- else -%}{{- m['content'] + '</s>' -}}{%- endif -%}{%- endfor -%}"),
+];
+
 /// ChatML, for `--chat-template chatml`.
 pub const CHATML: &str = "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}";
 
@@ -116,13 +128,21 @@ impl ChatTemplate {
         Ok((text, ids))
     }
 
-    /// `--chat-template NAME|FILE`: `gemma`, `chatml`, or a Jinja file.
+    /// `--chat-template NAME|FILE|TEMPLATE`: `gemma`, one of llama.cpp's names in [`NAMED`], a
+    /// Jinja file, or the Jinja template itself (llama-server takes it inline too).
     pub fn named(spec: &str) -> Result<ChatTemplate, TemplateError> {
         let t = match spec {
             "gemma" | "gemma3" => ChatTemplate::Gemma,
-            "chatml" => ChatTemplate::Jinja { name: "chatml".into(), source: CHATML.into() },
+            name if NAMED.iter().any(|(n, _)| *n == name) => {
+                let source = NAMED.iter().find(|(n, _)| *n == name).map(|(_, s)| *s).expect("found above");
+                ChatTemplate::Jinja { name: name.into(), source: source.into() }
+            }
+            inline if inline.contains("{%") || inline.contains("{{") => ChatTemplate::Jinja { name: "inline (--chat-template)".into(), source: inline.into() },
             path => {
-                let source = std::fs::read_to_string(path).map_err(|e| TemplateError::Read { path: path.into(), message: e.to_string() })?;
+                let source = std::fs::read_to_string(path).map_err(|e| {
+                    let names: Vec<&str> = std::iter::once("gemma").chain(NAMED.iter().map(|(n, _)| *n)).collect();
+                    TemplateError::Read { path: path.into(), message: format!("{e} (not a file; the built-in names are {}, or pass the Jinja template itself)", names.join(", ")) }
+                })?;
                 ChatTemplate::Jinja { name: path.into(), source }
             }
         };

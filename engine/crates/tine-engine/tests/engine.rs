@@ -161,6 +161,42 @@ mod templates {
     use serde_json::json;
     use tine_engine::template::{parse_tool_calls, ChatTemplate, RenderInput, TemplateError, ToolCall, ToolSyntax};
 
+    /// Issue 32: `--chat-template` takes llama.cpp's built-in names, each rendering what
+    /// llama.cpp's C++ renders (src/llama-chat.cpp, written out here per format), and an inline
+    /// template; an unknown name is an error listing the names, not a bare file-not-found.
+    #[test]
+    fn llama_cpps_named_templates_render_as_llama_cpp_and_inline_templates_are_taken() {
+        let messages = [
+            json!({"role": "system", "content": "Be brief."}),
+            json!({"role": "user", "content": " Hi "}),
+            json!({"role": "assistant", "content": "Hello."}),
+            json!({"role": "user", "content": "Bye"}),
+        ];
+        let render = |name: &str, agp: bool| {
+            ChatTemplate::named(name).expect(name).render(&RenderInput { messages: &messages, tools: None, add_generation_prompt: agp, bos_token: "", eos_token: "" }).expect(name)
+        };
+        let cases = [
+            ("chatml", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi <|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n", "<|im_start|>assistant\n"),
+            (
+                "llama3",
+                "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nBye<|eot_id|>",
+                "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            ),
+            ("phi3", "<|system|>\nBe brief.<|end|>\n<|user|>\n Hi <|end|>\n<|assistant|>\nHello.<|end|>\n<|user|>\nBye<|end|>\n", "<|assistant|>\n"),
+            ("zephyr", "<|system|>\nBe brief.<|endoftext|>\n<|user|>\n Hi <|endoftext|>\n<|assistant|>\nHello.<|endoftext|>\n<|user|>\nBye<|endoftext|>\n", "<|assistant|>\n"),
+            ("mistral-v7", "[SYSTEM_PROMPT] Be brief.[/SYSTEM_PROMPT][INST]  Hi [/INST] Hello.</s>[INST] Bye[/INST]", ""),
+            ("mistral-v7-tekken", "[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST] Hi [/INST]Hello.</s>[INST]Bye[/INST]", ""),
+        ];
+        for (name, body, open) in cases {
+            assert_eq!(render(name, false), body, "{name}");
+            assert_eq!(render(name, true), format!("{body}{open}"), "{name} with the generation prompt");
+        }
+        let inline = ChatTemplate::named("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}").expect("an inline template");
+        assert_eq!(inline.render(&RenderInput { messages: &messages[..2], tools: None, add_generation_prompt: false, bos_token: "", eos_token: "" }).expect("renders"), "[system]Be brief.[user] Hi ");
+        let err = ChatTemplate::named("command-r-nonexistent").expect_err("neither a name nor a file");
+        assert!(err.to_string().contains("llama3") && err.to_string().contains("mistral-v7"), "{err}");
+    }
+
     /// A Hermes-style template with tools, in the shape Qwen's and Hermes' GGUFs carry.
     const HERMES: &str = r#"{%- if tools %}<|im_start|>system
 {{ messages[0]['content'] if messages[0]['role'] == 'system' else 'You are helpful.' }}
