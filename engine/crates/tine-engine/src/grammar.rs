@@ -125,16 +125,18 @@ fn bounded_whitespace(schema: &serde_json::Value) -> serde_json::Value {
 /// The most digits llama.cpp's schema grammars let an integer part have (`[1-9] [0-9]{0,15}`).
 pub const JSON_INTEGER_DIGITS: i32 = 16;
 
-/// The most digits a fraction gets here. llama.cpp allows 16 (`DECIMALS_MAX_DIGITS`); llguidance
-/// reads `multipleOf` through an f64, multiplying by ten until it is whole, which is exact only
-/// down to 1e-10 (1e-11 already gives 9999999999999998 x 1e-27).
-pub const JSON_FRACTION_DIGITS: i32 = 10;
+/// The most digits a fraction gets here. llama.cpp allows 16 (`DECIMALS_MAX_DIGITS`). Through
+/// llguidance a fraction is bounded by `multipleOf`, which it reads through an f64 (exact only
+/// down to 1e-10), and whose emptiness check overflows (a panic in a debug build, wrapped
+/// arithmetic in a release one) from 9 fraction digits on a 16-digit range: 8 is the most that
+/// is checked soundly, and only over a range no wider than +-1e16.
+pub const JSON_FRACTION_DIGITS: i32 = 8;
 
 /// llguidance lets a JSON number have any count of digits; a small model can then write a
 /// 40-digit "age" until the token limit cuts the JSON. Unless a schema bounds a number itself,
 /// its integer part is bounded to [`JSON_INTEGER_DIGITS`] digits as llama.cpp's schema grammars
 /// bound it (an absent `minimum` or `maximum` becomes an exclusive bound of ±1e16) and a
-/// `number`'s fraction to [`JSON_FRACTION_DIGITS`] (an absent `multipleOf` becomes 1e-10).
+/// `number`'s fraction to [`JSON_FRACTION_DIGITS`] (an absent `multipleOf` becomes 1e-8).
 /// Unlike llama.cpp's, such a number has no exponent (llguidance's bounded ranges and
 /// `multipleOf` read plain decimals). Only subschemas in schema positions are touched, never
 /// `enum`/`const`/`default` data.
@@ -165,7 +167,9 @@ fn bound_numbers_in(schema: &mut serde_json::Value) {
         if !bounded_high && low.is_none_or(|l| l < limit) {
             o.insert("exclusiveMaximum".into(), json!(limit));
         }
-        if number && !o.contains_key("multipleOf") {
+        // (Only over a range within +-1e16: see JSON_FRACTION_DIGITS.)
+        let narrow = low.is_none_or(|l| l >= -limit) && high.is_none_or(|h| h <= limit);
+        if number && narrow && !o.contains_key("multipleOf") {
             o.insert("multipleOf".into(), json!(10f64.powi(-JSON_FRACTION_DIGITS)));
         }
     }
