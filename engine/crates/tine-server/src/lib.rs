@@ -104,6 +104,14 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
         .route("/apply-template", post(apply_template))
+        // llama-server's endpoints Tine does not serve: 501 naming what is missing, not 404.
+        .route("/infill", post(|| not_served("/infill (fill-in-the-middle)")))
+        .route("/rerank", post(|| not_served("/rerank (a reranking model's scores)")))
+        .route("/reranking", post(|| not_served("/rerank (a reranking model's scores)")))
+        .route("/v1/rerank", post(|| not_served("/rerank (a reranking model's scores)")))
+        .route("/embedding", post(|| not_served("/embedding (embeddings)")))
+        .route("/embeddings", post(|| not_served("/embedding (embeddings)")))
+        .route("/v1/embeddings", post(|| not_served("/v1/embeddings (embeddings)")))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
@@ -116,6 +124,10 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
 pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     axum::serve(listener, router(model, config)).await
+}
+
+async fn not_served(what: &'static str) -> ApiError {
+    ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("this server does not serve {what} yet"))
 }
 
 async fn not_found() -> ApiError {

@@ -95,6 +95,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
         Ok((vs, texts))
     })
     .await?;
+    let settings: Vec<Value> = vs.iter().map(|v| generation_settings(&st, &v.request, v.stream)).collect();
     let single = vs.len() == 1;
     let (stream, return_tokens, n_probs) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs);
     let rxs = submit_all(&st, &vs)?;
@@ -112,7 +113,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
                 }
                 Event::Done(s) => {
                     log_request(&st2, &s);
-                    final_completion_json(&st2, &s, "", &[], false, &prompt_texts[i])
+                    final_completion_json(&st2, &s, "", &[], false, &prompt_texts[i], &settings[i])
                 }
                 Event::Error(e) => {
                     st2.metrics.failed();
@@ -131,7 +132,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
         .iter()
         .enumerate()
         .map(|(i, (s, probs))| {
-            let mut j = final_completion_json(&st, s, &s.text, probs, return_tokens, &prompt_texts[i]);
+            let mut j = final_completion_json(&st, s, &s.text, probs, return_tokens, &prompt_texts[i], &settings[i]);
             if n_probs == 0 {
                 j.as_object_mut().expect("object").remove("completion_probabilities");
             }
@@ -145,7 +146,29 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
     Ok(Json(if single { out.remove(0) } else { Value::Array(out) }).into_response())
 }
 
-pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[TokenProb], return_tokens: bool, prompt: &str) -> Value {
+/// llama-server's `generation_settings`: what the request ran with (its fields, else the
+/// server's defaults); the seed is filled in from the summary (a random one when none was given).
+pub(crate) fn generation_settings(st: &AppState, r: &GenerateRequest, stream: bool) -> Value {
+    let p = &r.sampling;
+    let mut v = json!({
+        "n_ctx": st.config.ctx_size, "n_predict": r.n_predict, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+        "stop": r.stop, "n_keep": r.n_keep, "ignore_eos": r.ignore_eos, "stream": stream, "n_probs": r.n_probs, "cache_prompt": r.cache_prompt,
+        "logit_bias": r.logit_bias.iter().map(|&(t, b)| json!([t, if b.is_finite() { json!(b) } else { json!(false) }])).collect::<Vec<_>>(),
+        "context_shift": r.context_shift,
+    });
+    if let Some(f) = &st.config.spec {
+        let d = r.speculative.unwrap_or(f.config.params);
+        v["speculative.n_max"] = json!(d.n_max);
+        v["speculative.n_min"] = json!(d.n_min);
+        v["speculative.p_min"] = json!(d.p_min);
+    }
+    v
+}
+
+pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[TokenProb], return_tokens: bool, prompt: &str, settings: &Value) -> Value {
+    let mut settings = settings.clone();
+    settings["seed"] = json!(s.seed);
     json!({
         "content": content,
         "tokens": if return_tokens { json!(s.tokens) } else { json!([]) },
@@ -154,7 +177,7 @@ pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, p
         "model": st.model_id,
         "tokens_predicted": s.timings.predicted_n,
         "tokens_evaluated": s.prompt_tokens,
-        "generation_settings": {"n_ctx": st.config.ctx_size, "seed": s.seed},
+        "generation_settings": settings,
         "prompt": prompt,
         "has_new_line": content.contains('\n'),
         "truncated": s.truncated,

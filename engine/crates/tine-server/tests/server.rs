@@ -203,6 +203,13 @@ fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
     }
     let (status, _) = http(srv.addr, "GET", "/nope", "");
     assert_eq!(status, 404);
+    // Issue 32: llama-server's endpoints Tine does not serve answer 501 naming themselves.
+    for path in ["/infill", "/rerank", "/v1/embeddings", "/embedding"] {
+        let (status, text) = http(srv.addr, "POST", path, "{}");
+        assert_eq!(status, 501, "{path}: {text}");
+        let v: Value = serde_json::from_str(&text).expect("error body is JSON");
+        assert_eq!(v["error"]["type"], "not_supported_error", "{path}: {text}");
+    }
     assert_eq!(http(srv.addr, "GET", "/health", "").0, 200);
     assert_eq!(post(srv.addr, "/completion", greedy("hello", 2)).0, 200);
 }
@@ -557,6 +564,10 @@ fn server_defaults_alias_and_no_slots_follow_the_flags() {
     let (_, a) = post(srv.addr, "/completion", json!({"prompt": "hello world"}));
     assert_eq!(a["tokens_predicted"], 3, "--n-predict is the default: {a}");
     assert_eq!(a["generation_settings"]["seed"], 42);
+    // Issue 32: generation_settings echoes what the request ran with, as llama-server's does.
+    let g = &a["generation_settings"];
+    assert_eq!((g["n_predict"].as_i64(), g["temperature"].as_f64(), g["stream"].as_bool(), g["n_probs"].as_u64()), (Some(3), Some(0.0), Some(false), Some(0)), "{g}");
+    assert!(g["top_k"].is_i64() && g["top_p"].is_f64() && g["min_p"].is_f64() && g["repeat_penalty"].is_f64() && g["stop"].is_array() && g["n_ctx"].is_u64(), "{g}");
     let (_, b) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 5}));
     assert_eq!(b["tokens_predicted"], 5, "a request's own value wins");
     let (_, m) = http(srv.addr, "GET", "/v1/models", "");
