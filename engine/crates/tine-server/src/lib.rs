@@ -62,6 +62,8 @@ struct AppState {
     /// The vocabulary's token trie for constrained decoding, built on first use (about a
     /// second for a 262k vocabulary).
     grammars: std::sync::OnceLock<Result<Arc<tine_engine::grammar::Grammars>, String>>,
+    /// When the server started, in Unix seconds (`/metrics`' `Process-Start-Time-Unix` header).
+    started: u64,
 }
 
 type Shared = Arc<AppState>;
@@ -86,7 +88,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         eprintln!("warning: --cors-origins '*' without --api-key: any web page a browser here opens can use this server");
     }
     let template = ChatTemplate::for_model(&model, config.chat_template.clone());
-    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template, grammars: std::sync::OnceLock::new() });
+    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template, grammars: std::sync::OnceLock::new(), started: now() });
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))

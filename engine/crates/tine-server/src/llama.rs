@@ -48,7 +48,13 @@ pub(crate) async fn metrics_text(State(st): State<Shared>) -> Result<Response, A
     let views = st.scheduler.slot_views();
     let busy = views.iter().filter(|v| v.is_processing).count();
     let load = metrics::Load { slots: views.len(), busy, queued: st.admission.in_flight().saturating_sub(busy), pool: st.scheduler.pool_stats() };
-    Ok(([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(&load)).into_response())
+    // llama-server's header: when this process started, so a scraper can tell a restart.
+    let started = axum::http::HeaderValue::from(st.started);
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, axum::http::HeaderValue::from_static("text/plain; version=0.0.4")), (axum::http::HeaderName::from_static("process-start-time-unix"), started)],
+        st.metrics.render(&load),
+    )
+        .into_response())
 }
 
 pub(crate) async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {

@@ -487,6 +487,14 @@ fn metrics_are_prometheus_text_behind_the_flag_and_count_requests() {
     let (s, _) = http(off.addr, "GET", "/metrics", "");
     assert_eq!(s, 501, "off unless --metrics, as llama-server");
     let srv = start_cfg(None, |c| c.metrics = true);
+    // Issue 32: llama-server's `Process-Start-Time-Unix` header: when the server started.
+    let mut raw = TcpStream::connect(srv.addr).expect("connect");
+    raw.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("send");
+    let mut head = String::new();
+    raw.read_to_string(&mut head).expect("read");
+    let started: u64 = head.to_ascii_lowercase().lines().find_map(|l| l.strip_prefix("process-start-time-unix: ").map(|v| v.trim().parse().expect("seconds"))).expect("the header");
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("after 1970").as_secs();
+    assert!(started <= now && now - started < 600, "started {started}, now {now}");
     post(srv.addr, "/completion", greedy("hello world", 4));
     post(srv.addr, "/completion", greedy("hello world", 4));
     // The slot is released just after its response is written: wait (at most 2 s) for it.
