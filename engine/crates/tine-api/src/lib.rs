@@ -119,6 +119,9 @@ pub struct GenFields {
     pub stream_options: Option<StreamOptions>,
     /// llama-server's `id_slot`: run in this slot (waiting for it), `-1` or absent for any.
     pub id_slot: Option<i64>,
+    /// llama-server's `timings_per_token`: every streamed chunk carries the timings so far.
+    #[serde(default)]
+    pub timings_per_token: bool,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -288,6 +291,8 @@ pub struct Limits {
     pub include_usage: bool,
     /// `id_slot`: the slot to run in (`None`: any; the server checks it names one of its slots).
     pub id_slot: Option<usize>,
+    /// `timings_per_token`.
+    pub timings_per_token: bool,
     pub return_tokens: bool,
     /// OpenAI log-probabilities asked for, with this many alternatives per token.
     pub logprobs: Option<usize>,
@@ -395,6 +400,7 @@ impl GenFields {
             cache_prompt: self.cache_prompt.unwrap_or(true),
             stream: self.stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
+            timings_per_token: self.timings_per_token,
             id_slot: match self.id_slot {
                 None | Some(-1) => None,
                 Some(n) if n >= 0 => Some(n as usize),

@@ -51,6 +51,8 @@ pub(crate) struct Validated {
     pub(crate) include_usage: bool,
     /// `id_slot`: the slot it must run in.
     pub(crate) slot: Option<usize>,
+    /// `timings_per_token`: every streamed chunk carries the timings so far.
+    pub(crate) timings_per_token: bool,
     pub(crate) return_tokens: bool,
     pub(crate) n_probs: usize,
     /// OpenAI log-probabilities, with this many alternatives.
@@ -95,7 +97,16 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         n_keep: l.n_keep,
     };
     let request = request.validate(st.config.ctx_size).map_err(|e| ApiError::from(&e))?;
-    Ok(Validated { request, stream: l.stream, include_usage: l.include_usage, slot: l.id_slot, return_tokens: l.return_tokens, n_probs: l.n_probs, logprobs: l.logprobs })
+    Ok(Validated {
+        request,
+        stream: l.stream,
+        include_usage: l.include_usage,
+        slot: l.id_slot,
+        timings_per_token: l.timings_per_token,
+        return_tokens: l.return_tokens,
+        n_probs: l.n_probs,
+        logprobs: l.logprobs,
+    })
 }
 
 /// A request's schema or grammar compiled against the vocabulary (400 naming the field when

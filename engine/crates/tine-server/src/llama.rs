@@ -103,17 +103,20 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
     .await?;
     let settings: Vec<Value> = vs.iter().map(|v| generation_settings(&st, &v.request, v.stream)).collect();
     let single = vs.len() == 1;
-    let (stream, return_tokens, n_probs) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs);
+    let (stream, return_tokens, n_probs, per_token) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs, vs[0].timings_per_token);
     let rxs = submit_all(&st, &vs)?;
     if stream {
         let st2 = st.clone();
         // Several prompts: every chunk carries its result's `index`, as llama-server's do.
         let stream = merged(rxs).map(move |(i, ev)| {
             let mut j = match ev {
-                Event::Token { id, text, prob } => {
+                Event::Token { id, text, prob, timings } => {
                     let mut j = json!({"content": text, "stop": false, "tokens": [id]});
                     if let Some(p) = prob {
                         j["completion_probabilities"] = json!([prob_json(&st2, &p)]);
+                    }
+                    if per_token {
+                        j["timings"] = timings_json(&timings);
                     }
                     j
                 }

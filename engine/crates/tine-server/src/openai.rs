@@ -171,7 +171,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         validate_many(st, vec![prompt], &req.limits, req.n)
     })
     .await?;
-    let (stream, logprobs, include_usage) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage);
+    let (stream, logprobs, include_usage, per_token) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage, vs[0].timings_per_token);
     let rxs = submit_all(&st, &vs)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();
@@ -212,7 +212,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
             .chain(merged(rxs).filter_map(move |(i, ev)| {
                 let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
                 match ev {
-                    Event::Token { text, prob, .. } => {
+                    Event::Token { text, prob, timings, .. } => {
                         let lp = match (logprobs, prob) {
                             (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
                             _ => Value::Null,
@@ -222,7 +222,11 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
                             return None;
                         }
                         let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-                        Some(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))))
+                        let mut c = chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]));
+                        if per_token {
+                            c["timings"] = timings_json(&timings);
+                        }
+                        Some(sse_json(c))
                     }
                     Event::Done(s) => {
                         log_request(&st2, &s);

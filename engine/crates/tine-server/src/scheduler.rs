@@ -30,6 +30,8 @@ pub enum Event {
         id: u32,
         text: String,
         prob: Option<TokenProb>,
+        /// The request's timings so far (sent to clients that ask for `timings_per_token`).
+        timings: Timings,
     },
     Done(Box<Summary>),
     /// The request failed; the error keeps its type up to the HTTP edge.
@@ -654,7 +656,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 Ok(ev) => {
                     if let Some(id) = ev.token {
                         if !(ev.stop == Some(StopType::Eos)) || !ev.text.is_empty() {
-                            let _ = a.events.send(Event::Token { id, text: ev.text, prob: ev.prob });
+                            let _ = a.events.send(Event::Token { id, text: ev.text, prob: ev.prob, timings: a.gen.timings() });
                         }
                     }
                     if let Some(stop) = ev.stop {

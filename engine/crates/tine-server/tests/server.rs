@@ -218,6 +218,33 @@ fn sse_data(body: &str) -> Vec<String> {
     body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_owned).collect()
 }
 
+/// Issue 32: llama-server's `timings_per_token`: every streamed chunk carries the timings so far
+/// (`/completion` and chat); without it only the last one does.
+#[test]
+fn timings_per_token_puts_the_timings_on_every_streamed_chunk() {
+    let srv = start(1, 128);
+    for (path, body) in [
+        ("/completion", json!({"prompt": "hello world", "n_predict": 4, "temperature": 0, "ignore_eos": true, "stream": true})),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0, "ignore_eos": true, "stream": true})),
+    ] {
+        for per_token in [false, true] {
+            let mut b = body.clone();
+            b["timings_per_token"] = json!(per_token);
+            let (_, text) = http(srv.addr, "POST", path, &b.to_string());
+            let chunks: Vec<Value> = sse_data(&text).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("chunk")).collect();
+            let tokens: Vec<&Value> = chunks.iter().filter(|c| c["content"].as_str().is_some_and(|t| !t.is_empty()) || c["choices"][0]["delta"]["content"].is_string()).collect();
+            assert!(!tokens.is_empty(), "{path}: {text}");
+            let with: Vec<u64> = tokens.iter().filter_map(|c| c["timings"]["predicted_n"].as_u64()).collect();
+            if per_token {
+                assert_eq!(with.len(), tokens.len(), "{path}: every token chunk has timings: {text}");
+                assert!(with.windows(2).all(|w| w[0] <= w[1]), "{path}: {with:?}");
+            } else {
+                assert!(with.is_empty(), "{path}: no timings on token chunks unless asked: {text}");
+            }
+        }
+    }
+}
+
 #[test]
 fn streaming_gives_the_same_text_as_one_response() {
     let srv = start(1, 128);
