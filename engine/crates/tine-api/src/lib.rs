@@ -426,11 +426,6 @@ impl GenFields {
             Some(n) => Err(RequestError::on("n", format!("n must lie in 1..={MAX_CHOICES}, got n = {n}"))),
         }
     }
-
-    /// Whether the request overrides any speculative setting.
-    pub fn has_spec_override(&self) -> bool {
-        self.spec_n_max.is_some() || self.spec_n_min.is_some() || self.spec_p_min.is_some()
-    }
 }
 
 /// `/completion` (llama-server) and `/v1/completions` (OpenAI).

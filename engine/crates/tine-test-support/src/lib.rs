@@ -13,6 +13,8 @@ extern crate candle_core as candle;
 mod gemma3_fixture;
 /// The `quantized_gemma4` fixture: tiny synthetic Gemma 4 GGUFs and a float64 reference.
 pub mod gemma4_fixture;
+/// Which modules of a crate read which, and whether they form a circle.
+pub mod module_graph;
 /// The `quantized_qwen35` fixture: tiny synthetic Qwen3.5 GGUFs and a float64 reference.
 pub mod qwen35_fixture;
 
