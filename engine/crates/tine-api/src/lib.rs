@@ -8,6 +8,9 @@
 use serde::Deserialize;
 use tine_sampling::SamplingParams;
 
+pub mod tools;
+pub use tools::ToolMode;
+
 /// A request the client must change: the server answers 400 with this message, and with the
 /// field at fault as OpenAI's `param` where there is one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -523,57 +526,56 @@ pub struct ChatBody {
     pub add_generation_prompt: Option<bool>,
     /// Continue the last (assistant) message instead of answering it: `true` or `"content"`.
     pub continue_final_message: Option<serde_json::Value>,
+    /// Several calls in one answer (llama-server's default: off).
+    pub parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     pub gen: GenFields,
 }
 
-impl ChatBody {
-    /// The tools the template gets: none with `tool_choice: "none"`.
-    pub fn tools(&self) -> Result<Option<serde_json::Value>, RequestError> {
-        if matches!(&self.tool_choice, Some(serde_json::Value::String(s)) if s == "none") {
-            return Ok(None);
-        }
-        self.forced_call()?;
-        Ok(self.tools.as_ref().filter(|t| !t.is_empty()).map(|t| serde_json::Value::Array(t.clone())))
-    }
+/// What `tool_choice` asks for.
+enum ToolChoice<'a> {
+    None,
+    Auto,
+    Required,
+    Named(&'a str),
+}
 
-    /// With `tool_choice: "required"` or a named function, the JSON schema the output must
-    /// follow: `{"name": ..., "arguments": {...}}` for one of the allowed tools (the output is
-    /// then read as that call whatever the template's own call syntax).
-    pub fn forced_call(&self) -> Result<Option<serde_json::Value>, RequestError> {
-        use serde_json::{json, Value};
-        let tools = self.tools.as_deref().unwrap_or_default();
-        let name_of = |t: &Value| t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str()).map(str::to_owned);
-        let allowed: Vec<&Value> = match &self.tool_choice {
-            None => return Ok(None),
-            Some(Value::String(s)) if s == "auto" || s == "none" => return Ok(None),
-            Some(Value::String(s)) if s == "required" => tools.iter().collect(),
-            Some(v @ Value::Object(_)) => {
-                let want = v
-                    .get("function")
+impl ChatBody {
+    fn tool_choice(&self) -> Result<ToolChoice<'_>, RequestError> {
+        use serde_json::Value;
+        Ok(match &self.tool_choice {
+            None | Some(Value::Null) => ToolChoice::Auto,
+            Some(Value::String(s)) if s == "auto" => ToolChoice::Auto,
+            Some(Value::String(s)) if s == "none" => ToolChoice::None,
+            Some(Value::String(s)) if s == "required" => ToolChoice::Required,
+            Some(v @ Value::Object(_)) => ToolChoice::Named(
+                v.get("function")
                     .and_then(|f| f.get("name"))
                     .and_then(|n| n.as_str())
-                    .ok_or_else(|| RequestError::on("tool_choice", "tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}"))?;
-                let found: Vec<&Value> = tools.iter().filter(|t| name_of(t).as_deref() == Some(want)).collect();
+                    .ok_or_else(|| RequestError::on("tool_choice", "tool_choice: a named choice is {\"type\": \"function\", \"function\": {\"name\": ...}}"))?,
+            ),
+            Some(other) => return Err(RequestError::on("tool_choice", format!("tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {other}"))),
+        })
+    }
+
+    /// The tools the model is offered (none with `tool_choice: "none"`), and the ones a
+    /// forced call may name (none when no call is forced).
+    fn offered_tools(&self) -> Result<(&[serde_json::Value], Option<Vec<serde_json::Value>>), RequestError> {
+        let tools = self.tools.as_deref().unwrap_or_default();
+        let name_of = |t: &serde_json::Value| t.get("function").and_then(|f| f.get("name")).and_then(|n| n.as_str()).map(str::to_owned);
+        Ok(match self.tool_choice()? {
+            ToolChoice::None => (&[], None),
+            ToolChoice::Auto => (tools, None),
+            ToolChoice::Required if tools.is_empty() => return Err(RequestError::on("tool_choice", "tool_choice: a call is required but `tools` is empty")),
+            ToolChoice::Required => (tools, Some(tools.to_vec())),
+            ToolChoice::Named(want) => {
+                let found: Vec<serde_json::Value> = tools.iter().filter(|t| name_of(t).as_deref() == Some(want)).cloned().collect();
                 if found.is_empty() {
                     return Err(RequestError::on("tool_choice", format!("tool_choice: no tool is named {want:?}")));
                 }
-                found
+                (tools, Some(found))
             }
-            Some(other) => return Err(RequestError::on("tool_choice", format!("tool_choice must be \"auto\", \"none\", \"required\" or a named function, got {other}"))),
-        };
-        if allowed.is_empty() {
-            return Err(RequestError::on("tool_choice", "tool_choice: a call is required but `tools` is empty"));
-        }
-        let alternatives = allowed
-            .iter()
-            .map(|t| {
-                let name = name_of(t).ok_or_else(|| RequestError::on("tools", "tools: every tool needs `function.name`"))?;
-                let params = t.get("function").and_then(|f| f.get("parameters")).cloned().unwrap_or_else(|| json!({"type": "object"}));
-                Ok(json!({"type": "object", "properties": {"name": {"const": name}, "arguments": params}, "required": ["name", "arguments"], "additionalProperties": false}))
-            })
-            .collect::<Result<Vec<Value>, RequestError>>()?;
-        Ok(Some(json!({"anyOf": alternatives})))
+        })
     }
 }
 
@@ -660,20 +662,24 @@ pub struct ChatPrompt {
 #[derive(Debug, Clone)]
 pub struct ChatRequest {
     pub prompt: ChatPrompt,
-    /// `tool_choice` forces a call: the output is constrained to a JSON object naming a tool
-    /// (the limits carry that schema) and read as one.
-    pub forced_call: bool,
+    /// How the output is read for tool calls (a forced call's or the generic format's schema
+    /// is in the limits).
+    pub tools: ToolMode,
     pub limits: Limits,
     pub n: usize,
 }
 
-/// Decodes a chat body for its prompt alone (`/apply-template`).
-pub fn check_chat_prompt(body: &[u8]) -> Result<ChatPrompt, RequestError> {
-    chat_prompt_of(&decode::<ChatBody>(body)?)
+/// Decodes a chat body for its prompt alone (`/apply-template`). `native_tools`: the chat
+/// template has a tool syntax of its own (else tools take the generic format, [`tools`]).
+pub fn check_chat_prompt(body: &[u8], native_tools: bool) -> Result<ChatPrompt, RequestError> {
+    Ok(chat_prompt_of(&decode::<ChatBody>(body)?, native_tools)?.0)
 }
 
-fn chat_prompt_of(b: &ChatBody) -> Result<ChatPrompt, RequestError> {
-    let tools = b.tools()?;
+/// The prompt, how the output is read for calls, and the schema the output must follow (a
+/// forced call's, or the generic format's).
+fn chat_prompt_of(b: &ChatBody, native_tools: bool) -> Result<(ChatPrompt, ToolMode, Option<serde_json::Value>), RequestError> {
+    let (offered, forced) = b.offered_tools()?;
+    let parallel = b.parallel_tool_calls.unwrap_or(false);
     let mut messages: Vec<serde_json::Value> = b.messages.iter().map(ChatMessage::to_template_value).collect::<Result<_, _>>()?;
     // llama-server's rules: `continue_final_message` true (or "content") continues the last
     // message; without it a trailing assistant message is continued too (assistant prefill),
@@ -713,24 +719,51 @@ fn chat_prompt_of(b: &ChatBody) -> Result<ChatPrompt, RequestError> {
     } else {
         None
     };
-    Ok(ChatPrompt { messages, tools, add_generation_prompt, prefill })
+    let (tools, mode, schema) = if native_tools {
+        let tools = (!offered.is_empty()).then(|| serde_json::Value::Array(offered.to_vec()));
+        match forced {
+            Some(allowed) => {
+                let calls = tools::functions(&allowed)?.into_iter().map(tools::call_schema).collect::<Vec<_>>();
+                (tools, ToolMode::NativeForced, Some(tools::compact(serde_json::json!({"anyOf": calls}))))
+            }
+            None if tools.is_some() => (tools, ToolMode::Native, None),
+            None => (None, ToolMode::None, None),
+        }
+    } else {
+        let required = forced.is_some();
+        messages = tools::rewrite_for_generic(messages, Some(offered), required, parallel)?;
+        if offered.is_empty() {
+            (None, ToolMode::None, None)
+        } else {
+            let allowed = forced.as_deref().unwrap_or(offered);
+            (None, ToolMode::Generic, Some(tools::output_schema(allowed, required, parallel)?))
+        }
+    };
+    Ok((ChatPrompt { messages, tools, add_generation_prompt, prefill }, mode, schema))
 }
 
 /// Decodes a chat body and runs every model-free check, in the server's order.
-pub fn check_chat(body: &[u8], defaults: &Defaults) -> Result<ChatRequest, RequestError> {
+/// `native_tools`: the chat template has a tool syntax of its own (else tools take the
+/// generic format, [`tools`]).
+pub fn check_chat(body: &[u8], defaults: &Defaults, native_tools: bool) -> Result<ChatRequest, RequestError> {
     let b: ChatBody = decode(body)?;
-    let prompt = chat_prompt_of(&b)?;
-    let forced = b.forced_call()?;
+    let (prompt, mode, schema) = chat_prompt_of(&b, native_tools)?;
     let mut gen = b.gen;
-    if let Some(schema) = &forced {
+    if let Some(schema) = schema {
         if gen.constraint()?.is_some() {
-            return Err(RequestError::on("tool_choice", "tool_choice: a forced call cannot be combined with response_format, json_schema or grammar"));
+            return Err(match mode {
+                ToolMode::Generic => RequestError::on(
+                    "tools",
+                    "tools: this model's chat template has no tool syntax, so calls are answered in a JSON format of their own, which cannot be combined with response_format, json_schema or grammar",
+                ),
+                _ => RequestError::on("tool_choice", "tool_choice: a forced call cannot be combined with response_format, json_schema or grammar"),
+            });
         }
-        gen.json_schema = Some(schema.clone());
+        gen.json_schema = Some(schema);
     }
     let n = gen.choices()?;
     let limits = gen.limits_with(defaults)?;
-    Ok(ChatRequest { prompt, forced_call: forced.is_some(), limits, n })
+    Ok(ChatRequest { prompt, tools: mode, limits, n })
 }
 
 /// Runs `endpoint`'s model-free checks on `body` through the functions the server's edge calls
@@ -753,7 +786,9 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
             format!("completion prompt {} n_predict {} n {}", sizes.join("+"), r.limits.n_predict, r.n)
         }
         Endpoint::Chat => {
-            let r = check_chat(body, &defaults)?;
+            // Both kinds of template: one with a tool syntax, and one without (the generic format).
+            check_chat(body, &defaults, true)?;
+            let r = check_chat(body, &defaults, false)?;
             let chars: usize = r.prompt.messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum();
             format!("chat {} messages {chars} bytes n_predict {}", r.prompt.messages.len(), r.limits.n_predict)
         }

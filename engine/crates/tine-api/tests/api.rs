@@ -63,3 +63,93 @@ fn openai_logprobs_ask_the_engine_for_at_least_the_sampled_token() {
     let both = l(r#"{"prompt": "x", "logprobs": 2, "n_probs": 7}"#);
     assert_eq!((both.logprobs, both.n_probs), (Some(2), 7));
 }
+
+/// Issue 32: on a template without a tool syntax, tools take the generic format: the tools are
+/// described in the system turn, earlier calls and results become turns such a template can
+/// render (turns still alternate), and the output is held to the format's JSON.
+#[test]
+fn tools_on_a_template_without_a_tool_syntax_take_the_generic_format() {
+    use serde_json::json;
+    use tine_api::{check_chat, check_chat_prompt, Defaults, ToolMode};
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let history = json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "c2", "content": "3 C"},
+        {"role": "user", "content": "Thanks; and tomorrow?"}
+    ]);
+    let body = |extra: serde_json::Value| {
+        let mut b = json!({"messages": history, "tools": tools});
+        b.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+        b.to_string().into_bytes()
+    };
+    let p = check_chat_prompt(&body(json!({})), false).expect("accepted");
+    assert!(p.tools.is_none(), "the template itself gets no tools");
+    let roles: Vec<&str> = p.messages.iter().map(|m| m["role"].as_str().expect("role")).collect();
+    assert_eq!(roles, ["system", "user", "assistant", "user"], "{:?}", p.messages);
+    let system = p.messages[0]["content"].as_str().expect("text");
+    assert!(system.starts_with("Be brief.\n\nYou have access to the following tools:\n{\"name\":\"get_weather\",\"description\":\"Weather of a city\",\"parameters\":{"), "{system}");
+    assert!(system.contains("{\"response\":\"your answer\"}"), "auto allows a plain answer: {system}");
+    assert_eq!(p.messages[2]["content"], "{\"tool_calls\":[{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}},{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Oslo\"}}]}");
+    let results = p.messages[3]["content"].as_str().expect("text");
+    assert_eq!(
+        results,
+        "{\"tool_response\":{\"tool\":\"get_weather\",\"tool_call_id\":\"c1\",\"content\":\"18 C\"}}\n{\"tool_response\":{\"tool\":\"get_weather\",\"tool_call_id\":\"c2\",\"content\":\"3 C\"}}\nThanks; and tomorrow?"
+    );
+    // The output is held to a call or a response; `required` drops the response, and
+    // `parallel_tool_calls` asks for a list.
+    let d = Defaults::default();
+    let r = check_chat(&body(json!({})), &d, false).expect("accepted");
+    assert_eq!(r.tools, ToolMode::Generic);
+    let schema = |r: &tine_api::ChatRequest| match &r.limits.constraint {
+        Some((_, tine_api::Constraint::JsonSchema(s))) => s.clone(),
+        other => panic!("a schema, got {other:?}"),
+    };
+    let s = schema(&r);
+    assert_eq!(s["anyOf"].as_array().map(Vec::len), Some(2), "{s}");
+    assert_eq!(s["anyOf"][0]["required"], json!(["tool_call"]), "{s}");
+    assert_eq!(s["anyOf"][0]["properties"]["tool_call"]["anyOf"][0]["properties"]["name"], json!({"const": "get_weather"}), "{s}");
+    assert_eq!(s["anyOf"][1]["required"], json!(["response"]), "{s}");
+    let s = schema(&check_chat(&body(json!({"tool_choice": "required", "parallel_tool_calls": true})), &d, false).expect("accepted"));
+    assert_eq!((s["anyOf"].as_array().map(Vec::len), &s["anyOf"][0]["required"]), (Some(1), &json!(["tool_calls"])), "{s}");
+    // No tools offered: no schema, but the history is still rewritten.
+    let r = check_chat(&body(json!({"tool_choice": "none"})), &d, false).expect("accepted");
+    assert_eq!((r.tools, r.limits.constraint.is_none(), r.prompt.messages.len()), (ToolMode::None, true, 4));
+    assert!(!r.prompt.messages[0]["content"].as_str().expect("text").contains("following tools"));
+    // The format is a schema of its own: another constraint is refused, naming `tools`.
+    let e = check_chat(&body(json!({"response_format": {"type": "json_object"}})), &d, false).expect_err("refused");
+    assert_eq!(e.param.as_deref(), Some("tools"), "{e}");
+    // A template with a tool syntax gets the tools and the messages as they came.
+    let r = check_chat(&body(json!({})), &d, true).expect("accepted");
+    assert_eq!((r.tools, r.prompt.tools.is_some(), r.prompt.messages.len(), r.limits.constraint.is_none()), (ToolMode::Native, true, 6, true));
+    let r = check_chat(&body(json!({"tool_choice": "required"})), &d, true).expect("accepted");
+    assert_eq!(r.tools, ToolMode::NativeForced);
+}
+
+/// Issue 32: a forced or generic call holds the keys its tool names: objects in a tool's
+/// parameters that leave `additionalProperties` unset get none (llama.cpp's reading), and one
+/// that sets it keeps its own.
+#[test]
+fn a_tool_calls_arguments_hold_only_the_keys_its_schema_names() {
+    use serde_json::json;
+    use tine_api::{check_chat, Defaults};
+    let params = json!({"type": "object", "properties": {"city": {"type": "string"}, "opts": {"type": "object", "properties": {"unit": {"type": "string"}}}, "extra": {"type": "object", "properties": {}, "additionalProperties": true}}});
+    let body = json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}], "tool_choice": "required"});
+    for native in [true, false] {
+        let r = check_chat(body.to_string().as_bytes(), &Defaults::default(), native).expect("accepted");
+        let Some((_, tine_api::Constraint::JsonSchema(s))) = &r.limits.constraint else { panic!("a schema") };
+        let call = if native { &s["anyOf"][0] } else { &s["anyOf"][0]["properties"]["tool_call"]["anyOf"][0] };
+        let args = &call["properties"]["arguments"];
+        assert_eq!(
+            (&args["additionalProperties"], &args["properties"]["opts"]["additionalProperties"], &args["properties"]["extra"]["additionalProperties"]),
+            (&json!(false), &json!(false), &json!(true)),
+            "{s}"
+        );
+        assert_eq!(s["x-guidance"], json!({"whitespace_flexible": false}), "compact JSON: {s}");
+    }
+}

@@ -167,6 +167,22 @@ def _():
     assert r.choices[0].message.tool_calls[0].function.name == "get_weather", r
 
 
+@check("chat: a streamed forced call comes as tool_calls deltas")
+def _():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}]
+    stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=tools, tool_choice="required", max_tokens=400, temperature=0, stream=True)
+    name, args, finish = "", "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            for call in c.delta.tool_calls or []:
+                assert call.index == 0, call
+                name += call.function.name or ""
+                args += call.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert (name, finish) == ("get_weather", "tool_calls"), (name, finish)
+    assert json.loads(args)["city"] in ("Paris", "Oslo"), args
+
+
 @check("chat: logit_bias bans a token")
 def _():
     first = client.completions.create(model="tiny", prompt="hello", max_tokens=1, temperature=0, logprobs=1).choices[0].logprobs.tokens[0]

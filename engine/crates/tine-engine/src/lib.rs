@@ -10,6 +10,7 @@ mod generate;
 pub mod grammar;
 mod stop;
 pub mod template;
+pub mod tool_calls;
 
 pub use generate::{GenerateError, GenerateRequest, Generation, StepEvent, StopType, Timings, TokenProb, ValidRequest};
 pub use stop::StopMatcher;

@@ -3,7 +3,8 @@
 //!
 //! A template comes from a file a user was handed, so rendering is bounded (minijinja's fuel)
 //! and every failure is an error, never a panic. Tool calls: the template gets `tools`; the
-//! output is parsed back for the families whose templates define a tool-call syntax.
+//! output is read back (`tool_calls`) for the families whose templates define a tool-call
+//! syntax; templates without one get tine-api's generic format.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -26,16 +27,7 @@ pub enum TemplateError {
     NoTools,
 }
 
-/// How a template family writes a tool call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ToolSyntax {
-    /// `<tool_call>{"name": …, "arguments": …}</tool_call>` (Hermes, Qwen).
-    Hermes,
-    /// `[TOOL_CALLS][{"name": …, "arguments": …}]` (Mistral).
-    Mistral,
-    /// A bare JSON object `{"name": …, "parameters": …}`, maybe after `<|python_tag|>` (Llama 3.x).
-    JsonObject,
-}
+pub use crate::tool_calls::{parse_tool_calls, split_tool_output, ToolCall, ToolDelta, ToolStream, ToolSyntax};
 
 /// A chat template.
 #[derive(Debug, Clone, PartialEq)]
@@ -265,58 +257,4 @@ fn strftime_now(fmt: &str) -> String {
         }
     }
     out
-}
-
-/// A tool call parsed from the model's output, in OpenAI's shape.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolCall {
-    pub name: String,
-    /// The arguments as a JSON text (OpenAI sends a string).
-    pub arguments: String,
-}
-
-fn call_from(v: &Value) -> Option<ToolCall> {
-    let name = v.get("name")?.as_str()?.to_owned();
-    let args = v.get("arguments").or_else(|| v.get("parameters")).cloned().unwrap_or(json!({}));
-    let arguments = match args {
-        Value::String(s) => s,
-        other => other.to_string(),
-    };
-    Some(ToolCall { name, arguments })
-}
-
-/// Splits generated text into its content and the tool calls `syntax` writes. `None` when the
-/// text holds no well-formed call (it is then plain content).
-pub fn parse_tool_calls(syntax: ToolSyntax, text: &str) -> Option<(String, Vec<ToolCall>)> {
-    match syntax {
-        ToolSyntax::Hermes => {
-            let mut calls = Vec::new();
-            let mut content = String::new();
-            let mut rest = text;
-            while let Some(start) = rest.find("<tool_call>") {
-                content.push_str(&rest[..start]);
-                let after = &rest[start + "<tool_call>".len()..];
-                let end = after.find("</tool_call>").unwrap_or(after.len());
-                calls.push(call_from(&serde_json::from_str(after[..end].trim()).ok()?)?);
-                rest = after.get(end + "</tool_call>".len()..).unwrap_or("");
-            }
-            content.push_str(rest);
-            (!calls.is_empty()).then(|| (content.trim().to_owned(), calls))
-        }
-        ToolSyntax::Mistral => {
-            let (before, after) = text.split_once("[TOOL_CALLS]")?;
-            let v: Value = serde_json::from_str(after.trim()).ok()?;
-            let calls: Vec<ToolCall> = match &v {
-                Value::Array(items) => items.iter().map(call_from).collect::<Option<_>>()?,
-                obj => vec![call_from(obj)?],
-            };
-            (!calls.is_empty()).then(|| (before.trim().to_owned(), calls))
-        }
-        ToolSyntax::JsonObject => {
-            let body = text.trim();
-            let body = body.strip_prefix("<|python_tag|>").unwrap_or(body).trim();
-            let v: Value = serde_json::from_str(body).ok()?;
-            Some((String::new(), vec![call_from(&v)?]))
-        }
-    }
 }

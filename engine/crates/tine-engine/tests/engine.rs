@@ -297,6 +297,66 @@ Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
             }
         }
     }
+
+    /// Issue 32: a streamed reply is read for calls as it comes. Over a table of replies in
+    /// every syntax, cut into pieces at every byte (and one character at a time), the pieces
+    /// given out add up to the whole reading ([`split_tool_output`]), content is given out
+    /// before the reply ends wherever it cannot begin a call, and the reading is the expected one.
+    #[test]
+    fn a_streamed_reply_is_read_for_calls_as_the_whole_reply_is() {
+        use tine_engine::template::{split_tool_output, ToolDelta, ToolStream};
+        let call = |name: &str, args: &str| ToolCall { name: name.into(), arguments: args.into() };
+        let table: Vec<(ToolSyntax, &str, &str, Vec<ToolCall>)> = vec![
+            (ToolSyntax::Hermes, "Let me check.\n<tool_call>\n{\"name\": \"w\", \"arguments\": {\"c\": \"P\"}}\n</tool_call>", "Let me check.", vec![call("w", "{\"c\":\"P\"}")]),
+            (ToolSyntax::Hermes, "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>", "", vec![call("a", "{}"), call("b", "{}")]),
+            (ToolSyntax::Hermes, "a < b and <tool_ is not a call", "a < b and <tool_ is not a call", vec![]),
+            (ToolSyntax::Hermes, "x <tool_call>not json</tool_call> y", "x <tool_call>not json</tool_call> y", vec![]),
+            (ToolSyntax::Hermes, "cut off <tool_call>{\"name\": \"a\"", "cut off <tool_call>{\"name\": \"a\"", vec![]),
+            (ToolSyntax::Mistral, "ok [TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\": 1}}]", "ok", vec![call("a", "{\"x\":1}")]),
+            (ToolSyntax::Mistral, "[TOOL_CALLS] oops", "[TOOL_CALLS] oops", vec![]),
+            (ToolSyntax::JsonObject, " {\"name\": \"f\", \"parameters\": {\"q\": \"x\"}}", "", vec![call("f", "{\"q\":\"x\"}")]),
+            (ToolSyntax::JsonObject, "<|python_tag|>{\"name\": \"f\", \"arguments\": {}}", "", vec![call("f", "{}")]),
+            (ToolSyntax::JsonObject, "Plain words {\"name\": 1}", "Plain words {\"name\": 1}", vec![]),
+            (ToolSyntax::JsonObject, "<|python", "<|python", vec![]),
+            (ToolSyntax::Generic, "{\"tool_call\": {\"name\": \"f\", \"arguments\": {\"x\": [1, 2]}}}", "", vec![call("f", "{\"x\":[1,2]}")]),
+            (ToolSyntax::Generic, "{ \"tool_calls\" : [{\"name\": \"a\", \"arguments\": {}}, {\"name\": \"b\", \"arguments\": {}}]}", "", vec![call("a", "{}"), call("b", "{}")]),
+            (ToolSyntax::Generic, "{\"response\": \"Hi \\\"there\\\"\\n\\u00e9\\ud83d\\ude00 \\\\ end\"}", "Hi \"there\"\n\u{e9}\u{1f600} \\ end", vec![]),
+            (ToolSyntax::Generic, "{\n  \"response\" :\"cut off mid", "cut off mid", vec![]),
+            (ToolSyntax::Generic, "not json at all", "not json at all", vec![]),
+            (ToolSyntax::Generic, "{\"other\": 1}", "{\"other\": 1}", vec![]),
+        ];
+        let content_of = |deltas: &[ToolDelta]| deltas.iter().filter_map(|d| if let ToolDelta::Content(c) = d { Some(c.as_str()) } else { None }).collect::<String>();
+        let calls_of = |deltas: &[ToolDelta]| deltas.iter().filter_map(|d| if let ToolDelta::Call(c) = d { Some(c.clone()) } else { None }).collect::<Vec<_>>();
+        for (syntax, reply, content, calls) in &table {
+            let whole = split_tool_output(*syntax, reply);
+            assert_eq!(whole, (content.to_string(), calls.clone()), "{syntax:?}: {reply}");
+            let mut cuts: Vec<Vec<usize>> = (0..=reply.len()).filter(|&i| reply.is_char_boundary(i)).map(|i| vec![i]).collect();
+            cuts.push(reply.char_indices().map(|(i, _)| i).skip(1).collect());
+            for cut in cuts {
+                let mut s = ToolStream::new(*syntax);
+                let mut deltas = Vec::new();
+                let mut from = 0;
+                for &at in &cut {
+                    deltas.extend(s.feed(&reply[from..at]));
+                    from = at;
+                }
+                deltas.extend(s.feed(&reply[from..]));
+                deltas.extend(s.finish());
+                let streamed = content_of(&deltas);
+                let got = if calls_of(&deltas).is_empty() { streamed.clone() } else { streamed.trim().to_owned() };
+                assert_eq!((got, calls_of(&deltas)), whole.clone(), "{syntax:?} cut at {cut:?}: {reply}");
+            }
+        }
+        // Content comes out before the end where it cannot begin a call: one character at a
+        // time, a plain Hermes reply gives out all but a possible marker's start, and a generic
+        // response gives out its text as it is decoded.
+        let mut s = ToolStream::new(ToolSyntax::Hermes);
+        let early: String = "Some plain words then <tool".chars().flat_map(|c| s.feed(&c.to_string())).map(|d| if let ToolDelta::Content(c) = d { c } else { panic!("no call here") }).collect();
+        assert_eq!(early, "Some plain words then");
+        let mut s = ToolStream::new(ToolSyntax::Generic);
+        let early = content_of(&"{\"response\": \"Hello wor".chars().flat_map(|c| s.feed(&c.to_string())).collect::<Vec<_>>());
+        assert_eq!(early, "Hello wor");
+    }
 }
 
 #[test]

@@ -36,7 +36,7 @@ pub(crate) async fn completion_body(st: &AppState, body: Body) -> Result<tine_ap
 
 /// A chat body read and through tine-api's model-free checks ([`tine_api::check_chat`]).
 pub(crate) async fn chat_body(st: &AppState, body: Body) -> Result<tine_api::ChatRequest, ApiError> {
-    Ok(tine_api::check_chat(&read_body(st, body).await?, &st.config.defaults)?)
+    Ok(tine_api::check_chat(&read_body(st, body).await?, &st.config.defaults, st.template.tool_syntax().is_some())?)
 }
 
 pub(crate) fn checked_ids(st: &AppState, ids: &[i64]) -> Result<Vec<u32>, ApiError> {

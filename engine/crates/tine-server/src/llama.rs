@@ -200,7 +200,7 @@ pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, p
 
 /// llama-server's `/apply-template`: the prompt a chat request would run.
 pub(crate) async fn apply_template(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
-    let p = tine_api::check_chat_prompt(&read_body(&st, body).await?)?;
+    let p = tine_api::check_chat_prompt(&read_body(&st, body).await?, st.template.tool_syntax().is_some())?;
     let (text, _) = prepare(&st, move |st| chat_prompt(st, &p)).await?;
     Ok(Json(json!({ "prompt": text })))
 }

@@ -58,12 +58,37 @@ pub(crate) fn chat_logprobs(st: &AppState, probs: &[TokenProb], top: usize) -> V
     json!({"content": content, "refusal": null})
 }
 
-/// The assistant message (`content`, or `tool_calls` when the output is a call) and its finish reason.
-pub(crate) fn chat_message(s: &Summary, tool_syntax: Option<tine_engine::template::ToolSyntax>) -> (Value, &'static str) {
-    match tool_syntax.and_then(|syntax| parse_tool_calls(syntax, &s.text)) {
-        Some((content, calls)) => (json!({"content": if content.is_empty() { Value::Null } else { json!(content) }, "tool_calls": tool_calls_json(&calls)}), "tool_calls"),
-        None => (json!({"content": s.text}), finish_reason(s.stop_type)),
+/// The assistant message (`content`, and `tool_calls` when the output holds calls) and its
+/// finish reason; read as [`ToolStream`] reads a stream, so both answers agree.
+pub(crate) fn chat_message(s: &Summary, tool_syntax: Option<ToolSyntax>) -> (Value, &'static str) {
+    let Some(syntax) = tool_syntax else { return (json!({"content": s.text}), finish_reason(s.stop_type)) };
+    let (content, calls) = split_tool_output(syntax, &s.text);
+    if calls.is_empty() {
+        return (json!({"content": content}), finish_reason(s.stop_type));
     }
+    (json!({"content": if content.is_empty() { Value::Null } else { json!(content) }, "tool_calls": tool_calls_json(&calls, 0)}), "tool_calls")
+}
+
+/// A stream chunk's `delta` for what a [`ToolStream`] gave out (`None` when nothing): content,
+/// and calls numbered on from `calls` (each call comes whole, in one delta).
+pub(crate) fn tool_delta(deltas: Vec<ToolDelta>, calls: &mut usize) -> Option<Value> {
+    let mut content = String::new();
+    let mut found = Vec::new();
+    for d in deltas {
+        match d {
+            ToolDelta::Content(c) => content.push_str(&c),
+            ToolDelta::Call(c) => found.push(c),
+        }
+    }
+    let mut delta = serde_json::Map::new();
+    if !content.is_empty() {
+        delta.insert("content".into(), json!(content));
+    }
+    if !found.is_empty() {
+        delta.insert("tool_calls".into(), tool_calls_json(&found, *calls));
+        *calls += found.len();
+    }
+    (!delta.is_empty()).then_some(Value::Object(delta))
 }
 
 pub(crate) fn finish_reason(s: StopType) -> &'static str {
@@ -155,17 +180,24 @@ pub(crate) async fn oai_completions(State(st): State<Shared>, body: Body) -> Res
     .into_response())
 }
 
-/// OpenAI's `tool_calls` for parsed calls.
-pub(crate) fn tool_calls_json(calls: &[tine_engine::template::ToolCall]) -> Value {
-    Value::Array(calls.iter().enumerate().map(|(i, c)| json!({"id": format!("call_{i}"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect())
+/// OpenAI's `tool_calls` for parsed calls, numbered from `first` (a stream's `index`).
+pub(crate) fn tool_calls_json(calls: &[ToolCall], first: usize) -> Value {
+    Value::Array(
+        calls.iter().enumerate().map(|(k, c)| json!({"index": first + k, "id": format!("call_{}", first + k), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect(),
+    )
 }
 
 pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let req = chat_body(&st, body).await?;
-    // With tools, the output is parsed for calls in the template family's syntax; a forced
-    // call is constrained to a JSON object naming the tool (tine-api put that schema in the
-    // limits), and read as one.
-    let tool_syntax = if req.forced_call { Some(tine_engine::template::ToolSyntax::JsonObject) } else { req.prompt.tools.as_ref().and_then(|_| st.template.tool_syntax()) };
+    // With tools, the output is read for calls: in the template family's syntax, as a bare
+    // `{"name", "arguments"}` object when a call was forced (tine-api put its schema in the
+    // limits), or in the generic format on a template without a tool syntax.
+    let tool_syntax = match req.tools {
+        ToolMode::None => None,
+        ToolMode::Native => st.template.tool_syntax(),
+        ToolMode::NativeForced => Some(ToolSyntax::JsonObject),
+        ToolMode::Generic => Some(ToolSyntax::Generic),
+    };
     let vs = prepare(&st, move |st| {
         let (_, prompt) = chat_prompt(st, &req.prompt)?;
         validate_many(st, vec![prompt], &req.limits, req.n)
@@ -176,28 +208,6 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
     let id = format!("chatcmpl-{}", now());
     let created = now();
     let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": choices});
-    if stream && tool_syntax.is_some() {
-        // A call can only be told from text at the end: each answer comes as one chunk.
-        let results = collect_all(&st, rxs).await?;
-        let mut events = Vec::new();
-        for (i, (s, probs)) in results.iter().enumerate() {
-            let (mut delta, finish) = chat_message(s, tool_syntax);
-            delta["role"] = json!("assistant");
-            let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
-            events.push(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]))));
-            let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish}]));
-            if !include_usage {
-                last["timings"] = timings_json(&s.timings);
-            }
-            events.push(sse_json(last));
-        }
-        if include_usage {
-            let summaries: Vec<Summary> = results.iter().map(|r| r.0.clone()).collect();
-            events.push(sse_json(usage_chunk(chunk(json!([])), &summaries)));
-        }
-        events.push(Ok(SseEvent::default().data("[DONE]")));
-        return Ok(Sse::new(tokio_stream::iter(events)).into_response());
-    }
     if stream {
         let (st2, id2) = (st.clone(), id.clone());
         // llama-server's first chunk: the role, and no content yet (`null`, never "").
@@ -208,51 +218,65 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         let (usage_tx, usage_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut usage_tx = Some(usage_tx);
         let (total, mut ended, mut summaries) = (rxs.len(), 0, Vec::new());
-        let stream = tokio_stream::iter(firsts)
-            .chain(merged(rxs).filter_map(move |(i, ev)| {
-                let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
-                match ev {
-                    Event::Token { text, prob, timings, .. } => {
-                        let lp = match (logprobs, prob) {
-                            (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
-                            _ => Value::Null,
-                        };
-                        // Text held back while a stop string may be forming is not an empty delta.
-                        if text.is_empty() && lp.is_null() {
-                            return None;
-                        }
-                        let delta = if text.is_empty() { json!({}) } else { json!({"content": text}) };
-                        let mut c = chunk(json!([{"index": i, "delta": delta, "logprobs": lp, "finish_reason": null}]));
-                        if per_token {
-                            c["timings"] = timings_json(&timings);
-                        }
-                        Some(sse_json(c))
+        // With tools, each choice's text goes through a reader that gives content out as soon
+        // as it cannot begin a call, and each call once it is whole.
+        let mut readers: Vec<Option<ToolStream>> = (0..total).map(|_| tool_syntax.map(ToolStream::new)).collect();
+        let mut calls = vec![0usize; total];
+        let events = merged(rxs).map(move |(i, ev)| -> Vec<Result<SseEvent, std::convert::Infallible>> {
+            let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
+            match ev {
+                Event::Token { text, prob, timings, .. } => {
+                    let lp = match (logprobs, prob) {
+                        (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
+                        _ => Value::Null,
+                    };
+                    let delta = match readers[i].as_mut() {
+                        Some(r) => tool_delta(r.feed(&text), &mut calls[i]),
+                        None => (!text.is_empty()).then(|| json!({"content": text})),
+                    };
+                    // Text held back (a stop string or a call may be forming) is not an empty delta.
+                    if delta.is_none() && lp.is_null() {
+                        return Vec::new();
                     }
-                    Event::Done(s) => {
-                        log_request(&st2, &s);
-                        let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish_reason(s.stop_type)}]));
-                        if !include_usage {
-                            last["timings"] = timings_json(&s.timings);
-                        }
-                        summaries.push(*s);
-                        ended += 1;
-                        if ended == total {
-                            if let Some(tx) = usage_tx.take().filter(|_| include_usage) {
-                                let _ = tx.send(sse_json(usage_chunk(chunk(json!([])), &summaries)));
-                            }
-                        }
-                        Some(sse_json(last))
+                    let mut c = chunk(json!([{"index": i, "delta": delta.unwrap_or_else(|| json!({})), "logprobs": lp, "finish_reason": null}]));
+                    if per_token {
+                        c["timings"] = timings_json(&timings);
                     }
-                    Event::Error(e) => {
-                        st2.metrics.failed();
-                        ended += 1;
-                        if ended == total {
-                            usage_tx.take();
-                        }
-                        Some(sse_json(ApiError::from(&e).body()))
-                    }
+                    vec![sse_json(c)]
                 }
-            }))
+                Event::Done(s) => {
+                    log_request(&st2, &s);
+                    let mut out = Vec::new();
+                    if let Some(delta) = readers[i].take().and_then(|r| tool_delta(r.finish(), &mut calls[i])) {
+                        out.push(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]))));
+                    }
+                    let finish = if calls[i] > 0 { "tool_calls" } else { finish_reason(s.stop_type) };
+                    let mut last = chunk(json!([{"index": i, "delta": {}, "finish_reason": finish}]));
+                    if !include_usage {
+                        last["timings"] = timings_json(&s.timings);
+                    }
+                    summaries.push(*s);
+                    ended += 1;
+                    if ended == total {
+                        if let Some(tx) = usage_tx.take().filter(|_| include_usage) {
+                            let _ = tx.send(sse_json(usage_chunk(chunk(json!([])), &summaries)));
+                        }
+                    }
+                    out.push(sse_json(last));
+                    out
+                }
+                Event::Error(e) => {
+                    st2.metrics.failed();
+                    ended += 1;
+                    if ended == total {
+                        usage_tx.take();
+                    }
+                    vec![sse_json(ApiError::from(&e).body())]
+                }
+            }
+        });
+        let stream = tokio_stream::iter(firsts)
+            .chain(futures_util::StreamExt::flat_map(events, tokio_stream::iter))
             .chain(UnboundedReceiverStream::new(usage_rx))
             .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
         return Ok(Sse::new(stream).into_response());

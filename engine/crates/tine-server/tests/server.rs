@@ -169,7 +169,7 @@ fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
         ("/completion", r#"{"n_predict": 3}"#, "`prompt` is required"),
         ("/completion", r#"{"prompt": [1, 99999999]}"#, "outside the vocabulary"),
         ("/completion", &json!({"prompt": "hello ".repeat(40)}).to_string(), "exceeds the available context size"),
-        ("/v1/chat/completions", r#"{"messages": [{"role": "tool", "content": "x"}]}"#, "unknown role"),
+        ("/v1/chat/completions", r#"{"messages": [{"role": "robot", "content": "x"}]}"#, "unknown role"),
         ("/v1/chat/completions", r#"{"messages": "nope"}"#, "invalid"),
         ("/detokenize", r#"{"tokens": [-1]}"#, "outside the vocabulary"),
         ("/tokenize", r#"{"content": 5}"#, "invalid type"),
@@ -670,11 +670,113 @@ fn the_gguf_chat_template_renders_the_prompt_and_tools_reach_it() {
         chat["usage"]["prompt_tokens"].as_u64(),
         post(srv.addr, "/tokenize", json!({"content": format!("<bos>{}", v_prompt(&srv, &msgs, &tools)), "parse_special": true})).1["tokens"].as_array().map(|t| t.len() as u64)
     );
-    // The Gemma fallback refuses tools: this template family defines none.
-    let plain = start(1, 64);
-    let (s, v) = post(plain.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": tools}));
-    assert_eq!(s, 400, "{v}");
-    assert!(v["error"]["message"].as_str().expect("message").contains("does not take tools"), "{v}");
+}
+
+/// A chat stream's pieces: the content joined, the calls (name, arguments) joined by index,
+/// the finish reason, and how many chunks carried content.
+fn chat_stream(addr: SocketAddr, body: Value) -> (String, Vec<(String, String)>, String, usize) {
+    let (s, text) = http(addr, "POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(s, 200, "{text}");
+    let (mut content, mut calls, mut finish, mut pieces) = (String::new(), Vec::<(String, String)>::new(), String::new(), 0);
+    for d in sse_data(&text).into_iter().filter(|d| d != "[DONE]") {
+        let v: Value = serde_json::from_str(&d).expect("a JSON chunk");
+        let c = &v["choices"][0];
+        if let Some(t) = c["delta"]["content"].as_str() {
+            content.push_str(t);
+            pieces += 1;
+        }
+        for call in c["delta"]["tool_calls"].as_array().into_iter().flatten() {
+            let i = call["index"].as_u64().expect("index") as usize;
+            if calls.len() <= i {
+                calls.resize(i + 1, Default::default());
+            }
+            calls[i].0.push_str(call["function"]["name"].as_str().unwrap_or(""));
+            calls[i].1.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+        }
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_owned();
+        }
+    }
+    (content, calls, finish, pieces)
+}
+
+/// The same pieces from a whole answer.
+fn chat_whole(addr: SocketAddr, mut body: Value) -> (String, Vec<(String, String)>, String) {
+    body["stream"] = json!(false);
+    let (s, v) = post(addr, "/v1/chat/completions", body);
+    assert_eq!(s, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    let calls = m["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| (c["function"]["name"].as_str().expect("name").to_owned(), c["function"]["arguments"].as_str().expect("arguments").to_owned()))
+        .collect();
+    (m["content"].as_str().unwrap_or("").to_owned(), calls, v["choices"][0]["finish_reason"].as_str().expect("finish").to_owned())
+}
+
+/// Issue 32: tools on a template that never mentions them (Gemma's turns here) are accepted,
+/// as llama-server accepts them: the tools are described in the generic JSON format, the
+/// output is held to it, and calls come back as `tool_calls` whatever `tool_choice` asks;
+/// earlier calls and tool results render. With tools the answer streams as it is generated
+/// (on this template and on one with a tool syntax), and the stream reads as the whole answer.
+#[test]
+fn tools_on_a_template_without_tool_syntax_are_described_and_read_back_and_stream() {
+    let srv = start(1, 2048);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"], "additionalProperties": false}}}]);
+    let msgs = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let (s, v) = post(srv.addr, "/apply-template", json!({"messages": msgs, "tools": tools}));
+    assert_eq!(s, 200, "{v}");
+    let prompt = v["prompt"].as_str().expect("prompt");
+    assert!(prompt.starts_with("<bos><start_of_turn>user\nYou have access to the following tools:\n{"), "{prompt}");
+    assert!(prompt.ends_with("Weather in Paris?<end_of_turn>\n<start_of_turn>model\n"), "{prompt}");
+    // A forced call comes back as a call to that tool, with arguments of its schema.
+    for seed in 0..3 {
+        let (content, calls, finish) = chat_whole(srv.addr, json!({"messages": msgs, "tools": tools, "tool_choice": "required", "max_tokens": 120, "temperature": 1.0, "seed": seed}));
+        assert_eq!((content.as_str(), finish.as_str(), calls.len()), ("", "tool_calls", 1), "{calls:?}");
+        assert_eq!(calls[0].0, "get_weather");
+        let args: Value = serde_json::from_str(&calls[0].1).expect("arguments parse");
+        assert!(args["city"] == "Paris" || args["city"] == "Oslo", "{args}");
+    }
+    // `auto`: a call or a plain answer, never the format's raw JSON; streamed, the same.
+    let mut answered = 0;
+    for seed in 0..6 {
+        let body = json!({"messages": msgs, "tools": tools, "max_tokens": 120, "temperature": 1.0, "seed": seed, "stream": true});
+        let (content, calls, finish) = chat_whole(srv.addr, body.clone());
+        if calls.is_empty() {
+            answered += 1;
+            assert!(!content.trim_start().starts_with("{\"response\""), "{content}");
+        } else {
+            assert_eq!(finish, "tool_calls");
+        }
+        let (s_content, s_calls, s_finish, _) = chat_stream(srv.addr, body);
+        assert_eq!((s_content, s_calls, s_finish), (content, calls, finish), "seed {seed}: the stream reads as the whole answer");
+    }
+    println!("auto: {answered}/6 plain answers");
+    // An agent's second request: the call and its result render on Gemma's turns.
+    let history = json!([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}
+    ]);
+    let (s, v) = post(srv.addr, "/apply-template", json!({"messages": history, "tools": tools}));
+    assert_eq!(s, 200, "{v}");
+    let prompt = v["prompt"].as_str().expect("prompt");
+    assert!(prompt.contains("<start_of_turn>model\n{\"tool_call\":{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}}<end_of_turn>\n<start_of_turn>user\n{\"tool_response\":{\"tool\":\"get_weather\",\"tool_call_id\":\"c1\",\"content\":\"18 C\"}}<end_of_turn>\n<start_of_turn>model\n"), "{prompt}");
+    let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": history, "tools": tools, "max_tokens": 8}));
+    assert_eq!(s, 200, "{v}");
+    // Tools and another constraint cannot both hold the output: 400 naming `tools`.
+    let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "tools": tools, "response_format": {"type": "json_object"}}));
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("tools")), "{v}");
+    // A template with a tool syntax: a plain answer streams in many pieces, as without tools
+    // (held to words by a grammar: this tiny model writes byte tokens, which wait for whole
+    // characters).
+    let hermes = start_model(TinyGemma3 { chat_template: Some(TOOL_TEMPLATE.into()), context: 8192, ..TinyGemma3::default() }, None, |c| c.ctx_size = 2048);
+    let body = json!({"messages": msgs, "tools": tools, "max_tokens": 24, "temperature": 0, "grammar": "root ::= [a-z ]+", "stream": true});
+    let (content, calls, finish, pieces) = chat_stream(hermes.addr, body.clone());
+    assert_eq!((calls.is_empty(), finish.as_str()), (true, "length"), "{content}");
+    assert!(pieces > 4, "the answer streamed in {pieces} piece(s): {content:?}");
+    assert_eq!((content, calls, finish), chat_whole(hermes.addr, body));
 }
 
 fn v_prompt(srv: &Server, msgs: &Value, tools: &Value) -> String {
