@@ -1,4 +1,5 @@
-//! The HTTP API's request checks (`tine-api`'s `check_completion`, `check_chat`, `decode` and
+//! The HTTP API's request checks (`tine-api`'s `check_completion`, `check_chat` (also behind the
+//! Anthropic and Responses rewrites), `decode` and
 //! `check_ids`: the functions `tine serve`'s edge runs on every body before it touches the
 //! model) on any bytes, for every endpoint: an error or a checked request, never a panic. A body that decodes must decode the same way again (no hidden state), and a refusal
 //! must carry a message (the server's 400 names what was wrong).

@@ -7,18 +7,23 @@ use patchchain::{chain, sync_check, Project};
 use super::{setup, step};
 use crate::tine::Tine;
 
-/// The `openai` release the client test pins (what the users ran).
-const OPENAI_VERSION: &str = "3.57.0";
+/// The client releases the client test pins: the official `openai` (what the users
+/// ran) and `anthropic` Python packages.
+const CLIENTS: [(&str, &str); 2] = [("openai", "3.57.0"), ("anthropic", "2.17.0")];
 
-/// A venv under `target/` with the pinned `openai` package, made once and reused.
-fn openai_venv(p: &Project) -> anyhow::Result<std::path::PathBuf> {
-    let venv = p.root.join("target/openai-venv");
+/// A venv under `target/` with the pinned client packages, made once and reused.
+fn client_venv(p: &Project) -> anyhow::Result<std::path::PathBuf> {
+    let venv = p.root.join("target/client-venv");
     let python = venv.join("bin/python");
-    let has_it = || Command::new(&python).args(["-c", &format!("import openai, sys; sys.exit(openai.__version__ != {OPENAI_VERSION:?})")]).status().is_ok_and(|s| s.success());
-    if !has_it() {
-        step("python3 -m venv target/openai-venv", Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
-        step(&format!("pip install openai=={OPENAI_VERSION}"), Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", &format!("openai=={OPENAI_VERSION}")]))?;
-        anyhow::ensure!(has_it(), "openai {OPENAI_VERSION} is not importable from {} after installing it", python.display());
+    let has = |name: &str, version: &str| Command::new(&python).args(["-c", &format!("import {name}, sys; sys.exit({name}.__version__ != {version:?})")]).status().is_ok_and(|s| s.success());
+    if !venv.join("bin/python").exists() {
+        step("python3 -m venv target/client-venv", Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
+    }
+    for (name, version) in CLIENTS {
+        if !has(name, version) {
+            step(&format!("pip install {name}=={version}"), Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", &format!("{name}=={version}")]))?;
+            anyhow::ensure!(has(name, version), "{name} {version} is not importable from {} after installing it", python.display());
+        }
     }
     Ok(python)
 }
@@ -44,15 +49,15 @@ pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
         anyhow::bail!("sync-check: {}", problems.join("\n  "));
     }
     step("engine tests", Command::new(&cargo).args(["test", "--workspace", "--manifest-path"]).arg(&engine_manifest))?;
-    // The official OpenAI Python client against `tine serve`, from a venv of its own.
-    let python = openai_venv(p)?;
+    // The official OpenAI and Anthropic Python clients against `tine serve`, from a venv of their own.
+    let python = client_venv(p)?;
     step(
-        "openai client (tine-cli's the_official_openai_client_gets_what_it_asks_for)",
+        "python clients (tine-cli's the_official_openai_and_anthropic_clients_get_what_they_ask_for)",
         Command::new(&cargo)
             .args(["test", "-p", "tine-cli", "--test", "cli", "--manifest-path"])
             .arg(&engine_manifest)
-            .args(["--", "--ignored", "--exact", "the_official_openai_client_gets_what_it_asks_for"])
-            .env("TINE_OPENAI_PYTHON", &python),
+            .args(["--", "--ignored", "--exact", "the_official_openai_and_anthropic_clients_get_what_they_ask_for"])
+            .env("TINE_CLIENT_PYTHON", &python),
     )?;
     // Our crates only (`--no-deps`): candle's own code is upstream's, linted by upstream.
     step("cargo clippy (engine)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--no-deps", "--manifest-path"]).arg(&engine_manifest).args(["--", "-D", "warnings"]))?;

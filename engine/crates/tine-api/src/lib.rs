@@ -8,6 +8,7 @@
 use serde::Deserialize;
 use tine_sampling::SamplingParams;
 
+pub mod dialects;
 pub mod tools;
 pub use tools::ToolMode;
 
@@ -614,12 +615,16 @@ pub fn check_ids(ids: &[i64], vocab: usize) -> Result<Vec<u32>, RequestError> {
 pub enum Endpoint {
     Completion,
     Chat,
+    /// Anthropic's `/v1/messages`: [`dialects::anthropic_to_chat`], then [`check_chat`].
+    Messages,
+    /// OpenAI's `/v1/responses`: [`dialects::responses_to_chat`], then [`check_chat`].
+    Responses,
     Tokenize,
     Detokenize,
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 4] = [Endpoint::Completion, Endpoint::Chat, Endpoint::Tokenize, Endpoint::Detokenize];
+    pub const ALL: [Endpoint; 6] = [Endpoint::Completion, Endpoint::Chat, Endpoint::Messages, Endpoint::Responses, Endpoint::Tokenize, Endpoint::Detokenize];
 }
 
 /// A completion request (`/completion`, `/v1/completions`) after every check that needs no
@@ -785,14 +790,19 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
             let sizes: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();
             format!("completion prompt {} n_predict {} n {}", sizes.join("+"), r.limits.n_predict, r.n)
         }
-        Endpoint::Chat => {
-            // Both kinds of template: one with a tool syntax, and one without (the generic format).
-            check_chat(body, &defaults, true)?;
-            let r = check_chat(body, &defaults, false)?;
-            let chars: usize = r.prompt.messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum();
-            format!("chat {} messages {chars} bytes n_predict {}", r.prompt.messages.len(), r.limits.n_predict)
-        }
+        Endpoint::Chat => chat_summary(body, &defaults)?,
+        Endpoint::Messages => chat_summary(&serde_json::to_vec(&dialects::anthropic_to_chat(body)?).expect("a JSON value serializes"), &defaults)?,
+        Endpoint::Responses => chat_summary(&serde_json::to_vec(&dialects::responses_to_chat(body)?).expect("a JSON value serializes"), &defaults)?,
         Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.content.len()),
         Endpoint::Detokenize => format!("detokenize {} ids", check_ids(&decode::<DetokenizeBody>(body)?.tokens, vocab)?.len()),
     })
+}
+
+/// [`decode_any`]'s chat summary, through both kinds of template: one with a tool syntax, and
+/// one without (the generic format).
+fn chat_summary(body: &[u8], defaults: &Defaults) -> Result<String, RequestError> {
+    check_chat(body, defaults, true)?;
+    let r = check_chat(body, defaults, false)?;
+    let chars: usize = r.prompt.messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum();
+    Ok(format!("chat {} messages {chars} bytes n_predict {}", r.prompt.messages.len(), r.limits.n_predict))
 }

@@ -153,3 +153,81 @@ fn a_tool_calls_arguments_hold_only_the_keys_its_schema_names() {
         assert_eq!(s["x-guidance"], json!({"whitespace_flexible": false}), "compact JSON: {s}");
     }
 }
+
+/// Issue 32: Anthropic's Messages and OpenAI's Responses bodies become the chat body llama-server
+/// maps them to; what cannot be honoured is refused naming the field.
+#[test]
+fn anthropic_and_responses_bodies_become_chat_bodies() {
+    use serde_json::json;
+    use tine_api::dialects::{anthropic_to_chat, responses_to_chat};
+    let a = json!({
+        "model": "m", "max_tokens": 9, "system": [{"type": "text", "text": "Be brief."}], "stop_sequences": ["END"], "temperature": 0.5,
+        "tools": [{"name": "w", "description": "d", "input_schema": {"type": "object"}}], "tool_choice": {"type": "tool", "name": "w", "disable_parallel_tool_use": true},
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}, {"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": 1}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "18 C"}]}, {"type": "text", "text": "so?"}]}
+        ]
+    });
+    let c = anthropic_to_chat(a.to_string().as_bytes()).expect("converts");
+    assert_eq!(
+        c["messages"],
+        json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "w", "arguments": "{\"c\":1}"}}]},
+            {"role": "tool", "tool_call_id": "t1", "content": "18 C"},
+            {"role": "user", "content": "so?"}
+        ])
+    );
+    assert_eq!((&c["max_tokens"], &c["stop"], &c["temperature"], &c["parallel_tool_calls"]), (&json!(9), &json!(["END"]), &json!(0.5), &json!(false)));
+    assert_eq!(c["tools"], json!([{"type": "function", "function": {"name": "w", "description": "d", "parameters": {"type": "object"}}}]));
+    assert_eq!(c["tool_choice"], json!({"type": "function", "function": {"name": "w"}}));
+    assert_eq!(anthropic_to_chat(br#"{"messages": []}"#).expect("converts")["max_tokens"], 4096, "llama-server's default");
+    for (body, param) in [
+        (json!({"max_tokens": 1}), "messages"),
+        (json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), "messages"),
+        (json!({"messages": [{"role": "system", "content": "x"}]}), "messages"),
+        (json!({"messages": [], "tool_choice": {"type": "maybe"}}), "tool_choice"),
+        (json!({"messages": [], "output_config": {"format": {"type": "xml"}}}), "output_config.format"),
+    ] {
+        assert_eq!(anthropic_to_chat(body.to_string().as_bytes()).expect_err("refused").param.as_deref(), Some(param), "{body}");
+    }
+    let r = json!({
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 7, "temperature": 0, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+        "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}], "tool_choice": {"type": "function", "name": "w"},
+        "input": [
+            {"role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "18 C"},
+            {"type": "reasoning", "summary": []},
+            {"role": "developer", "content": [{"type": "input_text", "text": "note"}]}
+        ]
+    });
+    let c = responses_to_chat(r.to_string().as_bytes()).expect("converts");
+    assert_eq!(
+        c["messages"],
+        json!([
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"},
+            {"role": "system", "content": "note"}
+        ])
+    );
+    assert_eq!((&c["max_tokens"], &c["temperature"]), (&json!(7), &json!(0)));
+    assert_eq!(c["response_format"], json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}));
+    assert_eq!(c["tools"], json!([{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}]));
+    assert_eq!(c["tool_choice"], json!({"type": "function", "function": {"name": "w"}}));
+    assert_eq!(responses_to_chat(br#"{"input": "hello"}"#).expect("converts")["messages"], json!([{"role": "user", "content": "hello"}]));
+    for (body, param) in [
+        (json!({"model": "m"}), "input"),
+        (json!({"input": "x", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"input": "x", "tools": [{"type": "web_search"}]}), "tools"),
+        (json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}), "input"),
+        (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), "text.format"),
+    ] {
+        assert_eq!(responses_to_chat(body.to_string().as_bytes()).expect_err("refused").param.as_deref(), Some(param), "{body}");
+    }
+}

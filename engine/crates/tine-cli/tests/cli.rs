@@ -304,13 +304,14 @@ fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
     assert!(metrics.contains("llamacpp:tokens_predicted_total 3"), "{metrics}");
 }
 
-/// The official `openai` Python client against `tine serve` (`tests/openai_client.py`).
-/// `cargo xtask ci` installs the client from PyPI into a venv and runs this with
-/// `TINE_OPENAI_PYTHON` pointing at that venv's python.
+/// The official `openai` and `anthropic` Python clients against `tine serve`
+/// (`tests/openai_client.py`, `tests/anthropic_client.py`). `cargo xtask ci` installs the
+/// pinned clients from PyPI into a venv and runs this with `TINE_CLIENT_PYTHON` pointing at
+/// that venv's python.
 #[test]
-#[ignore = "needs TINE_OPENAI_PYTHON, a python with the openai package (cargo xtask ci sets it up)"]
-fn the_official_openai_client_gets_what_it_asks_for() {
-    let python = std::env::var("TINE_OPENAI_PYTHON").expect("TINE_OPENAI_PYTHON must name a python with the openai package");
+#[ignore = "needs TINE_CLIENT_PYTHON, a python with the openai and anthropic packages (cargo xtask ci sets it up)"]
+fn the_official_openai_and_anthropic_clients_get_what_they_ask_for() {
+    let python = std::env::var("TINE_CLIENT_PYTHON").expect("TINE_CLIENT_PYTHON must name a python with the openai and anthropic packages");
     let dir = tempfile::tempdir().expect("tempdir");
     let model = dir.path().join("tiny.gguf");
     TinyGemma3 { nextn: true, seed: 8, context: 8192, ..TinyGemma3::default() }.write(&model);
@@ -333,13 +334,18 @@ fn the_official_openai_client_gets_what_it_asks_for() {
         assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = Command::new(&python).args([script, &format!("http://127.0.0.1:{port}")]).output().expect("run the openai client script");
+    let mut failed = Vec::new();
+    for script in ["openai_client.py", "anthropic_client.py"] {
+        let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+        let out = Command::new(&python).args([&path, &format!("http://127.0.0.1:{port}")]).output().expect("run a client script");
+        println!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        if !out.status.success() {
+            failed.push(script);
+        }
+    }
     let _ = child.kill();
     let _ = child.wait();
-    let report = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    println!("{report}");
-    assert!(out.status.success(), "the openai client's checks failed:\n{report}");
+    assert!(failed.is_empty(), "client checks failed in {failed:?} (report above)");
 }
 
 #[test]

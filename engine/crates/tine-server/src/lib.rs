@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod prefix_pool;
 pub mod scheduler;
 
+mod anthropic;
 mod config;
 mod edge;
 mod llama;
@@ -107,6 +108,8 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
         .route("/apply-template", post(apply_template))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         // llama-server's endpoints Tine does not serve: 501 naming what is missing, not 404.
         .route("/infill", post(|| not_served("/infill (fill-in-the-middle)")))
         .route("/rerank", post(|| not_served("/rerank (a reranking model's scores)")))
@@ -223,6 +226,15 @@ fn log_request(st: &AppState, s: &Summary) {
             d.tau()
         );
     }
+}
+
+/// An id no other answer of this server has had: `prefix`, the start time's nanoseconds and a
+/// counter, in hex (Anthropic's and the Responses API's ids, and the tool calls within them).
+fn fresh_id(prefix: &str) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    static START: std::sync::OnceLock<u128> = std::sync::OnceLock::new();
+    let start = START.get_or_init(|| SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    format!("{prefix}{:x}{:06x}", start & 0xffff_ffff_ffff, NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 fn sse_json(v: Value) -> Result<SseEvent, std::convert::Infallible> {

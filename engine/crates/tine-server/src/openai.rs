@@ -187,8 +187,16 @@ pub(crate) fn tool_calls_json(calls: &[ToolCall], first: usize) -> Value {
     )
 }
 
-pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
-    let req = chat_body(&st, body).await?;
+/// A chat request started on the engine: how its answers are read for tool calls, the
+/// validated requests, and their event streams.
+pub(crate) struct ChatRun {
+    pub(crate) tool_syntax: Option<ToolSyntax>,
+    pub(crate) vs: Vec<Validated>,
+    pub(crate) rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>,
+}
+
+/// Renders, validates and submits a checked chat request (every chat dialect's way in).
+pub(crate) async fn start_chat(st: &Shared, req: tine_api::ChatRequest) -> Result<ChatRun, ApiError> {
     // With tools, the output is read for calls: in the template family's syntax, as a bare
     // `{"name", "arguments"}` object when a call was forced (tine-api put its schema in the
     // limits), or in the generic format on a template without a tool syntax.
@@ -198,13 +206,19 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         ToolMode::NativeForced => Some(ToolSyntax::JsonObject),
         ToolMode::Generic => Some(ToolSyntax::Generic),
     };
-    let vs = prepare(&st, move |st| {
+    let vs = prepare(st, move |st| {
         let (_, prompt) = chat_prompt(st, &req.prompt)?;
         validate_many(st, vec![prompt], &req.limits, req.n)
     })
     .await?;
+    let rxs = submit_all(st, &vs)?;
+    Ok(ChatRun { tool_syntax, vs, rxs })
+}
+
+pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
+    let req = chat_body(&st, body).await?;
+    let ChatRun { tool_syntax, vs, rxs } = start_chat(&st, req).await?;
     let (stream, logprobs, include_usage, per_token) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage, vs[0].timings_per_token);
-    let rxs = submit_all(&st, &vs)?;
     let id = format!("chatcmpl-{}", now());
     let created = now();
     let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": choices});
