@@ -191,6 +191,65 @@ def _():
     assert r.choices[0].logprobs.tokens[0] != first, r
 
 
+@check("responses: output_text, status, usage")
+def _():
+    r = client.responses.create(model="tiny", input="hello", instructions="Be brief.", max_output_tokens=8, temperature=0)
+    assert r.object == "response" and r.id.startswith("resp_") and r.status in ("completed", "incomplete"), r
+    assert isinstance(r.output_text, str) and r.output[0].type == "message" and r.output[0].content[0].type == "output_text", r
+    assert r.usage.output_tokens <= 8 and r.usage.input_tokens > 0 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens, r.usage
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens", r
+
+
+@check("responses: the stream accumulates to the whole answer")
+def _():
+    ask = dict(model="tiny", input=[{"role": "user", "content": "hello"}], max_output_tokens=16, temperature=0)
+    whole = client.responses.create(**ask)
+    with client.responses.stream(**ask) as s:
+        events = list(s)
+    kinds = [e.type for e in events]
+    # A truncated answer ends with `response.incomplete` (as OpenAI's), which the client's
+    # get_final_response() does not accept: the last event carries the response instead.
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}", kinds
+    assert [e.sequence_number for e in events] == list(range(len(events))), kinds
+    final = events[-1].response
+    assert final.output_text == whole.output_text == "".join(e.delta for e in events if e.type == "response.output_text.delta"), (final, whole)
+
+
+@check("responses: a forced function tool comes back as a function_call item, streamed too")
+def _():
+    tools = [{"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}]
+    ask = dict(model="tiny", input="weather?", tools=tools, tool_choice="required", max_output_tokens=400, temperature=0)
+    r = client.responses.create(**ask)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and json.loads(calls[0].arguments)["city"] in ("Paris", "Oslo") and calls[0].call_id, r
+    with client.responses.stream(**ask) as s:
+        final = s.get_final_response()
+    got = [(o.name, o.arguments) for o in final.output if o.type == "function_call"]
+    assert got == [(c.name, c.arguments) for c in calls], final
+    # The next turn sends the call and its output back.
+    r2 = client.responses.create(model="tiny", input=[{"role": "user", "content": "weather?"}, {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments}, {"type": "function_call_output", "call_id": calls[0].call_id, "output": "18 C"}], tools=tools, max_output_tokens=4, temperature=0)
+    assert r2.object == "response", r2
+
+
+@check("responses: input_tokens counts the prompt a request would run")
+def _():
+    n = client.responses.input_tokens.count(model="tiny", input="count me", instructions="sys").input_tokens
+    r = client.responses.create(model="tiny", input="count me", instructions="sys", max_output_tokens=1, temperature=0)
+    assert n == r.usage.input_tokens, (n, r.usage)
+
+
+@check("responses: previous_response_id and hosted tools raise BadRequestError")
+def _():
+    for kwargs in (dict(previous_response_id="resp_x"), dict(tools=[{"type": "web_search"}])):
+        try:
+            client.responses.create(model="tiny", input="x", max_output_tokens=2, **kwargs)
+        except openai.BadRequestError as e:
+            assert e.body["param"] in ("previous_response_id", "tools"), e.body
+        else:
+            raise AssertionError(f"accepted {kwargs}")
+
+
 @check("refused fields raise BadRequestError")
 def _():
     for kwargs in [dict(n=99), dict(echo=True), dict(best_of=2), dict(temperature=float("inf")), dict(logprobs=101)]:

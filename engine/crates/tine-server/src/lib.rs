@@ -22,6 +22,7 @@ mod config;
 mod edge;
 mod llama;
 mod openai;
+mod responses;
 mod slots;
 
 use std::net::SocketAddr;
@@ -110,6 +111,10 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/apply-template", post(apply_template))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/v1/responses", post(responses::create))
+        .route("/responses", post(responses::create))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
+        .route("/responses/input_tokens", post(responses::input_tokens))
         // llama-server's endpoints Tine does not serve: 501 naming what is missing, not 404.
         .route("/infill", post(|| not_served("/infill (fill-in-the-middle)")))
         .route("/rerank", post(|| not_served("/rerank (a reranking model's scores)")))

@@ -1140,3 +1140,62 @@ fn requests_arriving_together_evaluate_their_common_prefix_once() {
         assert_eq!(evaluated, 302 + 3 * (302 - shared), "{kind:?}: {:?}", got.iter().map(|g| &g["timings"]).collect::<Vec<_>>());
     }
 }
+
+/// Issue 32: Anthropic's Messages API and OpenAI's Responses API run as chats: on Gemma's turns
+/// (no tool syntax) a forced tool comes back as a `tool_use` block / `function_call` item, the
+/// streams carry the APIs' named events in order, and the streamed text is the whole answer's.
+#[test]
+fn the_messages_and_responses_apis_answer_in_their_own_shapes() {
+    let srv = start(1, 2048);
+    let schema = json!({"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]});
+    let (s, v) = post(
+        srv.addr,
+        "/v1/messages",
+        json!({"max_tokens": 100, "messages": [{"role": "user", "content": "weather?"}], "tools": [{"name": "w", "input_schema": schema}], "tool_choice": {"type": "any"}, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["type"].as_str(), v["stop_reason"].as_str(), v["content"][0]["type"].as_str(), v["content"][0]["name"].as_str()),
+        (Some("message"), Some("tool_use"), Some("tool_use"), Some("w")),
+        "{v}"
+    );
+    assert!(v["content"][0]["input"]["city"].is_string(), "{v}");
+    let (s, v) = post(
+        srv.addr,
+        "/v1/responses",
+        json!({"max_output_tokens": 100, "input": "weather?", "tools": [{"type": "function", "name": "w", "parameters": schema}], "tool_choice": "required", "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["object"].as_str(), v["status"].as_str(), v["output"][0]["type"].as_str(), v["output"][0]["name"].as_str()),
+        (Some("response"), Some("completed"), Some("function_call"), Some("w")),
+        "{v}"
+    );
+    // Streams: named events, text deltas adding up to the whole answer.
+    let ask = json!({"max_tokens": 12, "messages": [{"role": "user", "content": "hello"}], "temperature": 0});
+    let (_, whole) = post(srv.addr, "/v1/messages", ask.clone());
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let (s, text) = http(srv.addr, "POST", "/v1/messages", &streamed.to_string());
+    assert_eq!(s, 200, "{text}");
+    let names: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("event: ")).collect();
+    assert_eq!((names.first(), names.last()), (Some(&"message_start"), Some(&"message_stop")), "{text}");
+    let joined: String = sse_data(&text).iter().filter_map(|d| serde_json::from_str::<Value>(d).ok()).filter_map(|v| v["delta"]["text"].as_str().map(str::to_owned)).collect();
+    let want: String = whole["content"].as_array().expect("blocks").iter().filter_map(|b| b["text"].as_str()).collect();
+    assert_eq!(joined, want, "{text}");
+    let ask = json!({"max_output_tokens": 12, "input": "hello", "temperature": 0});
+    let (_, whole) = post(srv.addr, "/v1/responses", ask.clone());
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let (_, text) = http(srv.addr, "POST", "/v1/responses", &streamed.to_string());
+    let events: Vec<Value> = sse_data(&text).iter().map(|d| serde_json::from_str(d).expect("event JSON")).collect();
+    assert_eq!(events.iter().map(|e| e["sequence_number"].as_u64().expect("sequence_number")).collect::<Vec<_>>(), (0..events.len() as u64).collect::<Vec<_>>());
+    let last = events.last().expect("events");
+    let content = |r: &Value| r["output"].as_array().expect("output").iter().map(|o| o["content"].clone()).collect::<Vec<_>>();
+    assert_eq!(content(&last["response"]), content(&whole), "{text}");
+    // Errors: Anthropic's shape on its endpoint, OpenAI's on the Responses API.
+    let (s, v) = post(srv.addr, "/v1/messages", json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}));
+    assert_eq!((s, v["type"].as_str(), v["error"]["type"].as_str()), (400, Some("error"), Some("invalid_request_error")), "{v}");
+    let (s, v) = post(srv.addr, "/v1/responses", json!({"input": "x", "previous_response_id": "resp_1"}));
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("previous_response_id")), "{v}");
+}
