@@ -326,11 +326,13 @@ pub struct Reference<'w> {
     /// Per layer: keys and values of every position so far (after norm and rope).
     keys: Vec<Vec<Vec<f64>>>,
     values: Vec<Vec<Vec<f64>>>,
+    /// The last step's final hidden state after the output norm (what embeddings pool).
+    pub embedding: Vec<f64>,
 }
 
 impl<'w> Reference<'w> {
     pub fn new(w: &'w Weights) -> Self {
-        Reference { w, keys: vec![Vec::new(); w.cfg.n_layer], values: vec![Vec::new(); w.cfg.n_layer] }
+        Reference { w, keys: vec![Vec::new(); w.cfg.n_layer], values: vec![Vec::new(); w.cfg.n_layer], embedding: Vec::new() }
     }
 
     /// Logits after feeding `token` at the next position.
@@ -382,7 +384,9 @@ impl<'w> Reference<'w> {
             x = x.iter().zip(&f).map(|(a, b)| a + b).collect();
         }
         let h = rms_norm(&x, &self.w.output_norm);
-        matvec(&self.w.embd, &h, self.w.vocab)
+        let logits = matvec(&self.w.embd, &h, self.w.vocab);
+        self.embedding = h;
+        logits
     }
 }
 
