@@ -580,6 +580,71 @@ impl ChatBody {
     }
 }
 
+/// `/embedding` (llama-server's: `content`, or `input`) and `/v1/embeddings` (OpenAI's: `input`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(expecting = "a JSON object with `input` (or `content`)")]
+pub struct EmbeddingBody {
+    pub input: Option<PromptInput>,
+    pub content: Option<PromptInput>,
+    /// `float` (the default) or `base64` (little-endian f32s).
+    pub encoding_format: Option<String>,
+    /// llama.cpp's normalization: -1 none, 0 max-abs (int16 range), 1 taxicab, 2 Euclidean
+    /// (the default), p > 2 the p-norm.
+    pub embd_normalize: Option<i32>,
+    /// OpenAI's `dimensions`: only the model's own width can be given.
+    pub dimensions: Option<usize>,
+}
+
+/// An embedding request after every check that needs no model.
+#[derive(Debug, Clone)]
+pub struct EmbeddingRequest {
+    pub prompts: Vec<Prompt>,
+    pub normalize: i32,
+    pub base64: bool,
+    pub dimensions: Option<usize>,
+}
+
+/// Decodes an embedding body: its inputs (a text, token ids, or a list of either; at most
+/// [`MAX_EMBEDDING_INPUTS`]), the encoding and the normalization.
+pub fn check_embeddings(body: &[u8]) -> Result<EmbeddingRequest, RequestError> {
+    let b: EmbeddingBody = decode(body)?;
+    let (field, input) = match (b.input, b.content) {
+        (Some(i), _) => ("input", i),
+        (None, Some(c)) => ("content", c),
+        (None, None) => return Err(RequestError::on("input", "`input` is required")),
+    };
+    let prompts = match input {
+        PromptInput::Text(t) => vec![Prompt::Text(t)],
+        PromptInput::Tokens(ids) => vec![Prompt::Tokens(ids)],
+        PromptInput::Many(v) => v
+            .into_iter()
+            .map(|p| match p {
+                OnePrompt::Text(t) => Prompt::Text(t),
+                OnePrompt::Tokens(ids) => Prompt::Tokens(ids),
+            })
+            .collect(),
+    };
+    if prompts.is_empty() {
+        return Err(RequestError::on(field, format!("`{field}` is an empty list")));
+    }
+    if prompts.len() > MAX_EMBEDDING_INPUTS {
+        return Err(RequestError::on(field, format!("at most {MAX_EMBEDDING_INPUTS} inputs per request, got {}", prompts.len())));
+    }
+    let base64 = match b.encoding_format.as_deref() {
+        None | Some("float") => false,
+        Some("base64") => true,
+        Some(other) => return Err(RequestError::on("encoding_format", format!("encoding_format must be \"float\" or \"base64\", got {other:?}"))),
+    };
+    let normalize = b.embd_normalize.unwrap_or(2);
+    if !(-1..=64).contains(&normalize) {
+        return Err(RequestError::on("embd_normalize", format!("embd_normalize must lie in -1..=64, got {normalize}")));
+    }
+    Ok(EmbeddingRequest { prompts, normalize, base64, dimensions: b.dimensions })
+}
+
+/// The most inputs one embedding request may carry.
+pub const MAX_EMBEDDING_INPUTS: usize = 2048;
+
 /// `/tokenize`.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(expecting = "a JSON object")]
@@ -619,12 +684,14 @@ pub enum Endpoint {
     Messages,
     /// OpenAI's `/v1/responses`: [`dialects::responses_to_chat`], then [`check_chat`].
     Responses,
+    /// `/embedding`, `/v1/embeddings`: [`check_embeddings`].
+    Embeddings,
     Tokenize,
     Detokenize,
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 6] = [Endpoint::Completion, Endpoint::Chat, Endpoint::Messages, Endpoint::Responses, Endpoint::Tokenize, Endpoint::Detokenize];
+    pub const ALL: [Endpoint; 7] = [Endpoint::Completion, Endpoint::Chat, Endpoint::Messages, Endpoint::Responses, Endpoint::Embeddings, Endpoint::Tokenize, Endpoint::Detokenize];
 }
 
 /// A completion request (`/completion`, `/v1/completions`) after every check that needs no
@@ -793,6 +860,15 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
         Endpoint::Chat => chat_summary(body, &defaults)?,
         Endpoint::Messages => chat_summary(&serde_json::to_vec(&dialects::anthropic_to_chat(body)?).expect("a JSON value serializes"), &defaults)?,
         Endpoint::Responses => chat_summary(&serde_json::to_vec(&dialects::responses_to_chat(body)?).expect("a JSON value serializes"), &defaults)?,
+        Endpoint::Embeddings => {
+            let r = check_embeddings(body)?;
+            for p in &r.prompts {
+                if let Prompt::Tokens(ids) = p {
+                    check_ids(ids, vocab)?;
+                }
+            }
+            format!("embeddings {} inputs normalize {}", r.prompts.len(), r.normalize)
+        }
         Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.content.len()),
         Endpoint::Detokenize => format!("detokenize {} ids", check_ids(&decode::<DetokenizeBody>(body)?.tokens, vocab)?.len()),
     })

@@ -79,6 +79,14 @@ struct ServeArgs {
     /// Turn /slots off (it answers 501).
     #[arg(long = "no-slots")]
     no_slots: bool,
+    /// Serve embeddings at /embedding and /v1/embeddings (the model's final hidden states after
+    /// the output norm, pooled by --pooling; not on the GPU engine yet).
+    #[arg(long = "embeddings", alias = "embedding")]
+    embeddings: bool,
+    /// How an input's rows become one embedding: none (every token's row; /embedding only),
+    /// mean, cls (the first token's), last (default: the GGUF's pooling_type, else none).
+    #[arg(long = "pooling", value_name = "none|mean|cls|last", requires = "embeddings")]
+    pooling: Option<String>,
     /// Serve Prometheus metrics at /metrics.
     #[arg(long = "metrics")]
     metrics: bool,
@@ -706,7 +714,17 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(d) = &a.slot_save_path {
         std::fs::create_dir_all(d).with_context(|| format!("--slot-save-path {}", d.display()))?;
     }
+    use tine_engine::embeddings::Pooling;
+    let pooling = a.pooling.as_deref().map(|p| Pooling::from_name(p).ok_or_else(|| anyhow::anyhow!("--pooling {p}: one of none, mean, cls, last (rank is a reranker's, not served)"))).transpose()?;
     let model = std::sync::Arc::new(load(&a.model)?);
+    let embeddings = if a.embeddings {
+        if model.engine() == "tine-gpu" {
+            anyhow::bail!("--embeddings: the GPU engine computes no embeddings yet; serve them with --device cpu");
+        }
+        Some(pooling.or_else(|| model.info.pooling_type.and_then(Pooling::from_gguf)).unwrap_or(Pooling::None))
+    } else {
+        None
+    };
     let parallel = a.parallel.max(1);
     // llama-server's rule: --ctx-size is the total, each slot gets an equal share.
     let total = a.model.ctx_size.min(model.info.context_length * parallel);
@@ -739,6 +757,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         slot_save_path: a.slot_save_path.clone(),
         cache_ram,
         chat_template,
+        embeddings,
         cors: tine_server::cors::CorsConfig {
             origins: tine_server::cors::CorsOrigins::parse(&a.cors_origins),
             methods: a.cors_methods.clone(),

@@ -325,7 +325,7 @@ fn the_official_openai_and_anthropic_clients_get_what_they_ask_for() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
         .args(["serve", "-m", model.to_str().expect("utf-8"), "--port", &port.to_string(), "-c", "4096", "-np", "2", "--alias", "tiny", "--api-key", "sk-test"])
-        .args(["--chat-template", template.to_str().expect("utf-8"), "--spec-type", "ngram"])
+        .args(["--chat-template", template.to_str().expect("utf-8"), "--spec-type", "ngram", "--embeddings", "--pooling", "mean"])
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("start tine serve");

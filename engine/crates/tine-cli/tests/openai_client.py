@@ -6,7 +6,9 @@ raise the client's BadRequestError (a 400). A plain SSE reader checks the stream
 
 usage: openai_client.py BASE_URL   (e.g. http://127.0.0.1:8080)
 """
+import base64
 import json
+import struct
 import sys
 import urllib.request
 
@@ -248,6 +250,20 @@ def _():
             assert e.body["param"] in ("previous_response_id", "tools"), e.body
         else:
             raise AssertionError(f"accepted {kwargs}")
+
+
+@check("embeddings: unit vectors, floats and base64 alike")
+def _():
+    r = client.embeddings.create(model="tiny", input=["hello world", "the world"])
+    assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens > 0, r
+    v = r.data[0].embedding
+    assert abs(sum(x * x for x in v) - 1.0) < 1e-4, sum(x * x for x in v)
+    # Without encoding_format the client asks for base64 and decodes it; asked for floats, the same.
+    f = client.embeddings.create(model="tiny", input="hello world", encoding_format="float")
+    assert max(abs(x - y) for x, y in zip(f.data[0].embedding, v)) < 1e-6, "floats and base64 hold the same values"
+    b = client.embeddings.create(model="tiny", input="hello world", encoding_format="base64").data[0].embedding
+    raw = base64.b64decode(b)
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == f.data[0].embedding, "base64 is little-endian f32"
 
 
 @check("refused fields raise BadRequestError")

@@ -6,6 +6,7 @@
 //! It knows nothing about HTTP; the server and the CLI both drive it.
 
 pub mod chat;
+pub mod embeddings;
 mod generate;
 pub mod grammar;
 mod stop;

@@ -514,3 +514,25 @@ fn gemma4_speculation_is_lossless_within_each_kv_cache_type() {
         }
     }
 }
+
+/// Issue 32: embeddings' pooling and llama.cpp's normalizations (`common_embd_normalize`),
+/// against values worked by hand.
+#[test]
+fn embeddings_pool_and_normalize_as_llama_cpp() {
+    use tine_engine::embeddings::{normalize, pool, Pooling};
+    let rows = vec![vec![1.0f32, -2.0, 2.0], vec![3.0, 0.0, -2.0]];
+    assert_eq!(pool(&rows, Pooling::Mean), vec![vec![2.0, -1.0, 0.0]]);
+    assert_eq!(pool(&rows, Pooling::Cls), vec![rows[0].clone()]);
+    assert_eq!(pool(&rows, Pooling::Last), vec![rows[1].clone()]);
+    assert_eq!(pool(&rows, Pooling::None), rows);
+    assert!(pool(&[], Pooling::Mean).is_empty());
+    let v = [3.0f32, -4.0];
+    assert_eq!(normalize(&v, 2), vec![0.6, -0.8]);
+    assert_eq!(normalize(&v, 1), vec![3.0 / 7.0, -4.0 / 7.0]);
+    assert_eq!(normalize(&v, -1), v.to_vec());
+    assert_eq!(normalize(&v, 0), vec![3.0 * 32760.0 / 4.0, -32760.0]);
+    let p3 = (27.0f64 + 64.0).powf(1.0 / 3.0);
+    assert_eq!(normalize(&v, 3), vec![(3.0 / p3) as f32, (-4.0 / p3) as f32]);
+    assert_eq!(normalize(&[0.0, 0.0], 2), vec![0.0, 0.0], "a zero vector stays zero");
+    assert_eq!((Pooling::from_gguf(1), Pooling::from_gguf(4), Pooling::from_name("last")), (Some(Pooling::Mean), None, Some(Pooling::Last)));
+}

@@ -133,6 +133,9 @@ pub struct ModelInfo {
     pub tail_hash: u64,
     /// `tokenizer.chat_template`, when the GGUF carries one.
     pub chat_template: Option<String>,
+    /// `<arch>.pooling_type` (llama.cpp's numbering: 0 none, 1 mean, 2 cls, 3 last, 4 rank),
+    /// when the GGUF sets it: an embedding model's own pooling.
+    pub pooling_type: Option<u32>,
 }
 
 /// A model's weights, by architecture.
@@ -371,6 +374,7 @@ impl Model {
             file_size,
             tail_hash,
             chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
+            pooling_type: md_u32(&ct, &format!("{arch}.pooling_type")).map(|v| v as u32),
         };
         let device = device.clone();
         let weights = match arch.as_str() {
@@ -1183,6 +1187,32 @@ impl Sequence {
             };
             let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
             Ok((logits, Hidden(hidden)))
+        })
+    }
+
+    /// Appends `tokens` and returns each one's final hidden state after the output norm, the
+    /// rows embeddings pool (llama.cpp's `result_norm`), `(tokens.len(), embedding_length)` as
+    /// rows. No vocabulary projection is computed. Not on the GPU engine. Atomic.
+    pub fn embeddings(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<Vec<f32>>, StepError> {
+        if self.on_gpu_engine() {
+            return Err(StepError::NotOnGpuEngine("embeddings"));
+        }
+        self.check(model, tokens)?;
+        self.atomic(|seq| {
+            let mut rows = Vec::with_capacity(tokens.len());
+            for chunk in prompt_pieces(model, tokens) {
+                let states = match (&model.weights, &mut seq.cache) {
+                    (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_embeddings(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
+                    // These two return their hidden states after the output norm already.
+                    (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, &mut r.cache)?,
+                    (Weights::Gemma4(w), SeqCache::Gemma4(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, cache)?,
+                    _ => unreachable!("a sequence's cache is made by its model"),
+                };
+                rows.extend(states.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?);
+                seq.injected()?;
+                seq.tokens.extend_from_slice(chunk);
+            }
+            Ok(rows)
         })
     }
 

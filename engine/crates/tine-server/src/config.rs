@@ -39,6 +39,9 @@ pub struct ServerConfig {
     /// `--cache-ram`: bytes of KV the prompt prefixes shared between slots may hold (`None`: no
     /// limit; `Some(0)`: every slot keeps its own copy).
     pub cache_ram: Option<usize>,
+    /// `--embeddings`: `/embedding` and `/v1/embeddings` answer, pooling each input's final
+    /// hidden states this way (`--pooling`, else the GGUF's `pooling_type`, else none).
+    pub embeddings: Option<tine_engine::embeddings::Pooling>,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]); only with the
     /// `failure-injection` feature.
     #[cfg(feature = "failure-injection")]
@@ -65,6 +68,7 @@ impl ServerConfig {
             slot_save_path: None,
             cache_ram: Some(DEFAULT_CACHE_RAM_MIB << 20),
             cors: crate::cors::CorsConfig::default(),
+            embeddings: None,
             #[cfg(feature = "failure-injection")]
             fault: None,
         }

@@ -20,6 +20,7 @@ pub mod scheduler;
 mod anthropic;
 mod config;
 mod edge;
+mod embeddings;
 mod llama;
 mod openai;
 mod responses;
@@ -67,6 +68,8 @@ struct AppState {
     grammars: std::sync::OnceLock<Result<Arc<tine_engine::grammar::Grammars>, String>>,
     /// When the server started, in Unix seconds (`/metrics`' `Process-Start-Time-Unix` header).
     started: u64,
+    /// Embedding requests run one at a time (each uses every core, as a prompt pass does).
+    embedding_turn: std::sync::Mutex<()>,
 }
 
 type Shared = Arc<AppState>;
@@ -91,7 +94,18 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         eprintln!("warning: --cors-origins '*' without --api-key: any web page a browser here opens can use this server");
     }
     let template = ChatTemplate::for_model(&model, config.chat_template.clone());
-    let state = Arc::new(AppState { model, scheduler, admission, config, model_id, metrics: metrics::Metrics::default(), template, grammars: std::sync::OnceLock::new(), started: now() });
+    let state = Arc::new(AppState {
+        model,
+        scheduler,
+        admission,
+        config,
+        model_id,
+        metrics: metrics::Metrics::default(),
+        template,
+        grammars: std::sync::OnceLock::new(),
+        started: now(),
+        embedding_turn: std::sync::Mutex::new(()),
+    });
     Router::new()
         .route("/health", get(health))
         .route("/v1/health", get(health))
@@ -120,9 +134,9 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/rerank", post(|| not_served("/rerank (a reranking model's scores)")))
         .route("/reranking", post(|| not_served("/rerank (a reranking model's scores)")))
         .route("/v1/rerank", post(|| not_served("/rerank (a reranking model's scores)")))
-        .route("/embedding", post(|| not_served("/embedding (embeddings)")))
-        .route("/embeddings", post(|| not_served("/embedding (embeddings)")))
-        .route("/v1/embeddings", post(|| not_served("/v1/embeddings (embeddings)")))
+        .route("/embedding", post(embeddings::native))
+        .route("/embeddings", post(embeddings::native))
+        .route("/v1/embeddings", post(embeddings::openai))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)

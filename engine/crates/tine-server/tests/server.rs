@@ -1199,3 +1199,89 @@ fn the_messages_and_responses_apis_answer_in_their_own_shapes() {
     let (s, v) = post(srv.addr, "/v1/responses", json!({"input": "x", "previous_response_id": "resp_1"}));
     assert_eq!((s, v["error"]["param"].as_str()), (400, Some("previous_response_id")), "{v}");
 }
+
+/// Issue 32: `--embeddings` as llama-server serves them. Unpooled, `/embedding` gives every
+/// token's row (causal: a prefix's rows are the longer input's first rows); pooled, each input
+/// is one unit vector (`mean` the normalized mean of those rows, `cls` the first, `last` the
+/// last), the same alone as in a batch; `/v1/embeddings` refuses no pooling, takes token ids,
+/// base64 and `dimensions`; without the flag both answer 501.
+#[test]
+fn embeddings_pool_the_final_hidden_states_as_llama_server_does() {
+    use tine_engine::embeddings::Pooling;
+    let with = |p: Option<Pooling>| start_cfg(None, |c| *c = ServerConfig { embeddings: p, ..ServerConfig::new(1, 256) });
+    let off = with(None);
+    for path in ["/embedding", "/v1/embeddings"] {
+        let (s, v) = post(off.addr, path, json!({"input": "hello"}));
+        assert_eq!(s, 501, "{v}");
+        assert!(v["error"]["message"].as_str().expect("message").contains("--embeddings"), "{v}");
+    }
+    let none = with(Some(Pooling::None));
+    let rows = |srv: &Server, input: Value| -> Vec<Vec<f64>> {
+        let (s, v) = post(srv.addr, "/embedding", json!({"content": input}));
+        assert_eq!(s, 200, "{v}");
+        serde_json::from_value(v[0]["embedding"].clone()).expect("rows of floats")
+    };
+    let all = rows(&none, json!("hello world the world"));
+    let prefix = rows(&none, json!("hello world"));
+    assert!(all.len() > prefix.len() && prefix.len() >= 2, "{} vs {}", all.len(), prefix.len());
+    assert_eq!(all[0].len(), TinyGemma3::default().n_embd, "the fixture's embedding width");
+    for (i, r) in prefix.iter().enumerate() {
+        let d = r.iter().zip(&all[i]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        assert!(d < 1e-4, "row {i} differs by {d}: a row depends on the positions before it only");
+    }
+    let (s, v) = post(none.addr, "/v1/embeddings", json!({"input": "hello"}));
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"].as_str().expect("message").contains("not OAI compatible"), "{v}");
+    let unit = |v: &[f64]| -> Vec<f64> {
+        let n = v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        v.iter().map(|x| x / n).collect()
+    };
+    let close = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    let mean: Vec<f64> = (0..all[0].len()).map(|j| all.iter().map(|r| r[j]).sum::<f64>() / all.len() as f64).collect();
+    for (pooling, want) in [(Pooling::Mean, unit(&mean)), (Pooling::Cls, unit(&all[0])), (Pooling::Last, unit(&all[all.len() - 1]))] {
+        let srv = with(Some(pooling));
+        let (s, v) = post(srv.addr, "/v1/embeddings", json!({"input": ["hello world the world", "hello"]}));
+        assert_eq!(s, 200, "{v}");
+        let got: Vec<f64> = serde_json::from_value(v["data"][0]["embedding"].clone()).expect("floats");
+        assert!(close(&got, &want) < 1e-4, "{pooling:?}: {}", close(&got, &want));
+        assert_eq!((v["object"].as_str(), v["data"][1]["index"].as_u64(), v["data"][0]["object"].as_str()), (Some("list"), Some(1), Some("embedding")), "{v}");
+        let alone: Vec<f64> = serde_json::from_value(post(srv.addr, "/v1/embeddings", json!({"input": "hello"})).1["data"][0]["embedding"].clone()).expect("floats");
+        let second: Vec<f64> = serde_json::from_value(v["data"][1]["embedding"].clone()).expect("floats");
+        assert!(close(&alone, &second) < 1e-6, "{pooling:?}: batched and alone differ");
+        if pooling == Pooling::Mean {
+            // Token ids, base64, the normalization, `dimensions` and usage.
+            let ids = post(srv.addr, "/tokenize", json!({"content": "hello world the world", "add_special": true})).1["tokens"].clone();
+            let by_ids: Vec<f64> = serde_json::from_value(post(srv.addr, "/v1/embeddings", json!({"input": ids})).1["data"][0]["embedding"].clone()).expect("floats");
+            assert!(close(&by_ids, &got) < 1e-6);
+            let (_, b) = post(srv.addr, "/v1/embeddings", json!({"input": "hello world the world", "encoding_format": "base64"}));
+            let text = b["data"][0]["embedding"].as_str().expect("a base64 string");
+            let decoded = base64_floats(text);
+            assert!(close(&decoded, &got) < 1e-6, "base64 holds the same floats");
+            assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(all.len() as u64 + 2), "{v}");
+            let (_, raw) = post(srv.addr, "/embedding", json!({"content": "hello world the world", "embd_normalize": -1}));
+            let raw: Vec<f64> = serde_json::from_value(raw[0]["embedding"][0].clone()).expect("floats");
+            assert!(close(&raw, &mean) < 1e-3, "embd_normalize -1 leaves the mean as it is");
+            for (body, param) in [
+                (json!({"input": "x", "dimensions": 3}), "dimensions"),
+                (json!({"input": "x", "encoding_format": "hex"}), "encoding_format"),
+                (json!({"input": []}), "input"),
+                (json!({"input": "x", "embd_normalize": -2}), "embd_normalize"),
+            ] {
+                let (s, v) = post(srv.addr, "/v1/embeddings", body.clone());
+                assert_eq!((s, v["error"]["param"].as_str()), (400, Some(param)), "{body}: {v}");
+            }
+        }
+    }
+}
+
+/// Standard base64 of little-endian f32s, decoded.
+fn base64_floats(text: &str) -> Vec<f64> {
+    let val = |c: u8| "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".bytes().position(|x| x == c).expect("base64 character") as u32;
+    let mut bytes = Vec::new();
+    for chunk in text.as_bytes().chunks(4) {
+        let data: Vec<u32> = chunk.iter().filter(|&&c| c != b'=').map(|&c| val(c)).collect();
+        let n = data.iter().enumerate().fold(0u32, |n, (k, v)| n | (v << (18 - 6 * k)));
+        bytes.extend((0..data.len() - 1).map(|k| (n >> (16 - 8 * k)) as u8));
+    }
+    bytes.chunks(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect()
+}
