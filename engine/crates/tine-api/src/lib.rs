@@ -130,6 +130,13 @@ pub struct GenFields {
     pub ignore_eos: bool,
     #[serde(default)]
     pub n_probs: usize,
+    /// llama-server's `post_sampling_probs`: `completion_probabilities` gives each token's
+    /// probability after the sampler's filters (`prob`, `top_probs`) instead of log-probabilities.
+    #[serde(default)]
+    pub post_sampling_probs: bool,
+    /// llama-server's `response_fields`: `/completion` answers only these fields (`a/b` reaches
+    /// into objects), each under its path.
+    pub response_fields: Option<Vec<String>>,
     pub cache_prompt: Option<bool>,
     #[serde(default)]
     pub return_tokens: bool,
@@ -298,6 +305,10 @@ pub struct Limits {
     /// `timings_per_token`.
     pub timings_per_token: bool,
     pub return_tokens: bool,
+    /// `post_sampling_probs`.
+    pub post_sampling_probs: bool,
+    /// `response_fields` (empty: every field).
+    pub response_fields: Vec<String>,
     /// OpenAI log-probabilities asked for, with this many alternatives per token.
     pub logprobs: Option<usize>,
     /// Biases still to be resolved against the vocabulary.
@@ -411,6 +422,8 @@ impl GenFields {
                 Some(n) => return Err(RequestError::on("id_slot", format!("id_slot must be -1 (any slot) or a slot's index, got {n}"))),
             },
             return_tokens: self.return_tokens,
+            post_sampling_probs: self.post_sampling_probs,
+            response_fields: self.response_fields.clone().unwrap_or_default(),
             logprobs,
             logit_bias: self.logit_bias.as_ref().map(LogitBiasInput::entries).transpose()?.unwrap_or_default(),
             constraint: self.constraint()?,

@@ -24,6 +24,10 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Report this many top log-probabilities per generated token.
     pub n_probs: usize,
+    /// With `n_probs`: the probabilities after the sampler's penalties and filters (the
+    /// distribution the token was drawn from) instead of the raw log-softmax (llama-server's
+    /// `post_sampling_probs`). [`TokenProb`] then holds their logarithms.
+    pub post_sampling_probs: bool,
     /// Reuse the prefix the sequence already holds.
     pub cache_prompt: bool,
     /// Per-request draft settings (the speculator's own when `None`).
@@ -49,6 +53,7 @@ impl GenerateRequest {
             stop: Vec::new(),
             ignore_eos: false,
             n_probs: 0,
+            post_sampling_probs: false,
             cache_prompt: true,
             speculative: None,
             logit_bias: Vec::new(),
@@ -408,6 +413,14 @@ impl Generation {
             }
         }
         let prob = (self.req.n_probs > 0).then(|| {
+            if self.req.post_sampling_probs && !row.is_empty() {
+                // The distribution the token was drawn from, best first (ties to the lower id).
+                let mut dist = self.sampler.distribution(&row, seq.tokens());
+                dist.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                let p = dist.iter().find(|d| d.0 == token).map_or(0.0, |d| d.1);
+                let top = dist.iter().take(self.req.n_probs).map(|&(id, p)| (id, p.ln())).collect();
+                return TokenProb { id: token, logprob: p.ln(), top };
+            }
             let top = top_logprobs(&row, self.req.n_probs);
             let logprob = top.iter().find(|t| t.0 == token).map(|t| t.1).unwrap_or_else(|| top_logprobs_of(&row, token));
             TokenProb { id: token, logprob, top }

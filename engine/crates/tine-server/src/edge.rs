@@ -55,6 +55,8 @@ pub(crate) struct Validated {
     pub(crate) timings_per_token: bool,
     pub(crate) return_tokens: bool,
     pub(crate) n_probs: usize,
+    /// `response_fields`: `/completion` answers only these (empty: all).
+    pub(crate) response_fields: Vec<String>,
     /// OpenAI log-probabilities, with this many alternatives.
     pub(crate) logprobs: Option<usize>,
 }
@@ -90,6 +92,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         stop: l.stop,
         ignore_eos: l.ignore_eos,
         n_probs: l.n_probs,
+        post_sampling_probs: l.post_sampling_probs,
         cache_prompt: l.cache_prompt,
         logit_bias,
         grammar,
@@ -105,6 +108,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         timings_per_token: l.timings_per_token,
         return_tokens: l.return_tokens,
         n_probs: l.n_probs,
+        response_fields: l.response_fields.clone(),
         logprobs: l.logprobs,
     })
 }

@@ -82,14 +82,39 @@ pub(crate) fn timings_json(t: &Timings) -> Value {
     })
 }
 
-pub(crate) fn prob_json(st: &AppState, p: &TokenProb) -> Value {
+/// One token's `completion_probabilities` entry: log-probabilities (`logprob`,
+/// `top_logprobs`), or with `post_sampling_probs` the probabilities after the sampler's
+/// filters (`prob`, `top_probs`), as llama-server writes them.
+pub(crate) fn prob_json(st: &AppState, p: &TokenProb, post_sampling: bool) -> Value {
     let entry = |id: u32, lp: f32| {
         let bytes = st.model.tokenizer.token_bytes(id, true);
-        json!({"id": id, "token": String::from_utf8_lossy(&bytes), "bytes": bytes, "logprob": lp})
+        let mut e = json!({"id": id, "token": String::from_utf8_lossy(&bytes), "bytes": bytes});
+        if post_sampling {
+            e["prob"] = json!(lp.exp());
+        } else {
+            e["logprob"] = json!(lp);
+        }
+        e
     };
     let mut v = entry(p.id, p.logprob);
-    v["top_logprobs"] = Value::Array(p.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
+    v[if post_sampling { "top_probs" } else { "top_logprobs" }] = Value::Array(p.top.iter().map(|&(id, lp)| entry(id, lp)).collect());
     v
+}
+
+/// llama-server's `response_fields`: only the listed fields, each under its path (`a/b` is
+/// field `b` of object `a`); a path that names nothing is left out.
+pub(crate) fn only_fields(v: Value, fields: &[String]) -> Value {
+    if fields.is_empty() {
+        return v;
+    }
+    let mut out = serde_json::Map::new();
+    for f in fields {
+        let found = f.split('/').try_fold(&v, |at, key| at.get(key));
+        if let Some(x) = found {
+            out.insert(f.clone(), x.clone());
+        }
+    }
+    Value::Object(out)
 }
 
 pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
@@ -104,6 +129,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
     let settings: Vec<Value> = vs.iter().map(|v| generation_settings(&st, &v.request, v.stream)).collect();
     let single = vs.len() == 1;
     let (stream, return_tokens, n_probs, per_token) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs, vs[0].timings_per_token);
+    let (post, fields) = (vs[0].request.post_sampling_probs, vs[0].response_fields.clone());
     let rxs = submit_all(&st, &vs)?;
     if stream {
         let st2 = st.clone();
@@ -113,7 +139,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
                 Event::Token { id, text, prob, timings } => {
                     let mut j = json!({"content": text, "stop": false, "tokens": [id]});
                     if let Some(p) = prob {
-                        j["completion_probabilities"] = json!([prob_json(&st2, &p)]);
+                        j["completion_probabilities"] = json!([prob_json(&st2, &p, post)]);
                     }
                     if per_token {
                         j["timings"] = timings_json(&timings);
@@ -122,7 +148,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
                 }
                 Event::Done(s) => {
                     log_request(&st2, &s);
-                    final_completion_json(&st2, &s, "", &[], false, &prompt_texts[i], &settings[i])
+                    only_fields(final_completion_json(&st2, &s, "", Vec::new(), false, &prompt_texts[i], &settings[i]), &fields)
                 }
                 Event::Error(e) => {
                     st2.metrics.failed();
@@ -141,10 +167,11 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
         .iter()
         .enumerate()
         .map(|(i, (s, probs))| {
-            let mut j = final_completion_json(&st, s, &s.text, probs, return_tokens, &prompt_texts[i], &settings[i]);
+            let mut j = final_completion_json(&st, s, &s.text, probs.iter().map(|p| prob_json(&st, p, post)).collect(), return_tokens, &prompt_texts[i], &settings[i]);
             if n_probs == 0 {
                 j.as_object_mut().expect("object").remove("completion_probabilities");
             }
+            let mut j = only_fields(j, &fields);
             if !single {
                 j["index"] = json!(i);
             }
@@ -175,7 +202,8 @@ pub(crate) fn generation_settings(st: &AppState, r: &GenerateRequest, stream: bo
     v
 }
 
-pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: &[TokenProb], return_tokens: bool, prompt: &str, settings: &Value) -> Value {
+/// `/completion`'s final object; `probs` is its `completion_probabilities` ([`prob_json`]'s).
+pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, probs: Vec<Value>, return_tokens: bool, prompt: &str, settings: &Value) -> Value {
     let mut settings = settings.clone();
     settings["seed"] = json!(s.seed);
     json!({
@@ -194,7 +222,7 @@ pub(crate) fn final_completion_json(st: &AppState, s: &Summary, content: &str, p
         "stopping_word": s.stopping_word,
         "tokens_cached": s.timings.cached_n + s.timings.prompt_n + s.timings.predicted_n,
         "timings": timings_json(&s.timings),
-        "completion_probabilities": probs.iter().map(|p| prob_json(st, p)).collect::<Vec<_>>(),
+        "completion_probabilities": probs,
     })
 }
 

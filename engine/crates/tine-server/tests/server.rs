@@ -1285,3 +1285,37 @@ fn base64_floats(text: &str) -> Vec<f64> {
     }
     bytes.chunks(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect()
 }
+
+/// Issue 32: llama-server's `post_sampling_probs` gives the distribution each token was drawn
+/// from (after top-k and the other filters: here the top 3 of the raw log-softmax renormalized)
+/// as `prob`/`top_probs`; `response_fields` answers only the listed fields, under their paths.
+#[test]
+fn post_sampling_probs_and_response_fields_answer_as_llama_server() {
+    let srv = start(1, 256);
+    let base = json!({"prompt": "hello world", "n_predict": 4, "n_probs": 5, "temperature": 1.0, "top_k": 3, "top_p": 1.0, "min_p": 0.0, "seed": 7, "ignore_eos": true});
+    let (_, raw) = post(srv.addr, "/completion", base.clone());
+    let mut b = base.clone();
+    b["post_sampling_probs"] = json!(true);
+    let (s, v) = post(srv.addr, "/completion", b);
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["content"], raw["content"], "the same draws");
+    for (p, r) in v["completion_probabilities"].as_array().expect("probs").iter().zip(raw["completion_probabilities"].as_array().expect("probs")) {
+        let top = p["top_probs"].as_array().expect("top_probs");
+        assert_eq!(top.len(), 3, "top_k 3 leaves three: {p}");
+        assert!(p.get("logprob").is_none() && p["prob"].is_f64(), "{p}");
+        let lps: Vec<f64> = r["top_logprobs"].as_array().expect("top_logprobs")[..3].iter().map(|t| t["logprob"].as_f64().expect("logprob")).collect();
+        let z: f64 = lps.iter().map(|l| l.exp()).sum();
+        for (k, t) in top.iter().enumerate() {
+            assert_eq!(t["id"], r["top_logprobs"][k]["id"], "same order: {p}");
+            assert!((t["prob"].as_f64().expect("prob") - lps[k].exp() / z).abs() < 1e-4, "{p} vs {r}");
+        }
+        let sampled = top.iter().find(|t| t["id"] == p["id"]).expect("the drawn token is a candidate");
+        assert_eq!(sampled["prob"], p["prob"]);
+    }
+    let (_, g) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 2, "n_probs": 3, "temperature": 0, "post_sampling_probs": true}));
+    assert_eq!((g["completion_probabilities"][0]["prob"].as_f64(), g["completion_probabilities"][0]["top_probs"].as_array().map(Vec::len)), (Some(1.0), Some(1)), "greedy draws the argmax with probability 1: {g}");
+    let (_, f) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 2, "response_fields": ["content", "generation_settings/n_predict", "no/such"]}));
+    let keys: Vec<&String> = f.as_object().expect("object").keys().collect();
+    assert_eq!(keys.len(), 2, "{f}");
+    assert_eq!((f["generation_settings/n_predict"].as_i64(), f["content"].is_string()), (Some(2), true), "{f}");
+}
