@@ -30,6 +30,32 @@ fn kind_of(v: &Value) -> &'static str {
     }
 }
 
+/// llama-server's own request fields, which its clients add to any dialect's body (as the
+/// official clients' `extra_body`): passed through to the chat as they are.
+const LLAMA_EXTRAS: &[&str] = &[
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "repeat_last_n",
+    "presence_penalty",
+    "frequency_penalty",
+    "grammar",
+    "json_schema",
+    "n_probs",
+    "post_sampling_probs",
+    "id_slot",
+    "cache_prompt",
+    "n_keep",
+    "ignore_eos",
+    "logit_bias",
+    "timings_per_token",
+    "chat_template_kwargs",
+    "reasoning_format",
+    "speculative.n_max",
+    "speculative.n_min",
+    "speculative.p_min",
+];
+
 /// Copies the sampling fields both APIs share with OpenAI's chat (same names, same meaning).
 fn copy_fields(from: &Map<String, Value>, to: &mut Map<String, Value>, keys: &[&str]) {
     for k in keys {
@@ -168,7 +194,8 @@ pub fn anthropic_to_chat(body: &[u8]) -> Result<Value, RequestError> {
         }
     }
     chat.insert("max_tokens".into(), field(&b, "max_tokens").cloned().unwrap_or(json!(4096)));
-    copy_fields(&b, &mut chat, &["temperature", "top_p", "top_k", "stream", "chat_template_kwargs"]);
+    copy_fields(&b, &mut chat, &["temperature", "top_p", "top_k", "stream"]);
+    copy_fields(&b, &mut chat, LLAMA_EXTRAS);
     Ok(Value::Object(chat))
 }
 
@@ -308,6 +335,7 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Value, RequestError> {
             chat.insert("response_format".into(), rf);
         }
     }
-    copy_fields(&b, &mut chat, &["temperature", "top_p", "top_k", "stream", "parallel_tool_calls", "seed", "chat_template_kwargs", "stop", "n_probs", "min_p", "repeat_penalty"]);
+    copy_fields(&b, &mut chat, &["temperature", "top_p", "top_k", "stream", "parallel_tool_calls", "stop"]);
+    copy_fields(&b, &mut chat, LLAMA_EXTRAS);
     Ok(Value::Object(chat))
 }

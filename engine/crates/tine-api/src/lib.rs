@@ -542,6 +542,12 @@ pub struct ChatBody {
     pub continue_final_message: Option<serde_json::Value>,
     /// Several calls in one answer (llama-server's default: off).
     pub parallel_tool_calls: Option<bool>,
+    /// More variables for the chat template (`{"enable_thinking": false}`, ...), over the
+    /// server's `--chat-template-kwargs`.
+    pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// llama-server's `reasoning_format`: `deepseek` (or `auto`) returns `<think>` text as
+    /// `reasoning_content`, `none` leaves it in the content.
+    pub reasoning_format: Option<String>,
     #[serde(flatten)]
     pub gen: GenFields,
 }
@@ -741,6 +747,28 @@ pub struct ChatPrompt {
     /// `continue_final_message`, is continued, not answered. Its text follows the messages
     /// before it rendered with an open assistant turn.
     pub prefill: Option<String>,
+    /// The request's `chat_template_kwargs` (the server lays them over its own).
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Where a reply's reasoning goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningFormat {
+    /// Left in the content as the model wrote it.
+    None,
+    /// `<think>…</think>` returned apart, as `reasoning_content` (llama-server's `deepseek`).
+    Deepseek,
+}
+
+impl ReasoningFormat {
+    /// `none`, `deepseek`, or `auto` (which is `deepseek`, as in llama-server).
+    pub fn from_name(name: &str) -> Option<ReasoningFormat> {
+        match name {
+            "none" => Some(ReasoningFormat::None),
+            "deepseek" | "auto" => Some(ReasoningFormat::Deepseek),
+            _ => None,
+        }
+    }
 }
 
 /// A chat request (`/v1/chat/completions`) after every check that needs no model.
@@ -750,6 +778,8 @@ pub struct ChatRequest {
     /// How the output is read for tool calls (a forced call's or the generic format's schema
     /// is in the limits).
     pub tools: ToolMode,
+    /// `reasoning_format` (`None`: the server's).
+    pub reasoning: Option<ReasoningFormat>,
     pub limits: Limits,
     pub n: usize,
 }
@@ -824,7 +854,8 @@ fn chat_prompt_of(b: &ChatBody, native_tools: bool) -> Result<(ChatPrompt, ToolM
             (None, ToolMode::Generic, Some(tools::output_schema(allowed, required, parallel)?))
         }
     };
-    Ok((ChatPrompt { messages, tools, add_generation_prompt, prefill }, mode, schema))
+    let kwargs = b.chat_template_kwargs.clone().unwrap_or_default();
+    Ok((ChatPrompt { messages, tools, add_generation_prompt, prefill, kwargs }, mode, schema))
 }
 
 /// Decodes a chat body and runs every model-free check, in the server's order.
@@ -846,9 +877,14 @@ pub fn check_chat(body: &[u8], defaults: &Defaults, native_tools: bool) -> Resul
         }
         gen.json_schema = Some(schema);
     }
+    let reasoning = b
+        .reasoning_format
+        .as_deref()
+        .map(|f| ReasoningFormat::from_name(f).ok_or_else(|| RequestError::on("reasoning_format", format!("reasoning_format must be \"none\", \"deepseek\" or \"auto\", got {f:?}"))))
+        .transpose()?;
     let n = gen.choices()?;
     let limits = gen.limits_with(defaults)?;
-    Ok(ChatRequest { prompt, tools: mode, limits, n })
+    Ok(ChatRequest { prompt, tools: mode, reasoning, limits, n })
 }
 
 /// Runs `endpoint`'s model-free checks on `body` through the functions the server's edge calls

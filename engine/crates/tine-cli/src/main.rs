@@ -83,6 +83,18 @@ struct ServeArgs {
     /// the output norm, pooled by --pooling; not on the GPU engine yet).
     #[arg(long = "embeddings", alias = "embedding")]
     embeddings: bool,
+    /// Variables every chat template render gets, a JSON object (`{"enable_thinking": false}`);
+    /// a request's `chat_template_kwargs` go over them.
+    #[arg(long = "chat-template-kwargs", value_name = "JSON")]
+    chat_template_kwargs: Option<String>,
+    /// Thinking in chats: `on` or `off` set the template's `enable_thinking`; `auto` (the
+    /// default) leaves it to the template.
+    #[arg(long = "reasoning", alias = "rea", value_name = "on|off|auto", default_value = "auto")]
+    reasoning: String,
+    /// Where a reply's `<think>` text goes: `deepseek` (or `auto`, the default) returns it as
+    /// `reasoning_content`, `none` leaves it in the content.
+    #[arg(long = "reasoning-format", value_name = "none|deepseek|auto", default_value = "auto")]
+    reasoning_format: String,
     /// How an input's rows become one embedding: none (every token's row; /embedding only),
     /// mean, cls (the first token's), last (default: the GGUF's pooling_type, else none).
     #[arg(long = "pooling", value_name = "none|mean|cls|last", requires = "embeddings")]
@@ -714,6 +726,20 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(d) = &a.slot_save_path {
         std::fs::create_dir_all(d).with_context(|| format!("--slot-save-path {}", d.display()))?;
     }
+    let mut chat_template_kwargs = match a.chat_template_kwargs.as_deref() {
+        None => serde_json::Map::new(),
+        Some(text) => match serde_json::from_str(text) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => anyhow::bail!("--chat-template-kwargs {text}: a JSON object, such as '{{\"enable_thinking\": false}}'"),
+        },
+    };
+    match a.reasoning.as_str() {
+        "on" | "true" | "1" => drop(chat_template_kwargs.insert("enable_thinking".into(), true.into())),
+        "off" | "false" | "0" => drop(chat_template_kwargs.insert("enable_thinking".into(), false.into())),
+        "auto" => {}
+        other => anyhow::bail!("--reasoning {other}: one of on, off, auto"),
+    }
+    let reasoning_format = tine_api::ReasoningFormat::from_name(&a.reasoning_format).ok_or_else(|| anyhow::anyhow!("--reasoning-format {}: one of none, deepseek, auto", a.reasoning_format))?;
     use tine_engine::embeddings::Pooling;
     let pooling = a.pooling.as_deref().map(|p| Pooling::from_name(p).ok_or_else(|| anyhow::anyhow!("--pooling {p}: one of none, mean, cls, last (rank is a reranker's, not served)"))).transpose()?;
     let model = std::sync::Arc::new(load(&a.model)?);
@@ -758,6 +784,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         cache_ram,
         chat_template,
         embeddings,
+        chat_template_kwargs,
+        reasoning_format,
         cors: tine_server::cors::CorsConfig {
             origins: tine_server::cors::CorsOrigins::parse(&a.cors_origins),
             methods: a.cors_methods.clone(),

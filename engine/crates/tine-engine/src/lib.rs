@@ -9,6 +9,7 @@ pub mod chat;
 pub mod embeddings;
 mod generate;
 pub mod grammar;
+pub mod reasoning;
 mod stop;
 pub mod template;
 pub mod tool_calls;

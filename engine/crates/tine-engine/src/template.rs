@@ -68,6 +68,9 @@ pub struct RenderInput<'a> {
     pub add_generation_prompt: bool,
     pub bos_token: &'a str,
     pub eos_token: &'a str,
+    /// More variables for the template (`chat_template_kwargs`: `enable_thinking`, ...); they
+    /// cannot replace the ones above.
+    pub extra: Option<&'a serde_json::Map<String, Value>>,
 }
 
 impl ChatTemplate {
@@ -100,16 +103,25 @@ impl ChatTemplate {
     /// assistant turn, then tokenized with special tokens parsed and BOS in front if the
     /// template left it out. Returns the text and the ids.
     pub fn prompt(&self, model: &tine_runtime::Model, messages: &[Value], tools: Option<&Value>) -> Result<(String, Vec<u32>), TemplateError> {
-        self.prompt_with(model, messages, tools, true, None)
+        self.prompt_with(model, messages, tools, true, None, None)
     }
 
-    /// [`ChatTemplate::prompt`] with or without the open assistant turn, and with `prefill`
-    /// (an assistant turn's beginning, continued by the model) after it.
-    pub fn prompt_with(&self, model: &tine_runtime::Model, messages: &[Value], tools: Option<&Value>, add_generation_prompt: bool, prefill: Option<&str>) -> Result<(String, Vec<u32>), TemplateError> {
+    /// [`ChatTemplate::prompt`] with or without the open assistant turn, with `prefill` (an
+    /// assistant turn's beginning, continued by the model) after it, and with `extra`
+    /// variables for the template (`chat_template_kwargs`).
+    pub fn prompt_with(
+        &self,
+        model: &tine_runtime::Model,
+        messages: &[Value],
+        tools: Option<&Value>,
+        add_generation_prompt: bool,
+        prefill: Option<&str>,
+        extra: Option<&serde_json::Map<String, Value>>,
+    ) -> Result<(String, Vec<u32>), TemplateError> {
         let tok = &model.tokenizer;
         let bos = tok.bos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
         let eos = tok.eos_token().and_then(|b| tok.token_text(b)).unwrap_or("");
-        let mut text = self.render(&RenderInput { messages, tools, add_generation_prompt, bos_token: bos, eos_token: eos })?;
+        let mut text = self.render(&RenderInput { messages, tools, add_generation_prompt, bos_token: bos, eos_token: eos, extra })?;
         text.push_str(prefill.unwrap_or(""));
         let mut ids = tok.encode(&text, false, true);
         if let Some(b) = tok.bos_token() {
@@ -195,13 +207,21 @@ impl ChatTemplate {
                 }
                 let env = environment();
                 let t = env.template_from_str(source).map_err(|e| TemplateError::Syntax(crate::error_chain(&e)))?;
-                let ctx = json!({
+                // llama.cpp's extra context: today's date in two forms, then the caller's variables.
+                let mut ctx = json!({"date_string": strftime_now("%d %b %Y"), "datetime": strftime_now("%b %d %Y")});
+                if let (Some(extra), Some(c)) = (input.extra, ctx.as_object_mut()) {
+                    c.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+                }
+                let fixed = json!({
                     "messages": input.messages,
                     "tools": input.tools,
                     "add_generation_prompt": input.add_generation_prompt,
                     "bos_token": input.bos_token,
                     "eos_token": input.eos_token,
                 });
+                if let (Some(c), Value::Object(f)) = (ctx.as_object_mut(), fixed) {
+                    c.extend(f);
+                }
                 t.render(minijinja::Value::from(minijinja::value::Serde(&ctx))).map_err(|e| TemplateError::Render(crate::error_chain(&e)))
             }
         }

@@ -173,7 +173,7 @@ mod templates {
             json!({"role": "user", "content": "Bye"}),
         ];
         let render = |name: &str, agp: bool| {
-            ChatTemplate::named(name).expect(name).render(&RenderInput { messages: &messages, tools: None, add_generation_prompt: agp, bos_token: "", eos_token: "" }).expect(name)
+            ChatTemplate::named(name).expect(name).render(&RenderInput { messages: &messages, tools: None, add_generation_prompt: agp, bos_token: "", eos_token: "", extra: None }).expect(name)
         };
         let cases = [
             ("chatml", "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi <|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n", "<|im_start|>assistant\n"),
@@ -192,7 +192,10 @@ mod templates {
             assert_eq!(render(name, true), format!("{body}{open}"), "{name} with the generation prompt");
         }
         let inline = ChatTemplate::named("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}").expect("an inline template");
-        assert_eq!(inline.render(&RenderInput { messages: &messages[..2], tools: None, add_generation_prompt: false, bos_token: "", eos_token: "" }).expect("renders"), "[system]Be brief.[user] Hi ");
+        assert_eq!(
+            inline.render(&RenderInput { messages: &messages[..2], tools: None, add_generation_prompt: false, bos_token: "", eos_token: "", extra: None }).expect("renders"),
+            "[system]Be brief.[user] Hi "
+        );
         let err = ChatTemplate::named("command-r-nonexistent").expect_err("neither a name nor a file");
         assert!(err.to_string().contains("llama3") && err.to_string().contains("mistral-v7"), "{err}");
     }
@@ -231,7 +234,7 @@ Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
 {% endif %}"#;
 
     fn input<'a>(messages: &'a [serde_json::Value], tools: Option<&'a serde_json::Value>) -> RenderInput<'a> {
-        RenderInput { messages, tools, add_generation_prompt: true, bos_token: "<bos>", eos_token: "<eos>" }
+        RenderInput { messages, tools, add_generation_prompt: true, bos_token: "<bos>", eos_token: "<eos>", extra: None }
     }
 
     #[test]
@@ -535,4 +538,44 @@ fn embeddings_pool_and_normalize_as_llama_cpp() {
     assert_eq!(normalize(&v, 3), vec![(3.0 / p3) as f32, (-4.0 / p3) as f32]);
     assert_eq!(normalize(&[0.0, 0.0], 2), vec![0.0, 0.0], "a zero vector stays zero");
     assert_eq!((Pooling::from_gguf(1), Pooling::from_gguf(4), Pooling::from_name("last")), (Some(Pooling::Mean), None, Some(Pooling::Last)));
+}
+
+/// Issue 32: reasoning (`<think>…</think>`) told apart from the answer as llama-server's
+/// `reasoning_format: deepseek` does, whole or streamed at any cut, with the tag opened by the
+/// reply or by the template (thinking forced open).
+#[test]
+fn reasoning_is_split_from_the_answer_whole_and_streamed() {
+    use tine_engine::reasoning::{forced_open, split_reasoning, ReasoningDelta, ReasoningStream};
+    let table: &[(bool, &str, &str, &str)] = &[
+        (false, "<think>\nLet me see.\n</think>\n\nParis.", "Let me see.", "Paris."),
+        (false, "  <think>a < b </thin k</think>x", "a < b </thin k", "x"),
+        (false, "Paris, no thoughts.", "", "Paris, no thoughts."),
+        (false, "<thin", "", "<thin"),
+        (false, "Answer <think>late</think>", "", "Answer <think>late</think>"),
+        (true, "\nfirst thought\n\nsecond</think>\n\nThe answer.", "first thought\n\nsecond", "The answer."),
+        (true, "cut off mid-thought", "cut off mid-thought", ""),
+        (true, "</think>answer", "", "answer"),
+    ];
+    for &(forced, reply, reasoning, content) in table {
+        assert_eq!(split_reasoning(reply, forced), (reasoning.to_owned(), content.to_owned()), "{reply:?}");
+        for cut in 0..=reply.len() {
+            let mut s = ReasoningStream::new(forced);
+            let mut deltas = s.feed(&reply[..cut]);
+            deltas.extend(s.feed(&reply[cut..]));
+            deltas.extend(s.finish());
+            let (mut r, mut c) = (String::new(), String::new());
+            for d in deltas {
+                match d {
+                    ReasoningDelta::Reasoning(t) => r.push_str(&t),
+                    ReasoningDelta::Content(t) => c.push_str(&t),
+                }
+            }
+            assert_eq!((r.as_str(), c.as_str()), (reasoning, content), "{reply:?} cut at {cut}");
+        }
+    }
+    // Reasoning comes out as it is written, not at the end.
+    let mut s = ReasoningStream::new(true);
+    let early: Vec<ReasoningDelta> = "thinking hard </thi".chars().flat_map(|c| s.feed(&c.to_string())).collect();
+    assert_eq!(early.iter().map(|d| if let ReasoningDelta::Reasoning(t) = d { t.as_str() } else { "" }).collect::<String>(), "thinking hard");
+    assert!(forced_open("<|im_start|>assistant\n<think>\n") && !forced_open("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
 }

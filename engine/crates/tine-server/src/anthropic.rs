@@ -70,16 +70,17 @@ fn tool_use(c: &ToolCall, id: String) -> Value {
 
 async fn run(st: Shared, body: Body) -> Result<Response, ApiError> {
     let req = chat_request(&st, body).await?;
-    let ChatRun { tool_syntax, vs, mut rxs } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, mut rxs } = start_chat(&st, req).await?;
     let id = fresh_id("msg_");
     let rx = rxs.pop().expect("an Anthropic request has one answer");
     if !vs[0].stream {
         let (s, _) = collect(&st, rx).await?;
-        let (text, calls) = match tool_syntax {
-            Some(syntax) => split_tool_output(syntax, &s.text),
-            None => (s.text.clone(), Vec::new()),
-        };
+        let (reasoning, text, calls) = read_whole(format, &s.text);
         let mut content = Vec::new();
+        if !reasoning.is_empty() {
+            // Anthropic's thinking block; a local model signs nothing (llama-server sends "").
+            content.push(json!({"type": "thinking", "thinking": reasoning, "signature": ""}));
+        }
         if !text.is_empty() {
             content.push(json!({"type": "text", "text": text}));
         }
@@ -92,18 +93,15 @@ async fn run(st: Shared, body: Body) -> Result<Response, ApiError> {
         }))
         .into_response());
     }
-    let mut w = Blocks { id: id.clone(), model: st.model_id.clone(), reader: tool_syntax.map(ToolStream::new), started: false, text_open: false, index: 0, calls: 0 };
+    let mut w = Blocks { id: id.clone(), model: st.model_id.clone(), reader: Some(ReplyReader::new(format)), started: false, open: None, index: 0, calls: 0 };
     let st2 = st.clone();
     let events = UnboundedReceiverStream::new(rx).map(move |ev| -> Vec<Result<SseEvent, std::convert::Infallible>> {
         let mut out = Vec::new();
         match ev {
             Event::Token { text, timings, .. } => {
                 w.start(&mut out, &timings);
-                let deltas = match w.reader.as_mut() {
-                    Some(r) => r.feed(&text),
-                    None => vec![ToolDelta::Content(text)],
-                };
-                w.write(&mut out, deltas);
+                let pieces = w.reader.as_mut().map(|r| r.feed(&text)).unwrap_or_default();
+                w.write(&mut out, pieces);
             }
             Event::Done(s) => {
                 log_request(&st2, &s);
@@ -111,7 +109,7 @@ async fn run(st: Shared, body: Body) -> Result<Response, ApiError> {
                 if let Some(r) = w.reader.take() {
                     w.write(&mut out, r.finish());
                 }
-                w.close_text(&mut out);
+                w.close(&mut out);
                 out.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(&s, w.calls > 0), "stop_sequence": if s.stop_type == StopType::Word { json!(s.stopping_word) } else { Value::Null }}, "usage": {"output_tokens": s.timings.predicted_n}})));
                 out.push(event("message_stop", json!({"type": "message_stop"})));
             }
@@ -129,21 +127,25 @@ fn event(name: &str, data: Value) -> Result<SseEvent, std::convert::Infallible> 
     Ok(SseEvent::default().event(name).data(data.to_string()))
 }
 
-/// A streamed answer written as Anthropic's content blocks: a text block while text comes,
-/// closed before each tool_use block (which comes whole: start, its input, stop).
+/// A streamed answer written as Anthropic's content blocks: a thinking block while reasoning
+/// comes, a text block while text comes (each closed when the other kind starts), and each
+/// tool_use block whole (start, its input, stop).
 struct Blocks {
     id: String,
     model: String,
-    reader: Option<ToolStream>,
+    reader: Option<ReplyReader>,
     started: bool,
-    text_open: bool,
+    /// The open block's kind: `"thinking"` or `"text"`.
+    open: Option<&'static str>,
     /// The next block's index.
     index: usize,
     calls: usize,
 }
 
+type Out = Vec<Result<SseEvent, std::convert::Infallible>>;
+
 impl Blocks {
-    fn start(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>, t: &Timings) {
+    fn start(&mut self, out: &mut Out, t: &Timings) {
         if std::mem::replace(&mut self.started, true) {
             return;
         }
@@ -155,25 +157,39 @@ impl Blocks {
         ));
     }
 
-    fn close_text(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>) {
-        if std::mem::replace(&mut self.text_open, false) {
+    fn close(&mut self, out: &mut Out) {
+        if let Some(kind) = self.open.take() {
+            if kind == "thinking" {
+                out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": self.index, "delta": {"type": "signature_delta", "signature": ""}})));
+            }
             out.push(event("content_block_stop", json!({"type": "content_block_stop", "index": self.index})));
             self.index += 1;
         }
     }
 
-    fn write(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>, deltas: Vec<ToolDelta>) {
-        for d in deltas {
-            match d {
-                ToolDelta::Content(text) if text.is_empty() => {}
-                ToolDelta::Content(text) => {
-                    if !std::mem::replace(&mut self.text_open, true) {
-                        out.push(event("content_block_start", json!({"type": "content_block_start", "index": self.index, "content_block": {"type": "text", "text": ""}})));
-                    }
-                    out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": self.index, "delta": {"type": "text_delta", "text": text}})));
+    /// Opens a block of `kind` unless one is open; returns its index.
+    fn open(&mut self, out: &mut Out, kind: &'static str) -> usize {
+        if self.open != Some(kind) {
+            self.close(out);
+            out.push(event("content_block_start", json!({"type": "content_block_start", "index": self.index, "content_block": {"type": kind, kind: ""}})));
+            self.open = Some(kind);
+        }
+        self.index
+    }
+
+    fn write(&mut self, out: &mut Out, pieces: Vec<Piece>) {
+        for p in pieces {
+            match p {
+                Piece::Reasoning(t) => {
+                    let index = self.open(out, "thinking");
+                    out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "thinking_delta", "thinking": t}})));
                 }
-                ToolDelta::Call(c) => {
-                    self.close_text(out);
+                Piece::Content(t) => {
+                    let index = self.open(out, "text");
+                    out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index, "delta": {"type": "text_delta", "text": t}})));
+                }
+                Piece::Call(c) => {
+                    self.close(out);
                     let mut block = tool_use(&c, format!("toolu_{}_{}", &self.id[4..], self.calls));
                     let input = std::mem::replace(&mut block["input"], json!({}));
                     out.push(event("content_block_start", json!({"type": "content_block_start", "index": self.index, "content_block": block})));

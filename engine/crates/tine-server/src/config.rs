@@ -42,6 +42,11 @@ pub struct ServerConfig {
     /// `--embeddings`: `/embedding` and `/v1/embeddings` answer, pooling each input's final
     /// hidden states this way (`--pooling`, else the GGUF's `pooling_type`, else none).
     pub embeddings: Option<tine_engine::embeddings::Pooling>,
+    /// `--chat-template-kwargs` (and `--reasoning on|off`'s `enable_thinking`): variables every
+    /// chat template render gets, under a request's own `chat_template_kwargs`.
+    pub chat_template_kwargs: serde_json::Map<String, Value>,
+    /// `--reasoning-format`: where a reply's `<think>` text goes unless a request says.
+    pub reasoning_format: tine_api::ReasoningFormat,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]); only with the
     /// `failure-injection` feature.
     #[cfg(feature = "failure-injection")]
@@ -69,6 +74,8 @@ impl ServerConfig {
             cache_ram: Some(DEFAULT_CACHE_RAM_MIB << 20),
             cors: crate::cors::CorsConfig::default(),
             embeddings: None,
+            chat_template_kwargs: serde_json::Map::new(),
+            reasoning_format: tine_api::ReasoningFormat::Deepseek,
             #[cfg(feature = "failure-injection")]
             fault: None,
         }

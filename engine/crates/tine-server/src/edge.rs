@@ -165,7 +165,9 @@ pub(crate) fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, l: &tine_api:
 
 /// The chat prompt as tokens: the template's text (`ChatTemplate::prompt`, as the CLI renders it).
 pub(crate) fn chat_prompt(st: &AppState, p: &tine_api::ChatPrompt) -> Result<(String, Vec<u32>), ApiError> {
-    st.template.prompt_with(&st.model, &p.messages, p.tools.as_ref(), p.add_generation_prompt, p.prefill.as_deref()).map_err(|e| match e {
+    let mut kwargs = st.config.chat_template_kwargs.clone();
+    kwargs.extend(p.kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+    st.template.prompt_with(&st.model, &p.messages, p.tools.as_ref(), p.add_generation_prompt, p.prefill.as_deref(), Some(&kwargs)).map_err(|e| match e {
         // The server's own template is broken: not the client's fault.
         TemplateError::Syntax(_) | TemplateError::Read { .. } => ApiError::internal(e.to_string()),
         _ => ApiError::bad(e.to_string()),

@@ -23,6 +23,7 @@ mod edge;
 mod embeddings;
 mod llama;
 mod openai;
+mod reply;
 mod responses;
 mod slots;
 
@@ -40,7 +41,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tine_api::ToolMode;
 use tine_api::{DetokenizeBody, Prompt, TokenizeBody};
-use tine_engine::template::{split_tool_output, ChatTemplate, TemplateError, ToolCall, ToolDelta, ToolStream, ToolSyntax};
+use tine_engine::template::{ChatTemplate, TemplateError, ToolCall, ToolDelta, ToolStream, ToolSyntax};
 use tine_engine::{GenerateRequest, StopType, Timings, TokenProb, ValidRequest};
 use tine_runtime::Model;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -52,6 +53,7 @@ use edge::*;
 pub use error::ApiError;
 use llama::*;
 use openai::*;
+use reply::{read_whole, Piece, ReplyFormat, ReplyReader};
 use scheduler::{Admission, EngineConfig, Event, Job, Scheduler, Summary};
 use slots::*;
 

@@ -58,29 +58,34 @@ pub(crate) fn chat_logprobs(st: &AppState, probs: &[TokenProb], top: usize) -> V
     json!({"content": content, "refusal": null})
 }
 
-/// The assistant message (`content`, and `tool_calls` when the output holds calls) and its
-/// finish reason; read as [`ToolStream`] reads a stream, so both answers agree.
-pub(crate) fn chat_message(s: &Summary, tool_syntax: Option<ToolSyntax>) -> (Value, &'static str) {
-    let Some(syntax) = tool_syntax else { return (json!({"content": s.text}), finish_reason(s.stop_type)) };
-    let (content, calls) = split_tool_output(syntax, &s.text);
-    if calls.is_empty() {
-        return (json!({"content": content}), finish_reason(s.stop_type));
+/// The assistant message (`content`, `reasoning_content` when the reply's reasoning is
+/// returned apart, and `tool_calls` when it holds calls) and its finish reason; read as
+/// [`ReplyReader`] reads a stream, so both answers agree.
+pub(crate) fn chat_message(s: &Summary, f: ReplyFormat) -> (Value, &'static str) {
+    let (reasoning, content, calls) = read_whole(f, &s.text);
+    let mut m =
+        if calls.is_empty() { json!({"content": content}) } else { json!({"content": if content.is_empty() { Value::Null } else { json!(content) }, "tool_calls": tool_calls_json(&calls, 0)}) };
+    if !reasoning.is_empty() {
+        m["reasoning_content"] = json!(reasoning);
     }
-    (json!({"content": if content.is_empty() { Value::Null } else { json!(content) }, "tool_calls": tool_calls_json(&calls, 0)}), "tool_calls")
+    (m, if calls.is_empty() { finish_reason(s.stop_type) } else { "tool_calls" })
 }
 
-/// A stream chunk's `delta` for what a [`ToolStream`] gave out (`None` when nothing): content,
-/// and calls numbered on from `calls` (each call comes whole, in one delta).
-pub(crate) fn tool_delta(deltas: Vec<ToolDelta>, calls: &mut usize) -> Option<Value> {
-    let mut content = String::new();
-    let mut found = Vec::new();
-    for d in deltas {
-        match d {
-            ToolDelta::Content(c) => content.push_str(&c),
-            ToolDelta::Call(c) => found.push(c),
+/// A stream chunk's `delta` for what a [`ReplyReader`] gave out (`None` when nothing):
+/// reasoning, content, and calls numbered on from `calls` (each call comes whole, in one delta).
+pub(crate) fn piece_delta(pieces: Vec<Piece>, calls: &mut usize) -> Option<Value> {
+    let (mut reasoning, mut content, mut found) = (String::new(), String::new(), Vec::new());
+    for p in pieces {
+        match p {
+            Piece::Reasoning(t) => reasoning.push_str(&t),
+            Piece::Content(t) => content.push_str(&t),
+            Piece::Call(c) => found.push(c),
         }
     }
     let mut delta = serde_json::Map::new();
+    if !reasoning.is_empty() {
+        delta.insert("reasoning_content".into(), json!(reasoning));
+    }
     if !content.is_empty() {
         delta.insert("content".into(), json!(content));
     }
@@ -187,10 +192,10 @@ pub(crate) fn tool_calls_json(calls: &[ToolCall], first: usize) -> Value {
     )
 }
 
-/// A chat request started on the engine: how its answers are read for tool calls, the
-/// validated requests, and their event streams.
+/// A chat request started on the engine: how its replies are read, the validated requests,
+/// and their event streams.
 pub(crate) struct ChatRun {
-    pub(crate) tool_syntax: Option<ToolSyntax>,
+    pub(crate) format: ReplyFormat,
     pub(crate) vs: Vec<Validated>,
     pub(crate) rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>,
 }
@@ -206,18 +211,22 @@ pub(crate) async fn start_chat(st: &Shared, req: tine_api::ChatRequest) -> Resul
         ToolMode::NativeForced => Some(ToolSyntax::JsonObject),
         ToolMode::Generic => Some(ToolSyntax::Generic),
     };
-    let vs = prepare(st, move |st| {
-        let (_, prompt) = chat_prompt(st, &req.prompt)?;
-        validate_many(st, vec![prompt], &req.limits, req.n)
+    // Reasoning is looked for where the template writes the tag (as llama.cpp's parser is
+    // generated from the template): elsewhere the reply streams untouched.
+    let returns_reasoning = req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek
+        && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
+    let (vs, forced_open) = prepare(st, move |st| {
+        let (text, prompt) = chat_prompt(st, &req.prompt)?;
+        Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, tine_engine::reasoning::forced_open(&text)))
     })
     .await?;
     let rxs = submit_all(st, &vs)?;
-    Ok(ChatRun { tool_syntax, vs, rxs })
+    Ok(ChatRun { format: ReplyFormat { reasoning: returns_reasoning.then_some(forced_open), tools: tool_syntax }, vs, rxs })
 }
 
 pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let req = chat_body(&st, body).await?;
-    let ChatRun { tool_syntax, vs, rxs } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, rxs } = start_chat(&st, req).await?;
     let (stream, logprobs, include_usage, per_token) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage, vs[0].timings_per_token);
     let id = format!("chatcmpl-{}", now());
     let created = now();
@@ -232,9 +241,9 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         let (usage_tx, usage_rx) = tokio::sync::mpsc::unbounded_channel();
         let mut usage_tx = Some(usage_tx);
         let (total, mut ended, mut summaries) = (rxs.len(), 0, Vec::new());
-        // With tools, each choice's text goes through a reader that gives content out as soon
-        // as it cannot begin a call, and each call once it is whole.
-        let mut readers: Vec<Option<ToolStream>> = (0..total).map(|_| tool_syntax.map(ToolStream::new)).collect();
+        // Each choice's text goes through a reader that gives reasoning and content out as soon
+        // as they cannot begin a tag or a call, and each call once it is whole.
+        let mut readers: Vec<Option<ReplyReader>> = (0..total).map(|_| Some(ReplyReader::new(format))).collect();
         let mut calls = vec![0usize; total];
         let events = merged(rxs).map(move |(i, ev)| -> Vec<Result<SseEvent, std::convert::Infallible>> {
             let chunk = |choices: Value| json!({"id": id2, "object": "chat.completion.chunk", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": choices});
@@ -244,10 +253,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
                         (Some(top), Some(p)) => chat_logprobs(&st2, &[p], top),
                         _ => Value::Null,
                     };
-                    let delta = match readers[i].as_mut() {
-                        Some(r) => tool_delta(r.feed(&text), &mut calls[i]),
-                        None => (!text.is_empty()).then(|| json!({"content": text})),
-                    };
+                    let delta = readers[i].as_mut().and_then(|r| piece_delta(r.feed(&text), &mut calls[i]));
                     // Text held back (a stop string or a call may be forming) is not an empty delta.
                     if delta.is_none() && lp.is_null() {
                         return Vec::new();
@@ -261,7 +267,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
                 Event::Done(s) => {
                     log_request(&st2, &s);
                     let mut out = Vec::new();
-                    if let Some(delta) = readers[i].take().and_then(|r| tool_delta(r.finish(), &mut calls[i])) {
+                    if let Some(delta) = readers[i].take().and_then(|r| piece_delta(r.finish(), &mut calls[i])) {
                         out.push(sse_json(chunk(json!([{"index": i, "delta": delta, "logprobs": null, "finish_reason": null}]))));
                     }
                     let finish = if calls[i] > 0 { "tool_calls" } else { finish_reason(s.stop_type) };
@@ -301,7 +307,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         .enumerate()
         .map(|(i, (s, probs))| {
             let lp = logprobs.map_or(Value::Null, |top| chat_logprobs(&st, probs, top));
-            let (mut message, finish) = chat_message(s, tool_syntax);
+            let (mut message, finish) = chat_message(s, format);
             message["role"] = json!("assistant");
             json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         })

@@ -53,24 +53,30 @@ fn message_item(id: &str, status: &str, text: Option<&str>) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
 }
 
+/// A reasoning item (OpenAI's shape: the text as `reasoning_text` content, no summary).
+fn reasoning_item(id: &str, status: &str, text: &str) -> Value {
+    let content = if text.is_empty() { json!([]) } else { json!([{"type": "reasoning_text", "text": text}]) };
+    json!({"type": "reasoning", "id": id, "status": status, "summary": [], "content": content})
+}
+
 fn call_item(id: &str, call_id: &str, c: &ToolCall, status: &str, arguments: &str) -> Value {
     json!({"type": "function_call", "id": id, "call_id": call_id, "name": c.name, "arguments": arguments, "status": status})
 }
 
 pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let (req, echo) = chat_request(&st, body).await?;
-    let ChatRun { tool_syntax, vs, mut rxs } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, mut rxs } = start_chat(&st, req).await?;
     let (id, created) = (fresh_id("resp_"), now());
     let rx = rxs.pop().expect("a Responses request has one answer");
     if !vs[0].stream {
         let (s, _) = collect(&st, rx).await?;
-        let (text, calls) = match tool_syntax {
-            Some(syntax) => split_tool_output(syntax, &s.text),
-            None => (s.text.clone(), Vec::new()),
-        };
+        let (reasoning, text, calls) = read_whole(format, &s.text);
         let mut output = Vec::new();
+        if !reasoning.is_empty() {
+            output.push(reasoning_item(&format!("rs_{}_0", &id[5..]), "completed", &reasoning));
+        }
         if !text.is_empty() || calls.is_empty() {
-            output.push(message_item(&format!("msg_{}_0", &id[5..]), "completed", Some(&text)));
+            output.push(message_item(&format!("msg_{}_{}", &id[5..], output.len()), "completed", Some(&text)));
         }
         for (k, c) in calls.iter().enumerate() {
             output.push(call_item(&format!("fc_{}_{k}", &id[5..]), &format!("call_{}_{k}", &id[5..]), c, "completed", &c.arguments));
@@ -78,7 +84,7 @@ pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Respo
         let status = if s.stop_type == StopType::Limit { "incomplete" } else { "completed" };
         return Ok(Json(response_object(&id, created, &st.model_id, &echo, status, output, Some(&s))).into_response());
     }
-    let mut w = Items { id: id.clone(), created, model: st.model_id.clone(), echo, reader: tool_syntax.map(ToolStream::new), seq: 0, output: Vec::new(), text: None, calls: 0 };
+    let mut w = Items { id: id.clone(), created, model: st.model_id.clone(), echo, reader: Some(ReplyReader::new(format)), seq: 0, output: Vec::new(), text: None, thinking: None, calls: 0 };
     let mut first = Vec::new();
     let base = w.object("in_progress", None);
     w.push(&mut first, "response.created", json!({"response": base}));
@@ -89,21 +95,19 @@ pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Respo
         let mut out = Vec::new();
         match ev {
             Event::Token { text, .. } => {
-                let deltas = match w.reader.as_mut() {
-                    Some(r) => r.feed(&text),
-                    None => vec![ToolDelta::Content(text)],
-                };
-                w.write(&mut out, deltas);
+                let pieces = w.reader.as_mut().map(|r| r.feed(&text)).unwrap_or_default();
+                w.write(&mut out, pieces);
             }
             Event::Done(s) => {
                 log_request(&st2, &s);
                 if let Some(r) = w.reader.take() {
                     w.write(&mut out, r.finish());
                 }
-                if w.output.is_empty() {
-                    // An empty answer is still one (empty) message, as the whole answer has.
-                    w.write(&mut out, vec![ToolDelta::Content(String::new())]);
+                if w.calls == 0 && w.text.is_none() && !w.output.iter().any(|o| o["type"] == "message") {
+                    // An answer of no text is still one (empty) message, as the whole answer has.
+                    w.open_message(&mut out);
                 }
+                w.close_thinking(&mut out);
                 w.close_text(&mut out);
                 let (status, name) = if s.stop_type == StopType::Limit { ("incomplete", "response.incomplete") } else { ("completed", "response.completed") };
                 let done = w.object(status, Some(&s));
@@ -128,12 +132,14 @@ struct Items {
     created: u64,
     model: String,
     echo: Value,
-    reader: Option<ToolStream>,
+    reader: Option<ReplyReader>,
     seq: u64,
     /// The items so far, as they stand.
     output: Vec<Value>,
     /// The open message's text.
     text: Option<String>,
+    /// The open reasoning item's text.
+    thinking: Option<String>,
     calls: usize,
 }
 
@@ -164,30 +170,56 @@ impl Items {
         self.push(out, "response.output_item.done", json!({"output_index": index, "item": item}));
     }
 
-    fn write(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>, deltas: Vec<ToolDelta>) {
-        for d in deltas {
-            match d {
-                ToolDelta::Content(text) => {
-                    if self.text.is_none() {
-                        let item_id = self.message_id();
-                        let item = message_item(&item_id, "in_progress", None);
+    fn close_thinking(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>) {
+        let Some(text) = self.thinking.take() else { return };
+        let (index, item_id) = (self.output.len() - 1, self.output.last().map(|i| i["id"].clone()).expect("the open reasoning item is the last"));
+        self.push(out, "response.reasoning_text.done", json!({"item_id": item_id, "output_index": index, "content_index": 0, "text": text}));
+        let item = reasoning_item(item_id.as_str().unwrap_or_default(), "completed", &text);
+        self.output[index] = item.clone();
+        self.push(out, "response.output_item.done", json!({"output_index": index, "item": item}));
+    }
+
+    fn open_message(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>) {
+        let item_id = self.message_id();
+        let item = message_item(&item_id, "in_progress", None);
+        self.output.push(item.clone());
+        let index = self.output.len() - 1;
+        self.push(out, "response.output_item.added", json!({"output_index": index, "item": item}));
+        self.push(
+            out,
+            "response.content_part.added",
+            json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
+        );
+        self.text = Some(String::new());
+    }
+
+    fn write(&mut self, out: &mut Vec<Result<SseEvent, std::convert::Infallible>>, pieces: Vec<Piece>) {
+        for p in pieces {
+            match p {
+                Piece::Reasoning(text) => {
+                    self.close_text(out);
+                    if self.thinking.is_none() {
+                        let item_id = format!("rs_{}_{}", &self.id[5..], self.output.len());
+                        let item = reasoning_item(&item_id, "in_progress", "");
                         self.output.push(item.clone());
-                        let index = self.output.len() - 1;
-                        self.push(out, "response.output_item.added", json!({"output_index": index, "item": item}));
-                        self.push(
-                            out,
-                            "response.content_part.added",
-                            json!({"item_id": item_id, "output_index": index, "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}),
-                        );
-                        self.text = Some(String::new());
+                        self.push(out, "response.output_item.added", json!({"output_index": self.output.len() - 1, "item": item}));
+                        self.thinking = Some(String::new());
                     }
-                    if !text.is_empty() {
-                        self.text.as_mut().expect("opened above").push_str(&text);
-                        let (index, item_id) = (self.output.len() - 1, self.output[self.output.len() - 1]["id"].clone());
-                        self.push(out, "response.output_text.delta", json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": text, "logprobs": []}));
-                    }
+                    self.thinking.as_mut().expect("opened above").push_str(&text);
+                    let (index, item_id) = (self.output.len() - 1, self.output[self.output.len() - 1]["id"].clone());
+                    self.push(out, "response.reasoning_text.delta", json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": text}));
                 }
-                ToolDelta::Call(c) => {
+                Piece::Content(text) => {
+                    self.close_thinking(out);
+                    if self.text.is_none() {
+                        self.open_message(out);
+                    }
+                    self.text.as_mut().expect("opened above").push_str(&text);
+                    let (index, item_id) = (self.output.len() - 1, self.output[self.output.len() - 1]["id"].clone());
+                    self.push(out, "response.output_text.delta", json!({"item_id": item_id, "output_index": index, "content_index": 0, "delta": text, "logprobs": []}));
+                }
+                Piece::Call(c) => {
+                    self.close_thinking(out);
                     self.close_text(out);
                     let index = self.output.len();
                     let (item_id, call_id) = (format!("fc_{}_{}", &self.id[5..], self.calls), format!("call_{}_{}", &self.id[5..], self.calls));

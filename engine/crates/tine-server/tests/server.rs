@@ -1313,9 +1313,85 @@ fn post_sampling_probs_and_response_fields_answer_as_llama_server() {
         assert_eq!(sampled["prob"], p["prob"]);
     }
     let (_, g) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 2, "n_probs": 3, "temperature": 0, "post_sampling_probs": true}));
-    assert_eq!((g["completion_probabilities"][0]["prob"].as_f64(), g["completion_probabilities"][0]["top_probs"].as_array().map(Vec::len)), (Some(1.0), Some(1)), "greedy draws the argmax with probability 1: {g}");
+    assert_eq!(
+        (g["completion_probabilities"][0]["prob"].as_f64(), g["completion_probabilities"][0]["top_probs"].as_array().map(Vec::len)),
+        (Some(1.0), Some(1)),
+        "greedy draws the argmax with probability 1: {g}"
+    );
     let (_, f) = post(srv.addr, "/completion", json!({"prompt": "hello world", "n_predict": 2, "response_fields": ["content", "generation_settings/n_predict", "no/such"]}));
     let keys: Vec<&String> = f.as_object().expect("object").keys().collect();
     assert_eq!(keys.len(), 2, "{f}");
     assert_eq!((f["generation_settings/n_predict"].as_i64(), f["content"].is_string()), (Some(2), true), "{f}");
+}
+
+/// A ChatML template that opens a `<think>` block unless `enable_thinking` is false, as Qwen3.5's
+/// does, and prints `date_string` in its system turn.
+const THINK_TEMPLATE: &str = "<|im_start|>system\nToday is {{ date_string }}.<|im_end|>\n{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{%- else %}<think>\n{%- endif %}{%- endif %}";
+
+/// Issue 32: the template context (`chat_template_kwargs` over `--chat-template-kwargs`,
+/// `date_string`) and the reasoning split (`reasoning_content` in chat, streamed or whole;
+/// a thinking block in the Messages API, a reasoning item in the Responses API;
+/// `reasoning_format: "none"` leaves it in the content).
+#[test]
+fn template_kwargs_reach_the_template_and_reasoning_comes_back_apart() {
+    let kwargs: serde_json::Map<String, Value> = serde_json::from_value(json!({"enable_thinking": true})).expect("a map");
+    let srv = start_model(TinyGemma3 { chat_template: Some(THINK_TEMPLATE.into()), context: 8192, ..TinyGemma3::default() }, None, move |c| {
+        c.ctx_size = 1024;
+        c.chat_template_kwargs = kwargs;
+    });
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let (_, v) = post(srv.addr, "/apply-template", json!({"messages": msgs}));
+    let prompt = v["prompt"].as_str().expect("prompt");
+    assert!(prompt.ends_with("<|im_start|>assistant<think>"), "{prompt}");
+    let date = prompt.split("Today is ").nth(1).and_then(|r| r.split('.').next()).expect("a date");
+    let parts: Vec<&str> = date.split(' ').collect();
+    assert!(parts.len() == 3 && parts[0].len() == 2 && parts[1].len() == 3 && parts[2].len() == 4, "llama.cpp's %d %b %Y: {date}");
+    let (_, v) = post(srv.addr, "/apply-template", json!({"messages": msgs, "chat_template_kwargs": {"enable_thinking": false}}));
+    assert!(v["prompt"].as_str().expect("prompt").ends_with("<think>\n\n</think>"), "the request's kwargs win: {v}");
+    // The template opened the tag: the reply is reasoning up to `</think>`, then the answer.
+    let ask = json!({"messages": msgs, "max_tokens": 40, "temperature": 0, "grammar": "root ::= \"plan it\" \"</think>\" \" the answer\""});
+    let (s, v) = post(srv.addr, "/v1/chat/completions", ask.clone());
+    assert_eq!(s, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert_eq!((m["reasoning_content"].as_str(), m["content"].as_str()), (Some("plan it"), Some("the answer")), "{v}");
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let (_, text) = http(srv.addr, "POST", "/v1/chat/completions", &streamed.to_string());
+    let (mut r, mut c) = (String::new(), String::new());
+    for d in sse_data(&text).iter().filter(|d| *d != "[DONE]") {
+        let v: Value = serde_json::from_str(d).expect("chunk");
+        r.push_str(v["choices"][0]["delta"]["reasoning_content"].as_str().unwrap_or(""));
+        c.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!((r.as_str(), c.as_str()), ("plan it", "the answer"), "{text}");
+    let mut raw = ask.clone();
+    raw["reasoning_format"] = json!("none");
+    let (_, v) = post(srv.addr, "/v1/chat/completions", raw);
+    assert_eq!((v["choices"][0]["message"]["content"].as_str(), v["choices"][0]["message"].get("reasoning_content")), (Some("plan it</think> the answer"), None), "{v}");
+    // The other dialects: a thinking block, a reasoning item.
+    let (_, v) = post(srv.addr, "/v1/messages", json!({"max_tokens": 40, "messages": msgs, "temperature": 0, "grammar": "root ::= \"plan it\" \"</think>\" \" the answer\""}));
+    assert_eq!((v["content"][0]["type"].as_str(), v["content"][0]["thinking"].as_str(), v["content"][1]["text"].as_str()), (Some("thinking"), Some("plan it"), Some("the answer")), "{v}");
+    let (_, v) = post(srv.addr, "/v1/responses", json!({"max_output_tokens": 40, "input": "hi", "temperature": 0, "grammar": "root ::= \"plan it\" \"</think>\" \" the answer\""}));
+    assert_eq!(
+        (v["output"][0]["type"].as_str(), v["output"][0]["content"][0]["text"].as_str(), v["output"][1]["content"][0]["text"].as_str()),
+        (Some("reasoning"), Some("plan it"), Some("the answer")),
+        "{v}"
+    );
+    // Streamed, the same pieces: Anthropic's thinking block (closed with its signature) then text,
+    // and the Responses API's reasoning item then message.
+    let g = "root ::= \"plan it\" \"</think>\" \" the answer\"";
+    let (_, text) = http(srv.addr, "POST", "/v1/messages", &json!({"max_tokens": 40, "messages": msgs, "temperature": 0, "grammar": g, "stream": true}).to_string());
+    let events: Vec<Value> = sse_data(&text).iter().map(|d| serde_json::from_str(d).expect("event")).collect();
+    let kinds: Vec<&str> = events.iter().filter_map(|e| e["content_block"]["type"].as_str().or(e["delta"]["type"].as_str())).collect();
+    assert_eq!(kinds.first(), Some(&"thinking"), "{text}");
+    assert!(kinds.contains(&"signature_delta") && kinds.contains(&"text"), "{kinds:?}");
+    let thought: String = events.iter().filter_map(|e| e["delta"]["thinking"].as_str()).collect();
+    let said: String = events.iter().filter_map(|e| e["delta"]["text"].as_str()).collect();
+    assert_eq!((thought.as_str(), said.as_str()), ("plan it", "the answer"), "{text}");
+    let (_, text) = http(srv.addr, "POST", "/v1/responses", &json!({"max_output_tokens": 40, "input": "hi", "temperature": 0, "grammar": g, "stream": true}).to_string());
+    let last: Value = serde_json::from_str(sse_data(&text).last().expect("events")).expect("event");
+    let out = &last["response"]["output"];
+    assert_eq!((out[0]["type"].as_str(), out[0]["content"][0]["text"].as_str(), out[1]["content"][0]["text"].as_str()), (Some("reasoning"), Some("plan it"), Some("the answer")), "{text}");
+    let (s, v) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "reasoning_format": "maybe"}));
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("reasoning_format")), "{v}");
 }
