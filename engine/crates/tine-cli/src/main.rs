@@ -113,9 +113,12 @@ struct ServeArgs {
     /// (created if missing; without it those actions answer 501).
     #[arg(long = "slot-save-path", value_name = "DIR")]
     slot_save_path: Option<std::path::PathBuf>,
-    /// The chat template: `gemma`, one of llama.cpp's names (`chatml`, `llama3`, `phi3`, `zephyr`,
-    /// `mistral-v7`, `mistral-v7-tekken`), a Jinja file, or the Jinja template itself (default:
-    /// the GGUF's tokenizer.chat_template, else gemma).
+    /// The chat template: `gemma`, one of llama.cpp's names (`chatml`, `llama2`, `llama2-sys`,
+    /// `llama2-sys-bos`, `llama2-sys-strip`, `llama3`, `mistral-v1`, `mistral-v3`,
+    /// `mistral-v3-tekken`, `mistral-v7`, `mistral-v7-tekken`, `phi3`, `phi4`, `falcon3`, `zephyr`,
+    /// `openchat`, `vicuna`, `vicuna-orca`, `deepseek`, `deepseek2`, `deepseek3`, `command-r`), a
+    /// Jinja file, or the Jinja template itself (default: the GGUF's tokenizer.chat_template, else
+    /// gemma).
     #[arg(long = "chat-template", value_name = "NAME|FILE", alias = "chat-template-file")]
     chat_template: Option<String>,
     /// Accepted for llama-server compatibility: Tine always renders the GGUF's Jinja template.

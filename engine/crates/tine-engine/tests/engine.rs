@@ -191,6 +191,30 @@ mod templates {
             assert_eq!(render(name, false), body, "{name}");
             assert_eq!(render(name, true), format!("{body}{open}"), "{name} with the generation prompt");
         }
+        // More of llama.cpp's names, each with the generation prompt, as llama-server's
+        // `/apply-template` rendered them (`--no-jinja --chat-template NAME`, the build under
+        // ~/.cache/tine-peers): byte for byte.
+        let more = [
+            ("llama2", "[INST] Be brief.\n Hi  [/INST]Hello.</s>[INST] Bye [/INST]"),
+            ("llama2-sys", "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n Hi  [/INST]Hello.</s>[INST] Bye [/INST]"),
+            ("llama2-sys-bos", "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\n Hi  [/INST]Hello.</s><s>[INST] Bye [/INST]"),
+            ("llama2-sys-strip", "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]Hello.</s>[INST] Bye [/INST]"),
+            ("mistral-v1", " [INST] Be brief.\n\n Hi  [/INST] Hello.</s> [INST] Bye [/INST]"),
+            ("mistral-v3", "[INST] Be brief.\n\n Hi [/INST] Hello.</s>[INST] Bye[/INST]"),
+            ("mistral-v3-tekken", "[INST]Be brief.\n\n Hi [/INST]Hello.</s>[INST]Bye[/INST]"),
+            ("phi4", "<|im_start|>system<|im_sep|>Be brief.<|im_end|><|im_start|>user<|im_sep|> Hi <|im_end|><|im_start|>assistant<|im_sep|>Hello.<|im_end|><|im_start|>user<|im_sep|>Bye<|im_end|><|im_start|>assistant<|im_sep|>"),
+            ("falcon3", "<|system|>\nBe brief.\n<|user|>\n Hi \n<|assistant|>\nHello.\n<|user|>\nBye\n<|assistant|>\n"),
+            ("openchat", "Be brief.<|end_of_turn|>GPT4 Correct User:  Hi <|end_of_turn|>GPT4 Correct Assistant: Hello.<|end_of_turn|>GPT4 Correct User: Bye<|end_of_turn|>GPT4 Correct Assistant:"),
+            ("vicuna", "Be brief.\n\nUSER:  Hi \nASSISTANT: Hello.</s>\nUSER: Bye\nASSISTANT:"),
+            ("vicuna-orca", "SYSTEM: Be brief.\nUSER:  Hi \nASSISTANT: Hello.</s>\nUSER: Bye\nASSISTANT:"),
+            ("deepseek", "Be brief.### Instruction:\n Hi \n### Response:\nHello.\n<|EOT|>\n### Instruction:\nBye\n### Response:\n"),
+            ("deepseek2", "Be brief.\n\nUser:  Hi \n\nAssistant: Hello.<｜end▁of▁sentence｜>User: Bye\n\nAssistant:"),
+            ("deepseek3", "Be brief.\n\n<｜User｜> Hi <｜Assistant｜>Hello.<｜end▁of▁sentence｜><｜User｜>Bye<｜Assistant｜>"),
+            ("command-r", "<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>Be brief.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>Hello.<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|USER_TOKEN|>Bye<|END_OF_TURN_TOKEN|><|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>"),
+        ];
+        for (name, want) in more {
+            assert_eq!(render(name, true), want, "{name}");
+        }
         let inline = ChatTemplate::named("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}").expect("an inline template");
         assert_eq!(
             inline.render(&RenderInput { messages: &messages[..2], tools: None, add_generation_prompt: false, bos_token: "", eos_token: "", extra: None }).expect("renders"),

@@ -213,8 +213,8 @@ pub(crate) async fn start_chat(st: &Shared, req: tine_api::ChatRequest) -> Resul
     };
     // Reasoning is looked for where the template writes the tag (as llama.cpp's parser is
     // generated from the template): elsewhere the reply streams untouched.
-    let returns_reasoning = req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek
-        && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
+    let returns_reasoning =
+        req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
     let (vs, forced_open) = prepare(st, move |st| {
         let (text, prompt) = chat_prompt(st, &req.prompt)?;
         Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, tine_engine::reasoning::forced_open(&text)))
