@@ -34,7 +34,7 @@ pub(crate) async fn props(State(st): State<Shared>) -> Json<Value> {
         "chat_template": st.template.source().unwrap_or(st.template.name()),
         "bos_token": st.model.tokenizer.bos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
-        "build_info": format!("tine {}", env!("CARGO_PKG_VERSION")),
+        "build_info": env!("TINE_BUILD_INFO"),
         "speculative": st.config.spec.as_ref().map(|f| json!({
             "type": f.config.label(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
         })),

@@ -129,8 +129,9 @@ pub(crate) fn usage_of<'a>(all: impl IntoIterator<Item = &'a Summary>) -> Value 
 }
 
 /// OpenAI's `system_fingerprint`: the build that answered (llama-server sends its build too).
+/// llama-server's `system_fingerprint`: `b<build number>-<commit>` (see build.rs).
 pub(crate) fn fingerprint() -> String {
-    format!("tine-{}", env!("CARGO_PKG_VERSION"))
+    env!("TINE_BUILD_INFO").to_owned()
 }
 
 pub(crate) async fn oai_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {

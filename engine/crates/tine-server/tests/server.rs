@@ -400,7 +400,12 @@ fn openai_logprobs_come_back_in_openai_shapes_streamed_and_not_and_match_n_probs
         assert!(e["token"].is_string() && e["logprob"].as_f64().expect("logprob") <= 0.0 && e["bytes"].is_array(), "{e}");
         assert_eq!(e["top_logprobs"].as_array().map(Vec::len), Some(3), "{e}");
     }
-    assert!(ch["system_fingerprint"].is_string());
+    // Issue 32: llama-server's `b<build number>-<commit>` form, and `/props`' build_info the same.
+    let fp = ch["system_fingerprint"].as_str().expect("a fingerprint");
+    let (number, commit) = fp.strip_prefix('b').and_then(|r| r.split_once('-')).expect("b<number>-<commit>");
+    assert!(number.parse::<u64>().is_ok() && !commit.is_empty(), "{fp}");
+    let props: Value = serde_json::from_str(&http(srv.addr, "GET", "/props", "").1).expect("props");
+    assert_eq!(props["build_info"].as_str(), Some(fp));
     assert!(ch["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
 
     // Streamed chat: the same log-probabilities, one token per chunk, and no empty deltas.
