@@ -126,6 +126,10 @@ pub struct GenFields {
     /// llama-server's `timings_per_token`: every streamed chunk carries the timings so far.
     #[serde(default)]
     pub timings_per_token: bool,
+    /// llama-server's `return_progress`: a stream carries `prompt_progress` chunks while the
+    /// prompt is evaluated.
+    #[serde(default)]
+    pub return_progress: bool,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -304,6 +308,8 @@ pub struct Limits {
     pub id_slot: Option<usize>,
     /// `timings_per_token`.
     pub timings_per_token: bool,
+    /// `return_progress`.
+    pub return_progress: bool,
     pub return_tokens: bool,
     /// `post_sampling_probs`.
     pub post_sampling_probs: bool,
@@ -416,6 +422,7 @@ impl GenFields {
             stream: self.stream,
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             timings_per_token: self.timings_per_token,
+            return_progress: self.return_progress,
             id_slot: match self.id_slot {
                 None | Some(-1) => None,
                 Some(n) if n >= 0 => Some(n as usize),

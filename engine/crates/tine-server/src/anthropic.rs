@@ -113,6 +113,8 @@ async fn run(st: Shared, body: Body) -> Result<Response, ApiError> {
                 out.push(event("message_delta", json!({"type": "message_delta", "delta": {"stop_reason": stop_reason(&s, w.calls > 0), "stop_sequence": if s.stop_type == StopType::Word { json!(s.stopping_word) } else { Value::Null }}, "usage": {"output_tokens": s.timings.predicted_n}})));
                 out.push(event("message_stop", json!({"type": "message_stop"})));
             }
+            // Anthropic's stream has no place for prompt progress.
+            Event::Progress(_) => {}
             Event::Error(e) => {
                 st2.metrics.failed();
                 out.push(event("error", error_body(&ApiError::from(&e))));

@@ -53,6 +53,8 @@ pub(crate) struct Validated {
     pub(crate) slot: Option<usize>,
     /// `timings_per_token`: every streamed chunk carries the timings so far.
     pub(crate) timings_per_token: bool,
+    /// `return_progress`: a stream carries the prompt's evaluation progress.
+    pub(crate) return_progress: bool,
     pub(crate) return_tokens: bool,
     pub(crate) n_probs: usize,
     /// `response_fields`: `/completion` answers only these (empty: all).
@@ -106,6 +108,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         include_usage: l.include_usage,
         slot: l.id_slot,
         timings_per_token: l.timings_per_token,
+        return_progress: l.return_progress,
         return_tokens: l.return_tokens,
         n_probs: l.n_probs,
         response_fields: l.response_fields.clone(),

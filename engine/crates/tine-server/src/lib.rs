@@ -167,7 +167,8 @@ async fn method_not_allowed() -> ApiError {
 
 /// Submits every request; if one is refused, those already in are cancelled (their receivers drop).
 fn submit_all(st: &AppState, vs: &[Validated]) -> Result<Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>, ApiError> {
-    vs.iter().map(|v| submit(st, v.request.clone(), v.slot)).collect()
+    // Progress only for a stream that asked (a whole answer has nowhere to put it).
+    vs.iter().map(|v| submit(st, v.request.clone(), v.slot, v.stream && v.return_progress)).collect()
 }
 
 /// Waits for every generation, in order.
@@ -189,13 +190,13 @@ fn merged(rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>) -> tokio_stream
 }
 
 /// Submits and returns the event stream.
-fn submit(st: &AppState, request: ValidRequest, slot: Option<usize>) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
+fn submit(st: &AppState, request: ValidRequest, slot: Option<usize>, progress: bool) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, ApiError> {
     let permit = st
         .admission
         .try_admit()
         .ok_or_else(|| ApiError::unavailable(format!("the server is busy: {} requests are in progress or queued (limit {}); retry later", st.admission.in_flight(), st.admission.limit())))?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    st.scheduler.submit(Job { request, slot, events: tx, permit }).map_err(|_| ApiError::unavailable("the engine thread has stopped"))?;
+    st.scheduler.submit(Job { request, slot, events: tx, permit, progress }).map_err(|_| ApiError::unavailable("the engine thread has stopped"))?;
     Ok(rx)
 }
 
@@ -205,6 +206,7 @@ async fn collect(st: &AppState, mut rx: tokio::sync::mpsc::UnboundedReceiver<Eve
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Token { prob, .. } => probs.extend(prob),
+            Event::Progress(_) => {}
             Event::Done(s) => {
                 log_request(st, &s);
                 return Ok((*s, probs));

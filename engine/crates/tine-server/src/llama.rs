@@ -82,6 +82,11 @@ pub(crate) fn timings_json(t: &Timings) -> Value {
     })
 }
 
+/// llama-server's `prompt_progress` object.
+pub(crate) fn progress_json(p: &scheduler::Progress) -> Value {
+    json!({"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
+}
+
 /// One token's `completion_probabilities` entry: log-probabilities (`logprob`,
 /// `top_logprobs`), or with `post_sampling_probs` the probabilities after the sampler's
 /// filters (`prob`, `top_probs`), as llama-server writes them.
@@ -146,6 +151,7 @@ pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<R
                     }
                     j
                 }
+                Event::Progress(p) => json!({"content": "", "tokens": [], "stop": false, "prompt_progress": progress_json(&p)}),
                 Event::Done(s) => {
                     log_request(&st2, &s);
                     only_fields(final_completion_json(&st2, &s, "", Vec::new(), false, &prompt_texts[i], &settings[i]), &fields)

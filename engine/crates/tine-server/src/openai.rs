@@ -157,6 +157,7 @@ pub(crate) async fn oai_completions(State(st): State<Shared>, body: Body) -> Res
                     };
                     sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": text, "index": i, "logprobs": lp, "finish_reason": null}]}))
                 }
+                Event::Progress(p) => sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": i, "logprobs": null, "finish_reason": null}], "prompt_progress": progress_json(&p)})),
                 Event::Done(s) => {
                     log_request(&st2, &s);
                     sse_json(json!({"id": id2, "object": "text_completion", "created": created, "model": st2.model_id, "system_fingerprint": fingerprint(), "choices": [{"text": "", "index": i, "logprobs": null, "finish_reason": finish_reason(s.stop_type)}], "usage": usage(&s), "timings": timings_json(&s.timings)}))
@@ -263,6 +264,11 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
                     if per_token {
                         c["timings"] = timings_json(&timings);
                     }
+                    vec![sse_json(c)]
+                }
+                Event::Progress(p) => {
+                    let mut c = chunk(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": null}]));
+                    c["prompt_progress"] = progress_json(&p);
                     vec![sse_json(c)]
                 }
                 Event::Done(s) => {

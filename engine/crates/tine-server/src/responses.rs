@@ -113,6 +113,8 @@ pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Respo
                 let done = w.object(status, Some(&s));
                 w.push(&mut out, name, json!({"response": done}));
             }
+            // The Responses stream has no place for prompt progress.
+            Event::Progress(_) => {}
             Event::Error(e) => {
                 st2.metrics.failed();
                 let e = ApiError::from(&e);

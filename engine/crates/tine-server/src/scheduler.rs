@@ -34,8 +34,28 @@ pub enum Event {
         timings: Timings,
     },
     Done(Box<Summary>),
+    /// Prompt evaluation so far (llama-server's `prompt_progress`), sent when the job asked:
+    /// once when it starts, then after every prompt chunk.
+    Progress(Progress),
     /// The request failed; the error keeps its type up to the HTTP edge.
     Error(GenerateError),
+}
+
+/// llama-server's `prompt_progress`: the prompt's tokens, those reused from the cache, those
+/// evaluated so far, and the time spent on them.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Progress {
+    pub total: usize,
+    pub cache: usize,
+    pub processed: usize,
+    pub time_ms: f64,
+}
+
+impl Progress {
+    fn of(g: &Generation) -> Progress {
+        let t = g.timings();
+        Progress { total: g.request().prompt.len(), cache: t.cached_n, processed: t.prompt_n, time_ms: t.prompt_ms }
+    }
 }
 
 /// The end of a request.
@@ -102,6 +122,8 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// Held until the engine is done with the request.
     pub permit: Permit,
+    /// Send [`Event::Progress`] while the prompt is evaluated (`return_progress`).
+    pub progress: bool,
 }
 
 /// Counts admitted requests (queued or in a slot) against a limit.
@@ -143,6 +165,7 @@ struct Active {
     _permit: Permit,
     /// A draft model that has not yet looked for a shared prefix (at its first round).
     draft_unshared: bool,
+    progress: bool,
 }
 
 struct Slot {
@@ -608,7 +631,10 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             match guarded(|| Generation::begin_with(&mut slot.seq, job.request, slot.spec.as_mut(), config.ubatch)) {
                 Ok(gen) => {
                     let draft_unshared = slot.spec.as_mut().is_some_and(|s| s.draft_sequence().is_some());
-                    slot.active = Some(Active { gen, events: job.events, _permit: job.permit, draft_unshared })
+                    if job.progress {
+                        let _ = job.events.send(Event::Progress(Progress::of(&gen)));
+                    }
+                    slot.active = Some(Active { gen, events: job.events, _permit: job.permit, draft_unshared, progress: job.progress })
                 }
                 Err((e, panicked)) => {
                     let _ = job.events.send(Event::Error(e));
@@ -639,7 +665,11 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 publish(&views, i, slot, None);
                 continue;
             }
+            let was_prefilling = a.gen.is_prefilling();
             let stepped = guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()));
+            if was_prefilling && a.progress && stepped.is_ok() {
+                let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
+            }
             if let Err((e, true)) = stepped {
                 let _ = a.events.send(Event::Error(e));
                 reset_slot(&model, factory.as_ref(), slot);
