@@ -56,6 +56,14 @@ const LLAMA_EXTRAS: &[&str] = &[
     "speculative.p_min",
 ];
 
+/// Sets a chat template variable (`chat_template_kwargs`), unless the client set it itself.
+fn template_kwarg(chat: &mut Map<String, Value>, key: &str, value: Value) {
+    let kwargs = chat.entry("chat_template_kwargs").or_insert_with(|| json!({}));
+    if let Some(k) = kwargs.as_object_mut() {
+        k.entry(key).or_insert(value);
+    }
+}
+
 /// Copies the sampling fields both APIs share with OpenAI's chat (same names, same meaning).
 fn copy_fields(from: &Map<String, Value>, to: &mut Map<String, Value>, keys: &[&str]) {
     for k in keys {
@@ -196,6 +204,16 @@ pub fn anthropic_to_chat(body: &[u8]) -> Result<Value, RequestError> {
     chat.insert("max_tokens".into(), field(&b, "max_tokens").cloned().unwrap_or(json!(4096)));
     copy_fields(&b, &mut chat, &["temperature", "top_p", "top_k", "stream"]);
     copy_fields(&b, &mut chat, LLAMA_EXTRAS);
+    // Extended thinking: `enabled` / `disabled` become the template's `enable_thinking` (a
+    // budget is not enforced: the model thinks until it closes its reasoning).
+    if let Some(t) = field(&b, "thinking") {
+        let on = match t.get("type").and_then(Value::as_str) {
+            Some("enabled") | Some("adaptive") => true,
+            Some("disabled") => false,
+            _ => return Err(RequestError::on("thinking", "thinking.type must be \"enabled\", \"adaptive\" or \"disabled\"")),
+        };
+        template_kwarg(&mut chat, "enable_thinking", json!(on));
+    }
     Ok(Value::Object(chat))
 }
 
@@ -337,5 +355,9 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Value, RequestError> {
     }
     copy_fields(&b, &mut chat, &["temperature", "top_p", "top_k", "stream", "parallel_tool_calls", "stop"]);
     copy_fields(&b, &mut chat, LLAMA_EXTRAS);
+    // `reasoning.effort` reaches the template as `reasoning_effort` (llama-server's mapping).
+    if let Some(effort) = field(&b, "reasoning").and_then(|r| r.get("effort")).filter(|e| !e.is_null()) {
+        template_kwarg(&mut chat, "reasoning_effort", effort.clone());
+    }
     Ok(Value::Object(chat))
 }

@@ -184,6 +184,10 @@ fn anthropic_and_responses_bodies_become_chat_bodies() {
     assert_eq!(c["tools"], json!([{"type": "function", "function": {"name": "w", "description": "d", "parameters": {"type": "object"}}}]));
     assert_eq!(c["tool_choice"], json!({"type": "function", "function": {"name": "w"}}));
     assert_eq!(anthropic_to_chat(br#"{"messages": []}"#).expect("converts")["max_tokens"], 4096, "llama-server's default");
+    let t = anthropic_to_chat(br#"{"messages": [], "thinking": {"type": "disabled"}}"#).expect("converts");
+    assert_eq!(t["chat_template_kwargs"], json!({"enable_thinking": false}));
+    let t = responses_to_chat(br#"{"input": "x", "reasoning": {"effort": "low"}, "chat_template_kwargs": {"reasoning_effort": "high"}}"#).expect("converts");
+    assert_eq!(t["chat_template_kwargs"], json!({"reasoning_effort": "high"}), "the client's own kwargs win");
     for (body, param) in [
         (json!({"max_tokens": 1}), "messages"),
         (json!({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}), "messages"),
