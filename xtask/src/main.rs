@@ -211,7 +211,7 @@ enum Cmd {
     },
     /// Run every test: fmt --check and clippy -D warnings for both workspaces, the set-up
     /// (apply-chain, verify, fetch-model), xtask's tests, sync-check, the engine workspace's
-    /// tests, the official openai and anthropic Python clients against `tine serve` (pip-installed into
+    /// tests, the official openai and anthropic Python clients and sglang-router against `tine serve` (pip-installed into
     /// target/client-venv), every fuzz target for 20 s.
     Ci,
 }

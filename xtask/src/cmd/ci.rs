@@ -7,9 +7,10 @@ use patchchain::{chain, sync_check, Project};
 use super::{setup, step};
 use crate::tine::Tine;
 
-/// The client releases the client test pins: the official `openai` (what the users
-/// ran) and `anthropic` Python packages.
-const CLIENTS: [(&str, &str); 2] = [("openai", "3.57.0"), ("anthropic", "2.17.0")];
+/// The Python packages the client tests pin: the official `openai` (what the users
+/// ran) and `anthropic` clients, and sglang-router (the router `tools/serve_cluster.py` puts
+/// in front of replicas), as (pip name, module, version).
+const CLIENTS: [(&str, &str, &str); 3] = [("openai", "openai", "3.57.0"), ("anthropic", "anthropic", "2.17.0"), ("sglang-router", "sglang_router", "0.3.2")];
 
 /// A venv under `target/` with the pinned client packages, made once and reused.
 fn client_venv(p: &Project) -> anyhow::Result<std::path::PathBuf> {
@@ -19,10 +20,10 @@ fn client_venv(p: &Project) -> anyhow::Result<std::path::PathBuf> {
     if !venv.join("bin/python").exists() {
         step("python3 -m venv target/client-venv", Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
-    for (name, version) in CLIENTS {
-        if !has(name, version) {
+    for (name, module, version) in CLIENTS {
+        if !has(module, version) {
             step(&format!("pip install {name}=={version}"), Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", &format!("{name}=={version}")]))?;
-            anyhow::ensure!(has(name, version), "{name} {version} is not importable from {} after installing it", python.display());
+            anyhow::ensure!(has(module, version), "{name} {version} is not importable from {} after installing it", python.display());
         }
     }
     Ok(python)
@@ -58,6 +59,10 @@ pub fn run(p: &Project) -> anyhow::Result<ExitCode> {
             .arg(&engine_manifest)
             .args(["--", "--ignored", "--exact", "the_official_openai_and_anthropic_clients_get_what_they_ask_for"])
             .env("TINE_CLIENT_PYTHON", &python),
+    )?;
+    step(
+        "replicas behind sglang-router (tine-cli's router test)",
+        Command::new(&cargo).args(["test", "-p", "tine-cli", "--test", "router", "--manifest-path"]).arg(&engine_manifest).args(["--", "--ignored"]).env("TINE_CLIENT_PYTHON", &python),
     )?;
     // Our crates only (`--no-deps`): candle's own code is upstream's, linted by upstream.
     step("cargo clippy (engine)", Command::new(&cargo).args(["clippy", "--workspace", "--all-targets", "--no-deps", "--manifest-path"]).arg(&engine_manifest).args(["--", "-D", "warnings"]))?;

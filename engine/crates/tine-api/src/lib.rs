@@ -671,17 +671,33 @@ pub fn check_embeddings(body: &[u8]) -> Result<EmbeddingRequest, RequestError> {
 /// The most inputs one embedding request may carry.
 pub const MAX_EMBEDDING_INPUTS: usize = 2048;
 
-/// `/tokenize`.
+/// `/tokenize`: llama-server's `content`, or vLLM's `prompt` (what request routers send to
+/// learn a completion's tokens; special tokens added unless `add_special_tokens: false`).
+/// vLLM's `messages` form is a chat body ([`check_chat_prompt`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(expecting = "a JSON object")]
 pub struct TokenizeBody {
-    pub content: String,
+    pub content: Option<String>,
+    pub prompt: Option<String>,
+    pub add_special_tokens: Option<bool>,
     #[serde(default)]
     pub add_special: bool,
     #[serde(default = "yes")]
     pub parse_special: bool,
     #[serde(default)]
     pub with_pieces: bool,
+}
+
+impl TokenizeBody {
+    /// The text and whether special tokens are added: `content` (llama-server's, `add_special`)
+    /// or `prompt` (vLLM's, `add_special_tokens`, added by default).
+    pub fn text(&self) -> Result<(&str, bool), RequestError> {
+        match (&self.content, &self.prompt) {
+            (Some(c), _) => Ok((c, self.add_special)),
+            (None, Some(p)) => Ok((p, self.add_special_tokens.unwrap_or(true))),
+            (None, None) => Err(RequestError::on("content", "`content` is required (or vLLM's `prompt` or `messages`)")),
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -925,7 +941,7 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
             }
             format!("embeddings {} inputs normalize {}", r.prompts.len(), r.normalize)
         }
-        Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.content.len()),
+        Endpoint::Tokenize => format!("tokenize {} bytes", decode::<TokenizeBody>(body)?.text()?.0.len()),
         Endpoint::Detokenize => format!("detokenize {} ids", check_ids(&decode::<DetokenizeBody>(body)?.tokens, vocab)?.len()),
     })
 }

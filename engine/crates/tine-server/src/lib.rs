@@ -25,6 +25,7 @@ mod llama;
 mod openai;
 mod reply;
 mod responses;
+mod router;
 mod slots;
 
 use std::net::SocketAddr;
@@ -125,6 +126,11 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
         .route("/apply-template", post(apply_template))
+        .route("/server_info", get(router::server_info))
+        .route("/get_server_info", get(router::server_info))
+        .route("/model_info", get(router::model_info))
+        .route("/get_model_info", get(router::model_info))
+        .route("/get_load", get(router::load))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/responses", post(responses::create))

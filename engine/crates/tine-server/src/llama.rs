@@ -58,8 +58,20 @@ pub(crate) async fn metrics_text(State(st): State<Shared>) -> Result<Response, A
 }
 
 pub(crate) async fn tokenize(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
-    let b: TokenizeBody = json_body(&st, body).await?;
-    let (ids, b) = prepare(&st, move |st| Ok((st.model.tokenizer.encode(&b.content, b.add_special, b.parse_special), b))).await?;
+    let raw = read_body(&st, body).await?;
+    // vLLM's chat form (request routers ask it for a chat's tokens): the prompt a chat would run.
+    if tine_api::decode::<Value>(&raw)?.get("messages").is_some() {
+        let p = tine_api::check_chat_prompt(&raw, st.template.tool_syntax().is_some())?;
+        let (_, ids) = prepare(&st, move |st| chat_prompt(st, &p)).await?;
+        return Ok(Json(json!({"tokens": ids, "count": ids.len()})));
+    }
+    let b: TokenizeBody = tine_api::decode(&raw)?;
+    b.text()?;
+    let (ids, b) = prepare(&st, move |st| {
+        let (text, special) = b.text()?;
+        Ok((st.model.tokenizer.encode(text, special, b.parse_special), b))
+    })
+    .await?;
     if b.with_pieces {
         let pieces: Vec<Value> = ids.iter().map(|&id| json!({"id": id, "piece": String::from_utf8_lossy(&st.model.tokenizer.token_bytes(id, true))})).collect();
         return Ok(Json(json!({"tokens": pieces})));
