@@ -1431,3 +1431,33 @@ fn return_progress_streams_the_prompts_evaluation() {
         assert!(!text.contains("prompt_progress"), "{path}: {text}");
     }
 }
+
+/// Issue 31: what request routers ask of a worker: `/server_info` and `/model_info` (and their
+/// `/get_` names) give the model's id and path, `/get_load` the requests in flight, and vLLM's
+/// `/tokenize` forms (`prompt`; `messages`, rendered as a chat would be) the tokens a request runs.
+#[test]
+fn routers_get_the_worker_endpoints_they_ask_for() {
+    let srv = start_cfg(None, |c| *c = ServerConfig { alias: Some("tiny".into()), ..ServerConfig::new(2, 256) });
+    for path in ["/server_info", "/get_server_info", "/model_info", "/get_model_info"] {
+        let (s, body) = http(srv.addr, "GET", path, "");
+        assert_eq!(s, 200, "{path}: {body}");
+        let v: Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(v["served_model_name"], "tiny", "{path}: {v}");
+        assert!(v["model_path"].as_str().is_some_and(|p| p.ends_with(".gguf")), "{path}: {v}");
+    }
+    let (_, info) = http(srv.addr, "GET", "/server_info", "");
+    let info: Value = serde_json::from_str(&info).expect("JSON");
+    assert_eq!((info["dp_size"].as_u64(), info["tp_size"].as_u64(), info["total_slots"].as_u64()), (Some(1), Some(1), Some(2)), "{info}");
+    let (_, load) = http(srv.addr, "GET", "/get_load", "");
+    assert_eq!(serde_json::from_str::<Value>(&load).expect("JSON")["load"], 0, "{load}");
+    let (_, llama) = post(srv.addr, "/tokenize", json!({"content": "hello world"}));
+    let (_, vllm) = post(srv.addr, "/tokenize", json!({"prompt": "hello world"}));
+    let (l, v) = (llama["tokens"].as_array().expect("ids").len(), vllm["tokens"].as_array().expect("ids").len());
+    assert_eq!(v, l + 1, "vLLM's prompt form adds BOS: {llama} {vllm}");
+    let msgs = json!([{"role": "user", "content": "hello"}]);
+    let (_, chat) = post(srv.addr, "/tokenize", json!({"model": "tiny", "messages": msgs}));
+    let (_, run) = post(srv.addr, "/v1/chat/completions", json!({"messages": msgs, "max_tokens": 1}));
+    assert_eq!(chat["tokens"].as_array().map(|t| t.len() as u64), run["usage"]["prompt_tokens"].as_u64(), "the chat's own prompt: {chat}");
+    let (s, v) = post(srv.addr, "/tokenize", json!({"add_special": true}));
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("content")), "{v}");
+}
