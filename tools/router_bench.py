@@ -52,11 +52,11 @@ def stream_chat(port, messages, tokens):
                 continue
             c = json.loads(line[6:])
             for ch in c.get("choices", []):
-                piece = ch.get("delta", {}).get("content")
-                if piece:
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    text += piece
+                d = ch.get("delta", {})
+                # The first token is the first generated piece of any kind.
+                if first is None and (d.get("content") or d.get("reasoning_content") or d.get("tool_calls")):
+                    first = time.perf_counter() - t0
+                text += d.get("content") or ""
             usage = c.get("usage") or usage
             timings = c.get("timings") or timings
     return first, text, usage, timings
@@ -101,7 +101,8 @@ def overhead_run(port, clients, requests, tokens):
             q = QUESTIONS[(c + r) % len(QUESTIONS)]
             first, _, usage, _ = stream_chat(port, [{"role": "user", "content": f"Client {c}, request {r}: {q}"}], tokens)
             with lock:
-                ttft.append(first or 0.0)
+                if first is not None:  # a reply of no tokens has no first token
+                    ttft.append(first)
                 done_tokens.append((usage or {}).get("completion_tokens", 0))
 
     t0 = time.perf_counter()

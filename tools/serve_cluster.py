@@ -50,9 +50,9 @@ def healthy(url, key, timeout=1.0):
         return False
 
 
-def wait_healthy(url, key, seconds, proc=None):
+def wait_healthy(url, key, seconds, proc=None, give_up=lambda: False):
     t0 = time.time()
-    while time.time() - t0 < seconds:
+    while time.time() - t0 < seconds and not give_up():
         if healthy(url, key):
             return True
         if proc is not None and proc.poll() is not None:
@@ -92,6 +92,7 @@ def main():
         *key_args, *a.router_args,
     ]
     procs = {}
+    restarts = {}
     stopping = False
 
     def stop(*_):
@@ -105,20 +106,26 @@ def main():
             print("replica:", shlex.join(replica_cmd(i)), file=sys.stderr)
             procs[i] = subprocess.Popen(replica_cmd(i))
         for i, url in enumerate(urls):
-            if not wait_healthy(url, a.api_key, 600, procs[i]):
-                sys.exit(f"replica {i} ({url}) did not come up")
+            if not wait_healthy(url, a.api_key, 600, procs[i], lambda: stopping):
+                sys.exit("stopped" if stopping else f"replica {i} ({url}) did not come up")
         print("router: ", shlex.join(router_cmd), file=sys.stderr)
         router = subprocess.Popen(router_cmd)
-        if not wait_healthy(f"http://{a.host}:{a.port}", a.api_key, 120, router):
-            sys.exit("the router did not come up")
+        if not wait_healthy(f"http://{a.host}:{a.port}", a.api_key, 120, router, lambda: stopping):
+            sys.exit("stopped" if stopping else "the router did not come up")
         print(f"serving at http://{a.host}:{a.port} ({a.replicas} replicas, policy {a.policy})", file=sys.stderr, flush=True)
         while not stopping:
             if router.poll() is not None:
                 sys.exit(f"the router exited ({router.returncode})")
             for i, p in procs.items():
                 if p.poll() is not None and not stopping:
+                    # Again at once, then waiting longer each time it keeps failing (up to a minute).
+                    n, last = restarts.get(i, (0, 0.0))
+                    n = 0 if time.time() - last > 120 else n
+                    if time.time() - last < min(60, 2 ** n) - 1:
+                        continue
                     print(f"replica {i} exited ({p.returncode}); starting it again", file=sys.stderr)
                     procs[i] = subprocess.Popen(replica_cmd(i))
+                    restarts[i] = (n + 1, time.time())
             time.sleep(0.5)
     finally:
         everything = list(procs.values()) + ([router] if "router" in locals() else [])

@@ -164,6 +164,11 @@ pub fn anthropic_to_chat(body: &[u8]) -> Result<Value, RequestError> {
         let converted: Vec<Value> = tools
             .iter()
             .map(|t| {
+                // Anthropic's server tools (web search, code execution, ...) run on Anthropic's
+                // side; a client tool has no type or `custom`.
+                if let Some(kind) = t.get("type").and_then(Value::as_str).filter(|k| *k != "custom") {
+                    return Err(RequestError::on("tools", format!("tools: `{kind}` is a server tool, which runs on Anthropic's side; only client tools (with `input_schema`) are served")));
+                }
                 let name = t.get("name").and_then(Value::as_str).ok_or_else(|| RequestError::on("tools", "tools: every tool needs `name`"))?;
                 let mut f = json!({"name": name, "parameters": t.get("input_schema").cloned().unwrap_or_else(|| json!({"type": "object"}))});
                 if let Some(d) = t.get("description") {
@@ -250,6 +255,12 @@ pub fn responses_to_chat(body: &[u8]) -> Result<Value, RequestError> {
     let b = object_body(body)?;
     if field(&b, "previous_response_id").is_some() {
         return Err(RequestError::on("previous_response_id", "previous_response_id: responses are not stored; send the whole conversation in `input`"));
+    }
+    if field(&b, "conversation").is_some() {
+        return Err(RequestError::on("conversation", "conversation: conversations are not stored; send the whole conversation in `input`"));
+    }
+    if field(&b, "background").and_then(Value::as_bool) == Some(true) {
+        return Err(RequestError::on("background", "background: responses run in the foreground only (they are not stored to fetch later)"));
     }
     let mut messages: Vec<Value> = Vec::new();
     if let Some(ins) = field(&b, "instructions") {

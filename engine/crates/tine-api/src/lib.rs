@@ -861,8 +861,12 @@ fn chat_prompt_of(b: &ChatBody, native_tools: bool) -> Result<(ChatPrompt, ToolM
         let tools = (!offered.is_empty()).then(|| serde_json::Value::Array(offered.to_vec()));
         match forced {
             Some(allowed) => {
-                let calls = tools::functions(&allowed)?.into_iter().map(tools::call_schema).collect::<Vec<_>>();
-                (tools, ToolMode::NativeForced, Some(tools::compact(serde_json::json!({"anyOf": calls}))))
+                let (calls, defs) = tools::calls_with_defs(&tools::functions(&allowed)?);
+                let mut schema = serde_json::json!({"anyOf": calls});
+                if !defs.is_empty() {
+                    schema["$defs"] = serde_json::Value::Object(defs);
+                }
+                (tools, ToolMode::NativeForced, Some(tools::compact(schema)))
             }
             None if tools.is_some() => (tools, ToolMode::Native, None),
             None => (None, ToolMode::None, None),

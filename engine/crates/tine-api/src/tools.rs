@@ -95,10 +95,59 @@ fn instructions(tools: &[Value], required: bool, parallel: bool) -> Result<Strin
     Ok(text)
 }
 
+/// A schema of several tools' calls, with each tool's own definitions (`$defs`,
+/// `definitions`) moved to the root under `tool{i}_` names and its `$ref`s rewritten to them:
+/// a reference is resolved from the whole document's root, where a tool's parameters no
+/// longer are.
+pub(crate) fn calls_with_defs(tools: &[&Map<String, Value>]) -> (Vec<Value>, Map<String, Value>) {
+    let mut defs = Map::new();
+    let calls = tools
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let mut call = call_schema(f);
+            let params = &mut call["properties"]["arguments"];
+            let prefix = format!("tool{i}_");
+            if let Some(p) = params.as_object_mut() {
+                for key in ["$defs", "definitions"] {
+                    if let Some(Value::Object(own)) = p.remove(key) {
+                        for (name, mut d) in own {
+                            rewrite_refs(&mut d, &prefix, 0);
+                            defs.insert(format!("{prefix}{name}"), d);
+                        }
+                    }
+                }
+            }
+            rewrite_refs(params, &prefix, 0);
+            call
+        })
+        .collect();
+    (calls, defs)
+}
+
+/// `#/$defs/X` and `#/definitions/X` become `#/$defs/{prefix}X` everywhere in `v` (depth-bounded).
+fn rewrite_refs(v: &mut Value, prefix: &str, depth: usize) {
+    if depth > 64 {
+        return;
+    }
+    match v {
+        Value::Object(o) => {
+            if let Some(Value::String(r)) = o.get_mut("$ref") {
+                if let Some(name) = r.strip_prefix("#/$defs/").or_else(|| r.strip_prefix("#/definitions/")) {
+                    *r = format!("#/$defs/{prefix}{name}");
+                }
+            }
+            o.values_mut().for_each(|x| rewrite_refs(x, prefix, depth + 1));
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rewrite_refs(x, prefix, depth + 1)),
+        _ => {}
+    }
+}
+
 /// The JSON schema the output follows in the generic format: a call to one of `allowed`
 /// (several with `parallel`), or, unless a call is `required`, a plain response.
 pub(crate) fn output_schema(allowed: &[Value], required: bool, parallel: bool) -> Result<Value, RequestError> {
-    let calls: Vec<Value> = functions(allowed)?.into_iter().map(call_schema).collect();
+    let (calls, defs) = calls_with_defs(&functions(allowed)?);
     let call = json!({"anyOf": calls});
     let mut forms = vec![if parallel {
         json!({"type": "object", "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1}}, "required": ["tool_calls"], "additionalProperties": false})
@@ -108,7 +157,11 @@ pub(crate) fn output_schema(allowed: &[Value], required: bool, parallel: bool) -
     if !required {
         forms.push(json!({"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"], "additionalProperties": false}));
     }
-    Ok(compact(json!({"anyOf": forms})))
+    let mut schema = json!({"anyOf": forms});
+    if !defs.is_empty() {
+        schema["$defs"] = Value::Object(defs);
+    }
+    Ok(compact(schema))
 }
 
 /// A tool format's schema, held to compact JSON (no whitespace between tokens): the format is

@@ -194,6 +194,7 @@ fn anthropic_and_responses_bodies_become_chat_bodies() {
         (json!({"messages": [{"role": "system", "content": "x"}]}), "messages"),
         (json!({"messages": [], "tool_choice": {"type": "maybe"}}), "tool_choice"),
         (json!({"messages": [], "output_config": {"format": {"type": "xml"}}}), "output_config.format"),
+        (json!({"messages": [], "tools": [{"type": "web_search_20250305", "name": "web_search"}]}), "tools"),
     ] {
         assert_eq!(anthropic_to_chat(body.to_string().as_bytes()).expect_err("refused").param.as_deref(), Some(param), "{body}");
     }
@@ -231,6 +232,8 @@ fn anthropic_and_responses_bodies_become_chat_bodies() {
         (json!({"input": "x", "tools": [{"type": "web_search"}]}), "tools"),
         (json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}), "input"),
         (json!({"input": "x", "text": {"format": {"type": "yaml"}}}), "text.format"),
+        (json!({"input": "x", "conversation": "conv_1"}), "conversation"),
+        (json!({"input": "x", "background": true}), "background"),
     ] {
         assert_eq!(responses_to_chat(body.to_string().as_bytes()).expect_err("refused").param.as_deref(), Some(param), "{body}");
     }

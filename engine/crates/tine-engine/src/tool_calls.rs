@@ -89,6 +89,8 @@ pub struct ToolStream {
     /// Content's trailing whitespace, held back: it is dropped if a call follows.
     held: String,
     calls: usize,
+    /// Whether any content was given out yet (the reply's leading whitespace is dropped).
+    started: bool,
 }
 
 impl ToolStream {
@@ -97,7 +99,7 @@ impl ToolStream {
             ToolSyntax::Hermes | ToolSyntax::Mistral => State::Content,
             ToolSyntax::JsonObject | ToolSyntax::Generic => State::Undecided,
         };
-        ToolStream { syntax, state, pending: String::new(), held: String::new(), calls: 0 }
+        ToolStream { syntax, state, pending: String::new(), held: String::new(), calls: 0, started: false }
     }
 
     /// Takes the next piece of the reply; returns what can be given out now.
@@ -258,11 +260,14 @@ impl ToolStream {
         out.extend(calls.into_iter().map(ToolDelta::Call));
     }
 
-    /// Gives out content, holding back its trailing whitespace (a call may follow it).
+    /// Gives out content, holding back its trailing whitespace (a call may follow it); the
+    /// reply's leading whitespace is dropped, so a streamed reply reads as the whole one.
     fn content(&mut self, out: &mut Vec<ToolDelta>, text: &str) {
+        let text = if self.started { text } else { text.trim_start() };
         if text.is_empty() {
             return;
         }
+        self.started = true;
         let body = text.trim_end();
         if body.is_empty() {
             self.held.push_str(text);

@@ -337,6 +337,10 @@ Call a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>
             (ToolSyntax::Hermes, "Let me check.\n<tool_call>\n{\"name\": \"w\", \"arguments\": {\"c\": \"P\"}}\n</tool_call>", "Let me check.", vec![call("w", "{\"c\":\"P\"}")]),
             (ToolSyntax::Hermes, "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>", "", vec![call("a", "{}"), call("b", "{}")]),
             (ToolSyntax::Hermes, "a < b and <tool_ is not a call", "a < b and <tool_ is not a call", vec![]),
+            // Leading whitespace is dropped whole and streamed alike (the stream cannot know a
+            // call follows, so it is never given out).
+            (ToolSyntax::Hermes, "\nLet me check.<tool_call>{\"name\": \"w\", \"arguments\": {}}</tool_call>", "Let me check.", vec![call("w", "{}")]),
+            (ToolSyntax::Hermes, "\n  plain words", "plain words", vec![]),
             (ToolSyntax::Hermes, "x <tool_call>not json</tool_call> y", "x <tool_call>not json</tool_call> y", vec![]),
             (ToolSyntax::Hermes, "cut off <tool_call>{\"name\": \"a\"", "cut off <tool_call>{\"name\": \"a\"", vec![]),
             (ToolSyntax::Mistral, "ok [TOOL_CALLS][{\"name\": \"a\", \"arguments\": {\"x\": 1}}]", "ok", vec![call("a", "{\"x\":1}")]),

@@ -6,6 +6,10 @@
 use super::*;
 use tine_engine::embeddings::{normalize, pool, Pooling};
 
+/// The most tokens one embedding request may hold over all its inputs: it runs alone
+/// (`embedding_turn`), and unpooled it answers a row of floats per token.
+const MAX_EMBEDDING_TOKENS: usize = 65_536;
+
 fn pooling(st: &AppState) -> Result<Pooling, ApiError> {
     st.config.embeddings.ok_or_else(|| ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support embeddings. Start it with `--embeddings`"))
 }
@@ -20,6 +24,10 @@ fn compute(st: &AppState, req: tine_api::EmbeddingRequest, pooling: Pooling) -> 
         .admission
         .try_admit()
         .ok_or_else(|| ApiError::unavailable(format!("the server is busy: {} requests are in progress or queued (limit {}); retry later", st.admission.in_flight(), st.admission.limit())))?;
+    let total: usize = inputs.iter().map(Vec::len).sum();
+    if total > MAX_EMBEDDING_TOKENS {
+        return Err(ApiError { param: Some("input".into()), ..ApiError::bad(format!("the inputs hold {total} tokens; one request may embed at most {MAX_EMBEDDING_TOKENS}")) });
+    }
     for ids in &inputs {
         if ids.is_empty() {
             return Err(ApiError { param: Some("input".into()), ..ApiError::bad("an input has no tokens") });

@@ -187,11 +187,10 @@ pub(crate) async fn oai_completions(State(st): State<Shared>, body: Body) -> Res
     .into_response())
 }
 
-/// OpenAI's `tool_calls` for parsed calls, numbered from `first` (a stream's `index`).
+/// OpenAI's `tool_calls` for parsed calls, numbered from `first` (a stream's `index`), each
+/// with an id no other call of this server has had (a conversation's history holds many).
 pub(crate) fn tool_calls_json(calls: &[ToolCall], first: usize) -> Value {
-    Value::Array(
-        calls.iter().enumerate().map(|(k, c)| json!({"index": first + k, "id": format!("call_{}", first + k), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect(),
-    )
+    Value::Array(calls.iter().enumerate().map(|(k, c)| json!({"index": first + k, "id": fresh_id("call_"), "type": "function", "function": {"name": c.name, "arguments": c.arguments}})).collect())
 }
 
 /// A chat request started on the engine: how its replies are read, the validated requests,
@@ -215,8 +214,13 @@ pub(crate) async fn start_chat(st: &Shared, req: tine_api::ChatRequest) -> Resul
     };
     // Reasoning is looked for where the template writes the tag (as llama.cpp's parser is
     // generated from the template): elsewhere the reply streams untouched.
-    let returns_reasoning =
-        req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
+    // Not when a JSON schema holds the output from its first token (a forced call, tools in the
+    // generic format, `response_format`): there is no reasoning to find, even where the
+    // template left the tag open, and reading the JSON as reasoning would lose it.
+    let schema_bound = matches!(req.limits.constraint, Some((_, tine_api::Constraint::JsonSchema(_))));
+    let returns_reasoning = req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek
+        && !schema_bound
+        && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
     let (vs, forced_open) = prepare(st, move |st| {
         let (text, prompt) = chat_prompt(st, &req.prompt)?;
         Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, tine_engine::reasoning::forced_open(&text)))

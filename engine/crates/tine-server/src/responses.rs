@@ -103,11 +103,11 @@ pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Respo
                 if let Some(r) = w.reader.take() {
                     w.write(&mut out, r.finish());
                 }
+                w.close_thinking(&mut out);
                 if w.calls == 0 && w.text.is_none() && !w.output.iter().any(|o| o["type"] == "message") {
                     // An answer of no text is still one (empty) message, as the whole answer has.
                     w.open_message(&mut out);
                 }
-                w.close_thinking(&mut out);
                 w.close_text(&mut out);
                 let (status, name) = if s.stop_type == StopType::Limit { ("incomplete", "response.incomplete") } else { ("completed", "response.completed") };
                 let done = w.object(status, Some(&s));
@@ -119,6 +119,12 @@ pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Respo
                 st2.metrics.failed();
                 let e = ApiError::from(&e);
                 w.push(&mut out, "error", json!({"code": e.kind(), "message": e.message, "param": null}));
+                // The stream's end: the response, failed (clients wait for a terminal event).
+                w.close_thinking(&mut out);
+                w.close_text(&mut out);
+                let mut failed = w.object("failed", None);
+                failed["error"] = json!({"code": e.kind(), "message": e.message});
+                w.push(&mut out, "response.failed", json!({"response": failed}));
             }
         }
         out

@@ -1461,3 +1461,21 @@ fn routers_get_the_worker_endpoints_they_ask_for() {
     let (s, v) = post(srv.addr, "/tokenize", json!({"add_special": true}));
     assert_eq!((s, v["error"]["param"].as_str()), (400, Some("content")), "{v}");
 }
+
+/// A tool whose parameters refer to their own definitions (`$ref` to `$defs`, as Pydantic
+/// writes them) compiles and is followed, in the generic format and as a forced native call:
+/// the definitions move to the schema's root, where references are resolved.
+#[test]
+fn tool_parameters_with_refs_to_their_own_definitions_are_followed() {
+    let params = json!({"type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"], "$defs": {"Item": {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"]}}});
+    let tools = json!([{"type": "function", "function": {"name": "put", "parameters": params}}]);
+    let generic = start(1, 1024);
+    let native = start_model(TinyGemma3 { chat_template: Some(TOOL_TEMPLATE.into()), context: 8192, ..TinyGemma3::default() }, None, |c| c.ctx_size = 1024);
+    for srv in [&generic, &native] {
+        let (s, v) =
+            post(srv.addr, "/v1/chat/completions", json!({"messages": [{"role": "user", "content": "put one"}], "tools": tools, "tool_choice": "required", "max_tokens": 60, "temperature": 0}));
+        assert_eq!(s, 200, "{v}");
+        let args: Value = serde_json::from_str(v["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"].as_str().expect("arguments")).expect("JSON arguments");
+        assert!(args["item"]["n"] == 1 || args["item"]["n"] == 2, "{v}");
+    }
+}
