@@ -71,8 +71,9 @@ pub enum Prompt {
 pub const MAX_CHOICES: usize = 16;
 
 impl PromptInput {
-    pub fn into_prompts(self) -> Result<Vec<Prompt>, RequestError> {
-        let v: Vec<Prompt> = match self {
+    /// Every prompt it holds, unchecked.
+    fn flatten(self) -> Vec<Prompt> {
+        match self {
             PromptInput::Text(t) => vec![Prompt::Text(t)],
             PromptInput::Tokens(ids) => vec![Prompt::Tokens(ids)],
             PromptInput::Many(v) => v
@@ -82,7 +83,11 @@ impl PromptInput {
                     OnePrompt::Tokens(ids) => Prompt::Tokens(ids),
                 })
                 .collect(),
-        };
+        }
+    }
+
+    pub fn into_prompts(self) -> Result<Vec<Prompt>, RequestError> {
+        let v = self.flatten();
         if v.is_empty() {
             return Err(RequestError::on("prompt", "`prompt` is an empty list"));
         }
@@ -639,17 +644,7 @@ pub fn check_embeddings(body: &[u8]) -> Result<EmbeddingRequest, RequestError> {
         (None, Some(c)) => ("content", c),
         (None, None) => return Err(RequestError::on("input", "`input` is required")),
     };
-    let prompts = match input {
-        PromptInput::Text(t) => vec![Prompt::Text(t)],
-        PromptInput::Tokens(ids) => vec![Prompt::Tokens(ids)],
-        PromptInput::Many(v) => v
-            .into_iter()
-            .map(|p| match p {
-                OnePrompt::Text(t) => Prompt::Text(t),
-                OnePrompt::Tokens(ids) => Prompt::Tokens(ids),
-            })
-            .collect(),
-    };
+    let prompts = input.flatten();
     if prompts.is_empty() {
         return Err(RequestError::on(field, format!("`{field}` is an empty list")));
     }
@@ -889,7 +884,17 @@ fn chat_prompt_of(b: &ChatBody, native_tools: bool) -> Result<(ChatPrompt, ToolM
 /// `native_tools`: the chat template has a tool syntax of its own (else tools take the
 /// generic format, [`tools`]).
 pub fn check_chat(body: &[u8], defaults: &Defaults, native_tools: bool) -> Result<ChatRequest, RequestError> {
-    let b: ChatBody = decode(body)?;
+    check_chat_body(decode(body)?, defaults, native_tools)
+}
+
+/// [`check_chat`] of a chat body built as a JSON value (the [`dialects`]' rewrites), without
+/// writing it out and reading it back.
+pub fn check_chat_value(body: serde_json::Value, defaults: &Defaults, native_tools: bool) -> Result<ChatRequest, RequestError> {
+    let b: ChatBody = serde_json::from_value(body).map_err(|e| RequestError::new(format!("invalid JSON body: {e}")))?;
+    check_chat_body(b, defaults, native_tools)
+}
+
+fn check_chat_body(b: ChatBody, defaults: &Defaults, native_tools: bool) -> Result<ChatRequest, RequestError> {
     let (prompt, mode, schema) = chat_prompt_of(&b, native_tools)?;
     let mut gen = b.gen;
     if let Some(schema) = schema {
@@ -933,9 +938,15 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
             let sizes: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();
             format!("completion prompt {} n_predict {} n {}", sizes.join("+"), r.limits.n_predict, r.n)
         }
-        Endpoint::Chat => chat_summary(body, &defaults)?,
-        Endpoint::Messages => chat_summary(&serde_json::to_vec(&dialects::anthropic_to_chat(body)?).expect("a JSON value serializes"), &defaults)?,
-        Endpoint::Responses => chat_summary(&serde_json::to_vec(&dialects::responses_to_chat(body)?).expect("a JSON value serializes"), &defaults)?,
+        Endpoint::Chat => chat_summary(|native| check_chat(body, &defaults, native))?,
+        Endpoint::Messages => {
+            let v = dialects::anthropic_to_chat(body)?;
+            chat_summary(|native| check_chat_value(v.clone(), &defaults, native))?
+        }
+        Endpoint::Responses => {
+            let v = dialects::responses_to_chat(body)?;
+            chat_summary(|native| check_chat_value(v.clone(), &defaults, native))?
+        }
         Endpoint::Embeddings => {
             let r = check_embeddings(body)?;
             for p in &r.prompts {
@@ -951,10 +962,10 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
 }
 
 /// [`decode_any`]'s chat summary, through both kinds of template: one with a tool syntax, and
-/// one without (the generic format).
-fn chat_summary(body: &[u8], defaults: &Defaults) -> Result<String, RequestError> {
-    check_chat(body, defaults, true)?;
-    let r = check_chat(body, defaults, false)?;
+/// one without (the generic format). `check` is the server's check for the endpoint.
+fn chat_summary(check: impl Fn(bool) -> Result<ChatRequest, RequestError>) -> Result<String, RequestError> {
+    check(true)?;
+    let r = check(false)?;
     let chars: usize = r.prompt.messages.iter().map(|m| m["content"].as_str().map_or(0, str::len)).sum();
     Ok(format!("chat {} messages {chars} bytes n_predict {}", r.prompt.messages.len(), r.limits.n_predict))
 }

@@ -91,11 +91,7 @@ impl ReasoningStream {
                     if at_end {
                         return;
                     }
-                    let keep = (1..THINK_CLOSE.len().min(self.pending.len() + 1))
-                        .rev()
-                        .find(|&k| self.pending.is_char_boundary(self.pending.len() - k) && THINK_CLOSE.starts_with(&self.pending[self.pending.len() - k..]))
-                        .unwrap_or(0);
-                    let now: String = self.pending.drain(..self.pending.len() - keep).collect();
+                    let now: String = self.pending.drain(..crate::tool_calls::safe_len(&self.pending, THINK_CLOSE)).collect();
                     self.reason(out, &now);
                     return;
                 }

@@ -151,12 +151,7 @@ impl ToolStream {
                         return;
                     }
                     // Give out all but a tail that may be the marker's beginning.
-                    let keep = (1..marker.len().min(self.pending.len() + 1))
-                        .rev()
-                        .find(|&k| self.pending.is_char_boundary(self.pending.len() - k) && marker.starts_with(&self.pending[self.pending.len() - k..]))
-                        .unwrap_or(0);
-                    let cut = self.pending.len() - keep;
-                    let now: String = self.pending.drain(..cut).collect();
+                    let now: String = self.pending.drain(..safe_len(&self.pending, marker)).collect();
                     self.content(out, &now);
                     return;
                 }
@@ -277,6 +272,13 @@ impl ToolStream {
         out.push(ToolDelta::Content(held + body));
         self.held.push_str(&text[body.len()..]);
     }
+}
+
+/// How much of `pending` can be given out: all but its longest tail that is a proper
+/// beginning of `marker` (the marker itself was looked for first).
+pub(crate) fn safe_len(pending: &str, marker: &str) -> usize {
+    let keep = (1..marker.len().min(pending.len() + 1)).rev().find(|&k| pending.is_char_boundary(pending.len() - k) && marker.starts_with(&pending[pending.len() - k..])).unwrap_or(0);
+    pending.len() - keep
 }
 
 enum Prefix {

@@ -28,8 +28,7 @@ fn answer(r: Result<Response, ApiError>) -> Response {
 /// The chat request an Anthropic body stands for.
 async fn chat_request(st: &AppState, body: Body) -> Result<tine_api::ChatRequest, ApiError> {
     let chat = tine_api::dialects::anthropic_to_chat(&read_body(st, body).await?)?;
-    let bytes = serde_json::to_vec(&chat).expect("a JSON value serializes");
-    Ok(tine_api::check_chat(&bytes, &st.config.defaults, st.template.tool_syntax().is_some())?)
+    Ok(tine_api::check_chat_value(chat, &st.config.defaults, st.template.tool_syntax().is_some())?)
 }
 
 pub(crate) async fn count_tokens(State(st): State<Shared>, body: Body) -> Response {

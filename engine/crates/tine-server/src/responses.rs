@@ -10,8 +10,7 @@ use super::*;
 async fn chat_request(st: &AppState, body: Body) -> Result<(tine_api::ChatRequest, Value), ApiError> {
     let raw = read_body(st, body).await?;
     let chat = tine_api::dialects::responses_to_chat(&raw)?;
-    let bytes = serde_json::to_vec(&chat).expect("a JSON value serializes");
-    let req = tine_api::check_chat(&bytes, &st.config.defaults, st.template.tool_syntax().is_some())?;
+    let req = tine_api::check_chat_value(chat, &st.config.defaults, st.template.tool_syntax().is_some())?;
     if req.n != 1 {
         return Err(ApiError { param: Some("n".into()), ..ApiError::bad("n: the Responses API answers one output") });
     }
