@@ -26,14 +26,16 @@ struct __align__(2) BlockQ8_0 { half d; int8_t qs[32]; };                       
 struct __align__(2) BlockQ5_0 { half d; uint8_t qh[4]; uint8_t qs[16]; };            // 22 bytes
 struct __align__(2) BlockQ4_K { half d; half dmin; uint8_t scales[12]; uint8_t qs[128]; }; // 144
 struct __align__(2) BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; half d; }; // 210
+struct __align__(2) BlockQ5_K { half d; half dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; }; // 176
 
 static_assert(sizeof(BlockQ8_0) == 34, "Q8_0");
 static_assert(sizeof(BlockQ5_0) == 22, "Q5_0");
 static_assert(sizeof(BlockQ4_K) == 144, "Q4_K");
 static_assert(sizeof(BlockQ6_K) == 210, "Q6_K");
+static_assert(sizeof(BlockQ5_K) == 176, "Q5_K");
 
 // Weight type codes: ggml's own numbers.
-enum WType : int { W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q6_K = 14 };
+enum WType : int { W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14 };
 
 // Four bytes from a 2-byte aligned address (GGUF blocks of 22 and 34 bytes are only that aligned).
 // Weight loads: from global memory read-only for the whole kernel (through the non-coherent
@@ -118,6 +120,9 @@ struct StepParams {
     int banned[MAX_BANNED];
     int kv_end;           // decode attention: keys below kv_end only (0: up to the row's own
                           // position); an assistant head's query past the cache it reads
+    int plane;            // recurrent layers: the state plane the step starts from (row m's
+                          // state goes to plane (plane + 1 + m) % n_planes)
+    int pad_;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -127,8 +132,9 @@ struct StepParams {
 //   in_mode 0: t = a                                       (a: [M, k] f32)
 //   in_mode 1: t = res + rmsnorm(a) * w_a                   (post-norm and residual add;
 //              times res_scale when set: a block's layer_output_scale)
-//   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the Q8_0 embedding row;
-//              token_m from `tokens` when set, else from the step block)
+//   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the embedding row, of type
+//              embd_type (0: Q8_0); token_m from `tokens` when set, else from the step block)
+//   in_mode 3: t = res + a                                  (a pre-norm block's residual add)
 // If res_out is set, t is stored there (the residual stream). Then
 //   y = norm ? rmsnorm(t) * w : t
 // is written as Q8 blocks (qs/d/sum) and, if y_out is set, as f32, into rows of q_stride values
@@ -144,13 +150,60 @@ struct NormQuantArgs {
     int k; int in_mode; int norm;
     const int* tokens;  // in_mode 2: the rows' token ids (null: the step block's)
     int q_stride; int q_off;  // the Q8 (and y_out) rows: q_stride values each (0: k), written from q_off
-    float res_scale; int pad_;  // in_mode 1: t is scaled by res_scale (0: not scaled)
+    float res_scale;  // in_mode 1: t is scaled by res_scale (0: not scaled)
+    int embd_type;    // in_mode 2: the embedding table's weight type (0: Q8_0)
 };
 
-__device__ __forceinline__ float embd_value(const uint8_t* embd, int k, int token, int i) {
-    const BlockQ8_0* row = reinterpret_cast<const BlockQ8_0*>(embd) + (size_t)token * (k / QK);
-    const BlockQ8_0& b = row[i / QK];
-    return __half2float(b.d) * (float)b.qs[i % QK];
+// The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block (ggml's
+// get_scale_min_k4).
+__device__ __forceinline__ void scale_min_k4(const uint8_t* s, int j, int& sc, int& mn) {
+    if (j < 4) { sc = s[j] & 63; mn = s[j + 4] & 63; }
+    else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
+}
+
+// Value i of row `token` of an embedding table of k-value rows of weight type `type` (0: Q8_0),
+// as ggml's dequantizer computes it.
+__device__ __forceinline__ float embd_value(const uint8_t* embd, int type, int k, int token, int i) {
+    switch (type) {
+        case W_Q4_K: case W_Q5_K: {
+            const bool five = type == W_Q5_K;
+            const uint8_t* row = embd + (size_t)token * (size_t)(k / 256) * (five ? 176 : 144);
+            const int iw = i % 256, j = iw / 32, l = iw % 32;
+            if (five) {
+                const BlockQ5_K& b = reinterpret_cast<const BlockQ5_K*>(row)[i / 256];
+                int sc, mn;
+                scale_min_k4(b.scales, j, sc, mn);
+                const int byte = b.qs[32 * (j / 2) + l];
+                const int q = ((j & 1) ? byte >> 4 : byte & 0xF) | (((b.qh[l] >> j) & 1) << 4);
+                return __half2float(b.d) * (float)sc * (float)q - __half2float(b.dmin) * (float)mn;
+            }
+            const BlockQ4_K& b = reinterpret_cast<const BlockQ4_K*>(row)[i / 256];
+            int sc, mn;
+            scale_min_k4(b.scales, j, sc, mn);
+            const int byte = b.qs[32 * (j / 2) + l];
+            const int q = (j & 1) ? byte >> 4 : byte & 0xF;
+            return __half2float(b.d) * (float)sc * (float)q - __half2float(b.dmin) * (float)mn;
+        }
+        case W_Q6_K: {
+            const BlockQ6_K& b = reinterpret_cast<const BlockQ6_K*>(embd + (size_t)token * (size_t)(k / 256) * 210)[i / 256];
+            const int iw = i % 256, n = iw / 128, r = iw % 128, qd = r / 32, l = r % 32;
+            const int lo = (b.ql[64 * n + l + (qd & 1) * 32] >> ((qd >> 1) * 4)) & 0xF;
+            const int hi = (b.qh[32 * n + l] >> (2 * qd)) & 3;
+            return __half2float(b.d) * (float)b.scales[8 * n + l / 16 + 2 * qd] * (float)((lo | (hi << 4)) - 32);
+        }
+        case W_Q5_0: {
+            const BlockQ5_0& b = reinterpret_cast<const BlockQ5_0*>(embd + (size_t)token * (size_t)(k / 32) * 22)[i / 32];
+            const int l = i % 32;
+            const uint32_t qh = (uint32_t)b.qh[0] | ((uint32_t)b.qh[1] << 8) | ((uint32_t)b.qh[2] << 16) | ((uint32_t)b.qh[3] << 24);
+            const int nib = l < 16 ? b.qs[l] & 0xF : b.qs[l - 16] >> 4;
+            return __half2float(b.d) * (float)((nib | (((qh >> l) & 1) << 4)) - 16);
+        }
+        default: {
+            const BlockQ8_0* row = reinterpret_cast<const BlockQ8_0*>(embd) + (size_t)token * (k / QK);
+            const BlockQ8_0& b = row[i / QK];
+            return __half2float(b.d) * (float)b.qs[i % QK];
+        }
+    }
 }
 
 #define NQ_THREADS 256
@@ -194,7 +247,17 @@ __device__ __forceinline__ void norm_quant_body(const NormQuantArgs& p) {
     }
     float t[PER], w[PER];
     float ss = 0.0f;
-    if (p.in_mode == 1) {
+    if (p.in_mode == 3) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = tid + NQ_THREADS * j;
+            t[j] = w[j] = 0.0f;
+            if (i < k) {
+                t[j] = p.res[(size_t)m * k + i] + __ldg(p.a + (size_t)m * k + i);
+                if (p.norm) w[j] = __ldg(p.w + i);
+            }
+        }
+    } else if (p.in_mode == 1) {
         float a[PER], r[PER], wa[PER];
 #pragma unroll
         for (int j = 0; j < PER; ++j) {
@@ -223,7 +286,7 @@ __device__ __forceinline__ void norm_quant_body(const NormQuantArgs& p) {
             const int i = tid + NQ_THREADS * j;
             t[j] = w[j] = 0.0f;
             if (i < k) {
-                t[j] = p.in_mode == 2 ? embd_value(p.embd, k, token, i) * p.embd_scale : __ldg(p.a + (size_t)m * k + i);
+                t[j] = p.in_mode == 2 ? embd_value(p.embd, p.embd_type, k, token, i) * p.embd_scale : __ldg(p.a + (size_t)m * k + i);
                 if (p.norm) w[j] = __ldg(p.w + i);
             }
         }
@@ -290,12 +353,14 @@ template <> struct WInfo<W_Q8_0> { static constexpr int BV = 32, BB = 34; };
 template <> struct WInfo<W_Q5_0> { static constexpr int BV = 32, BB = 22; };
 template <> struct WInfo<W_Q4_K> { static constexpr int BV = 256, BB = 144; };
 template <> struct WInfo<W_Q6_K> { static constexpr int BV = 256, BB = 210; };
+template <> struct WInfo<W_Q5_K> { static constexpr int BV = 256, BB = 176; };
 
 __device__ __forceinline__ size_t w_row_bytes(int type, int k) {
     switch (type) {
         case W_Q8_0: return (size_t)(k / 32) * 34;
         case W_Q5_0: return (size_t)(k / 32) * 22;
         case W_Q4_K: return (size_t)(k / 256) * 144;
+        case W_Q5_K: return (size_t)(k / 256) * 176;
         default: return (size_t)(k / 256) * 210;
     }
 }
@@ -344,6 +409,25 @@ __device__ __forceinline__ void load_unit(const uint8_t* row, int u, int l4, int
         const int sh = 4 * (j & 1);
         w0 = (int)((a0 >> sh) & 0x0F0F0F0Fu);
         w1 = (int)((a1 >> sh) & 0x0F0F0F0Fu);
+        const uint8_t* s = b->scales;
+        int sc, mn;
+        if (j < 4) { sc = ld_u8<SM>(s + j) & 63; mn = ld_u8<SM>(s + j + 4) & 63; }
+        else { sc = (ld_u8<SM>(s + j + 4) & 0xF) | ((ld_u8<SM>(s + j - 4) >> 6) << 4); mn = (ld_u8<SM>(s + j + 4) >> 4) | ((ld_u8<SM>(s + j) >> 6) << 4); }
+        fw = load_half<SM>(&b->d) * (float)sc;
+        fmin = l4 == 0 ? -load_half<SM>(&b->dmin) * (float)mn : 0.0f;
+    } else if constexpr (T == W_Q5_K) {
+        // Q4_K's nibbles and scales, and a fifth bit per value: bit j of qh[l] for value l of
+        // sub-block j.
+        const BlockQ5_K* b = reinterpret_cast<const BlockQ5_K*>(row) + u / 8;
+        const int j = u % 8;
+        const uint8_t* q = b->qs + 32 * (j / 2) + 8 * l4;
+        const uint32_t a0 = load_u32_a4<SM>(q);  // qs at offset 48, qh at 16 of a 176-byte block: 4-aligned
+        const uint32_t a1 = load_u32_a4<SM>(q + 4);
+        const uint32_t h0 = load_u32_a4<SM>(b->qh + 8 * l4);
+        const uint32_t h1 = load_u32_a4<SM>(b->qh + 8 * l4 + 4);
+        const int sh = 4 * (j & 1);
+        w0 = (int)(((a0 >> sh) & 0x0F0F0F0Fu) | (((h0 >> j) & 0x01010101u) << 4));
+        w1 = (int)(((a1 >> sh) & 0x0F0F0F0Fu) | (((h1 >> j) & 0x01010101u) << 4));
         const uint8_t* s = b->scales;
         int sc, mn;
         if (j < 4) { sc = ld_u8<SM>(s + j) & 63; mn = ld_u8<SM>(s + j + 4) & 63; }
@@ -444,6 +528,12 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, c
         }
 }
 
+// The GLU's activation of the gate: 1 GELU (tanh approximation, Gemma's), 2 SiLU (SwiGLU).
+__device__ __forceinline__ float glu_act(int glu, float g) {
+    if (glu == 2) return g / (1.0f + expf(-g));
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
 // A block's share of one segment: warp w works on the rows of group w / S, slice w % S; the
 // slices' sums are added in slice order, then the GLU epilogue.
 template <int T, int M, bool GLU>
@@ -477,10 +567,7 @@ __device__ __forceinline__ void gemv_seg(const GemvArgs& p, const GemvSeg& s, in
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float y = v[i][m];
-            if (GLU) {
-                const float g = y;
-                y = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * v2[i][m];
-            }
+            if (GLU) y = glu_act(s.glu, y) * v2[i][m];
             s.out[(size_t)m * s.out_stride + r0 + i] = y;
         }
     }
@@ -512,10 +599,12 @@ __device__ __forceinline__ void gemv_body(const GemvArgs& p) {
         case W_Q5_0 * 2: gemv_seg<W_Q5_0, M, false>(p, s, r0, slice, S, part); break;
         case W_Q4_K * 2: gemv_seg<W_Q4_K, M, false>(p, s, r0, slice, S, part); break;
         case W_Q6_K * 2: gemv_seg<W_Q6_K, M, false>(p, s, r0, slice, S, part); break;
+        case W_Q5_K * 2: gemv_seg<W_Q5_K, M, false>(p, s, r0, slice, S, part); break;
         case W_Q8_0 * 2 + 1: gemv_seg<W_Q8_0, M, true>(p, s, r0, slice, S, part); break;
         case W_Q5_0 * 2 + 1: gemv_seg<W_Q5_0, M, true>(p, s, r0, slice, S, part); break;
         case W_Q4_K * 2 + 1: gemv_seg<W_Q4_K, M, true>(p, s, r0, slice, S, part); break;
         case W_Q6_K * 2 + 1: gemv_seg<W_Q6_K, M, true>(p, s, r0, slice, S, part); break;
+        case W_Q5_K * 2 + 1: gemv_seg<W_Q5_K, M, true>(p, s, r0, slice, S, part); break;
         default: break;
     }
 }
@@ -583,6 +672,7 @@ __device__ __forceinline__ void gemv_staged(const GemvArgs& p) {
         case W_Q5_0: gemv_staged_body<W_Q5_0, M>(p, stage); break;
         case W_Q4_K: gemv_staged_body<W_Q4_K, M>(p, stage); break;
         case W_Q6_K: gemv_staged_body<W_Q6_K, M>(p, stage); break;
+        case W_Q5_K: gemv_staged_body<W_Q5_K, M>(p, stage); break;
         default: break;
     }
 }
@@ -730,10 +820,7 @@ __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& s
             const int r = r0 + wr * 16 + g + 8 * (e >> 1), m = m0 + wm * 32 + j * 8 + tig * 2 + (e & 1);
             if (r >= s.n || m >= rows) continue;
             float y = acc[j][e];
-            if (GLU) {
-                const float gt = y;
-                y = 0.5f * gt * (1.0f + tanhf(0.7978845608028654f * (gt + 0.044715f * gt * gt * gt))) * acc2[j][e];
-            }
+            if (GLU) y = glu_act(s.glu, y) * acc2[j][e];
             s.out[(size_t)m * s.out_stride + r] = y;
         }
 }
@@ -752,19 +839,23 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) 
         case W_Q5_0 * 2: mmq_body<W_Q5_0, false>(p, s, r0, sm); break;
         case W_Q4_K * 2: mmq_body<W_Q4_K, false>(p, s, r0, sm); break;
         case W_Q6_K * 2: mmq_body<W_Q6_K, false>(p, s, r0, sm); break;
+        case W_Q5_K * 2: mmq_body<W_Q5_K, false>(p, s, r0, sm); break;
         case W_Q8_0 * 2 + 1: mmq_body<W_Q8_0, true>(p, s, r0, sm); break;
         case W_Q5_0 * 2 + 1: mmq_body<W_Q5_0, true>(p, s, r0, sm); break;
         case W_Q4_K * 2 + 1: mmq_body<W_Q4_K, true>(p, s, r0, sm); break;
         case W_Q6_K * 2 + 1: mmq_body<W_Q6_K, true>(p, s, r0, sm); break;
+        case W_Q5_K * 2 + 1: mmq_body<W_Q5_K, true>(p, s, r0, sm); break;
         default: break;
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-head RMSNorm of q and k, RoPE (NeoX halves: pair (i, i + hd/2)), the query scale, and the
-// K/V rows written into the cache at positions pos + m.
+// Per-head RMSNorm of q and k, RoPE (NeoX halves over the first n_rot dims: pair (i, i + n_rot/2);
+// the dims from n_rot on pass unrotated), the query scale, and the K/V rows written into the cache
+// at positions pos + m.
 //
-// Grid: (n_head + n_kv, M); block: hd/2 threads, each owning the pair (i, i + hd/2).
+// Grid: (n_head + n_kv, M); block: hd/2 threads, thread i holding dims i and i + hd/2 (the norm's
+// values); the normed head goes through shared memory to the rotation's pairs.
 // q, k, v: [M, heads * hd] f32 (the QKV GEMV's outputs). q is rewritten in place.
 // Cache layout: [n_kv][ctx][hd] f32.
 
@@ -776,10 +867,12 @@ struct RopeArgs {
     float* k_cache; float* v_cache; int ctx;
     const StepParams* step;
     int n_head; int n_kv; int hd;
+    int n_rot;  // dims rotated (0: hd); inv_freq holds n_rot / 2 values
 };
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
     __shared__ float red[32];
+    __shared__ float ys[512];
     const int h = blockIdx.x, m = blockIdx.y, i = threadIdx.x, half_hd = p.hd / 2;
     pdl_trigger();
     pdl_wait();
@@ -791,11 +884,20 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
     const float ss = block_sum_all(x0 * x0 + x1 * x1, red);
     const float r = rsqrtf(ss / (float)p.hd + p.eps);
     const float* w = is_q ? p.q_norm : p.k_norm;
-    const float y0 = x0 * r * w[i], y1 = x1 * r * w[i + half_hd];
-    const float ang = (float)pos * p.inv_freq[i];
-    float sn, cs;
-    sincosf(ang, &sn, &cs);
-    const float o0 = y0 * cs - y1 * sn, o1 = y1 * cs + y0 * sn;
+    ys[i] = x0 * r * w[i];
+    ys[i + half_hd] = x1 * r * w[i + half_hd];
+    __syncthreads();
+    const int nr = p.n_rot > 0 ? p.n_rot : p.hd, hr = nr / 2;
+    // Dim j after the rotation: (y_j cos - y_{j+hr} sin) in the first half of the rotated dims,
+    // (y_j cos + y_{j-hr} sin) in the second, y_j past them.
+    auto rot = [&](int j) -> float {
+        if (j >= nr) return ys[j];
+        const int f = j < hr ? j : j - hr;
+        float sn, cs;
+        sincosf((float)pos * p.inv_freq[f], &sn, &cs);
+        return j < hr ? ys[j] * cs - ys[j + hr] * sn : ys[j] * cs + ys[j - hr] * sn;
+    };
+    const float o0 = rot(i), o1 = rot(i + half_hd);
     if (is_q) {
         float* dst = p.q + ((size_t)m * p.n_head + h) * p.hd;
         dst[i] = o0 * p.q_scale;
@@ -845,6 +947,7 @@ struct AttnArgs {
     const StepParams* step;
     int8_t* qs; float* qd; int* qsum;
     int ctx; int window; int n_head; int n_kv; int chunks_max;
+    const float* gate;  // [M, n_head * hd] or null: the output times sigmoid(gate) (Qwen3.5's gated attention)
 };
 
 template <int E> struct VecF;
@@ -859,6 +962,7 @@ __device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int h, float
     const int t = threadIdx.x, lane = t % WARP;
     const int k = p.n_head * HD;
     const size_t i = (size_t)m * k + (size_t)h * HD + t;
+    if (p.gate) y *= 1.0f / (1.0f + expf(-p.gate[i]));
     if (p.out) p.out[i] = y;
     if (p.qs) {
         const float amax = warp_max(fabsf(y));
@@ -1292,12 +1396,191 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopKA
     if (threadIdx.x == 0) p.counters[m] = 0;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The gated delta-net (Qwen3.5/3.6's linear-attention layers), token by token in the recurrent
+// form, as candle's CPU path computes it (candle-nn gated_delta_net.rs): the causal conv with
+// SiLU, q and k L2-normalised (q also scaled), beta = sigmoid(b), the decay exp(a softplus(alpha +
+// dt_bias)), the delta rule, then RMSNorm(o) w SiLU(z).
+//
+// A layer's recurrent state (the conv window and the delta state) lives in n_planes planes: a
+// step reads the plane the step block names (`plane`) and writes the state after its row m into
+// plane (plane + 1 + m) % n_planes (only for the last n_planes - 1 rows: a prompt step's earlier
+// rows are not kept). Rolling back to any of those rows is then choosing the next step's plane,
+// with no copy; the rows of a step are computed one after the other with the same operations
+// whatever the step's row count, so a verify row's state is a one-token step's bit for bit.
+
+// The conv over the window of the K - 1 rows before each row, then SiLU: channel c of row m,
+// y = SiLU(sum_j w[c][j] r[m + j][c]) over r = [window; x]. Grid: ceil(C / 256); a thread per
+// channel walks the step's rows in order. planes: [n_planes][K - 1][C].
+struct ConvArgs {
+    const float* x;   // [rows][C]: the fused QKV projection
+    const float* w;   // [C][K]
+    float* planes;    // the windows
+    float* y;         // [rows][C]
+    const StepParams* step;
+    int C; int K; int n_planes; int rows;
+};
+
+template <int K>
+__device__ __forceinline__ void conv_silu_body(const ConvArgs& p, int c) {
+    const int P = p.n_planes, p0 = p.step->plane, C = p.C;
+    const size_t plane_sz = (size_t)(K - 1) * C;
+    float wt[K], r[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) wt[j] = __ldg(p.w + (size_t)c * K + j);
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) r[j] = p.planes[(size_t)p0 * plane_sz + (size_t)j * C + c];
+    for (int m = 0; m < p.rows; ++m) {
+        r[K - 1] = p.x[(size_t)m * C + c];
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) s += wt[j] * r[j];
+        p.y[(size_t)m * C + c] = s / (1.0f + expf(-s));
+#pragma unroll
+        for (int j = 0; j < K - 1; ++j) r[j] = r[j + 1];
+        if (p.rows - 1 - m < P - 1) {
+            float* dst = p.planes + (size_t)((p0 + 1 + m) % P) * plane_sz + c;
+#pragma unroll
+            for (int j = 0; j < K - 1; ++j) dst[(size_t)j * C] = r[j];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) conv_silu(const ConvArgs p) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_trigger();
+    pdl_wait();
+    if (c >= p.C) return;
+    switch (p.K) {
+        case 2: conv_silu_body<2>(p, c); break;
+        case 3: conv_silu_body<3>(p, c); break;
+        case 4: conv_silu_body<4>(p, c); break;
+        case 5: conv_silu_body<5>(p, c); break;
+        default: break;
+    }
+}
+
+// The delta rule over the step's rows: block (value head h, group of GDN_WARPS columns), warp w
+// owns column col of h's state (stored transposed, [col][i], so a warp's loads are contiguous),
+// lane l holding entries i = l + 32 e. Value head h reads key head h mod hk (llama.cpp's tiled
+// order). Per row: q, k of that key head L2-normalised (q times q_scale), then
+//   S <- exp(g) S;  u = beta (v_col - S^T k);  S <- S + k u;  o_col = S^T q.
+// planes: [n_planes][hv][d][d]. qkv: [rows][(2 hk + hv) d] after the conv; alpha, beta:
+// [rows][hv]; out: [rows][hv d].
+
+#define GDN_WARPS 4
+
+struct GdnArgs {
+    const float* qkv; const float* alpha; const float* beta;
+    const float* dt_bias; const float* a;  // [hv] each; a = -exp(A_log)
+    float* planes; float* out;
+    const StepParams* step;
+    int hk; int hv; int d; int n_planes; int rows;
+    float eps; float q_scale; int pad_;
+};
+
+template <int E>
+__device__ __forceinline__ void gdn_body(const GdnArgs& p) {
+    const int h = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int d = 32 * E, col = blockIdx.y * GDN_WARPS + warp;
+    const int kh = h % p.hk, C = (2 * p.hk + p.hv) * d;
+    const int P = p.n_planes, p0 = p.step->plane;
+    const size_t plane_sz = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
+    float S[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) S[e] = p.planes[(size_t)p0 * plane_sz + at + 32 * e];
+    const float a = __ldg(p.a + h), dtb = __ldg(p.dt_bias + h);
+    for (int m = 0; m < p.rows; ++m) {
+        const float* row = p.qkv + (size_t)m * C;
+        float q[E], k[E], sq = 0.0f, sk = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            q[e] = row[kh * d + lane + 32 * e];
+            k[e] = row[(p.hk + kh) * d + lane + 32 * e];
+            sq += q[e] * q[e];
+            sk += k[e] * k[e];
+        }
+        sq = warp_sum(sq);
+        sk = warp_sum(sk);
+        const float fq = (1.0f / sqrtf(sq + p.eps)) * p.q_scale, fk = 1.0f / sqrtf(sk + p.eps);
+        const float v = row[(2 * p.hk + h) * d + col];
+        const float bt = 1.0f / (1.0f + expf(-p.beta[(size_t)m * p.hv + h]));
+        const float x = p.alpha[(size_t)m * p.hv + h] + dtb;
+        const float decay = expf(a * (x > 20.0f ? x : log1pf(expf(x))));
+        float kv = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            q[e] *= fq;
+            k[e] *= fk;
+            S[e] *= decay;
+            kv += S[e] * k[e];
+        }
+        kv = warp_sum(kv);
+        const float u = bt * (v - kv);
+        float o = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            S[e] += k[e] * u;
+            o += S[e] * q[e];
+        }
+        o = warp_sum(o);
+        if (lane == 0) p.out[(size_t)m * p.hv * d + (size_t)h * d + col] = o;
+        if (p.rows - 1 - m < P - 1) {
+            float* dst = p.planes + (size_t)((p0 + 1 + m) % P) * plane_sz + at;
+#pragma unroll
+            for (int e = 0; e < E; ++e) dst[32 * e] = S[e];
+        }
+    }
+}
+
+// Grid: (hv, d / GDN_WARPS); block GDN_WARPS warps.
+extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) gated_delta_rule(const GdnArgs p) {
+    pdl_trigger();
+    pdl_wait();
+    switch (p.d) {
+        case 64: gdn_body<2>(p); break;
+        case 128: gdn_body<4>(p); break;
+        case 256: gdn_body<8>(p); break;
+        default: break;
+    }
+}
+
+// RMSNorm(o) w SiLU(z) per value head (d values), written as the Q8 rows of the output
+// projection's input. Grid: (hv, rows); block d threads (a multiple of 32, at most 256).
+struct GatedNormArgs {
+    const float* o; const float* z; const float* w;  // o, z: [rows][hv d]; w: [d]
+    int8_t* qs; float* qd; int* qsum;                // Q8 rows of hv d values
+    int hv; int d; float eps; int pad_;
+};
+
+extern "C" __global__ void __launch_bounds__(256) gated_norm_quant(const GatedNormArgs p) {
+    __shared__ float red[32];
+    const int h = blockIdx.x, m = blockIdx.y, t = threadIdx.x, lane = t % WARP;
+    pdl_trigger();
+    pdl_wait();
+    const size_t i = (size_t)m * p.hv * p.d + (size_t)h * p.d + t;
+    const float o = p.o[i];
+    const float ms = block_sum_all(o * o, red) / (float)p.d;
+    const float inv = 1.0f / sqrtf(ms + p.eps);
+    const float zv = p.z[i];
+    const float y = o * inv * __ldg(p.w + t) * (zv / (1.0f + expf(-zv)));
+    const float amax = warp_max(fabsf(y));
+    const float dq = amax / 127.0f;
+    const int q = dq == 0.0f ? 0 : (int)rintf(y / dq);
+    p.qs[i] = (int8_t)q;
+    const int sum = warp_sum_i(q);
+    if (lane == 0) { p.qd[i / QK] = dq; p.qsum[i / QK] = sum; }
+}
+
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
-static_assert(sizeof(StepParams) == 80, "StepParams");
+static_assert(sizeof(StepParams) == 88, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 144, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
-static_assert(sizeof(AttnArgs) == 104, "AttnArgs");
+static_assert(sizeof(AttnArgs) == 112, "AttnArgs");
+static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
+static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
+static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
 static_assert(sizeof(TopKArgs) == 56, "TopKArgs");

@@ -5,7 +5,7 @@
 //! same order (`amax / 127`, `round_ties_even(y / d)`), so a test can quantize on the CPU what a
 //! kernel quantized on the GPU and demand equality.
 
-use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
+use candle_core::quantized::k_quants::{BlockQ4K, BlockQ5K, BlockQ5_0, BlockQ6K, BlockQ8_0, GgmlType};
 
 /// Values per activation block (and per GEMV unit).
 pub const QK: usize = 32;
@@ -16,11 +16,12 @@ pub enum WeightType {
     Q5_0,
     Q8_0,
     Q4K,
+    Q5K,
     Q6K,
 }
 
 impl WeightType {
-    pub const ALL: [WeightType; 4] = [WeightType::Q5_0, WeightType::Q8_0, WeightType::Q4K, WeightType::Q6K];
+    pub const ALL: [WeightType; 5] = [WeightType::Q5_0, WeightType::Q8_0, WeightType::Q4K, WeightType::Q5K, WeightType::Q6K];
 
     /// ggml's number for the type (`GGML_TYPE_*`), which the kernels take.
     pub fn ggml_id(self) -> i32 {
@@ -28,6 +29,7 @@ impl WeightType {
             WeightType::Q5_0 => 6,
             WeightType::Q8_0 => 8,
             WeightType::Q4K => 12,
+            WeightType::Q5K => 13,
             WeightType::Q6K => 14,
         }
     }
@@ -44,6 +46,7 @@ impl WeightType {
             D::Q5_0 => Some(WeightType::Q5_0),
             D::Q8_0 => Some(WeightType::Q8_0),
             D::Q4K => Some(WeightType::Q4K),
+            D::Q5K => Some(WeightType::Q5K),
             D::Q6K => Some(WeightType::Q6K),
             _ => None,
         }
@@ -53,7 +56,7 @@ impl WeightType {
     pub fn block_values(self) -> usize {
         match self {
             WeightType::Q5_0 | WeightType::Q8_0 => 32,
-            WeightType::Q4K | WeightType::Q6K => 256,
+            WeightType::Q4K | WeightType::Q5K | WeightType::Q6K => 256,
         }
     }
 
@@ -63,6 +66,7 @@ impl WeightType {
             WeightType::Q5_0 => 22,
             WeightType::Q8_0 => 34,
             WeightType::Q4K => 144,
+            WeightType::Q5K => 176,
             WeightType::Q6K => 210,
         }
     }
@@ -86,6 +90,7 @@ impl WeightType {
             WeightType::Q5_0 => go::<BlockQ5_0>(xs),
             WeightType::Q8_0 => go::<BlockQ8_0>(xs),
             WeightType::Q4K => go::<BlockQ4K>(xs),
+            WeightType::Q5K => go::<BlockQ5K>(xs),
             WeightType::Q6K => go::<BlockQ6K>(xs),
         }
     }
@@ -107,6 +112,7 @@ impl WeightType {
             WeightType::Q5_0 => go::<BlockQ5_0>(bytes),
             WeightType::Q8_0 => go::<BlockQ8_0>(bytes),
             WeightType::Q4K => go::<BlockQ4K>(bytes),
+            WeightType::Q5K => go::<BlockQ5K>(bytes),
             WeightType::Q6K => go::<BlockQ6K>(bytes),
         }
     }

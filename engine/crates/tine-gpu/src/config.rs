@@ -1,4 +1,4 @@
-//! A Gemma 3 GGUF's shape as the GPU engine reads it: the hyperparameters of its step program,
+//! A Gemma 3 or Qwen3.5 GGUF's shape as the GPU engine reads it: the hyperparameters of its step program,
 //! and which blocks belong to the trunk and which to a NextN head. Host code only (no CUDA), so
 //! CI tests it.
 
@@ -71,6 +71,130 @@ impl Gemma3Config {
     }
 }
 
+/// The hyperparameters of a `qwen35` GGUF's step program (llama.cpp's converter's layout: norms
+/// stored as `1 + w`, `ssm_a` as `-exp(A_log)`, value heads in tiled order, `attn_q` as
+/// `[q | gate]` per head). `qwen35moe` is refused here: its experts are not on the engine yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Qwen35Config {
+    pub hidden: usize,
+    /// Trunk layers (`block_count - nextn_predict_layers`).
+    pub layers: usize,
+    pub n_head: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    /// Dims rotated at the front of each attention head.
+    pub rope_dim: usize,
+    pub rope_base: f32,
+    pub ff: usize,
+    pub vocab: usize,
+    pub eps: f32,
+    /// Conv taps of the delta-net layers.
+    pub conv_kernel: usize,
+    /// d_k = d_v of the delta-net heads.
+    pub d_state: usize,
+    /// Key heads H_k and value heads H_v of the delta-net layers.
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    /// Per trunk layer: full attention (else a delta-net layer).
+    pub full_attention: Vec<bool>,
+    /// NextN layers after the trunk (`nextn_predict_layers`).
+    pub nextn_layers: usize,
+}
+
+impl Qwen35Config {
+    /// Reads the metadata of a `qwen35` GGUF whose token table has `vocab` rows (the rules of
+    /// candle's `quantized_qwen35::Config`).
+    pub fn from_metadata(md: &HashMap<String, Value>, vocab: usize) -> Result<Qwen35Config, String> {
+        let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+        if arch == "qwen35moe" {
+            return Err("qwen35moe: the routed experts are not on the GPU engine yet".into());
+        }
+        if arch != "qwen35" {
+            return Err(format!("architecture `{arch}` is not qwen35"));
+        }
+        let get = |key: &str| md.get(&format!("qwen35.{key}"));
+        let u = |key: &str| -> Result<usize, String> { get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize).ok_or_else(|| format!("metadata qwen35.{key} missing")) };
+        let f = |key: &str, default: f32| get(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
+        let blocks = u("block_count")?;
+        let nextn_layers = if get("nextn_predict_layers").is_some() { u("nextn_predict_layers")? } else { 0 };
+        if nextn_layers >= blocks {
+            return Err(format!("qwen35.nextn_predict_layers = {nextn_layers} of {blocks} blocks leaves no trunk"));
+        }
+        let layers = blocks - nextn_layers;
+        let full_attention = match get("attention.recurrent_layers") {
+            Some(Value::Array(vs)) => {
+                let rec = vs.iter().map(|v| v.to_bool().map_err(|e| format!("qwen35.attention.recurrent_layers: {e}"))).collect::<Result<Vec<bool>, String>>()?;
+                if rec.len() < layers {
+                    return Err(format!("qwen35.attention.recurrent_layers has {} entries for {layers} layers", rec.len()));
+                }
+                rec[..layers].iter().map(|r| !r).collect()
+            }
+            Some(_) => return Err("qwen35.attention.recurrent_layers is not an array".into()),
+            None => {
+                let interval = if get("full_attention_interval").is_some() { u("full_attention_interval")? } else { 4 };
+                if interval == 0 {
+                    return Err("qwen35.full_attention_interval is 0".into());
+                }
+                (0..layers).map(|l| (l + 1) % interval == 0).collect()
+            }
+        };
+        let head_dim = u("attention.key_length")?;
+        let cfg = Qwen35Config {
+            hidden: u("embedding_length")?,
+            layers,
+            n_head: u("attention.head_count")?,
+            n_kv: u("attention.head_count_kv")?,
+            head_dim,
+            rope_dim: if get("rope.dimension_count").is_some() { u("rope.dimension_count")? } else { head_dim / 4 },
+            rope_base: f("rope.freq_base", 10_000_000.0),
+            ff: u("feed_forward_length")?,
+            vocab,
+            eps: f("attention.layer_norm_rms_epsilon", 1e-6),
+            conv_kernel: u("ssm.conv_kernel")?,
+            d_state: u("ssm.state_size")?,
+            n_k_heads: u("ssm.group_count")?,
+            n_v_heads: u("ssm.time_step_rank")?,
+            full_attention,
+            nextn_layers,
+        };
+        if get("attention.value_length").is_some() && u("attention.value_length")? != head_dim {
+            return Err(format!("qwen35.attention.value_length differs from key_length ({head_dim})"));
+        }
+        if cfg.n_kv == 0 || !cfg.n_head.is_multiple_of(cfg.n_kv) {
+            return Err(format!("qwen35: {} query heads over {} KV heads", cfg.n_head, cfg.n_kv));
+        }
+        if cfg.n_k_heads == 0 || !cfg.n_v_heads.is_multiple_of(cfg.n_k_heads) {
+            return Err(format!("qwen35: {} value heads over {} key heads", cfg.n_v_heads, cfg.n_k_heads));
+        }
+        if !cfg.rope_dim.is_multiple_of(2) || cfg.rope_dim > head_dim {
+            return Err(format!("qwen35.rope.dimension_count {} of a head of {head_dim}", cfg.rope_dim));
+        }
+        Ok(cfg)
+    }
+
+    /// Channels of the delta-net's fused QKV rows: `2 · H_k · d + H_v · d`.
+    pub fn conv_dim(&self) -> usize {
+        (2 * self.n_k_heads + self.n_v_heads) * self.d_state
+    }
+
+    /// Why the engine's kernels cannot run this shape, if they cannot.
+    pub fn unsupported(&self) -> Option<String> {
+        if !matches!(self.head_dim, 64 | 128 | 256) || self.n_head / self.n_kv > 8 {
+            return Some(format!("attention heads {} / {} KV heads of {} dims", self.n_head, self.n_kv, self.head_dim));
+        }
+        if !matches!(self.d_state, 64 | 128 | 256) {
+            return Some(format!("delta-net state size {} (64, 128 or 256)", self.d_state));
+        }
+        if !(2..=5).contains(&self.conv_kernel) {
+            return Some(format!("a conv of {} taps (2..=5)", self.conv_kernel));
+        }
+        if !self.hidden.is_multiple_of(32) || !self.ff.is_multiple_of(32) || self.hidden > 8192 {
+            return Some(format!("widths {} and {} (multiples of 32, the hidden width at most 8192)", self.hidden, self.ff));
+        }
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,6 +222,55 @@ mod tests {
         assert_eq!((grafted.layers, grafted.nextn), (18, true));
         // The head's block 18 is local by its index, as candle builds it.
         assert!(grafted.is_local(18) && !grafted.is_local(17));
+    }
+
+    fn qwen35_metadata() -> HashMap<String, Value> {
+        let mut md: HashMap<String, Value> = [
+            ("block_count", 5),
+            ("nextn_predict_layers", 1),
+            ("embedding_length", 256),
+            ("feed_forward_length", 512),
+            ("attention.head_count", 4),
+            ("attention.head_count_kv", 2),
+            ("attention.key_length", 64),
+            ("rope.dimension_count", 16),
+            ("ssm.conv_kernel", 4),
+            ("ssm.state_size", 64),
+            ("ssm.group_count", 2),
+            ("ssm.time_step_rank", 4),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("qwen35.{k}"), Value::U32(v)))
+        .collect();
+        md.insert("general.architecture".into(), Value::String("qwen35".into()));
+        md
+    }
+
+    #[test]
+    fn qwen35_layers_are_full_attention_every_fourth_unless_listed() {
+        let c = Qwen35Config::from_metadata(&qwen35_metadata(), 1000).expect("qwen35");
+        assert_eq!((c.layers, c.nextn_layers, c.conv_dim()), (4, 1, 2 * 2 * 64 + 4 * 64));
+        assert_eq!(c.full_attention, vec![false, false, false, true]);
+        assert_eq!(c.unsupported(), None);
+        let mut md = qwen35_metadata();
+        md.insert("qwen35.attention.recurrent_layers".into(), Value::Array([true, false, true, true, true].into_iter().map(Value::Bool).collect()));
+        assert_eq!(Qwen35Config::from_metadata(&md, 1000).expect("listed").full_attention, vec![false, true, false, false]);
+    }
+
+    #[test]
+    fn qwen35_moe_and_unfit_shapes_are_refused_by_name() {
+        let mut md = qwen35_metadata();
+        md.insert("general.architecture".into(), Value::String("qwen35moe".into()));
+        let e = Qwen35Config::from_metadata(&md, 1000).expect_err("moe");
+        assert!(e.contains("experts"), "{e}");
+        let mut md = qwen35_metadata();
+        md.insert("qwen35.ssm.time_step_rank".into(), Value::U32(3));
+        let e = Qwen35Config::from_metadata(&md, 1000).expect_err("heads");
+        assert!(e.contains("value heads"), "{e}");
+        let mut md = qwen35_metadata();
+        md.insert("qwen35.ssm.state_size".into(), Value::U32(96));
+        let c = Qwen35Config::from_metadata(&md, 1000).expect("parses");
+        assert!(c.unsupported().expect("refused").contains("state size 96"));
     }
 
     #[test]

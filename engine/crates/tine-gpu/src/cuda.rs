@@ -104,6 +104,10 @@ pub struct StepParams {
     /// The decode attention reads keys below `kv_end` only (0: up to each row's own position):
     /// an assistant head's query at a position past the target cache it reads.
     pub kv_end: i32,
+    /// Recurrent layers: the state plane the step starts from; row `m`'s state goes to plane
+    /// `(plane + 1 + m) % n_planes`.
+    pub plane: i32,
+    pub pad_: i32,
 }
 // SAFETY: plain repr(C) integers, the layout of `StepParams` in decode.cu; all zeros is a valid value.
 unsafe impl DeviceRepr for StepParams {}
@@ -145,7 +149,8 @@ pub struct NormQuantArgs {
     /// `in_mode` 1: the residual sum is scaled by this (0: not scaled), a block's
     /// `layer_output_scale`.
     pub res_scale: f32,
-    pub pad_: i32,
+    /// `in_mode` 2: the embedding table's weight type, ggml's number (0: Q8_0).
+    pub embd_type: i32,
 }
 
 /// One segment of a GEMV launch.
@@ -197,6 +202,8 @@ pub struct RopeArgs {
     pub n_head: i32,
     pub n_kv: i32,
     pub hd: i32,
+    /// Dims rotated at the front of each head (0: all of them); `inv_freq` holds `n_rot / 2`.
+    pub n_rot: i32,
 }
 
 /// `attn_decode_hd{HD}`'s arguments.
@@ -219,6 +226,71 @@ pub struct AttnArgs {
     pub n_head: i32,
     pub n_kv: i32,
     pub chunks_max: i32,
+    /// `[rows, n_head * hd]` or 0: the output is multiplied by `sigmoid(gate)` (Qwen3.5's gated
+    /// attention) before it is written.
+    pub gate: DevPtr,
+}
+
+/// `conv_silu`'s arguments: the gated delta-net's causal conv with SiLU over a step's rows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConvArgs {
+    /// `[rows, c]`: the fused QKV projection.
+    pub x: DevPtr,
+    /// `[c, k]`: the kernel (tap `k - 1` on the current row).
+    pub w: DevPtr,
+    /// `[n_planes, k - 1, c]`: the windows.
+    pub planes: DevPtr,
+    /// `[rows, c]`.
+    pub y: DevPtr,
+    pub step: DevPtr,
+    pub c: i32,
+    pub k: i32,
+    pub n_planes: i32,
+    pub rows: i32,
+}
+
+/// `gated_delta_rule`'s arguments (see decode.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GdnArgs {
+    /// `[rows, (2 hk + hv) d]` after the conv.
+    pub qkv: DevPtr,
+    /// `[rows, hv]` each, before the softplus and the sigmoid.
+    pub alpha: DevPtr,
+    pub beta: DevPtr,
+    /// `[hv]` each.
+    pub dt_bias: DevPtr,
+    pub a: DevPtr,
+    /// `[n_planes, hv, d, d]`, each head's state stored `[col][i]`.
+    pub planes: DevPtr,
+    /// `[rows, hv d]`.
+    pub out: DevPtr,
+    pub step: DevPtr,
+    pub hk: i32,
+    pub hv: i32,
+    pub d: i32,
+    pub n_planes: i32,
+    pub rows: i32,
+    pub eps: f32,
+    pub q_scale: f32,
+    pub pad_: i32,
+}
+
+/// `gated_norm_quant`'s arguments: `RMSNorm(o) · w · SiLU(z)` per value head, as Q8 rows.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GatedNormArgs {
+    pub o: DevPtr,
+    pub z: DevPtr,
+    pub w: DevPtr,
+    pub qs: DevPtr,
+    pub qd: DevPtr,
+    pub qsum: DevPtr,
+    pub hv: i32,
+    pub d: i32,
+    pub eps: f32,
+    pub pad_: i32,
 }
 
 /// `argmax_rows`'s arguments.
@@ -255,12 +327,15 @@ pub struct TopKArgs {
 }
 
 // The sizes decode.cu asserts for the same structs.
-const _: () = assert!(std::mem::size_of::<StepParams>() == 80);
+const _: () = assert!(std::mem::size_of::<StepParams>() == 88);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 144);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 104);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 112);
+const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
+const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
+const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<TopKArgs>() == 56);
 
@@ -272,6 +347,9 @@ unsafe impl DeviceRepr for RopeArgs {}
 unsafe impl DeviceRepr for AttnArgs {}
 unsafe impl DeviceRepr for ArgmaxArgs {}
 unsafe impl DeviceRepr for TopKArgs {}
+unsafe impl DeviceRepr for ConvArgs {}
+unsafe impl DeviceRepr for GdnArgs {}
+unsafe impl DeviceRepr for GatedNormArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -287,6 +365,9 @@ pub struct Kernels {
     attn_prompt: [(usize, CudaFunction); 3],
     argmax: CudaFunction,
     topk: CudaFunction,
+    conv: CudaFunction,
+    gdn: CudaFunction,
+    gated_norm: CudaFunction,
     /// Launch with programmatic dependent launch (each kernel may start while the previous one
     /// runs, up to its `griddepcontrol.wait`): `TINE_GPU_PDL=0` turns it off.
     pdl: AtomicBool,
@@ -316,6 +397,9 @@ impl Kernels {
             attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?)],
             argmax: f("argmax_rows")?,
             topk: f("topk_rows")?,
+            conv: f("conv_silu")?,
+            gdn: f("gated_delta_rule")?,
+            gated_norm: f("gated_norm_quant")?,
             pdl: AtomicBool::new(std::env::var("TINE_GPU_PDL").map_or(true, |v| v != "0")),
             _module: module,
         })
@@ -444,6 +528,7 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`], and the step's positions `pos..pos + rows` are below `ctx`.
     pub unsafe fn qk_norm_rope_kv(&self, stream: &Arc<CudaStream>, rows: usize, args: &RopeArgs) -> Result<(), GpuError> {
         check(args.hd > 0 && args.hd % 64 == 0 && args.hd <= 512, || format!("qk_norm_rope_kv: head dim {} (a multiple of 64 up to 512)", args.hd))?;
+        check(args.n_rot >= 0 && args.n_rot % 2 == 0 && args.n_rot <= args.hd, || format!("qk_norm_rope_kv: {} rotated dims of a head of {}", args.n_rot, args.hd))?;
         let cfg = LaunchConfig { grid_dim: ((args.n_head + args.n_kv) as u32, rows as u32, 1), block_dim: ((args.hd / 2) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.rope, cfg, args, "qk_norm_rope_kv")
     }
@@ -491,7 +576,48 @@ impl Kernels {
     }
 }
 
+/// Warps (state columns) per block of `gated_delta_rule`.
+pub const GDN_WARPS: usize = 4;
+/// The widest conv kernel `conv_silu` takes (taps).
+pub const CONV_MAX_K: usize = 5;
+
 impl Kernels {
+    /// The causal conv with SiLU over `args.rows` rows.
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]: `x` and `y` hold `rows × c` floats, `w` `c × k`, `planes`
+    /// `n_planes × (k - 1) × c`, and the step block's `plane` is below `n_planes`.
+    pub unsafe fn conv_silu(&self, stream: &Arc<CudaStream>, args: &ConvArgs) -> Result<(), GpuError> {
+        check((2..=CONV_MAX_K as i32).contains(&args.k), || format!("conv_silu: a kernel of {} taps (2..={CONV_MAX_K})", args.k))?;
+        check(args.c > 0 && args.rows > 0 && args.n_planes >= 2, || format!("conv_silu: {} channels, {} rows, {} planes", args.c, args.rows, args.n_planes))?;
+        let cfg = LaunchConfig { grid_dim: ((args.c as u32).div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.conv, cfg, args, "conv_silu")
+    }
+
+    /// The gated delta rule over `args.rows` rows.
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]: the extents [`GdnArgs`] gives, the step block's `plane`
+    /// below `n_planes`.
+    pub unsafe fn gated_delta_rule(&self, stream: &Arc<CudaStream>, args: &GdnArgs) -> Result<(), GpuError> {
+        check(matches!(args.d, 64 | 128 | 256), || format!("gated_delta_rule: state size {} (64, 128 or 256)", args.d))?;
+        check(args.hk > 0 && args.hv % args.hk == 0 && args.rows > 0 && args.n_planes >= 2, || {
+            format!("gated_delta_rule: {} value heads over {} key heads, {} rows, {} planes", args.hv, args.hk, args.rows, args.n_planes)
+        })?;
+        let cfg = LaunchConfig { grid_dim: (args.hv as u32, (args.d as usize / GDN_WARPS) as u32, 1), block_dim: ((GDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gdn, cfg, args, "gated_delta_rule")
+    }
+
+    /// `RMSNorm(o) · w · SiLU(z)` per value head for `rows` rows, as Q8 rows.
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]: `o`, `z` and the Q8 planes hold `rows` rows of `hv × d`.
+    pub unsafe fn gated_norm_quant(&self, stream: &Arc<CudaStream>, rows: usize, args: &GatedNormArgs) -> Result<(), GpuError> {
+        check(args.d > 0 && args.d % 32 == 0 && args.d <= 256, || format!("gated_norm_quant: heads of {} values (a multiple of 32 up to 256)", args.d))?;
+        let cfg = LaunchConfig { grid_dim: (args.hv as u32, rows as u32, 1), block_dim: (args.d as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gated_norm, cfg, args, "gated_norm_quant")
+    }
+
     /// The blocks per row of `topk_rows` for rows of `n` values (its scratch is `rows * blocks *
     /// TOPK_MAX` u64).
     pub fn topk_blocks(n: usize) -> usize {

@@ -565,7 +565,7 @@ impl Gemma3Gpu {
             q_stride: 0,
             q_off: 0,
             res_scale: 0.0,
-            pad_: 0,
+            embd_type: 0,
         }
     }
 
@@ -625,6 +625,7 @@ impl Gemma3Gpu {
             n_head: c.n_head as i32,
             n_kv: c.n_kv as i32,
             hd: c.head_dim as i32,
+            n_rot: 0,
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
@@ -659,6 +660,7 @@ impl Gemma3Gpu {
             n_head: n_head as i32,
             n_kv: self.cfg.n_kv as i32,
             chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
+            gate: 0,
         }
     }
 

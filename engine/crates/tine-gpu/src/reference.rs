@@ -76,6 +76,19 @@ pub fn lane_unit(t: WeightType, row: &[u8], u: usize, l4: usize) -> ([i8; 8], f3
             let fmin = if l4 == 0 { -h(b, 2) * mn as f32 } else { 0.0 };
             (w, h(b, 0) * sc as f32, fmin)
         }
+        WeightType::Q5K => {
+            let b = &row[(u / 8) * 176..(u / 8 + 1) * 176];
+            let j = u % 8;
+            let (s, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+            for (e, x) in w.iter_mut().enumerate() {
+                let byte = qs[32 * (j / 2) + 8 * l4 + e];
+                let nib = if j & 1 == 1 { byte >> 4 } else { byte & 0xF };
+                *x = (nib | (((qh[8 * l4 + e] >> j) & 1) << 4)) as i8;
+            }
+            let (sc, mn) = if j < 4 { (s[j] & 63, s[j + 4] & 63) } else { ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)) };
+            let fmin = if l4 == 0 { -h(b, 2) * mn as f32 } else { 0.0 };
+            (w, h(b, 0) * sc as f32, fmin)
+        }
         WeightType::Q6K => {
             let b = &row[(u / 8) * 210..(u / 8 + 1) * 210];
             let j = u % 8;
@@ -165,6 +178,109 @@ pub fn attention(q: &[f64], k_cache: &[f32], v_cache: &[f32], ctx: usize, n_head
     out
 }
 
+/// SiLU in float64.
+pub fn silu(x: f64) -> f64 {
+    x / (1.0 + (-x).exp())
+}
+
+/// RoPE, NeoX halves over the first `n_rot` dims (pair `(i, i + n_rot/2)`; the rest unrotated),
+/// at position `pos`; `inv_freq` holds `n_rot / 2` values.
+pub fn rope_partial(x: &[f64], pos: usize, n_rot: usize, inv_freq: &[f32]) -> Vec<f64> {
+    let mut out = x.to_vec();
+    out[..n_rot].copy_from_slice(&rope(&x[..n_rot], pos, inv_freq));
+    out
+}
+
+/// The shape of a gated delta-net layer as the kernels take it.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnDims {
+    /// Key heads.
+    pub hk: usize,
+    /// Value heads (a multiple of `hk`; head `h` reads key head `h % hk`).
+    pub hv: usize,
+    /// State size (d_k = d_v).
+    pub d: usize,
+    /// Conv taps.
+    pub kernel: usize,
+}
+
+impl GdnDims {
+    /// Channels of the fused QKV rows.
+    pub fn channels(&self) -> usize {
+        (2 * self.hk + self.hv) * self.d
+    }
+}
+
+/// One sequence's delta-net layer state in float64: the conv window (`(kernel - 1) × channels`,
+/// oldest row first) and the state `S[h][i][j]` (`hv × d × d`, key dim `i`, value dim `j`).
+#[derive(Debug, Clone)]
+pub struct GdnState {
+    pub window: Vec<f64>,
+    pub s: Vec<f64>,
+}
+
+/// One row of a gated delta-net layer in float64, from its projections: `qkv` (channels, before
+/// the conv), `z` (`hv × d`), `beta` and `alpha` (`hv`): the conv over the window with SiLU, q and
+/// k L2-normalised (`x / sqrt(Σx² + eps)`, q times `1/sqrt(d)`), `β = sigmoid(beta)`, the decay
+/// `exp(a · softplus(alpha + dt_bias))`, the delta rule, then `RMSNorm(o) · norm · SiLU(z)` per
+/// value head. Advances `st` and returns the `(o, y)` pair: the delta rule's output and the gated,
+/// normalised one (`hv × d` each).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_row(dims: GdnDims, st: &mut GdnState, conv_w: &[f32], qkv: &[f64], z: &[f64], beta: &[f64], alpha: &[f64], dt_bias: &[f32], a: &[f32], norm: &[f32], eps: f64) -> (Vec<f64>, Vec<f64>) {
+    let GdnDims { hk, hv, d, kernel } = dims;
+    let c = dims.channels();
+    // The conv: rows [window; qkv].
+    let mut conv = vec![0f64; c];
+    for ch in 0..c {
+        let mut s = 0f64;
+        for j in 0..kernel {
+            let x = if j + 1 < kernel { st.window[j * c + ch] } else { qkv[ch] };
+            s += conv_w[ch * kernel + j] as f64 * x;
+        }
+        conv[ch] = silu(s);
+    }
+    if kernel > 1 {
+        st.window.drain(..c);
+        st.window.extend_from_slice(qkv);
+    }
+    let l2 = |x: &[f64], f: f64| -> Vec<f64> {
+        let ss: f64 = x.iter().map(|v| v * v).sum();
+        let inv = 1.0 / (ss + eps).sqrt() * f;
+        x.iter().map(|v| v * inv).collect()
+    };
+    let mut o = vec![0f64; hv * d];
+    let mut y = vec![0f64; hv * d];
+    for h in 0..hv {
+        let kh = h % hk;
+        let q = l2(&conv[kh * d..(kh + 1) * d], 1.0 / (d as f64).sqrt());
+        let k = l2(&conv[(hk + kh) * d..(hk + kh + 1) * d], 1.0);
+        let v = &conv[(2 * hk + h) * d..(2 * hk + h + 1) * d];
+        let b = 1.0 / (1.0 + (-beta[h]).exp());
+        let x = alpha[h] + dt_bias[h] as f64;
+        let sp = if x > 20.0 { x } else { x.exp().ln_1p() };
+        let decay = (a[h] as f64 * sp).exp();
+        let sh = &mut st.s[h * d * d..(h + 1) * d * d];
+        sh.iter_mut().for_each(|x| *x *= decay);
+        for j in 0..d {
+            let kv: f64 = (0..d).map(|i| sh[i * d + j] * k[i]).sum();
+            let u = b * (v[j] - kv);
+            for i in 0..d {
+                sh[i * d + j] += k[i] * u;
+            }
+        }
+        for j in 0..d {
+            o[h * d + j] = (0..d).map(|i| sh[i * d + j] * q[i]).sum();
+        }
+        let oh = &o[h * d..(h + 1) * d];
+        let ms = oh.iter().map(|v| v * v).sum::<f64>() / d as f64;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for j in 0..d {
+            y[h * d + j] = oh[j] * inv * norm[j] as f64 * silu(z[h * d + j]);
+        }
+    }
+    (o, y)
+}
+
 /// The greedy choice: the largest value, the lowest index among equals (as the sampler does).
 pub fn argmax(xs: &[f32]) -> usize {
     let mut best = 0;
@@ -184,6 +300,31 @@ mod tests {
     fn argmax_takes_the_lowest_index_of_a_tie() {
         assert_eq!(argmax(&[1.0, 3.0, 2.0, 3.0]), 1);
         assert_eq!(argmax(&[f32::NEG_INFINITY; 4]), 0);
+    }
+
+    #[test]
+    fn partial_rope_leaves_the_dims_past_n_rot_alone() {
+        let x: Vec<f64> = (0..8).map(|i| i as f64 + 1.0).collect();
+        let out = rope_partial(&x, 5, 4, &inv_freq(4, 10000.0));
+        assert_eq!(&out[4..], &x[4..]);
+        assert_eq!(&out[..4], &rope(&x[..4], 5, &inv_freq(4, 10000.0))[..]);
+    }
+
+    #[test]
+    fn a_delta_net_row_with_unit_decay_and_beta_one_writes_v_along_k() {
+        // With decay 1 (a = 0) and beta -> 1, one step from S = 0 stores S = k vᵀ: o = (q·k) v.
+        let dims = GdnDims { hk: 1, hv: 1, d: 4, kernel: 2 };
+        let mut st = GdnState { window: vec![0.0; dims.channels()], s: vec![0.0; 16] };
+        // The conv: tap 1 (the current row) 1, tap 0 0, so conv = SiLU(qkv).
+        let conv_w: Vec<f32> = (0..dims.channels()).flat_map(|_| [0.0, 1.0]).collect();
+        let qkv = [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 2.0, -1.0, 0.5, 3.0];
+        let (o, _) = gdn_row(dims, &mut st, &conv_w, &qkv, &[0.0; 4], &[40.0], &[0.0], &[0.0], &[0.0], &[1.0; 4], 0.0);
+        let (qn, kn) = (silu(1.0) / silu(1.0), silu(1.0) / silu(1.0));
+        for (j, v) in [2.0, -1.0, 0.5, 3.0].iter().enumerate() {
+            let want = qn * kn * silu(*v) / 2.0;
+            assert!((o[j] - want).abs() < 1e-12, "o[{j}] = {} vs {want}", o[j]);
+        }
+        assert_eq!(&st.window[..], &qkv[..]);
     }
 
     #[test]

@@ -223,6 +223,7 @@ fn check_attention_rows(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd
             n_head: n_head as i32,
             n_kv: n_kv as i32,
             chunks_max: 0,
+            gate: 0,
         };
         // SAFETY: q holds `rows` rows (row0 + n_rows <= rows), the caches ctx positions (pos +
         // rows <= ctx), the Q8 planes `rows` rows.
@@ -501,6 +502,7 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
                 n_head: n_head as i32,
                 n_kv: n_kv as i32,
                 hd: hd as i32,
+                n_rot: 0,
             };
             // SAFETY: q/k/v hold `rows` rows, the caches ctx > pos + rows positions.
             unsafe { dev.k.qk_norm_rope_kv(&dev.stream, n_rows, &args)? };
@@ -568,6 +570,7 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
             n_head: n_head as i32,
             n_kv: n_kv as i32,
             chunks_max: chunks_max as i32,
+            gate: 0,
         };
         // SAFETY: q holds `rows` rows, the caches ctx positions (pos + rows <= ctx), the
         // partials `rows` rows of chunks_max chunks, the counters MAX_ROWS * n_head zeroed ints,
@@ -633,6 +636,7 @@ fn check_attention_kv_end(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, 
         n_head: n_head as i32,
         n_kv: n_kv as i32,
         chunks_max: chunks_max as i32,
+        gate: 0,
         ..Default::default()
     };
     // SAFETY: q holds one row, the caches ctx positions (kv_end <= pos < ctx), the partials one
@@ -1003,6 +1007,7 @@ mod bench {
                         n_head: HEADS as i32,
                         n_kv: KV as i32,
                         hd: HD as i32,
+                        n_rot: 0,
                     };
                     let label = "qk_norm_rope_kv";
                     if skip != Some(label) {
@@ -1026,6 +1031,7 @@ mod bench {
                         n_head: HEADS as i32,
                         n_kv: KV as i32,
                         chunks_max: Kernels::attn_chunks_max(CTX, window) as i32,
+                        gate: 0,
                     };
                     let label = if global { "attention: global" } else { "attention: local (window)" };
                     if skip != Some(label) {

@@ -239,6 +239,7 @@ impl Gemma3Gpu {
                     n_head: head.n_head as i32,
                     n_kv: 0,
                     hd: c.head_dim as i32,
+                    n_rot: 0,
                     ..Default::default()
                 };
                 k.qk_norm_rope_kv(s, 1, &rope)?;
