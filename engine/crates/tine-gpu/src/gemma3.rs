@@ -197,7 +197,7 @@ pub struct Gemma3Gpu {
 
 /// A captured step. The graph is launched from whichever thread steps its sequence, one launch
 /// at a time (the sequence is borrowed mutably for it), with the context bound by cudarc.
-struct Graph(CudaGraph);
+pub(crate) struct Graph(pub(crate) CudaGraph);
 // SAFETY: a CUDA graph exec may be launched from any thread once the context is current there
 // (cudarc binds it in `launch`); the owner launches it from one thread at a time.
 unsafe impl Send for Graph {}
@@ -275,20 +275,20 @@ impl NextNCache {
 }
 
 /// Reads tensors of one GGUF onto the device.
-struct Reader<'a> {
-    content: &'a gguf_file::Content,
-    file: &'a mut File,
-    path: &'a str,
-    stream: &'a Arc<CudaStream>,
+pub(crate) struct Reader<'a> {
+    pub(crate) content: &'a gguf_file::Content,
+    pub(crate) file: &'a mut File,
+    pub(crate) path: &'a str,
+    pub(crate) stream: &'a Arc<CudaStream>,
 }
 
 impl Reader<'_> {
-    fn tensor(&mut self, name: &str) -> Result<candle_core::quantized::QTensor> {
+    pub(crate) fn tensor(&mut self, name: &str) -> Result<candle_core::quantized::QTensor> {
         self.content.tensor(self.file, name, &candle_core::Device::Cpu).map_err(|source| Gemma3GpuError::Read { path: format!("{} ({name})", self.path), source })
     }
 
     /// A quantized matrix of `rows` rows of `k` values, its GGUF blocks uploaded as they are.
-    fn weight(&mut self, name: &str, rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
+    pub(crate) fn weight(&mut self, name: &str, rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
         if t.shape().dims() != [rows, k] || !k.is_multiple_of(wt.block_values()) {
@@ -299,7 +299,7 @@ impl Reader<'_> {
     }
 
     /// A vector of `n` values (a norm's weights), as f32.
-    fn norm(&mut self, name: &str, n: usize) -> Result<CudaSlice<f32>> {
+    pub(crate) fn norm(&mut self, name: &str, n: usize) -> Result<CudaSlice<f32>> {
         let t = self.tensor(name)?;
         let v = t.dequantize(&candle_core::Device::Cpu).and_then(|t| t.flatten_all()?.to_vec1::<f32>()).map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
         if v.len() != n {
@@ -310,7 +310,7 @@ impl Reader<'_> {
 }
 
 impl Reader<'_> {
-    fn model_err(&self, what: String) -> Gemma3GpuError {
+    pub(crate) fn model_err(&self, what: String) -> Gemma3GpuError {
         Gemma3GpuError::Model { path: self.path.to_string(), what }
     }
 
@@ -414,13 +414,13 @@ fn draft_ids(v: &gguf_file::Value, key: &str, vocab: usize) -> std::result::Resu
     Ok(ids)
 }
 
-fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
+pub(crate) fn alloc<T: DeviceRepr + ValidAsZeroBits>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
     Ok(stream.alloc_zeros::<T>(n.max(1))?)
 }
 
 /// RoPE's inverse frequencies as candle's quantized_gemma3 computes them (f32 `powf`), so the
 /// angles match the CPU path's.
-fn inv_freq(hd: usize, base: f32) -> Vec<f32> {
+pub(crate) fn inv_freq(hd: usize, base: f32) -> Vec<f32> {
     (0..hd).step_by(2).map(|i| 1f32 / base.powf(i as f32 / hd as f32)).collect()
 }
 

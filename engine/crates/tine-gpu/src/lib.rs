@@ -34,3 +34,5 @@ pub mod reference;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod gemma3;
+#[cfg(feature = "cuda")]
+pub mod qwen35;

@@ -1,0 +1,784 @@
+//! Qwen3.5/3.6 (`qwen35`, dense) on tine-gpu's kernels: the hybrid of gated delta-net layers and
+//! gated full-attention layers read from a GGUF (as llama.cpp writes it) into buffers allocated
+//! once, and a step of 1..=8 rows as a fixed list of launches, captured once per row count as a
+//! CUDA graph and replayed (prompt steps of more rows launch directly, as Gemma 3's do).
+//!
+//! The step program, per layer (`x` the residual stream):
+//!
+//! 1. `norm_quant`: `x += down` of the layer before (layer 0: the embedding row, any weight type
+//!    the GEMV reads), then `attn_norm(x)` as Q8
+//! 2. the mixer:
+//!    - a delta-net layer (5 launches): one GEMV of four segments (the fused QKV rows, the gate
+//!      `z`, `beta`, `alpha`), `conv_silu` over the layer's conv window, `gated_delta_rule` over
+//!      its state, `gated_norm_quant` (`RMSNorm(o) · w · SiLU(z)` as Q8), `ssm_out`;
+//!    - a full-attention layer (4 launches): one GEMV of four segments (q, its gate, k, v: the GGUF's
+//!      `[q | gate]` rows are split per head at load), `qk_norm_rope_kv` (RoPE on the first
+//!      `rope.dimension_count` dims), the attention with the `sigmoid(gate)` epilogue, `attn_output`;
+//! 3. `norm_quant`: `x += mixer`, then `post_attention_norm(x)` as Q8
+//! 4. the SwiGLU GEMV (gate and up, SiLU epilogue), `norm_quant` of its rows, `down`
+//!
+//! then `norm_quant` (`x += down`, `output_norm`, the normed rows kept as f32: the hidden states
+//! Qwen3.5's NextN head reads), the LM head and the greedy argmax.
+//!
+//! **Recurrent state and rollback.** Each delta-net layer keeps [`PLANES`] planes of its state (conv
+//! window and delta state) per sequence: a step reads the plane its sequence is at and writes the
+//! state after each of its last `PLANES - 1` rows into the next planes of the ring. A verify step of
+//! up to 8 rows therefore leaves the state after every row, and keeping `j` of its rows is choosing
+//! the plane of row `j - 1` for the next step: no copy and no re-run (llama.cpp's per-token
+//! snapshots, as an index move). The kernels compute a row with the same operations whatever the
+//! row count, so the state after a verify row is a one-token step's bit for bit. A sequence can
+//! return to any position one of its planes holds ([`Qwen35Cache::restorable`]), or to 0.
+
+use std::fs::File;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file;
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
+
+use crate::blocks::{WeightType, QK};
+use crate::config::Qwen35Config;
+use crate::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX, TOPK_MAX_N};
+use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Reader, PROMPT_ROWS};
+
+type Result<T> = std::result::Result<T, Error>;
+
+/// State planes per delta-net layer and sequence: the state at the step's start and after each
+/// row of a verify step of up to [`MAX_ROWS`] rows.
+pub const PLANES: usize = MAX_ROWS + 1;
+
+type W = (CudaSlice<u8>, WeightType);
+
+enum Mixer {
+    Attention { q: W, gate: W, k: W, v: W, o: W, q_norm: CudaSlice<f32>, k_norm: CudaSlice<f32> },
+    DeltaNet { qkv: W, z: W, beta: W, alpha: W, conv: CudaSlice<f32>, dt_bias: CudaSlice<f32>, a: CudaSlice<f32>, norm: CudaSlice<f32>, out: W },
+}
+
+struct Layer {
+    attn_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    mixer: Mixer,
+    gate: W,
+    up: W,
+    down: W,
+}
+
+/// Activation buffers for [`PROMPT_ROWS`] rows (the logits and argmax scratch for
+/// [`MAX_ROWS`]), allocated once.
+struct Buffers {
+    h: CudaSlice<f32>,
+    /// The rows after the output norm.
+    hid: CudaSlice<f32>,
+    /// A delta-net layer's QKV rows before the conv, or an attention layer's q.
+    x1: CudaSlice<f32>,
+    /// `z`, or the attention's gate.
+    x2: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    conv: CudaSlice<f32>,
+    alpha: CudaSlice<f32>,
+    beta: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    mix: CudaSlice<f32>,
+    ff: CudaSlice<f32>,
+    down: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    qs: CudaSlice<i8>,
+    qd: CudaSlice<f32>,
+    qsum: CudaSlice<i32>,
+    partials: CudaSlice<f32>,
+    attn_counters: CudaSlice<i32>,
+    cand_v: CudaSlice<f32>,
+    cand_i: CudaSlice<i32>,
+    argmax_counters: CudaSlice<i32>,
+    ids: CudaSlice<i32>,
+    topk_cand: CudaSlice<u64>,
+    topk_counters: CudaSlice<i32>,
+    topk_ids: CudaSlice<i32>,
+    topk_vals: CudaSlice<f32>,
+}
+
+struct StepBlock {
+    params: CudaSlice<StepParams>,
+    tokens: CudaSlice<i32>,
+}
+
+/// Qwen3.5 on the GPU: weights and the step's buffers, shared by every sequence (steps run one at
+/// a time on the model's stream). Each sequence holds a [`Qwen35Cache`].
+pub struct Qwen35Gpu {
+    cfg: Qwen35Config,
+    max_ctx: usize,
+    prompt_rows: usize,
+    stream: Arc<CudaStream>,
+    step: std::sync::Mutex<StepBlock>,
+    kernels: Kernels,
+    embd: W,
+    output: Option<W>,
+    output_norm: CudaSlice<f32>,
+    inv_freq: CudaSlice<f32>,
+    layers: Vec<Layer>,
+    /// Per layer, its index among the attention layers' caches or the delta-net layers' states.
+    slot: Vec<usize>,
+    b: Buffers,
+    _ctx: Arc<CudaContext>,
+}
+
+/// One sequence's state on the GPU: the attention layers' K/V, the delta-net layers' state
+/// planes, and the step graphs captured over them.
+pub struct Qwen35Cache {
+    k: Vec<CudaSlice<f32>>,
+    v: Vec<CudaSlice<f32>>,
+    /// Per delta-net layer: `[PLANES][kernel - 1][conv channels]`.
+    conv: Vec<CudaSlice<f32>>,
+    /// Per delta-net layer: `[PLANES][H_v][d][d]`.
+    ssm: Vec<CudaSlice<f32>>,
+    ctx_len: usize,
+    pos: usize,
+    /// The plane holding the state at `pos`.
+    plane: usize,
+    /// The position whose state each plane holds, where it is one of this sequence's.
+    plane_pos: [Option<usize>; PLANES],
+    /// Plane 0 must be zeroed before the next step (the sequence went back to position 0).
+    zero_pending: bool,
+    /// A step failed part way: the state is lost, and only [`Qwen35Cache::truncate`] to 0 works.
+    broken: bool,
+    last_rows: usize,
+    last_head: bool,
+    head_row0: usize,
+    graphs: Vec<Option<Graph>>,
+}
+
+impl Qwen35Cache {
+    /// Positions the sequence holds.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+
+    /// The longest prefix of at most `len` positions [`Qwen35Cache::truncate`] keeps: all of
+    /// them at the end, `len` where a plane holds its state (the last step's rows, the last rows
+    /// of a prompt), else 0.
+    pub fn restorable(&self, len: usize) -> usize {
+        if self.broken {
+            return 0;
+        }
+        if len >= self.pos {
+            return self.pos;
+        }
+        if self.plane_pos.contains(&Some(len)) {
+            len
+        } else {
+            0
+        }
+    }
+
+    /// Keeps the first `len` positions where [`Qwen35Cache::restorable`] allows it (O(1): the
+    /// next step starts from the plane holding that state) and returns whether it did; otherwise
+    /// nothing changes.
+    pub fn truncate(&mut self, len: usize) -> bool {
+        if len >= self.pos && !self.broken {
+            return true;
+        }
+        if len == 0 {
+            self.broken = false;
+            self.plane = 0;
+            self.plane_pos = [None; PLANES];
+            self.plane_pos[0] = Some(0);
+            self.zero_pending = true;
+        } else {
+            let Some(p) = self.plane_pos.iter().position(|&q| q == Some(len)) else { return false };
+            self.plane = p;
+            for q in &mut self.plane_pos {
+                if q.is_some_and(|q| q > len) {
+                    *q = None;
+                }
+            }
+        }
+        self.pos = len;
+        self.last_rows = 0;
+        self.last_head = false;
+        self.head_row0 = 0;
+        true
+    }
+}
+
+impl Reader<'_> {
+    /// Rows `[q | gate]` of each of `heads` heads of `hd` rows, split into the q rows and the
+    /// gate rows (each head's in order), still quantized.
+    fn split_q_gate(&mut self, name: &str, heads: usize, hd: usize, k: usize) -> Result<(W, W)> {
+        let t = self.tensor(name)?;
+        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Error::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
+        if t.shape().dims() != [2 * heads * hd, k] || !k.is_multiple_of(wt.block_values()) {
+            return Err(self.model_err(format!("{name} has shape {:?} of {wt:?}, expected [{}, {k}]", t.shape().dims(), 2 * heads * hd)));
+        }
+        let data = t.data().map_err(|source| Error::Read { path: self.path.to_string(), source })?;
+        let rb = wt.row_bytes(k);
+        let (mut q, mut g) = (Vec::with_capacity(data.len() / 2), Vec::with_capacity(data.len() / 2));
+        for h in 0..heads {
+            q.extend_from_slice(&data[(2 * h * hd) * rb..(2 * h + 1) * hd * rb]);
+            g.extend_from_slice(&data[(2 * h + 1) * hd * rb..(2 * h + 2) * hd * rb]);
+        }
+        Ok(((self.stream.clone_htod(&q)?, wt), (self.stream.clone_htod(&g)?, wt)))
+    }
+
+    fn qwen35_layer(&mut self, cfg: &Qwen35Config, l: usize) -> Result<Layer> {
+        let p = |s: &str| format!("blk.{l}.{s}");
+        let h = cfg.hidden;
+        let mixer = if cfg.full_attention[l] {
+            let (qd, kvd, hd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim, cfg.head_dim);
+            let (q, gate) = self.split_q_gate(&p("attn_q.weight"), cfg.n_head, hd, h)?;
+            Mixer::Attention {
+                q,
+                gate,
+                k: self.weight(&p("attn_k.weight"), kvd, h)?,
+                v: self.weight(&p("attn_v.weight"), kvd, h)?,
+                o: self.weight(&p("attn_output.weight"), h, qd)?,
+                q_norm: self.norm(&p("attn_q_norm.weight"), hd)?,
+                k_norm: self.norm(&p("attn_k_norm.weight"), hd)?,
+            }
+        } else {
+            let (hv, d) = (cfg.n_v_heads, cfg.d_state);
+            Mixer::DeltaNet {
+                qkv: self.weight(&p("attn_qkv.weight"), cfg.conv_dim(), h)?,
+                z: self.weight(&p("attn_gate.weight"), hv * d, h)?,
+                beta: self.weight(&p("ssm_beta.weight"), hv, h)?,
+                alpha: self.weight(&p("ssm_alpha.weight"), hv, h)?,
+                conv: self.norm(&p("ssm_conv1d.weight"), cfg.conv_dim() * cfg.conv_kernel)?,
+                dt_bias: self.norm(&p("ssm_dt.bias"), hv)?,
+                a: self.norm(&p("ssm_a"), hv)?,
+                norm: self.norm(&p("ssm_norm.weight"), d)?,
+                out: self.weight(&p("ssm_out.weight"), h, hv * d)?,
+            }
+        };
+        let layer = Layer {
+            attn_norm: self.norm(&p("attn_norm.weight"), h)?,
+            post_norm: self.norm(&p("post_attention_norm.weight"), h)?,
+            mixer,
+            gate: self.weight(&p("ffn_gate.weight"), cfg.ff, h)?,
+            up: self.weight(&p("ffn_up.weight"), cfg.ff, h)?,
+            down: self.weight(&p("ffn_down.weight"), h, cfg.ff)?,
+        };
+        if layer.gate.1 != layer.up.1 {
+            return Err(self.model_err(format!("blk.{l}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
+        }
+        Ok(layer)
+    }
+}
+
+impl Qwen35Gpu {
+    /// Loads a `qwen35` GGUF onto GPU `ordinal`, for caches of up to `max_ctx` positions.
+    pub fn load(path: &Path, ordinal: usize, max_ctx: usize) -> Result<Qwen35Gpu> {
+        let ctx_len = max_ctx.max(1);
+        let shown = path.display().to_string();
+        let read_err = |source| Error::Read { path: shown.clone(), source };
+        let model_err = |what: String| Error::Model { path: shown.clone(), what };
+        let mut file = File::open(path).map_err(|e| read_err(candle_core::Error::from(e)))?;
+        let content = gguf_file::Content::read(&mut file).map_err(read_err)?;
+        let embd_info = content.tensor_infos.get("token_embd.weight").ok_or_else(|| model_err("no token_embd.weight".into()))?;
+        let cfg = Qwen35Config::from_metadata(&content.metadata, embd_info.shape.dims()[0]).map_err(model_err)?;
+        if let Some(why) = cfg.unsupported() {
+            return Err(model_err(format!("{why}: not a shape the GPU kernels take")));
+        }
+        // SAFETY: dlopens the driver library and closes it again (cudarc would panic without it).
+        if !unsafe { sys::is_culib_present() } {
+            return Err(model_err("cannot load libcuda.so.1 (the NVIDIA driver)".into()));
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: the engine works on one stream; nothing of it is used on another.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let kernels = Kernels::load(&ctx)?;
+        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
+        let embd = r.weight("token_embd.weight", cfg.vocab, cfg.hidden)?;
+        let output = if content.tensor_infos.contains_key("output.weight") { Some(r.weight("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
+        let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        let (mut n_attn, mut n_gdn, mut slot) = (0, 0, Vec::with_capacity(cfg.layers));
+        for l in 0..cfg.layers {
+            layers.push(r.qwen35_layer(&cfg, l)?);
+            let counter = if cfg.full_attention[l] { &mut n_attn } else { &mut n_gdn };
+            slot.push(*counter);
+            *counter += 1;
+        }
+        let (qd, kvd, c, vd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim, cfg.conv_dim(), cfg.n_v_heads * cfg.d_state);
+        let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd);
+        let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
+        let m = PROMPT_ROWS;
+        let b = Buffers {
+            h: alloc(&stream, m * cfg.hidden)?,
+            hid: alloc(&stream, m * cfg.hidden)?,
+            x1: alloc(&stream, m * c.max(qd))?,
+            x2: alloc(&stream, m * vd.max(qd))?,
+            k: alloc(&stream, m * kvd)?,
+            v: alloc(&stream, m * kvd)?,
+            conv: alloc(&stream, m * c)?,
+            alpha: alloc(&stream, m * cfg.n_v_heads)?,
+            beta: alloc(&stream, m * cfg.n_v_heads)?,
+            o: alloc(&stream, m * vd)?,
+            mix: alloc(&stream, m * cfg.hidden)?,
+            ff: alloc(&stream, m * cfg.ff)?,
+            down: alloc(&stream, m * cfg.hidden)?,
+            logits: alloc(&stream, MAX_ROWS * cfg.vocab)?,
+            qs: alloc(&stream, m * kmax)?,
+            qd: alloc(&stream, m * kmax / QK)?,
+            qsum: alloc(&stream, m * kmax / QK)?,
+            partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
+            attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
+            cand_v: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
+            cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
+            argmax_counters: alloc(&stream, MAX_ROWS)?,
+            ids: alloc(&stream, MAX_ROWS)?,
+            topk_cand: alloc(&stream, MAX_ROWS * Kernels::topk_blocks(cfg.vocab) * TOPK_MAX)?,
+            topk_counters: alloc(&stream, MAX_ROWS)?,
+            topk_ids: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
+            topk_vals: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
+        };
+        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
+        let inv_freq = stream.clone_htod(&inv_freq(cfg.rope_dim.max(2), cfg.rope_base))?;
+        stream.synchronize()?;
+        Ok(Qwen35Gpu { cfg, max_ctx: ctx_len, prompt_rows: m, stream, step, kernels, embd, output, output_norm, inv_freq, layers, slot, b, _ctx: ctx })
+    }
+
+    pub fn config(&self) -> &Qwen35Config {
+        &self.cfg
+    }
+
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    pub fn prompt_rows(&self) -> usize {
+        self.prompt_rows
+    }
+
+    /// An empty sequence state of `ctx_len` positions (at most [`Qwen35Gpu::max_ctx`]): no K/V,
+    /// zero conv windows and delta states.
+    pub fn new_cache(&self, ctx_len: usize) -> Result<Qwen35Cache> {
+        let c = &self.cfg;
+        let ctx_len = ctx_len.clamp(1, self.max_ctx);
+        let kvd = c.n_kv * c.head_dim;
+        let (mut k, mut v, mut conv, mut ssm) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for &full in &c.full_attention {
+            if full {
+                k.push(alloc(&self.stream, kvd * ctx_len)?);
+                v.push(alloc(&self.stream, kvd * ctx_len)?);
+            } else {
+                conv.push(alloc(&self.stream, PLANES * (c.conv_kernel - 1) * c.conv_dim())?);
+                ssm.push(alloc(&self.stream, PLANES * c.n_v_heads * c.d_state * c.d_state)?);
+            }
+        }
+        let mut plane_pos = [None; PLANES];
+        plane_pos[0] = Some(0);
+        Ok(Qwen35Cache { k, v, conv, ssm, ctx_len, pos: 0, plane: 0, plane_pos, zero_pending: false, broken: false, last_rows: 0, last_head: false, head_row0: 0, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+    }
+
+    /// Bytes of one sequence's recurrent state planes (every delta-net layer's [`PLANES`]).
+    pub fn state_bytes(&self) -> usize {
+        let c = &self.cfg;
+        let gdn = c.full_attention.iter().filter(|&&f| !f).count();
+        gdn * PLANES * ((c.conv_kernel - 1) * c.conv_dim() + c.n_v_heads * c.d_state * c.d_state) * 4
+    }
+
+    fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
+        s.device_ptr(&self.stream).0
+    }
+
+    fn seg(&self, w: &W, out: &CudaSlice<f32>, n: usize) -> GemvSeg {
+        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() }
+    }
+
+    fn act(&self, row: usize, k: usize) -> (DevPtr, DevPtr, DevPtr) {
+        let (r, kb) = (row as u64, (k / QK) as u64);
+        (self.ptr(&self.b.qs) + r * k as u64, self.ptr(&self.b.qd) + r * kb * 4, self.ptr(&self.b.qsum) + r * kb * 4)
+    }
+
+    /// `norm_quant` over the step's rows into the Q8 planes: `mode` 0 (plain, `a`), 2 (the
+    /// embedding row) or 3 (`h += a`, the residual stream `b.h` written back), normed by `w`
+    /// when it is set.
+    fn nq(&self, step: DevPtr, prompt: Option<DevPtr>, a: DevPtr, mode: i32, k: usize, w: DevPtr) -> NormQuantArgs {
+        let b = &self.b;
+        NormQuantArgs {
+            a,
+            res: self.ptr(&b.h),
+            w_a: 0,
+            embd: self.ptr(&self.embd.0),
+            embd_scale: 1.0,
+            step,
+            w,
+            eps: self.cfg.eps,
+            res_out: if mode == 0 { 0 } else { self.ptr(&b.h) },
+            y_out: 0,
+            qs: self.ptr(&b.qs),
+            qd: self.ptr(&b.qd),
+            qsum: self.ptr(&b.qsum),
+            k: k as i32,
+            in_mode: mode,
+            norm: (w != 0) as i32,
+            tokens: prompt.unwrap_or(0),
+            q_stride: 0,
+            q_off: 0,
+            res_scale: 0.0,
+            embd_type: self.embd.1.ggml_id(),
+        }
+    }
+
+    /// The launches of one step of `rows` rows over `cache` (what a graph captures); without
+    /// `head`, the trunk alone. With `prompt` (the address of the step's token ids), a prompt
+    /// step of up to [`PROMPT_ROWS`] rows, the head on its last row.
+    fn launch_step(&self, cache: &Qwen35Cache, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>) -> std::result::Result<(), GpuError> {
+        let c = &self.cfg;
+        let b = &self.b;
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let (s, k) = (&self.stream, &self.kernels);
+        let act = self.act(0, 0);
+        let (qd, kvd, vd, conv_dim) = (c.n_head * c.head_dim, c.n_kv * c.head_dim, c.n_v_heads * c.d_state, c.conv_dim());
+        // SAFETY: every buffer was allocated at load for PROMPT_ROWS rows of its width (the logits
+        // and argmax scratch for MAX_ROWS; `step` keeps rows <= MAX_ROWS unless `prompt`, whose
+        // head runs on one row), the caches for ctx_len positions and PLANES planes; `step`
+        // checks that the step's positions are below ctx_len and its plane below PLANES.
+        unsafe {
+            for (l, ly) in self.layers.iter().enumerate() {
+                let first = if l == 0 { self.nq(step, prompt, 0, 2, c.hidden, p(&ly.attn_norm)) } else { self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&ly.attn_norm)) };
+                k.norm_quant(s, rows, &first)?;
+                let i = self.slot[l];
+                match &ly.mixer {
+                    Mixer::DeltaNet { qkv, z, beta, alpha, conv, dt_bias, a, norm, out } => {
+                        let segs = [self.seg(qkv, &b.x1, conv_dim), self.seg(z, &b.x2, vd), self.seg(beta, &b.beta, c.n_v_heads), self.seg(alpha, &b.alpha, c.n_v_heads)];
+                        k.gemv(s, rows, c.hidden, &segs, act)?;
+                        let ca = ConvArgs { x: p(&b.x1), w: p(conv), planes: p(&cache.conv[i]), y: p(&b.conv), step, c: conv_dim as i32, k: c.conv_kernel as i32, n_planes: PLANES as i32, rows: rows as i32 };
+                        k.conv_silu(s, &ca)?;
+                        let ga = GdnArgs {
+                            qkv: p(&b.conv),
+                            alpha: p(&b.alpha),
+                            beta: p(&b.beta),
+                            dt_bias: p(dt_bias),
+                            a: p(a),
+                            planes: p(&cache.ssm[i]),
+                            out: p(&b.o),
+                            step,
+                            hk: c.n_k_heads as i32,
+                            hv: c.n_v_heads as i32,
+                            d: c.d_state as i32,
+                            n_planes: PLANES as i32,
+                            rows: rows as i32,
+                            eps: c.eps,
+                            q_scale: 1.0 / (c.d_state as f32).sqrt(),
+                            pad_: 0,
+                        };
+                        k.gated_delta_rule(s, &ga)?;
+                        let na = GatedNormArgs { o: p(&b.o), z: p(&b.x2), w: p(norm), qs: act.0, qd: act.1, qsum: act.2, hv: c.n_v_heads as i32, d: c.d_state as i32, eps: c.eps, pad_: 0 };
+                        k.gated_norm_quant(s, rows, &na)?;
+                        k.gemv(s, rows, vd, &[self.seg(out, &b.mix, c.hidden)], act)?;
+                    }
+                    Mixer::Attention { q, gate, k: wk, v: wv, o, q_norm, k_norm } => {
+                        let segs = [self.seg(q, &b.x1, qd), self.seg(gate, &b.x2, qd), self.seg(wk, &b.k, kvd), self.seg(wv, &b.v, kvd)];
+                        k.gemv(s, rows, c.hidden, &segs, act)?;
+                        let rope = RopeArgs {
+                            q: p(&b.x1),
+                            k: p(&b.k),
+                            v: p(&b.v),
+                            q_norm: p(q_norm),
+                            k_norm: p(k_norm),
+                            eps: c.eps,
+                            inv_freq: p(&self.inv_freq),
+                            q_scale: 1.0 / (c.head_dim as f32).sqrt(),
+                            k_cache: p(&cache.k[i]),
+                            v_cache: p(&cache.v[i]),
+                            ctx: cache.ctx_len as i32,
+                            step,
+                            n_head: c.n_head as i32,
+                            n_kv: c.n_kv as i32,
+                            hd: c.head_dim as i32,
+                            n_rot: c.rope_dim as i32,
+                        };
+                        k.qk_norm_rope_kv(s, rows, &rope)?;
+                        let at = AttnArgs {
+                            q: p(&b.x1),
+                            k_cache: p(&cache.k[i]),
+                            v_cache: p(&cache.v[i]),
+                            out: 0,
+                            partials: p(&b.partials),
+                            counters: self.ptr(&b.attn_counters),
+                            step,
+                            qs: act.0,
+                            qd: act.1,
+                            qsum: act.2,
+                            ctx: cache.ctx_len as i32,
+                            window: 0,
+                            n_head: c.n_head as i32,
+                            n_kv: c.n_kv as i32,
+                            chunks_max: Kernels::attn_chunks_max(cache.ctx_len, 0) as i32,
+                            gate: p(&b.x2),
+                        };
+                        match prompt {
+                            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
+                            None => k.attention(s, rows, c.head_dim, &at)?,
+                        }
+                        k.gemv(s, rows, qd, &[self.seg(o, &b.mix, c.hidden)], act)?;
+                    }
+                }
+                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
+                let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 2, block_start: 0 };
+                k.gemv(s, rows, c.hidden, &[glu], act)?;
+                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
+                k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
+            }
+            let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&self.output_norm)) };
+            k.norm_quant(s, rows, &last)?;
+            if !head {
+                return Ok(());
+            }
+            let out = self.output.as_ref().unwrap_or(&self.embd);
+            let (head_rows, act) = match prompt {
+                None => (rows, self.act(0, c.hidden)),
+                Some(_) => (1, self.act(rows - 1, c.hidden)),
+            };
+            k.gemv(s, head_rows, c.hidden, &[self.seg(out, &b.logits, c.vocab)], act)?;
+            let am = ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
+            k.argmax(s, head_rows, &am)?;
+        }
+        Ok(())
+    }
+
+    /// Kernel launches (graph nodes) of a step of `rows` rows.
+    pub fn graph_nodes(&self, cache: &mut Qwen35Cache, rows: usize) -> Result<usize> {
+        let step = self.ptr(&self.step.lock().expect("a step panicked holding the step block").params);
+        self.capture(cache, step, rows, true)?;
+        let g = &cache.graphs[rows - 1].as_ref().expect("captured just above").0;
+        let mut n = 0usize;
+        // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result()?;
+        Ok(n)
+    }
+
+    fn capture(&self, cache: &mut Qwen35Cache, step: DevPtr, rows: usize, head: bool) -> Result<()> {
+        let at = if head { rows - 1 } else { MAX_ROWS + rows - 1 };
+        if cache.graphs[at].is_none() {
+            self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let launched = self.launch_step(cache, step, rows, head, None);
+            let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            launched?;
+            let graph = graph?.ok_or_else(|| Error::Step { rows, pos: cache.pos, what: "the capture made no graph".into() })?;
+            graph.upload()?;
+            cache.graphs[at] = Some(Graph(graph));
+        }
+        Ok(())
+    }
+
+    /// Runs `tokens` (1..=8) at `cache`'s next positions; their logits and greedy ids are ready
+    /// for [`Qwen35Gpu::logits`] and [`Qwen35Gpu::argmax`] until the next step of any cache.
+    pub fn forward(&self, cache: &mut Qwen35Cache, tokens: &[u32]) -> Result<()> {
+        self.step(cache, tokens, &[], true)
+    }
+
+    /// [`Qwen35Gpu::forward`] with the greedy ids passing over `banned` (at most [`MAX_BANNED`]).
+    pub fn forward_banning(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32]) -> Result<()> {
+        self.step(cache, tokens, banned, true)
+    }
+
+    /// Runs `tokens` (1..=[`Qwen35Gpu::prompt_rows`]) through the trunk alone (no LM head).
+    pub fn forward_trunk(&self, cache: &mut Qwen35Cache, tokens: &[u32]) -> Result<()> {
+        self.step(cache, tokens, &[], false)
+    }
+
+    /// Runs a prompt's `tokens` (1..=[`Qwen35Gpu::prompt_rows`]): the last row's logits and id
+    /// (every row's for steps of up to [`MAX_ROWS`]).
+    pub fn forward_prompt(&self, cache: &mut Qwen35Cache, tokens: &[u32]) -> Result<()> {
+        self.step(cache, tokens, &[], true)
+    }
+
+    fn step(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], head: bool) -> Result<()> {
+        let rows = tokens.len();
+        let fail = |what: String| Error::Step { rows, pos: cache.pos, what };
+        if !(1..=self.prompt_rows).contains(&rows) {
+            return Err(fail(format!("a step takes 1 to {} tokens", self.prompt_rows)));
+        }
+        if cache.pos + rows > cache.ctx_len {
+            return Err(fail(format!("the cache holds {} positions", cache.ctx_len)));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
+        }
+        if banned.len() > MAX_BANNED {
+            return Err(fail(format!("{} banned ids (the argmax passes over at most {MAX_BANNED})", banned.len())));
+        }
+        if cache.zero_pending {
+            for (conv, ssm) in cache.conv.iter_mut().zip(cache.ssm.iter_mut()) {
+                let (cn, sn) = (conv.len() / PLANES, ssm.len() / PLANES);
+                self.stream.memset_zeros(&mut conv.slice_mut(..cn))?;
+                self.stream.memset_zeros(&mut ssm.slice_mut(..sn))?;
+            }
+            cache.zero_pending = false;
+        }
+        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, n_banned: banned.len() as i32, plane: cache.plane as i32, ..Default::default() };
+        for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        for (slot, &t) in params.banned.iter_mut().zip(banned) {
+            *slot = t as i32;
+        }
+        let mut block = self.step.lock().expect("a step panicked holding the step block");
+        self.stream.memcpy_htod(&[params][..], &mut block.params)?;
+        let step = self.ptr(&block.params);
+        // A failure past this point may have overwritten planes: only position 0 stays reachable.
+        let launched = if rows <= MAX_ROWS {
+            self.capture(cache, step, rows, head).and_then(|()| Ok(cache.graphs[if head { rows - 1 } else { MAX_ROWS + rows - 1 }].as_ref().expect("captured").0.launch()?))
+        } else {
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
+            let prompt = self.ptr(&block.tokens);
+            self.launch_step(cache, step, rows, head, Some(prompt)).map_err(Error::from)
+        };
+        drop(block);
+        if let Err(e) = launched {
+            // A step that failed part way may have written planes: only position 0 is exact now.
+            cache.plane_pos = [None; PLANES];
+            cache.broken = true;
+            return Err(e);
+        }
+        let p0 = cache.plane;
+        for m in 0..rows {
+            if rows - 1 - m < PLANES - 1 {
+                cache.plane_pos[(p0 + 1 + m) % PLANES] = Some(cache.pos + m + 1);
+            }
+        }
+        cache.plane = (p0 + rows) % PLANES;
+        cache.pos += rows;
+        cache.last_rows = rows;
+        cache.last_head = head;
+        cache.head_row0 = if rows > MAX_ROWS { rows - 1 } else { 0 };
+        Ok(())
+    }
+
+    /// Runs `tokens` as [`Qwen35Gpu::forward_banning`] and returns the `k` best `(id, logit)` of
+    /// the last row (the sampler's order, `banned` left out).
+    pub fn forward_top_k(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
+        self.check_top_k(cache, tokens, k)?;
+        self.step(cache, tokens, banned, true)?;
+        let row = cache.last_rows - 1 - cache.head_row0;
+        Ok(self.top_k_rows(row, 1, k)?.pop().expect("one row asked for"))
+    }
+
+    /// Runs `tokens` (at most [`MAX_ROWS`]) and returns every row's `k` best `(id, logit)`.
+    pub fn forward_top_k_all(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        self.check_top_k(cache, tokens, k)?;
+        if tokens.len() > MAX_ROWS {
+            return Err(Error::Step { rows: tokens.len(), pos: cache.pos, what: format!("every row's top {k} of a step of more than {MAX_ROWS} rows") });
+        }
+        self.step(cache, tokens, banned, true)?;
+        self.top_k_rows(0, tokens.len(), k)
+    }
+
+    fn check_top_k(&self, cache: &Qwen35Cache, tokens: &[u32], k: usize) -> Result<()> {
+        if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
+            return Err(Error::Step { rows: tokens.len(), pos: cache.pos, what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
+        }
+        Ok(())
+    }
+
+    fn top_k_rows(&self, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
+        let vocab = self.cfg.vocab;
+        let block = self.step.lock().expect("a step panicked holding the step block");
+        let args = TopKArgs {
+            logits: self.ptr(&self.b.logits) + (first * vocab * 4) as u64,
+            n: vocab as i32,
+            k: k as i32,
+            cand: self.ptr(&self.b.topk_cand),
+            counters: self.ptr(&self.b.topk_counters),
+            ids: self.ptr(&self.b.topk_ids),
+            vals: self.ptr(&self.b.topk_vals),
+            step: self.ptr(&block.params),
+        };
+        // SAFETY: as Gemma3Gpu::top_k_rows: the rows lie in the logits buffer (first + rows <=
+        // MAX_ROWS), the scratch and outputs were sized for MAX_ROWS rows at load.
+        unsafe { self.kernels.top_k(&self.stream, rows, &args)? };
+        drop(block);
+        let (mut ids, mut vals) = (vec![0i32; rows * k], vec![0f32; rows * k]);
+        self.stream.memcpy_dtoh(&self.b.topk_ids.slice(..rows * k), &mut ids[..])?;
+        self.stream.memcpy_dtoh(&self.b.topk_vals.slice(..rows * k), &mut vals[..])?;
+        self.stream.synchronize()?;
+        Ok(ids.chunks(k).zip(vals.chunks(k)).map(|(i, v)| i.iter().zip(v).filter(|&(&i, _)| i >= 0).map(|(&i, &v)| (i as u32, v)).collect()).collect())
+    }
+
+    fn headed(&self, cache: &Qwen35Cache) -> Result<()> {
+        if cache.last_head {
+            return Ok(());
+        }
+        Err(Error::Step { rows: cache.last_rows, pos: cache.pos, what: "the last step ran the trunk alone: it has no logits or ids".into() })
+    }
+
+    /// The greedy ids of `cache`'s last step (every row's, or a long prompt step's last row's).
+    pub fn argmax(&self, cache: &Qwen35Cache) -> Result<Vec<u32>> {
+        self.headed(cache)?;
+        let ids = self.stream.clone_dtoh(&self.b.ids)?;
+        Ok(ids[..cache.last_rows - cache.head_row0].iter().map(|&i| i as u32).collect())
+    }
+
+    /// The logits of `cache`'s last step, `rows × vocab` (a long prompt step's last row's).
+    pub fn logits(&self, cache: &Qwen35Cache) -> Result<Vec<f32>> {
+        self.headed(cache)?;
+        let n = (cache.last_rows - cache.head_row0) * self.cfg.vocab;
+        let mut v = vec![0f32; n];
+        self.stream.memcpy_dtoh(&self.b.logits.slice(..n), &mut v[..])?;
+        Ok(v)
+    }
+
+    /// The logits of row `row` of `cache`'s last step.
+    pub fn logits_row(&self, cache: &Qwen35Cache, row: usize) -> Result<Vec<f32>> {
+        self.headed(cache)?;
+        if row >= cache.last_rows || row < cache.head_row0 {
+            return Err(Error::Step { rows: cache.last_rows, pos: cache.pos, what: format!("no logits for row {row}") });
+        }
+        let vocab = self.cfg.vocab;
+        let mut v = vec![0f32; vocab];
+        let at = row - cache.head_row0;
+        self.stream.memcpy_dtoh(&self.b.logits.slice(at * vocab..(at + 1) * vocab), &mut v[..])?;
+        Ok(v)
+    }
+
+    /// The hidden states of `cache`'s last step after the output norm (what candle's
+    /// `quantized_qwen35` returns and its NextN head reads), `rows × hidden`.
+    pub fn hidden(&self, cache: &Qwen35Cache) -> Result<Vec<f32>> {
+        let n = cache.last_rows * self.cfg.hidden;
+        let mut v = vec![0f32; n];
+        self.stream.memcpy_dtoh(&self.b.hid.slice(..n), &mut v[..])?;
+        Ok(v)
+    }
+
+    /// Each delta-net layer's conv window (`(kernel - 1) × channels`) and state (`H_v × d × d`,
+    /// key dim then value dim, candle's layout) at `cache`'s position: for checks against the
+    /// CPU path and for slot files.
+    pub fn read_state(&self, cache: &Qwen35Cache) -> Result<Vec<(Vec<f32>, Vec<f32>)>> {
+        let c = &self.cfg;
+        let (cn, d) = ((c.conv_kernel - 1) * c.conv_dim(), c.d_state);
+        let sn = c.n_v_heads * d * d;
+        let mut out = Vec::with_capacity(cache.conv.len());
+        for (conv, ssm) in cache.conv.iter().zip(&cache.ssm) {
+            let mut w = vec![0f32; cn];
+            let mut t = vec![0f32; sn];
+            if !cache.zero_pending {
+                self.stream.memcpy_dtoh(&conv.slice(cache.plane * cn..(cache.plane + 1) * cn), &mut w[..])?;
+                self.stream.memcpy_dtoh(&ssm.slice(cache.plane * sn..(cache.plane + 1) * sn), &mut t[..])?;
+            }
+            self.stream.synchronize()?;
+            // The device keeps each head's state transposed ([col][i]).
+            let mut s = vec![0f32; sn];
+            for h in 0..c.n_v_heads {
+                for j in 0..d {
+                    for i in 0..d {
+                        s[(h * d + i) * d + j] = t[(h * d + j) * d + i];
+                    }
+                }
+            }
+            out.push((w, s));
+        }
+        Ok(out)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}
