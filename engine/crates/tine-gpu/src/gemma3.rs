@@ -400,6 +400,14 @@ impl Reader<'_> {
     }
 }
 
+/// The `general.architecture` of the GGUF at `path` (the engine to load it on).
+pub fn architecture(path: &Path) -> Result<String> {
+    let read_err = |source| Gemma3GpuError::Read { path: path.display().to_string(), source };
+    let mut file = File::open(path).map_err(|e| read_err(candle_core::Error::from(e)))?;
+    let content = gguf_file::Content::read(&mut file).map_err(read_err)?;
+    Ok(content.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default())
+}
+
 /// Distinct token ids below `vocab` from a GGUF array (a NextN head's draft vocabulary).
 fn draft_ids(v: &gguf_file::Value, key: &str, vocab: usize) -> std::result::Result<Vec<u32>, String> {
     let items = v.to_vec().map_err(|e| format!("{key}: {e}"))?;

@@ -38,7 +38,10 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
-use crate::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX, TOPK_MAX_N};
+use crate::cuda::{
+    ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX,
+    TOPK_MAX_N,
+};
 use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
@@ -372,7 +375,22 @@ impl Qwen35Gpu {
         }
         let mut plane_pos = [None; PLANES];
         plane_pos[0] = Some(0);
-        Ok(Qwen35Cache { k, v, conv, ssm, ctx_len, pos: 0, plane: 0, plane_pos, zero_pending: false, broken: false, last_rows: 0, last_head: false, head_row0: 0, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        Ok(Qwen35Cache {
+            k,
+            v,
+            conv,
+            ssm,
+            ctx_len,
+            pos: 0,
+            plane: 0,
+            plane_pos,
+            zero_pending: false,
+            broken: false,
+            last_rows: 0,
+            last_head: false,
+            head_row0: 0,
+            graphs: (0..2 * MAX_ROWS).map(|_| None).collect(),
+        })
     }
 
     /// Bytes of one sequence's recurrent state planes (every delta-net layer's [`PLANES`]).
@@ -448,7 +466,17 @@ impl Qwen35Gpu {
                     Mixer::DeltaNet { qkv, z, beta, alpha, conv, dt_bias, a, norm, out } => {
                         let segs = [self.seg(qkv, &b.x1, conv_dim), self.seg(z, &b.x2, vd), self.seg(beta, &b.beta, c.n_v_heads), self.seg(alpha, &b.alpha, c.n_v_heads)];
                         k.gemv(s, rows, c.hidden, &segs, act)?;
-                        let ca = ConvArgs { x: p(&b.x1), w: p(conv), planes: p(&cache.conv[i]), y: p(&b.conv), step, c: conv_dim as i32, k: c.conv_kernel as i32, n_planes: PLANES as i32, rows: rows as i32 };
+                        let ca = ConvArgs {
+                            x: p(&b.x1),
+                            w: p(conv),
+                            planes: p(&cache.conv[i]),
+                            y: p(&b.conv),
+                            step,
+                            c: conv_dim as i32,
+                            k: c.conv_kernel as i32,
+                            n_planes: PLANES as i32,
+                            rows: rows as i32,
+                        };
                         k.conv_silu(s, &ca)?;
                         let ga = GdnArgs {
                             qkv: p(&b.conv),
@@ -537,7 +565,8 @@ impl Qwen35Gpu {
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
             k.gemv(s, head_rows, c.hidden, &[self.seg(out, &b.logits, c.vocab)], act)?;
-            let am = ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
+            let am =
+                ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
             k.argmax(s, head_rows, &am)?;
         }
         Ok(())

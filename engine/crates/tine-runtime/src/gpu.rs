@@ -1,8 +1,9 @@
 //! The seam to tine-gpu's decode engine: with `--device cuda` (unless `TINE_GPU_ENGINE=0`), a
-//! Gemma 3 whose weights the engine reads (Q4_K, Q5_0, Q6_K, Q8_0, a Q8_0 embedding) runs its
-//! steps there, one captured CUDA graph per row count, instead of through candle's CUDA backend
-//! op by op; a NextN head baked into the GGUF and an assistant head (`--mtp-head`, reading the
-//! sequence's KV cache there) run there too.
+//! Gemma 3 or a Qwen3.5 (`qwen35`) whose weights the engine reads (Q4_K, Q5_K, Q5_0, Q6_K, Q8_0)
+//! runs its steps there, one captured CUDA graph per row count, instead of through candle's CUDA
+//! backend op by op. On Gemma 3 a NextN head baked into the GGUF and an assistant head
+//! (`--mtp-head`, reading the sequence's KV cache there) run there too; Qwen3.5's NextN head runs
+//! on candle's path over the engine's hidden states.
 //!
 //! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
 //! always `None` and the runtime's code needs no `cfg`.
@@ -22,11 +23,34 @@ mod imp {
     use super::*;
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
     use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
+    use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
 
     /// The model's trunk on the engine.
-    pub struct GpuTrunk(Gemma3Gpu);
-    /// One sequence's KV cache on the engine.
-    pub struct GpuSeq(GpuCache);
+    pub enum GpuTrunk {
+        Gemma3(Gemma3Gpu),
+        Qwen35(Qwen35Gpu),
+    }
+    /// One sequence's state on the engine.
+    pub enum GpuSeq {
+        Gemma3(GpuCache),
+        Qwen35(Qwen35Cache),
+    }
+
+    /// Calls the same method of either engine with the sequence's state of its kind.
+    macro_rules! each {
+        ($trunk:expr, $seq:expr, |$m:ident, $c:ident| $body:expr) => {
+            match ($trunk, $seq) {
+                (GpuTrunk::Gemma3($m), GpuSeq::Gemma3($c)) => $body,
+                (GpuTrunk::Qwen35($m), GpuSeq::Qwen35($c)) => $body,
+                _ => unreachable!("a sequence's state is made by its model's engine"),
+            }
+        };
+    }
+
+    /// The error for what the Qwen3.5 engine does not do (yet).
+    fn not_on_qwen35(what: &str) -> GpuError {
+        GpuError::Step { rows: 0, pos: 0, what: format!("{what} is not on the GPU engine for qwen35") }
+    }
     /// One sequence's NextN cache on the engine.
     pub struct GpuNextN(NextNCache);
     /// An assistant head on the engine, reading the sequences' KV caches.
@@ -51,83 +75,114 @@ mod imp {
             if std::env::var("TINE_GPU_ENGINE").is_ok_and(|v| v == "0") {
                 return Ok(None);
             }
-            Ok(Some(GpuTrunk(Gemma3Gpu::load(path, gpu_id, max_ctx)?)))
+            if tine_gpu::gemma3::architecture(path)?.starts_with("qwen35") {
+                return Ok(Some(GpuTrunk::Qwen35(Qwen35Gpu::load(path, gpu_id, max_ctx)?)));
+            }
+            Ok(Some(GpuTrunk::Gemma3(Gemma3Gpu::load(path, gpu_id, max_ctx)?)))
         }
         pub fn new_seq(&self, context: usize) -> Result<GpuSeq, GpuError> {
-            Ok(GpuSeq(self.0.new_cache(context)?))
+            Ok(match self {
+                GpuTrunk::Gemma3(m) => GpuSeq::Gemma3(m.new_cache(context)?),
+                GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(m.new_cache(context)?),
+            })
+        }
+        /// The Gemma 3 engine, for what only it does, or the error naming `what`.
+        fn gemma3(&self, what: &str) -> Result<&Gemma3Gpu, GpuError> {
+            match self {
+                GpuTrunk::Gemma3(m) => Ok(m),
+                GpuTrunk::Qwen35(_) => Err(not_on_qwen35(what)),
+            }
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits, `rows × vocab`.
         pub fn forward_logits(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
-            self.0.forward(&mut seq.0, tokens)?;
-            self.0.logits(&seq.0)
+            each!(self, seq, |m, c| {
+                m.forward(c, tokens)?;
+                m.logits(c)
+            })
         }
         /// Runs `tokens` (at most [`GpuTrunk::prompt_rows`]) through the trunk alone (a prompt
         /// chunk before the last: no LM head runs) and returns their final hidden states when asked
         /// (`rows × hidden`, before the output norm), else nothing.
         pub fn forward_trunk(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<Vec<f32>, GpuError> {
-            self.0.forward_trunk(&mut seq.0, tokens)?;
-            if hidden {
-                self.0.hidden(&seq.0)
-            } else {
-                Ok(Vec::new())
-            }
+            each!(self, seq, |m, c| {
+                m.forward_trunk(c, tokens)?;
+                if hidden {
+                    m.hidden(c)
+                } else {
+                    Ok(Vec::new())
+                }
+            })
         }
         /// Runs `tokens` (at most [`GpuTrunk::prompt_rows`], a prompt's last chunk) and returns
         /// the last one's logits (only that row crosses to the host) and, when asked, every
         /// row's final hidden state.
         pub fn forward_last(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
-            self.0.forward_prompt(&mut seq.0, tokens)?;
-            let row = self.0.logits_row(&seq.0, tokens.len() - 1)?;
-            Ok((row, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
+            each!(self, seq, |m, c| {
+                m.forward_prompt(c, tokens)?;
+                let row = m.logits_row(c, tokens.len() - 1)?;
+                Ok((row, if hidden { m.hidden(c)? } else { Vec::new() }))
+            })
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the last one's greedy id, passing
         /// over `banned` (at most [`MAX_BANNED`]); only the id crosses to the host.
         pub fn forward_argmax(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32]) -> Result<u32, GpuError> {
-            self.0.forward_banning(&mut seq.0, tokens, banned)?;
-            Ok(*self.0.argmax(&seq.0)?.last().expect("a step has rows"))
+            each!(self, seq, |m, c| {
+                m.forward_banning(c, tokens, banned)?;
+                Ok(*m.argmax(c)?.last().expect("a step has rows"))
+            })
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns the `k` best `(id, logit)` of the last
         /// one's logits (at most [`TOP_K_MAX`]; the sampler's order, `banned` left out): only
         /// those cross to the host.
         pub fn forward_top_k(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>, GpuError> {
-            self.0.forward_top_k(&mut seq.0, tokens, banned, k)
+            each!(self, seq, |m, c| m.forward_top_k(c, tokens, banned, k))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`) and
         /// final hidden states (`rows × hidden`, before the output norm).
         pub fn forward_hidden(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
-            self.0.forward(&mut seq.0, tokens)?;
-            Ok((self.0.logits(&seq.0)?, self.0.hidden(&seq.0)?))
+            each!(self, seq, |m, c| {
+                m.forward(c, tokens)?;
+                Ok((m.logits(c)?, m.hidden(c)?))
+            })
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
         /// `banned` (at most [`MAX_BANNED`]), and with `hidden` the rows' final hidden states
         /// (`rows × hidden`, before the output norm; a verify step for a drafter that reads
         /// them): the logits stay on the device.
         pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], hidden: bool) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
-            self.0.forward_banning(&mut seq.0, tokens, banned)?;
-            Ok((self.0.argmax(&seq.0)?, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
+            each!(self, seq, |m, c| {
+                m.forward_banning(c, tokens, banned)?;
+                Ok((m.argmax(c)?, if hidden { m.hidden(c)? } else { Vec::new() }))
+            })
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's `k` best `(id, logit)`
         /// ([`GpuTrunk::forward_top_k`]'s order, `banned` left out) and, when asked, the rows'
         /// final hidden states: a sampled verify step, the logits left on the device.
         pub fn forward_top_k_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], k: usize, hidden: bool) -> Result<(RowsTopK, Vec<f32>), GpuError> {
-            let top = self.0.forward_top_k_all(&mut seq.0, tokens, banned, k)?;
-            Ok((top, if hidden { self.0.hidden(&seq.0)? } else { Vec::new() }))
+            each!(self, seq, |m, c| {
+                let top = m.forward_top_k_all(c, tokens, banned, k)?;
+                Ok((top, if hidden { m.hidden(c)? } else { Vec::new() }))
+            })
         }
         /// A NextN cache of `context` entries, if the model has a NextN head the engine runs.
         pub fn new_nextn(&self, context: usize) -> Result<Option<GpuNextN>, GpuError> {
-            Ok(self.0.new_nextn_cache(context)?.map(GpuNextN))
+            match self {
+                GpuTrunk::Gemma3(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN)),
+                GpuTrunk::Qwen35(_) => Ok(None),
+            }
         }
         /// Runs the NextN head over entries `state.len()..`: `hidden` (`rows × hidden`) and the
         /// token after each, in steps of up to [`GpuTrunk::prompt_rows`]. Returns the last entry's
         /// logits and every entry's output hidden state. On an error the state keeps its
         /// entries before the call.
         pub fn nextn_forward(&self, state: &mut GpuNextN, hidden: &[f32], tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
-            let (len, width, rows) = (state.0.len(), self.0.config().hidden, self.0.prompt_rows());
+            let m = self.gemma3("a NextN head")?;
+            let (len, width, rows) = (state.0.len(), m.config().hidden, m.prompt_rows());
             let mut logits = Vec::new();
             let mut out = Vec::with_capacity(hidden.len());
             for (i, chunk) in tokens.chunks(rows).enumerate() {
                 let h = hidden.get(i * rows * width..(i * rows + chunk.len()) * width).unwrap_or(&[]);
-                match self.0.nextn_forward(&mut state.0, h, chunk) {
+                match m.nextn_forward(&mut state.0, h, chunk) {
                     Ok((l, o)) => {
                         logits = l;
                         out.extend(o);
@@ -142,34 +197,52 @@ mod imp {
         }
         /// Every layer's K and V of `seq`'s positions, `(n_kv, len, head_dim)` each.
         pub fn read_kv(&self, seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
-            self.0.read_kv(&seq.0)
+            match (self, seq) {
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.read_kv(c),
+                _ => Err(not_on_qwen35("a slot file")),
+            }
         }
         /// `seq` holds `len` positions with K and V `layers` (as [`GpuTrunk::read_kv`] gives).
         pub fn write_kv(&self, seq: &mut GpuSeq, len: usize, layers: &[(&[f32], &[f32])]) -> Result<(), GpuError> {
-            self.0.write_kv(&mut seq.0, len, layers)
+            match (self, seq) {
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.write_kv(c, len, layers),
+                _ => Err(not_on_qwen35("a slot file")),
+            }
         }
         /// KV heads and head size (a layer's K is `(kv_heads, len, head_dim)`).
         pub fn kv_shape(&self) -> (usize, usize) {
-            (self.0.config().n_kv, self.0.config().head_dim)
+            match self {
+                GpuTrunk::Gemma3(m) => (m.config().n_kv, m.config().head_dim),
+                GpuTrunk::Qwen35(m) => (m.config().n_kv, m.config().head_dim),
+            }
         }
         /// The most positions a sequence's cache on the engine holds.
         pub fn max_context(&self) -> usize {
-            self.0.max_ctx()
+            match self {
+                GpuTrunk::Gemma3(m) => m.max_ctx(),
+                GpuTrunk::Qwen35(m) => m.max_ctx(),
+            }
         }
         /// The most tokens of one prompt step ([`GpuTrunk::forward_trunk`],
         /// [`GpuTrunk::forward_last`]).
         pub fn prompt_rows(&self) -> usize {
-            self.0.prompt_rows()
+            match self {
+                GpuTrunk::Gemma3(m) => m.prompt_rows(),
+                GpuTrunk::Qwen35(m) => m.prompt_rows(),
+            }
         }
         /// Loads an assistant head (a `gemma4-assistant` GGUF) for this trunk.
         pub fn load_assistant(&self, path: &Path) -> Result<GpuAssistant, GpuError> {
-            Ok(GpuAssistant(self.0.load_assistant(path)?))
+            Ok(GpuAssistant(self.gemma3("an assistant head")?.load_assistant(path)?))
         }
         /// One draft step of `head` at `position` for `token`, reading `hidden` (`hidden` values)
         /// and `seq`'s cache (positions below `position`). Returns the logits (over the head's
         /// draft vocabulary when it has one) and the next step's hidden state.
         pub fn assistant_step(&self, head: &GpuAssistant, seq: &GpuSeq, hidden: &[f32], token: u32, position: usize) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
-            self.0.assistant_step(&head.0, &seq.0, hidden, token, position)
+            match (self, seq) {
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.assistant_step(&head.0, c, hidden, token, position),
+                _ => Err(not_on_qwen35("an assistant head")),
+            }
         }
     }
 
@@ -183,10 +256,29 @@ mod imp {
 
     impl GpuSeq {
         pub fn len(&self) -> usize {
-            self.0.len()
+            match self {
+                GpuSeq::Gemma3(c) => c.len(),
+                GpuSeq::Qwen35(c) => c.len(),
+            }
         }
-        pub fn truncate(&mut self, len: usize) {
-            self.0.truncate(len)
+        /// The longest prefix of at most `len` positions [`GpuSeq::truncate`] keeps (a recurrent
+        /// state: positions one of its planes holds, else 0).
+        pub fn restorable(&self, len: usize) -> usize {
+            match self {
+                GpuSeq::Gemma3(c) => len.min(c.len()),
+                GpuSeq::Qwen35(c) => c.restorable(len),
+            }
+        }
+        /// Keeps the first `len` positions and says whether it could (a recurrent state keeps
+        /// only what [`GpuSeq::restorable`] names; otherwise nothing changes).
+        pub fn truncate(&mut self, len: usize) -> bool {
+            match self {
+                GpuSeq::Gemma3(c) => {
+                    c.truncate(len);
+                    true
+                }
+                GpuSeq::Qwen35(c) => c.truncate(len),
+            }
         }
     }
 
@@ -300,7 +392,10 @@ mod imp {
         pub fn len(&self) -> usize {
             unreachable!("{NEVER}")
         }
-        pub fn truncate(&mut self, _len: usize) {
+        pub fn restorable(&self, _len: usize) -> usize {
+            unreachable!("{NEVER}")
+        }
+        pub fn truncate(&mut self, _len: usize) -> bool {
             unreachable!("{NEVER}")
         }
     }

@@ -681,7 +681,7 @@ impl Sequence {
     /// positions and evaluate the rest.
     pub fn restorable(&self, len: usize) -> usize {
         match &self.gpu {
-            Some(_) => len.min(self.tokens.len()),
+            Some(g) => g.restorable(len.min(self.tokens.len())),
             None => self.cache.restorable(len.min(self.tokens.len())),
         }
     }
@@ -741,7 +741,11 @@ impl Sequence {
         if out.is_err() {
             self.tokens.truncate(start);
             if let Some(g) = &mut self.gpu {
-                g.truncate(start);
+                // A recurrent state on the engine that cannot return to `start` starts over.
+                if !g.truncate(start) {
+                    g.truncate(0);
+                    self.tokens.clear();
+                }
                 return out;
             }
             if let (Some(c), SeqCache::Qwen35(r)) = (before, &mut self.cache) {
@@ -1001,7 +1005,11 @@ impl Sequence {
             return Err(StepError::RollbackPastEnd { to: len, len: self.tokens.len() });
         }
         match &mut self.gpu {
-            Some(g) => g.truncate(len),
+            Some(g) => {
+                if !g.truncate(len) {
+                    return Err(StepError::RollbackRecurrent { to: len, len: self.tokens.len(), nearest: g.restorable(len) });
+                }
+            }
             None => self.cache.truncate(len)?,
         }
         self.tokens.truncate(len);
@@ -1010,7 +1018,9 @@ impl Sequence {
 
     pub fn reset(&mut self) {
         match &mut self.gpu {
-            Some(g) => g.truncate(0),
+            Some(g) => {
+                g.truncate(0);
+            }
             None => self.cache.reset(),
         }
         self.tokens.clear();

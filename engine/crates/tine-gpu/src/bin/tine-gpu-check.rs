@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, WeightType, QK};
-use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
+use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
 use tine_gpu::reference;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -754,6 +754,146 @@ fn check_argmax(dev: &Dev, rng: &mut Rng, n: usize) -> Res<Case> {
     Ok(Case { name: format!("argmax n={n}"), worst: 0.0, bits: None, note })
 }
 
+/// One delta-net layer's kernels (`conv_silu`, `gated_delta_rule`, `gated_norm_quant`) over
+/// `steps` successive steps of the given row counts (the rows of one sequence, the state carried
+/// in planes from step to step), against the float64 reference row by row; and the same rows as
+/// one-row steps, bit for bit (outputs and the state planes).
+fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]) -> Res<Case> {
+    let reference::GdnDims { hk, hv, d, kernel } = dims;
+    let c = dims.channels();
+    let total: usize = steps.iter().sum();
+    let planes = MAX_ROWS + 1;
+    let eps = 1e-6f32;
+    let x = rng.vec(total * c, 1.0);
+    let z = rng.vec(total * hv * d, 2.0);
+    let beta = rng.vec(total * hv, 2.0);
+    let alpha = rng.vec(total * hv, 2.0);
+    let conv_w = rng.vec(c * kernel, 0.7);
+    let dt_bias = rng.vec(hv, 1.0);
+    let a: Vec<f32> = rng.vec(hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+    let norm: Vec<f32> = rng.vec(d, 0.5).iter().map(|v| 1.0 + v).collect();
+    // float64, row by row
+    let mut st = reference::GdnState { window: vec![0.0; (kernel - 1) * c], s: vec![0.0; hv * d * d] };
+    let (mut want_o, mut want_y) = (Vec::new(), Vec::new());
+    let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    for r in 0..total {
+        let (o, y) = reference::gdn_row(
+            dims,
+            &mut st,
+            &conv_w,
+            &f(&x[r * c..(r + 1) * c]),
+            &f(&z[r * hv * d..(r + 1) * hv * d]),
+            &f(&beta[r * hv..(r + 1) * hv]),
+            &f(&alpha[r * hv..(r + 1) * hv]),
+            &dt_bias,
+            &a,
+            &norm,
+            eps as f64,
+        );
+        want_o.extend(o);
+        want_y.extend(y);
+    }
+    let (xd, zd, bd, ad) = (dev.up(&x)?, dev.up(&z)?, dev.up(&beta)?, dev.up(&alpha)?);
+    let (cwd, dtd, a_d, nd) = (dev.up(&conv_w)?, dev.up(&dt_bias)?, dev.up(&a)?, dev.up(&norm)?);
+    let mut step = dev.up(&[StepParams::default()])?;
+    // Runs the rows in steps of the given sizes; returns o (f32), y's Q8 planes, the final planes.
+    let mut run = |sizes: &[usize]| -> Res<(Vec<f32>, ActQ8, Vec<f32>, Vec<f32>, usize)> {
+        let conv_planes = dev.zeros::<f32>(planes * (kernel - 1) * c)?;
+        let ssm_planes = dev.zeros::<f32>(planes * hv * d * d)?;
+        let (yc, o) = (dev.zeros::<f32>(total * c)?, dev.zeros::<f32>(total * hv * d)?);
+        let (qs, qd, qsum) = (dev.zeros::<i8>(total * hv * d)?, dev.zeros::<f32>(total * hv * d / QK)?, dev.zeros::<i32>(total * hv * d / QK)?);
+        let (mut row0, mut plane) = (0usize, 0usize);
+        for &rows in sizes {
+            dev.set_step(&mut step, StepParams { pos: row0 as i32, rows: rows as i32, plane: plane as i32, ..Default::default() })?;
+            let ca = ConvArgs {
+                x: dev.ptr(&xd) + (row0 * c * 4) as u64,
+                w: dev.ptr(&cwd),
+                planes: dev.ptr(&conv_planes),
+                y: dev.ptr(&yc) + (row0 * c * 4) as u64,
+                step: dev.ptr(&step),
+                c: c as i32,
+                k: kernel as i32,
+                n_planes: planes as i32,
+                rows: rows as i32,
+            };
+            let ga = GdnArgs {
+                qkv: dev.ptr(&yc) + (row0 * c * 4) as u64,
+                alpha: dev.ptr(&ad) + (row0 * hv * 4) as u64,
+                beta: dev.ptr(&bd) + (row0 * hv * 4) as u64,
+                dt_bias: dev.ptr(&dtd),
+                a: dev.ptr(&a_d),
+                planes: dev.ptr(&ssm_planes),
+                out: dev.ptr(&o) + (row0 * hv * d * 4) as u64,
+                step: dev.ptr(&step),
+                hk: hk as i32,
+                hv: hv as i32,
+                d: d as i32,
+                n_planes: planes as i32,
+                rows: rows as i32,
+                eps,
+                q_scale: 1.0 / (d as f32).sqrt(),
+                pad_: 0,
+            };
+            let na = GatedNormArgs {
+                o: dev.ptr(&o) + (row0 * hv * d * 4) as u64,
+                z: dev.ptr(&zd) + (row0 * hv * d * 4) as u64,
+                w: dev.ptr(&nd),
+                qs: dev.ptr(&qs) + (row0 * hv * d) as u64,
+                qd: dev.ptr(&qd) + (row0 * hv * d / QK * 4) as u64,
+                qsum: dev.ptr(&qsum) + (row0 * hv * d / QK * 4) as u64,
+                hv: hv as i32,
+                d: d as i32,
+                eps,
+                pad_: 0,
+            };
+            // SAFETY: every buffer holds `total` rows (row0 + rows <= total), the planes `planes`
+            // planes, and the step block's plane is below `planes`.
+            unsafe {
+                dev.k.conv_silu(&dev.stream, &ca)?;
+                dev.k.gated_delta_rule(&dev.stream, &ga)?;
+                dev.k.gated_norm_quant(&dev.stream, rows, &na)?;
+            }
+            row0 += rows;
+            plane = (plane + rows) % planes;
+        }
+        let act = ActQ8 { k: hv * d, rows: total, qs: dev.down(&qs)?, d: dev.down(&qd)?, sum: dev.down(&qsum)? };
+        Ok((dev.down(&o)?, act, dev.down(&conv_planes)?, dev.down(&ssm_planes)?, plane))
+    };
+    let (o, act, convp, ssmp, plane) = run(steps)?;
+    let (o1, act1, convp1, ssmp1, plane1) = run(&vec![1; total])?;
+    let mut worst = 0f64;
+    let omax = want_o.iter().fold(0f64, |m, v| m.max(v.abs()));
+    for (g, w) in o.iter().zip(&want_o) {
+        worst = worst.max((*g as f64 - w).abs() / (2e-4 * omax + 1e-6));
+    }
+    // y through its Q8 rows: within half a quantization step of float64 (plus f32 rounding).
+    let yq = act.dequantize();
+    for (i, (g, w)) in yq.iter().zip(&want_y).enumerate() {
+        let step_size = act.d[i / QK] as f64;
+        worst = worst.max((g - w).abs() / (0.5 * step_size + 2e-3 * w.abs() + 1e-5));
+    }
+    // The final state (plane `plane`) against float64; the device keeps S transposed.
+    let sz = hv * d * d;
+    let mut smax = 0f64;
+    st.s.iter().for_each(|v| smax = smax.max(v.abs()));
+    for h in 0..hv {
+        for j in 0..d {
+            for i in 0..d {
+                let g = ssmp[plane * sz + (h * d + j) * d + i] as f64;
+                worst = worst.max((g - st.s[(h * d + i) * d + j]).abs() / (2e-4 * smax + 1e-6));
+            }
+        }
+    }
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let cz = (kernel - 1) * c;
+    let bits = plane == plane1
+        && same(&o, &o1)
+        && act == act1
+        && same(&convp[plane * cz..(plane + 1) * cz], &convp1[plane1 * cz..(plane1 + 1) * cz])
+        && same(&ssmp[plane * sz..(plane + 1) * sz], &ssmp1[plane1 * sz..(plane1 + 1) * sz]);
+    Ok(Case { name: format!("delta-net hk={hk} hv={hv} d={d} conv={kernel} steps {steps:?}"), worst, bits: Some(bits), note: String::new() })
+}
+
 fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     let mut rng = Rng(seed);
     let mut cases = Vec::new();
@@ -777,6 +917,10 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (WeightType::Q5_0, 8193, 32),
         (WeightType::Q4K, 8200, 256),
         (WeightType::Q6K, 8197, 512),
+        // Qwen3.5's fused QKV rows (Q5_K in a Q4_K_M file).
+        (WeightType::Q5K, 6144, 1024),
+        (WeightType::Q5K, 5, 256),
+        (WeightType::Q5K, 8200, 512),
     ] {
         cases.push(check_gemv(dev, &mut rng, t, n, k, false)?);
     }
@@ -793,6 +937,16 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     cases.push(check_norm_quant(dev, &mut rng, 21504, 3)?);
     for k in [640, 2048] {
         cases.push(check_norm_quant_concat(dev, &mut rng, k)?);
+    }
+    // The gated delta-net: Qwen3.5's head shape in one-row and verify steps, a prompt-sized step
+    // (more rows than planes), and the small shapes of the fixtures.
+    for (dims, steps) in [
+        (reference::GdnDims { hk: 2, hv: 4, d: 128, kernel: 4 }, vec![1, 3, 8, 2]),
+        (reference::GdnDims { hk: 2, hv: 4, d: 128, kernel: 4 }, vec![12, 1, 5]),
+        (reference::GdnDims { hk: 2, hv: 4, d: 64, kernel: 4 }, vec![2, 7, 1]),
+        (reference::GdnDims { hk: 1, hv: 2, d: 256, kernel: 3 }, vec![4, 4]),
+    ] {
+        cases.push(check_gdn(dev, &mut rng, dims, &steps)?);
     }
     for (h, kv, hd, pos) in [(4, 1, 256, 0), (4, 1, 256, 1000), (8, 2, 128, 77), (2, 2, 64, 31000)] {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos)?);
@@ -1256,10 +1410,15 @@ fn main() -> ExitCode {
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let seed = value("--seed").and_then(|s| s.parse().ok()).unwrap_or(1u64);
     let table = !args.iter().any(|a| a == "--no-table");
-    let result = run(table, bench, profile, seed).and_then(|ok| match value("--model") {
-        Some(m) => Ok(model::run(std::path::Path::new(&m), value("--ref").as_deref(), value("--assistant").as_deref())? && ok),
-        None => Ok(ok),
-    });
+    let result = run(table, bench, profile, seed)
+        .and_then(|ok| match value("--model") {
+            Some(m) => Ok(model::run(std::path::Path::new(&m), value("--ref").as_deref(), value("--assistant").as_deref())? && ok),
+            None => Ok(ok),
+        })
+        .and_then(|ok| match value("--qwen35") {
+            Some(m) => Ok(qwen35::run(std::path::Path::new(&m))? && ok),
+            None => Ok(ok),
+        });
     match result {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
@@ -1304,6 +1463,147 @@ fn run(table_on: bool, bench: bool, profile: bool, seed: u64) -> Res<bool> {
         bench::run(&dev, profile)?;
     }
     Ok(ok)
+}
+
+/// A `qwen35` GGUF on the engine: graph nodes per step, decode speed, a verify step of 2..=8
+/// rows against one-row steps bit for bit (logits and, after rolling back to each row, every
+/// delta-net layer's conv window and state), and a prompt step against one-row steps.
+mod qwen35 {
+    use super::*;
+    use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
+
+    fn prompt(vocab: usize) -> Vec<u32> {
+        (0..21u32).map(|i| (i * 7919 + 13) % vocab as u32).collect()
+    }
+
+    /// The prompt in one-row steps, then `n` greedy one-row steps: the ids, each step's logits
+    /// and each step's recurrent state.
+    #[allow(clippy::type_complexity)]
+    fn one_rows(g: &Qwen35Gpu, c: &mut Qwen35Cache, prompt: &[u32], n: usize) -> Res<(Vec<u32>, Vec<Vec<f32>>, Vec<Vec<(Vec<f32>, Vec<f32>)>>)> {
+        let mut next = 0;
+        for &t in prompt {
+            g.forward(c, &[t])?;
+            next = g.argmax(c)?[0];
+        }
+        let (mut ids, mut rows, mut states) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..n {
+            ids.push(next);
+            g.forward(c, &[next])?;
+            rows.push(g.logits(c)?);
+            states.push(g.read_state(c)?);
+            next = g.argmax(c)?[0];
+        }
+        Ok((ids, rows, states))
+    }
+
+    pub fn run(path: &std::path::Path) -> Res<bool> {
+        let g = Qwen35Gpu::load(path, 0, 4096)?;
+        let cfg = g.config().clone();
+        println!(
+            "qwen35 {}: {} layers ({} full attention), hidden {}, vocab {}, state planes {:.1} MiB a sequence",
+            path.display(),
+            cfg.layers,
+            cfg.full_attention.iter().filter(|&&f| f).count(),
+            cfg.hidden,
+            cfg.vocab,
+            g.state_bytes() as f64 / (1 << 20) as f64
+        );
+        let mut ok = true;
+        let mut c = g.new_cache(4096)?;
+        for rows in [1, 4, 8] {
+            println!("graph nodes, {rows} rows: {}", g.graph_nodes(&mut c, rows)?);
+        }
+        let p = prompt(cfg.vocab);
+        // One-row steps: the reference for every check below.
+        let mut c1 = g.new_cache(4096)?;
+        let (ids, rows, states) = one_rows(&g, &mut c1, &p, MAX_ROWS)?;
+        // Verify steps of m rows after the prompt: each row's logits equal the one-row step's,
+        // and rolling back to each row gives that step's state, bit for bit.
+        for m in 2..=MAX_ROWS {
+            let mut cv = g.new_cache(4096)?;
+            for &t in &p {
+                g.forward(&mut cv, &[t])?;
+            }
+            g.forward(&mut cv, &ids[..m])?;
+            let logits = g.logits(&cv)?;
+            let vocab = cfg.vocab;
+            let mut same = (0..m).all(|r| logits[r * vocab..(r + 1) * vocab].iter().zip(&rows[r]).all(|(a, b)| a.to_bits() == b.to_bits()));
+            for j in (1..=m).rev() {
+                if !cv.truncate(p.len() + j) {
+                    same = false;
+                    println!("FAIL verify {m} rows: cannot roll back to row {j}");
+                    continue;
+                }
+                let st = g.read_state(&cv)?;
+                same &= st.iter().zip(&states[j - 1]).all(|((w, s), (w1, s1))| w.iter().zip(w1).chain(s.iter().zip(s1)).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+            // Decoding on from a rollback to row 1 gives the one-row path's next logits.
+            cv.truncate(p.len() + 1);
+            g.forward(&mut cv, &[ids[1]])?;
+            same &= g.logits(&cv)?.iter().zip(&rows[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+            println!(
+                "{} verify {m} rows vs one-row steps: logits, states after a rollback to each row, and the step after: {}",
+                if same { "ok  " } else { "FAIL" },
+                if same { "bit-identical" } else { "DIFFER" }
+            );
+            ok &= same;
+        }
+        // A prompt step (the prompt GEMM and the delta-net over all its rows) against one-row
+        // steps: the next token's logits to float rounding.
+        let mut cp = g.new_cache(4096)?;
+        g.forward_prompt(&mut cp, &p)?;
+        let last = g.logits_row(&cp, p.len() - 1)?;
+        let mut c2 = g.new_cache(4096)?;
+        for &t in &p {
+            g.forward(&mut c2, &[t])?;
+        }
+        let want = g.logits(&c2)?;
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = last.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let pass = err <= 2e-2 * scale;
+        println!(
+            "{} prompt step of {} rows vs one-row steps: max |diff| {err:.3e} (logits up to {scale:.3e}), argmax {} vs {}",
+            if pass { "ok  " } else { "FAIL" },
+            p.len(),
+            reference::argmax(&last),
+            reference::argmax(&want)
+        );
+        ok &= pass;
+        // Decode speed: 256 greedy one-row steps on graphs.
+        let mut cs = g.new_cache(4096)?;
+        g.forward_prompt(&mut cs, &p)?;
+        let mut next = g.argmax(&cs)?[0];
+        for _ in 0..8 {
+            g.forward(&mut cs, &[next])?;
+            next = g.argmax(&cs)?[0];
+        }
+        let n = 256;
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            g.forward(&mut cs, &[next])?;
+            next = g.argmax(&cs)?[0];
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let step = dt / n as f64;
+        println!("decode: {n} tokens in {:.1} ms: {:.3} ms a token, {:.1} tok/s", dt * 1e3, step * 1e3, n as f64 / dt);
+        // A verify step of 4 and of 8 rows, timed against a one-row step.
+        for m in [4, 8] {
+            let reps = 50;
+            let at = cs.len();
+            g.forward(&mut cs, &ids[..m])?;
+            cs.truncate(at + 1);
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                let at = cs.len();
+                g.forward(&mut cs, &ids[..m])?;
+                g.argmax(&cs)?;
+                cs.truncate(at + 1);
+            }
+            let dt = t0.elapsed().as_secs_f64() / reps as f64;
+            println!("verify {m} rows + rollback: {:.3} ms ({:.2}x a one-row step)", dt * 1e3, dt / step);
+        }
+        Ok(ok)
+    }
 }
 
 /// The real model on the engine.

@@ -252,6 +252,9 @@ impl Sequence {
     /// This sequence's tokens and KV, to save.
     pub fn image(&self, model: &Model) -> Result<SlotImage, StepError> {
         let mut layers = Vec::new();
+        if model.is_recurrent() && self.gpu.is_some() {
+            return Err(StepError::NotOnGpuEngine("a slot file of a recurrent model's state"));
+        }
         if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_ref()) {
             // The engine's K/V in candle's layout: a slot saved here restores on either path.
             if g.len() > 0 {
@@ -329,6 +332,9 @@ impl Sequence {
         }
         if let Some(&t) = img.tokens.iter().find(|&&t| t as usize >= model.info.vocab_size) {
             return Err(SlotFileError::Malformed(format!("token id {t} is outside the vocabulary")));
+        }
+        if model.is_recurrent() && self.gpu.is_some() {
+            return Err(StepError::NotOnGpuEngine("a slot file of a recurrent model's state").into());
         }
         if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_mut()) {
             let len = img.tokens.len();
