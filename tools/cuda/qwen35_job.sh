@@ -1,34 +1,138 @@
 #!/usr/bin/env bash
-# Qwen3.5 on `--device cuda` (candle's CUDA path: the GPU engine runs Gemma 3 only), on the
-# device machine: greedy output of `tine generate` on the CPU and on the GPU for random-weight
-# qwen35 GGUFs (tools/qwen35_random_model.py --shape small, F16 and Q4_K_M), and every spec type
-# against plain decoding on the GPU. Staged here by:
+# Qwen3.5 on the GPU engine, on the device machine, over what tools/cuda/qwen35_stage.sh staged
+# into target/q35-engine (carried by the device call):
 #
-#   TINE_CUDA_TARGET_CPU=x86-64-v3 tools/cuda/build.sh          # target/cuda/release/tine
-#   mkdir -p target/q35-dev && cp target/cuda/release/tine /tmp/tine && strip /tmp/tine \
-#     && tar -C /tmp -cJf target/q35-dev/tine.tar.xz tine
-#   cp /tmp/q35small-f16.gguf /tmp/q35small-q4_k_m.gguf target/q35-dev/
+#   bash tools/cuda/qwen35_job.sh check   # the kernel table; random-weight qwen35 GGUFs written
+#                                         # here (shapes `small` and `0.8b`, F16, quantized to
+#                                         # Q4_K_M by the llama-quantize built here); tine-gpu-check
+#                                         # --qwen35 on both (verify rows and rolled-back states
+#                                         # against one-row steps, speed); `tine generate` on the
+#                                         # engine against the CPU path and candle's CUDA path,
+#                                         # and every spec type against plain decoding
+#   bash tools/cuda/qwen35_job.sh bench   # llama-bench tg128/pp512 against tine on the engine
+#                                         # and on candle's CUDA path, same GGUF (0.8b Q4_K_M)
 #
-# and run with the device call's carry of target/q35-dev: `bash tools/cuda/qwen35_job.sh`.
+# Everything it makes stays in /tmp/q35 while the machine is warm (a second call reuses it).
+# Writes $OUT/q35-log.txt; prints a summary.
 set -uo pipefail
-S=target/q35-dev
-W="${OUT:-/tmp}/q35"
-mkdir -p "$W"
-python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/tine.tar.xz" "$W" && chmod +x "$W/tine"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-fails=0
-for m in q35small-f16.gguf q35small-q4_k_m.gguf; do
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+S="$root/target/q35-engine"
+W=/tmp/q35
+OUT="${OUT:-$W/out}"
+mkdir -p "$W" "$OUT"
+mode="${1:-check}"
+log="$OUT/q35-log.txt"
+say() { echo "== $*" | tee -a "$log"; }
+run() { # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  say "$name: $*"
+  timeout "$secs" "$@" >>"$log" 2>&1
+  local rc=$?
+  say "$name: rc=$rc"
+  return $rc
+}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -n 2; nproc; } >>"$log" 2>&1
+[ -x "$W/tine" ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/bin.tar.xz" "$W"
+[ -d "$W/llama.cpp" ] || python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' "$S/llama.tar.xz" "$W"
+T="$W/tine"
+C="$W/tine-gpu-check"
+LB="$W/llama.cpp/build/bin"
+
+# llama.cpp CUDA, built in the background while the checks run.
+build_llama() {
+  [ -x "$LB/llama-quantize" ] && [ -x "$LB/llama-bench" ] && return 0
+  local t0
+  t0=$(date +%s)
+  cmake -S "$W/llama.cpp" -B "$W/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >"$W/llama-build.log" 2>&1 &&
+    cmake --build "$W/llama.cpp/build" -j"$(nproc)" --target llama-bench llama-quantize >>"$W/llama-build.log" 2>&1
+  echo "llama.cpp CUDA build: rc=$? in $(($(date +%s) - t0)) s" >>"$W/llama-build.log"
+}
+# A random-weight GGUF at `shape`, F16, then Q4_K_M (once llama-quantize exists).
+model() {
+  local shape=$1
+  [ -s "$W/q35-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" \
+    python3 "$root/tools/qwen35_random_model.py" --shape "$shape" --out "$W/q35-$shape-f16.gguf" >>"$W/models.log" 2>&1
+}
+quantize() {
+  local shape=$1
+  [ -s "$W/q35-$shape-q4_k_m.gguf" ] || "$LB/llama-quantize" "$W/q35-$shape-f16.gguf" "$W/q35-$shape-q4_k_m.gguf" Q4_K_M >>"$W/models.log" 2>&1
+}
+
+if [ "$mode" = check ]; then
+  build_llama &
+  BP=$!
+  model small &
+  MP=$!
+  model 0.8b &
+  MP2=$!
+  run kernels 300 "$C" || true
+  grep -E "^(FAIL|kernels:)" "$log" | tail -n 20
+  wait "$MP"
+  wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  quantize small
+  say "small Q4_K_M: $(ls -la "$W/q35-small-q4_k_m.gguf" 2>&1)"
+  run qwen35-small 240 "$C" --no-table --qwen35 "$W/q35-small-q4_k_m.gguf" || true
+  # tine generate: the engine against the CPU path and candle's CUDA path; spec against plain.
+  fails=0
+  M="$W/q35-small-q4_k_m.gguf"
   for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
-    base=(generate -m "$S/$m" -p "$p" -n 48 --temp 0 --ignore-eos)
-    cpu=$("$W/tine" "${base[@]}" --device cpu 2>"$W/err")
-    gpu=$("$W/tine" "${base[@]}" --device cuda 2>"$W/err-gpu") || { echo "FAIL $m: cuda run failed"; tail -5 "$W/err-gpu"; fails=$((fails + 1)); continue; }
-    grep -E "engine|candle|loaded" "$W/err-gpu" | head -2
-    if [ "$cpu" = "$gpu" ]; then echo "same  $m cpu/cuda: ${p:0:24}"; else echo "DIFF  $m cpu/cuda: ${p:0:24}"; echo "  cpu: ${cpu: -60}"; echo "  gpu: ${gpu: -60}"; fi
-    for spec in "--spec-type draft-mtp" "--spec-type ngram --spec-ngram-min 1" "--spec-type ngram,draft-mtp"; do
-      got=$("$W/tine" "${base[@]}" --device cuda $spec 2>"$W/err-spec") || { echo "FAIL $m $spec"; tail -5 "$W/err-spec"; fails=$((fails + 1)); continue; }
-      if [ "$got" = "$gpu" ]; then echo "same  $m cuda $spec vs plain"; else echo "DIFF  $m cuda $spec vs plain"; fi
-      grep -E "verify steps" "$W/err-spec" | head -1
+    base=(generate -m "$M" -p "$p" -n 48 --temp 0 --ignore-eos)
+    cpu=$("$T" "${base[@]}" --device cpu 2>"$W/err-cpu")
+    gpu=$("$T" "${base[@]}" --device cuda 2>"$W/err-gpu") || { say "FAIL cuda run: $(tail -n 3 "$W/err-gpu")"; fails=$((fails + 1)); continue; }
+    candle=$(TINE_GPU_ENGINE=0 "$T" "${base[@]}" --device cuda 2>"$W/err-candle")
+    grep -E "engine|loaded" "$W/err-gpu" | head -n 2 >>"$log"
+    [ "$cpu" = "$gpu" ] && say "same  engine vs cpu: ${p:0:24}" || { say "DIFF  engine vs cpu: ${p:0:24}"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; }
+    [ "$candle" = "$gpu" ] && say "same  engine vs candle cuda: ${p:0:24}" || say "DIFF  engine vs candle cuda: ${p:0:24}"
+    for temp in 0 0.8; do
+      plain=$("$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+      for spec in "--spec-type draft-mtp" "--spec-type ngram --spec-ngram-min 1" "--spec-type ngram,draft-mtp" "-md $M"; do
+        got=$("$T" "${base[@]}" --device cuda --temp $temp --seed 7 $spec 2>"$W/err-spec") || { say "FAIL $spec: $(tail -n 2 "$W/err-spec")"; fails=$((fails + 1)); continue; }
+        if [ "$got" = "$plain" ]; then say "same  spec vs plain, temp $temp, $spec"; else say "DIFF  spec vs plain, temp $temp, $spec"; fails=$((fails + 1)); fi
+      done
     done
   done
-done
-echo "failures: $fails"
+  say "generate failures: $fails"
+  wait "$MP2"
+  quantize 0.8b
+  say "0.8b Q4_K_M: $(ls -la "$W/q35-0.8b-q4_k_m.gguf" 2>&1)"
+  run qwen35-0.8b 240 "$C" --no-table --qwen35 "$W/q35-0.8b-q4_k_m.gguf" || true
+  grep -E "^(ok|FAIL|decode|verify|graph|qwen35)" "$log" | tail -n 40
+  exit 0
+fi
+
+if [ "$mode" = bench ]; then
+  build_llama
+  model 0.8b
+  quantize 0.8b
+  M="$W/q35-0.8b-q4_k_m.gguf"
+  say "llama-bench"
+  timeout 240 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
+  python3 - "$T" "$M" "$W/p512.json" <<'PY'
+import json, random, sys
+random.seed(5)
+json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[3], "w"))
+PY
+  for r in 1 2 3; do
+    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/tg128-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-$r.json" >>"$log" 2>&1
+  done
+  timeout 120 env TINE_GPU_ENGINE=0 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/tg128-candle.json" >>"$log" 2>&1
+  python3 - "$OUT" <<'PY' | tee -a "$log"
+import json, statistics, sys
+o = sys.argv[1]
+def med(name, key):
+    v = []
+    for r in (1, 2, 3):
+        try: v.append(json.load(open(f"{o}/{name}-{r}.json"))[key])
+        except Exception: pass
+    return f"{statistics.median(v):.1f}" if v else "no result"
+try: cand = f"{json.load(open(f'{o}/tg128-candle.json'))['predicted_per_second']:.1f}"
+except Exception: cand = "no result"
+print(f"tine tg128 (engine): {med('tg128', 'predicted_per_second')} tok/s; candle's CUDA path: {cand} tok/s; pp512 (engine): {med('pp512', 'prompt_per_second')} tok/s")
+PY
+  exit 0
+fi
+echo "usage: qwen35_job.sh check|bench" >&2
+exit 2

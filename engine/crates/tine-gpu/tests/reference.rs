@@ -76,3 +76,70 @@ fn attention_reference_is_a_softmax_weighted_average_of_the_visible_values() {
     let out = reference::attention(&q, &k, &v, ctx, 1, 1, hd, 7, 0);
     assert!(out.iter().all(|&x| (x - 3.5).abs() < 1e-12), "{out:?}"); // mean of 0..=7
 }
+
+#[test]
+fn delta_net_reference_agrees_with_the_cpu_paths_gated_delta_net_over_a_sequence_of_rows() {
+    use candle_core::{Device, Tensor};
+    use candle_nn::gated_delta_net::{gated_delta_net, GdnParams, GdnShape};
+    for (case, dims) in [reference::GdnDims { hk: 2, hv: 4, d: 16, kernel: 4 }, reference::GdnDims { hk: 1, hv: 3, d: 32, kernel: 3 }].into_iter().enumerate() {
+        let (c, hv, d, t) = (dims.channels(), dims.hv, dims.d, 6);
+        let seed = 200 + 10 * case as u64;
+        let x = values(t * c, seed, 1.0);
+        let z = values(t * hv * d, seed + 1, 2.0);
+        let beta = values(t * hv, seed + 2, 2.0);
+        let alpha = values(t * hv, seed + 3, 2.0);
+        let conv = values(c * dims.kernel, seed + 4, 0.7);
+        let dt_bias = values(hv, seed + 5, 1.0);
+        let a: Vec<f32> = values(hv, seed + 6, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+        let norm: Vec<f32> = values(d, seed + 7, 0.5).iter().map(|v| 1.0 + v).collect();
+        let eps = 1e-6;
+        let cpu = Device::Cpu;
+        let tensor = |v: &[f32], shape: &[usize]| Tensor::from_vec(v.to_vec(), shape, &cpu).expect("tensor");
+        let params = GdnParams { conv: conv.clone(), kernel: dims.kernel, dt_bias: dt_bias.clone(), a: a.clone(), norm: norm.clone() };
+        let shape = GdnShape { n_k_heads: dims.hk, n_v_heads: hv, d_state: d, eps };
+        let out = gated_delta_net(
+            &tensor(&x, &[t, c]),
+            &tensor(&z, &[t, hv * d]),
+            &tensor(&beta, &[t, hv]),
+            &tensor(&alpha, &[t, hv]),
+            &Tensor::zeros((dims.kernel - 1, c), candle_core::DType::F32, &cpu).expect("window"),
+            &Tensor::zeros((hv, d, d), candle_core::DType::F32, &cpu).expect("state"),
+            &params,
+            shape,
+            false,
+        )
+        .expect("the CPU path's gated delta-net");
+        let y = out.y.flatten_all().and_then(|v| v.to_vec1::<f32>()).expect("y");
+        let state = out.state.flatten_all().and_then(|v| v.to_vec1::<f32>()).expect("state");
+        let mut st = reference::GdnState { window: vec![0.0; (dims.kernel - 1) * c], s: vec![0.0; hv * d * d] };
+        let f = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+        let mut want_y = Vec::new();
+        for r in 0..t {
+            let (_, yr) = reference::gdn_row(
+                dims,
+                &mut st,
+                &conv,
+                &f(&x[r * c..(r + 1) * c]),
+                &f(&z[r * hv * d..(r + 1) * hv * d]),
+                &f(&beta[r * hv..(r + 1) * hv]),
+                &f(&alpha[r * hv..(r + 1) * hv]),
+                &dt_bias,
+                &a,
+                &norm,
+                eps,
+            );
+            want_y.extend(yr);
+        }
+        // f32 against float64 over 6 rows of a recurrence: within 1e-4 of the largest value.
+        let ymax = want_y.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in y.iter().zip(&want_y).enumerate() {
+            assert!((*g as f64 - w).abs() <= 1e-4 * ymax, "case {case} y[{i}]: CPU {g} vs float64 {w}");
+        }
+        let smax = st.s.iter().fold(0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in state.iter().zip(&st.s).enumerate() {
+            assert!((*g as f64 - w).abs() <= 1e-4 * smax, "case {case} state[{i}]: CPU {g} vs float64 {w}");
+        }
+        let window = out.window.flatten_all().and_then(|v| v.to_vec1::<f32>()).expect("window");
+        assert_eq!(window.iter().map(|&v| v as f64).collect::<Vec<_>>(), st.window, "case {case}: the conv window after the rows");
+    }
+}

@@ -310,8 +310,10 @@ fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType,
 /// `norm_quant`'s mode 1 with `res_scale` (a block's `layer_output_scale`) in the table's mode 4.
 const RES_SCALE: f32 = 0.7;
 
-/// Modes 0-2 as decode.cu numbers them, 3 the plain quantize, 4 mode 1 scaled by [`RES_SCALE`].
-fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> {
+/// Modes 0-2 as decode.cu numbers them, 3 the plain quantize, 4 mode 1 scaled by [`RES_SCALE`],
+/// 5 decode.cu's mode 3 (a pre-norm block's `res + a`); mode 2 reads an embedding table of type
+/// `et`.
+fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: WeightType) -> Res<Case> {
     let rows = MAX_ROWS;
     let plain = mode == 3;
     let vocab = 64;
@@ -319,18 +321,19 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
     let res = rng.vec(rows * k, 10.0);
     let w_a: Vec<f32> = rng.vec(k, 0.5).iter().map(|x| 1.0 + x).collect();
     let w: Vec<f32> = rng.vec(k, 0.5).iter().map(|x| 1.0 + x).collect();
-    let embd = WeightType::Q8_0.quantize(&rng.vec(vocab * k, 1.0));
+    let embd = et.quantize(&rng.vec(vocab * k, 1.0));
     let tokens: [i32; MAX_ROWS] = std::array::from_fn(|i| (rng.next() % vocab as u64) as i32 ^ (i as i32 & 1));
     let (eps, scale) = (1e-6f32, (k as f32).sqrt());
     let (ad, resd, wad, wd, ed) = (dev.up(&a)?, dev.up(&res)?, dev.up(&w_a)?, dev.up(&w)?, dev.up(&embd)?);
     let mut step = dev.up(&[StepParams::default()])?;
     let (res_out, y_out) = (dev.zeros::<f32>(rows * k)?, dev.zeros::<f32>(rows * k)?);
     let (qs, qd, qsum) = (dev.zeros::<i8>(rows * k)?, dev.zeros::<f32>(rows * k / QK)?, dev.zeros::<i32>(rows * k / QK)?);
-    let embd_f = WeightType::Q8_0.dequantize(&embd);
+    let embd_f = et.dequantize(&embd);
     // Reference rows.
     let want = |m: usize| -> (Vec<f64>, Vec<f64>) {
         let t: Vec<f64> = match mode {
             0 | 3 => a[m * k..(m + 1) * k].iter().map(|&x| x as f64).collect(),
+            5 => a[m * k..(m + 1) * k].iter().zip(&res[m * k..]).map(|(&x, &r)| x as f64 + r as f64).collect(),
             1 | 4 => {
                 let am: Vec<f64> = a[m * k..(m + 1) * k].iter().map(|&x| x as f64).collect();
                 let n = reference::rms_norm(&am, &w_a, eps as f64);
@@ -376,12 +379,15 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
                     0
                 } else if mode == 4 {
                     1
+                } else if mode == 5 {
+                    3
                 } else {
                     mode
                 },
                 norm: i32::from(!plain),
                 tokens: 0,
                 res_scale: if mode == 4 { RES_SCALE } else { 0.0 },
+                embd_type: if et == WeightType::Q8_0 { 0 } else { et.ggml_id() },
                 ..Default::default()
             };
             // SAFETY: every buffer holds `rows` rows of k (and k/32 per row for the scales), the
@@ -411,7 +417,8 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32) -> Res<Case> 
             bits &= singles[1].iter().zip(&got_q.qs).all(|(a, b)| *a == *b as f32);
         }
     }
-    let what = ["plain + norm", "post-norm + residual", "Q8_0 embedding", "quantize only", "post-norm + residual, scaled"][mode as usize];
+    let embedding = format!("{et:?} embedding");
+    let what = ["plain + norm", "post-norm + residual", &embedding, "quantize only", "post-norm + residual, scaled", "residual + norm"][mode as usize];
     Ok(Case { name: format!("norm_quant k={k} {what}"), worst, bits: Some(bits), note })
 }
 
@@ -468,13 +475,15 @@ fn check_norm_quant_concat(dev: &Dev, rng: &mut Rng, k: usize) -> Res<Case> {
 }
 
 /// q/k norm + RoPE + KV write for rows at pos..pos+M.
-fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, pos: usize) -> Res<Case> {
+/// `qk_norm_rope_kv` with RoPE on the first `n_rot` dims of each head (0: all).
+fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, pos: usize, n_rot: usize) -> Res<Case> {
+    let nr = if n_rot == 0 { hd } else { n_rot };
     let rows = MAX_ROWS;
     let ctx = pos + rows + 3;
     let (q, kx, v) = (rng.vec(rows * n_head * hd, 2.0), rng.vec(rows * n_kv * hd, 2.0), rng.vec(rows * n_kv * hd, 2.0));
     let qn: Vec<f32> = rng.vec(hd, 0.5).iter().map(|x| 1.0 + x).collect();
     let kn: Vec<f32> = rng.vec(hd, 0.5).iter().map(|x| 1.0 + x).collect();
-    let inv = reference::inv_freq(hd, 1e6);
+    let inv = reference::inv_freq(nr, 1e6);
     let (eps, q_scale) = (1e-6f32, 1.0 / (hd as f32).sqrt());
     let (qnd, knd, invd, kd, vd) = (dev.up(&qn)?, dev.up(&kn)?, dev.up(&inv)?, dev.up(&kx)?, dev.up(&v)?);
     let mut step = dev.up(&[StepParams::default()])?;
@@ -502,7 +511,7 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
                 n_head: n_head as i32,
                 n_kv: n_kv as i32,
                 hd: hd as i32,
-                n_rot: 0,
+                n_rot: n_rot as i32,
             };
             // SAFETY: q/k/v hold `rows` rows, the caches ctx > pos + rows positions.
             unsafe { dev.k.qk_norm_rope_kv(&dev.stream, n_rows, &args)? };
@@ -512,7 +521,7 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
             for h in 0..n_head + n_kv {
                 let (src, w) = if h < n_head { (&q[(m * n_head + h) * hd..][..hd], &qn) } else { (&kx[(m * n_kv + h - n_head) * hd..][..hd], &kn) };
                 let x: Vec<f64> = src.iter().map(|&v| v as f64).collect();
-                let want = reference::rope(&reference::rms_norm(&x, w, eps as f64), pos + m, &inv);
+                let want = reference::rope_partial(&reference::rms_norm(&x, w, eps as f64), pos + m, nr, &inv);
                 let got: &[f32] = if h < n_head { &qg[(m * n_head + h) * hd..][..hd] } else { &kg[((h - n_head) * ctx + pos + m) * hd..][..hd] };
                 let s = if h < n_head { q_scale as f64 } else { 1.0 };
                 let mx = want.iter().fold(0f64, |a, v| a.max(v.abs())) * s;
@@ -532,16 +541,19 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
     }
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let bits = same(&results[0].0, &results[1].0) && same(&results[0].1, &results[1].1) && same(&results[0].2, &results[1].2);
-    Ok(Case { name: format!("qk_norm_rope_kv heads={n_head}/{n_kv} hd={hd} pos={pos}"), worst, bits: Some(bits), note: String::new() })
+    Ok(Case { name: format!("qk_norm_rope_kv heads={n_head}/{n_kv} hd={hd} rot={nr} pos={pos}"), worst, bits: Some(bits), note: String::new() })
 }
 
-/// Attention for rows at pos..pos+M over a random cache.
+/// Attention for rows at pos..pos+M over a random cache; with `gated`, the output times
+/// `sigmoid(gate)` (Qwen3.5's gated attention).
 #[allow(clippy::too_many_arguments)]
-fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, ctx: usize, window: usize, pos: usize) -> Res<Case> {
+fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, ctx: usize, window: usize, pos: usize, gated: bool) -> Res<Case> {
     let rows = MAX_ROWS.min(ctx - pos);
     let kc = rng.vec(n_kv * ctx * hd, 1.0);
     let vc = rng.vec(n_kv * ctx * hd, 1.0);
     let q = rng.vec(rows * n_head * hd, 3.0 / (hd as f32).sqrt());
+    let gate = rng.vec(rows * n_head * hd, 4.0);
+    let gd = dev.up(&gate)?;
     let chunks_max = Kernels::attn_chunks_max(ctx, window);
     let (kd, vd, qd) = (dev.up(&kc)?, dev.up(&vc)?, dev.up(&q)?);
     let out = dev.zeros::<f32>(rows * n_head * hd)?;
@@ -570,9 +582,9 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
             n_head: n_head as i32,
             n_kv: n_kv as i32,
             chunks_max: chunks_max as i32,
-            gate: 0,
+            gate: if gated { dev.ptr(&gd) + (row0 * width * 4) as u64 } else { 0 },
         };
-        // SAFETY: q holds `rows` rows, the caches ctx positions (pos + rows <= ctx), the
+        // SAFETY: q (and the gate) hold `rows` rows, the caches ctx positions (pos + rows <= ctx), the
         // partials `rows` rows of chunks_max chunks, the counters MAX_ROWS * n_head zeroed ints,
         // the Q8 planes `rows` rows of n_head * hd values.
         unsafe { dev.k.attention(&dev.stream, n_rows, hd, &args)? };
@@ -595,6 +607,7 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
             let qm: Vec<f64> = q[m * n_head * hd..(m + 1) * n_head * hd].iter().map(|&x| x as f64).collect();
             let want = reference::attention(&qm, &kc, &vc, ctx, n_head, n_kv, hd, pos + m, window);
             for (i, w) in want.iter().enumerate() {
+                let w = if gated { w / (1.0 + (-(gate[m * n_head * hd + i] as f64)).exp()) } else { *w };
                 let g = got[m * n_head * hd + i];
                 worst = worst.max((g as f64 - w).abs() / (2e-6 * vmax + 1e-7));
                 bits &= g.to_bits() == singles[m][i].to_bits();
@@ -606,7 +619,7 @@ fn check_attention(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usi
     if !q8_all {
         note.push_str(" Q8 output differs from the f32 output quantized");
     }
-    Ok(Case { name: format!("attention heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window} pos={pos}"), worst, bits: Some(bits), note })
+    Ok(Case { name: format!("attention heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window} pos={pos}{}", if gated { " gated" } else { "" }), worst, bits: Some(bits), note })
 }
 
 /// One query at `pos` over the keys below `kv_end` (the step's `kv_end`; `pos >= kv_end`, the
@@ -930,11 +943,15 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     cases.push(check_gemv_segments(dev, &mut rng, 640, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)])?);
     cases.push(check_gemv_segments(dev, &mut rng, 1024, &[(WeightType::Q4K, 33), (WeightType::Q6K, 70), (WeightType::Q8_0, 5), (WeightType::Q5_0, 64)])?);
     for k in [640, 1024, 2048, 96, 8192] {
-        for mode in 0..5 {
-            cases.push(check_norm_quant(dev, &mut rng, k, mode)?);
+        for mode in 0..6 {
+            cases.push(check_norm_quant(dev, &mut rng, k, mode, WeightType::Q8_0)?);
         }
     }
-    cases.push(check_norm_quant(dev, &mut rng, 21504, 3)?);
+    cases.push(check_norm_quant(dev, &mut rng, 21504, 3, WeightType::Q8_0)?);
+    // Embedding rows of the other types (Qwen3.5's Q6_K table in a Q4_K_M file).
+    for et in [WeightType::Q4K, WeightType::Q5K, WeightType::Q6K, WeightType::Q5_0] {
+        cases.push(check_norm_quant(dev, &mut rng, 1024, 2, et)?);
+    }
     for k in [640, 2048] {
         cases.push(check_norm_quant_concat(dev, &mut rng, k)?);
     }
@@ -948,8 +965,8 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     ] {
         cases.push(check_gdn(dev, &mut rng, dims, &steps)?);
     }
-    for (h, kv, hd, pos) in [(4, 1, 256, 0), (4, 1, 256, 1000), (8, 2, 128, 77), (2, 2, 64, 31000)] {
-        cases.push(check_rope(dev, &mut rng, h, kv, hd, pos)?);
+    for (h, kv, hd, pos, n_rot) in [(4, 1, 256, 0, 0), (4, 1, 256, 1000, 0), (8, 2, 128, 77, 0), (2, 2, 64, 31000, 0), (8, 2, 256, 1234, 64), (4, 2, 64, 9, 16)] {
+        cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot)?);
     }
     for (h, kv, hd, ctx, window, pos) in [
         (4, 1, 256, 2048, 0, 0),
@@ -966,7 +983,11 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (16, 2, 256, 4096, 1024, 3000),
         (2, 2, 128, 100, 0, 3),
     ] {
-        cases.push(check_attention(dev, &mut rng, h, kv, hd, ctx, window, pos)?);
+        cases.push(check_attention(dev, &mut rng, h, kv, hd, ctx, window, pos, false)?);
+    }
+    // Qwen3.5's gated attention (8 heads over 2 KV heads of 256: the 0.8B shape).
+    for (ctx, pos) in [(2048, 0), (2048, 777)] {
+        cases.push(check_attention(dev, &mut rng, 8, 2, 256, ctx, 0, pos, true)?);
     }
     // An assistant head's query past the cache it reads (the step's kv_end).
     for (h, kv, hd, ctx, window, kv_end, pos) in
