@@ -27,8 +27,8 @@ mod imp {
 
     /// The model's trunk on the engine.
     pub enum GpuTrunk {
-        Gemma3(Gemma3Gpu),
-        Qwen35(Qwen35Gpu),
+        Gemma3(Box<Gemma3Gpu>),
+        Qwen35(Box<Qwen35Gpu>),
     }
     /// One sequence's state on the engine.
     pub enum GpuSeq {
@@ -76,9 +76,9 @@ mod imp {
                 return Ok(None);
             }
             if tine_gpu::gemma3::architecture(path)?.starts_with("qwen35") {
-                return Ok(Some(GpuTrunk::Qwen35(Qwen35Gpu::load(path, gpu_id, max_ctx)?)));
+                return Ok(Some(GpuTrunk::Qwen35(Box::new(Qwen35Gpu::load(path, gpu_id, max_ctx)?))));
             }
-            Ok(Some(GpuTrunk::Gemma3(Gemma3Gpu::load(path, gpu_id, max_ctx)?)))
+            Ok(Some(GpuTrunk::Gemma3(Box::new(Gemma3Gpu::load(path, gpu_id, max_ctx)?))))
         }
         pub fn new_seq(&self, context: usize) -> Result<GpuSeq, GpuError> {
             Ok(match self {

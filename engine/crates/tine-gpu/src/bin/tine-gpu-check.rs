@@ -809,8 +809,10 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
     let (xd, zd, bd, ad) = (dev.up(&x)?, dev.up(&z)?, dev.up(&beta)?, dev.up(&alpha)?);
     let (cwd, dtd, a_d, nd) = (dev.up(&conv_w)?, dev.up(&dt_bias)?, dev.up(&a)?, dev.up(&norm)?);
     let mut step = dev.up(&[StepParams::default()])?;
-    // Runs the rows in steps of the given sizes; returns o (f32), y's Q8 planes, the final planes.
-    let mut run = |sizes: &[usize]| -> Res<(Vec<f32>, ActQ8, Vec<f32>, Vec<f32>, usize)> {
+    // Runs the rows in steps of the given sizes: o (f32), y's Q8 planes, the conv and delta
+    // state planes, the plane holding the last row's state.
+    type Run = (Vec<f32>, ActQ8, Vec<f32>, Vec<f32>, usize);
+    let mut run = |sizes: &[usize]| -> Res<Run> {
         let conv_planes = dev.zeros::<f32>(planes * (kernel - 1) * c)?;
         let ssm_planes = dev.zeros::<f32>(planes * hv * d * d)?;
         let (yc, o) = (dev.zeros::<f32>(total * c)?, dev.zeros::<f32>(total * hv * d)?);
