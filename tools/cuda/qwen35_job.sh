@@ -119,6 +119,11 @@ PY
     timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$OUT/pp512-$r.json" >>"$log" 2>&1
   done
   timeout 120 env TINE_GPU_ENGINE=0 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/tg128-candle.json" >>"$log" 2>&1
+  # Greedy ids at this shape: the engine (its prompt step included) against the CPU path.
+  base=(generate -m "$M" -p "The history of the printing press begins" -n 32 --temp 0 --ignore-eos)
+  cpu=$(timeout 120 "$T" "${base[@]}" --device cpu 2>/dev/null)
+  gpu=$(timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
+  [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  0.8b engine vs cpu, 32 greedy tokens" || { say "DIFF  0.8b engine vs cpu"; echo "  cpu:    ${cpu: -100}" >>"$log"; echo "  engine: ${gpu: -100}" >>"$log"; }
   python3 - "$OUT" <<'PY' | tee -a "$log"
 import json, statistics, sys
 o = sys.argv[1]

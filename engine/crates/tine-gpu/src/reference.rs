@@ -105,6 +105,48 @@ pub fn lane_unit(t: WeightType, row: &[u8], u: usize, l4: usize) -> ([i8; 8], f3
     }
 }
 
+/// Value `i` of a row of weight type `t` as the embedding gather computes it (`embd_value` of
+/// kernels/decode.cu, its index arithmetic written out): one value at a time, not a block.
+pub fn embd_value(t: WeightType, row: &[u8], i: usize) -> f32 {
+    let h = |b: &[u8], at: usize| half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32();
+    let scale_min = |s: &[u8], j: usize| if j < 4 { (s[j] & 63, s[j + 4] & 63) } else { ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)) };
+    match t {
+        WeightType::Q8_0 => {
+            let b = &row[(i / 32) * 34..];
+            h(b, 0) * b[2 + i % 32] as i8 as f32
+        }
+        WeightType::Q5_0 => {
+            let b = &row[(i / 32) * 22..];
+            let l = i % 32;
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let nib = if l < 16 { b[6 + l] & 0xF } else { b[6 + l - 16] >> 4 } as i32;
+            h(b, 0) * ((nib | (((qh >> l) & 1) << 4) as i32) - 16) as f32
+        }
+        WeightType::Q4K | WeightType::Q5K => {
+            let five = t == WeightType::Q5K;
+            let b = &row[(i / 256) * t.block_bytes()..];
+            let (iw, qs0) = (i % 256, if five { 48 } else { 16 });
+            let (j, l) = (iw / 32, iw % 32);
+            let (sc, mn) = scale_min(&b[4..16], j);
+            let byte = b[qs0 + 32 * (j / 2) + l];
+            let mut q = if j & 1 == 1 { byte >> 4 } else { byte & 0xF } as i32;
+            if five {
+                q |= (((b[16 + l] >> j) & 1) as i32) << 4;
+            }
+            h(b, 0) * sc as f32 * q as f32 - h(b, 2) * mn as f32
+        }
+        WeightType::Q6K => {
+            let b = &row[(i / 256) * 210..];
+            let iw = i % 256;
+            let (n, r) = (iw / 128, iw % 128);
+            let (qd, l) = (r / 32, r % 32);
+            let lo = (b[64 * n + l + (qd & 1) * 32] >> ((qd >> 1) * 4)) & 0xF;
+            let hi = (b[128 + 32 * n + l] >> (2 * qd)) & 3;
+            h(b, 208) * b[192 + 8 * n + l / 16 + 2 * qd] as i8 as f32 * ((lo | (hi << 4)) as i32 - 32) as f32
+        }
+    }
+}
+
 /// The GEMV as the kernel splits it (units of 32 values, four lanes of 8 per unit, the factors
 /// of [`lane_unit`]), summed in float64. Equal to [`gemv`] up to the rounding of ggml's own
 /// dequantizer, which is what the CI test checks.

@@ -143,3 +143,21 @@ fn delta_net_reference_agrees_with_the_cpu_paths_gated_delta_net_over_a_sequence
         assert_eq!(window.iter().map(|&v| v as f64).collect::<Vec<_>>(), st.window, "case {case}: the conv window after the rows");
     }
 }
+
+#[test]
+fn embedding_gather_of_one_value_equals_ggmls_dequantized_row_for_every_type() {
+    for t in WeightType::ALL {
+        let k = 2 * t.block_values().max(64);
+        let rows = 3;
+        let w = t.quantize(&values(rows * k, 41, 1.3));
+        let want = t.dequantize(&w);
+        let rb = t.row_bytes(k);
+        for r in 0..rows {
+            for i in 0..k {
+                let got = reference::embd_value(t, &w[r * rb..(r + 1) * rb], i);
+                let x = want[r * k + i];
+                assert!((got - x).abs() <= 1e-6 * x.abs().max(1.0), "{t:?} row {r} value {i}: gather {got} vs ggml {x}");
+            }
+        }
+    }
+}
