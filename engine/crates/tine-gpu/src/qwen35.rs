@@ -46,6 +46,9 @@ use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Reader, PRO
 
 type Result<T> = std::result::Result<T, Error>;
 
+/// Called after each launch of a step with what the launch does.
+type Mark<'a> = dyn FnMut(&'static str) -> std::result::Result<(), GpuError> + 'a;
+
 /// State planes per delta-net layer and sequence: the state at the step's start and after each
 /// row of a verify step of up to [`MAX_ROWS`] rows.
 pub const PLANES: usize = MAX_ROWS + 1;
@@ -446,7 +449,8 @@ impl Qwen35Gpu {
     /// The launches of one step of `rows` rows over `cache` (what a graph captures); without
     /// `head`, the trunk alone. With `prompt` (the address of the step's token ids), a prompt
     /// step of up to [`PROMPT_ROWS`] rows, the head on its last row.
-    fn launch_step(&self, cache: &Qwen35Cache, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>) -> std::result::Result<(), GpuError> {
+    /// `mark` is called after each launch with what it does (the profile's events).
+    fn launch_step(&self, cache: &Qwen35Cache, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -461,11 +465,13 @@ impl Qwen35Gpu {
             for (l, ly) in self.layers.iter().enumerate() {
                 let first = if l == 0 { self.nq(step, prompt, 0, 2, c.hidden, p(&ly.attn_norm)) } else { self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&ly.attn_norm)) };
                 k.norm_quant(s, rows, &first)?;
+                mark("norm_quant")?;
                 let i = self.slot[l];
                 match &ly.mixer {
                     Mixer::DeltaNet { qkv, z, beta, alpha, conv, dt_bias, a, norm, out } => {
                         let segs = [self.seg(qkv, &b.x1, conv_dim), self.seg(z, &b.x2, vd), self.seg(beta, &b.beta, c.n_v_heads), self.seg(alpha, &b.alpha, c.n_v_heads)];
                         k.gemv(s, rows, c.hidden, &segs, act)?;
+                        mark("gemv qkv·z·beta·alpha")?;
                         let ca = ConvArgs {
                             x: p(&b.x1),
                             w: p(conv),
@@ -478,6 +484,7 @@ impl Qwen35Gpu {
                             rows: rows as i32,
                         };
                         k.conv_silu(s, &ca)?;
+                        mark("conv_silu")?;
                         let ga = GdnArgs {
                             qkv: p(&b.conv),
                             alpha: p(&b.alpha),
@@ -497,13 +504,17 @@ impl Qwen35Gpu {
                             pad_: 0,
                         };
                         k.gated_delta_rule(s, &ga)?;
+                        mark("gated_delta_rule")?;
                         let na = GatedNormArgs { o: p(&b.o), z: p(&b.x2), w: p(norm), qs: act.0, qd: act.1, qsum: act.2, hv: c.n_v_heads as i32, d: c.d_state as i32, eps: c.eps, pad_: 0 };
                         k.gated_norm_quant(s, rows, &na)?;
+                        mark("gated_norm_quant")?;
                         k.gemv(s, rows, vd, &[self.seg(out, &b.mix, c.hidden)], act)?;
+                        mark("gemv ssm_out")?;
                     }
                     Mixer::Attention { q, gate, k: wk, v: wv, o, q_norm, k_norm } => {
                         let segs = [self.seg(q, &b.x1, qd), self.seg(gate, &b.x2, qd), self.seg(wk, &b.k, kvd), self.seg(wv, &b.v, kvd)];
                         k.gemv(s, rows, c.hidden, &segs, act)?;
+                        mark("gemv q·gate·k·v")?;
                         let rope = RopeArgs {
                             q: p(&b.x1),
                             k: p(&b.k),
@@ -523,6 +534,7 @@ impl Qwen35Gpu {
                             n_rot: c.rope_dim as i32,
                         };
                         k.qk_norm_rope_kv(s, rows, &rope)?;
+                        mark("qk_norm_rope_kv")?;
                         let at = AttnArgs {
                             q: p(&b.x1),
                             k_cache: p(&cache.k[i]),
@@ -545,17 +557,24 @@ impl Qwen35Gpu {
                             Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
                             None => k.attention(s, rows, c.head_dim, &at)?,
                         }
+                        mark("attention")?;
                         k.gemv(s, rows, qd, &[self.seg(o, &b.mix, c.hidden)], act)?;
+                        mark("gemv attn_output")?;
                     }
                 }
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
+                mark("norm_quant")?;
                 let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 2, block_start: 0 };
                 k.gemv(s, rows, c.hidden, &[glu], act)?;
+                mark("gemv gate·up")?;
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
+                mark("norm_quant")?;
                 k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
+                mark("gemv down")?;
             }
             let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&self.output_norm)) };
             k.norm_quant(s, rows, &last)?;
+            mark("norm_quant")?;
             if !head {
                 return Ok(());
             }
@@ -565,9 +584,11 @@ impl Qwen35Gpu {
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
             k.gemv(s, head_rows, c.hidden, &[self.seg(out, &b.logits, c.vocab)], act)?;
+            mark("lm head")?;
             let am =
                 ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
             k.argmax(s, head_rows, &am)?;
+            mark("argmax")?;
         }
         Ok(())
     }
@@ -587,7 +608,7 @@ impl Qwen35Gpu {
         let at = if head { rows - 1 } else { MAX_ROWS + rows - 1 };
         if cache.graphs[at].is_none() {
             self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            let launched = self.launch_step(cache, step, rows, head, None);
+            let launched = self.launch_step(cache, step, rows, head, None, &mut |_| Ok(()));
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             launched?;
             let graph = graph?.ok_or_else(|| Error::Step { rows, pos: cache.pos, what: "the capture made no graph".into() })?;
@@ -620,6 +641,42 @@ impl Qwen35Gpu {
     }
 
     fn step(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], head: bool) -> Result<()> {
+        self.step_marked(cache, tokens, banned, head, &mut |_| Ok(()), false)
+    }
+
+    /// Runs `tokens` as one step launched directly (no graph) with an event after each launch,
+    /// and returns each kind of launch's device time in microseconds, summed over the step, in
+    /// the order first launched (the events keep launches apart, so the sum is somewhat above a
+    /// graph step's time).
+    pub fn profile(&self, cache: &mut Qwen35Cache, tokens: &[u32]) -> Result<Vec<(&'static str, f64)>> {
+        let event = |stream: &Arc<CudaStream>| stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|source| GpuError::Launch { kernel: "event", source });
+        let mut marks = Vec::new();
+        self.step_marked(
+            cache,
+            tokens,
+            &[],
+            true,
+            &mut |what| {
+                marks.push((what, event(&self.stream)?));
+                Ok(())
+            },
+            true,
+        )?;
+        self.stream.synchronize()?;
+        let mut out: Vec<(&'static str, f64)> = Vec::new();
+        for w in marks.windows(2) {
+            let us = w[0].1.elapsed_ms(&w[1].1)? as f64 * 1e3;
+            match out.iter_mut().find(|(k, _)| *k == w[1].0) {
+                Some(e) => e.1 += us,
+                None => out.push((w[1].0, us)),
+            }
+        }
+        Ok(out)
+    }
+
+    /// One step; `eager` launches it directly (no graph, the prompt kernels for more than
+    /// [`MAX_ROWS`] rows), calling `mark` once before the launches ("start") and after each.
+    fn step_marked(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], head: bool, mark: &mut Mark, eager: bool) -> Result<()> {
         let rows = tokens.len();
         let fail = |what: String| Error::Step { rows, pos: cache.pos, what };
         if !(1..=self.prompt_rows).contains(&rows) {
@@ -653,13 +710,15 @@ impl Qwen35Gpu {
         self.stream.memcpy_htod(&[params][..], &mut block.params)?;
         let step = self.ptr(&block.params);
         // A failure past this point may have overwritten planes: only position 0 stays reachable.
-        let launched = if rows <= MAX_ROWS {
+        let launched = if rows <= MAX_ROWS && !eager {
             self.capture(cache, step, rows, head).and_then(|()| Ok(cache.graphs[if head { rows - 1 } else { MAX_ROWS + rows - 1 }].as_ref().expect("captured").0.launch()?))
         } else {
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
-            let prompt = self.ptr(&block.tokens);
-            self.launch_step(cache, step, rows, head, Some(prompt)).map_err(Error::from)
+            // A short eager step reads its tokens from the step block, as its graph would.
+            let prompt = (rows > MAX_ROWS).then(|| self.ptr(&block.tokens));
+            mark("start")?;
+            self.launch_step(cache, step, rows, head, prompt, mark).map_err(Error::from)
         };
         drop(block);
         if let Err(e) = launched {

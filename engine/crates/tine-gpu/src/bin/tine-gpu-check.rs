@@ -1609,6 +1609,26 @@ mod qwen35 {
         let dt = t0.elapsed().as_secs_f64();
         let step = dt / n as f64;
         println!("decode: {n} tokens in {:.1} ms: {:.3} ms a token, {:.1} tok/s", dt * 1e3, step * 1e3, n as f64 / dt);
+        // Where a step's time goes: each kind of launch, summed over a one-row and a 4-row step
+        // launched with an event after each launch (the median of 5).
+        for m in [1, 4] {
+            let mut runs = Vec::new();
+            for _ in 0..5 {
+                let at = cs.len();
+                runs.push(g.profile(&mut cs, &ids[..m])?);
+                cs.truncate(at + 1);
+            }
+            let kinds: Vec<&str> = runs[0].iter().map(|(k, _)| *k).collect();
+            let mut total = 0.0;
+            let mut line = String::new();
+            for (i, k) in kinds.iter().enumerate() {
+                let mut v: Vec<f64> = runs.iter().map(|r| r[i].1).collect();
+                v.sort_by(f64::total_cmp);
+                total += v[2];
+                line.push_str(&format!(" {k} {:.1};", v[2]));
+            }
+            println!("profile, {m} rows (us, summed per kind):{line} total {total:.1}");
+        }
         // A verify step of 4 and of 8 rows, timed against a one-row step.
         for m in [4, 8] {
             let reps = 50;
