@@ -78,18 +78,19 @@ if [ "$mode" = check ]; then
   fails=0
   M="$W/q35-small-q4_k_m.gguf"
   for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
-    base=(generate -m "$M" -p "$p" -n 48 --temp 0 --ignore-eos)
-    cpu=$("$T" "${base[@]}" --device cpu 2>"$W/err-cpu")
-    gpu=$("$T" "${base[@]}" --device cuda 2>"$W/err-gpu") || { say "FAIL cuda run: $(tail -n 3 "$W/err-gpu")"; fails=$((fails + 1)); continue; }
-    candle=$(TINE_GPU_ENGINE=0 "$T" "${base[@]}" --device cuda 2>"$W/err-candle")
+    base=(generate -m "$M" -p "$p" -n 48 --ignore-eos)
+    cpu=$("$T" "${base[@]}" --temp 0 --device cpu 2>"$W/err-cpu")
+    gpu=$("$T" "${base[@]}" --temp 0 --device cuda 2>"$W/err-gpu") || { say "FAIL cuda run: $(tail -n 3 "$W/err-gpu")"; fails=$((fails + 1)); continue; }
+    candle=$(TINE_GPU_ENGINE=0 "$T" "${base[@]}" --temp 0 --device cuda 2>"$W/err-candle")
     grep -E "engine|loaded" "$W/err-gpu" | head -n 2 >>"$log"
     [ "$cpu" = "$gpu" ] && say "same  engine vs cpu: ${p:0:24}" || { say "DIFF  engine vs cpu: ${p:0:24}"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; }
     [ "$candle" = "$gpu" ] && say "same  engine vs candle cuda: ${p:0:24}" || say "DIFF  engine vs candle cuda: ${p:0:24}"
     for temp in 0 0.8; do
-      plain=$("$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+      plain=$("$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>"$W/err-plain") || { say "FAIL plain temp $temp: $(tail -n 2 "$W/err-plain")"; fails=$((fails + 1)); continue; }
       for spec in "--spec-type draft-mtp" "--spec-type ngram --spec-ngram-min 1" "--spec-type ngram,draft-mtp" "-md $M"; do
         got=$("$T" "${base[@]}" --device cuda --temp $temp --seed 7 $spec 2>"$W/err-spec") || { say "FAIL $spec: $(tail -n 2 "$W/err-spec")"; fails=$((fails + 1)); continue; }
-        if [ "$got" = "$plain" ]; then say "same  spec vs plain, temp $temp, $spec"; else say "DIFF  spec vs plain, temp $temp, $spec"; fails=$((fails + 1)); fi
+        acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+        if [ "$got" = "$plain" ]; then say "same  spec vs plain, temp $temp, $spec ($acc)"; else say "DIFF  spec vs plain, temp $temp, $spec"; fails=$((fails + 1)); fi
       done
     done
   done
