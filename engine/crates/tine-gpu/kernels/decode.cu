@@ -196,7 +196,9 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int type, int k
             const int l = i % 32;
             const uint32_t qh = (uint32_t)b.qh[0] | ((uint32_t)b.qh[1] << 8) | ((uint32_t)b.qh[2] << 16) | ((uint32_t)b.qh[3] << 24);
             const int nib = l < 16 ? b.qs[l] & 0xF : b.qs[l - 16] >> 4;
-            return __half2float(b.d) * (float)((nib | (((qh >> l) & 1) << 4)) - 16);
+            // The high bit as a signed int: with qh unsigned, `nib | bit << 4` would be unsigned
+            // and `- 16` would wrap.
+            return __half2float(b.d) * (float)((nib | ((int)((qh >> l) & 1u) << 4)) - 16);
         }
         default: {
             const BlockQ8_0* row = reinterpret_cast<const BlockQ8_0*>(embd) + (size_t)token * (k / QK);

@@ -299,9 +299,6 @@ impl Qwen35Gpu {
         let kernels = Kernels::load(&ctx)?;
         let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
         let embd = r.weight("token_embd.weight", cfg.vocab, cfg.hidden)?;
-        if !matches!(embd.1, WeightType::Q8_0 | WeightType::Q4K | WeightType::Q5K | WeightType::Q6K) {
-            return Err(model_err(format!("token_embd.weight is {:?}: the embedding gather reads Q8_0, Q4_K, Q5_K and Q6_K rows", embd.1)));
-        }
         let output = if content.tensor_infos.contains_key("output.weight") { Some(r.weight("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
         let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
         let mut layers = Vec::with_capacity(cfg.layers);

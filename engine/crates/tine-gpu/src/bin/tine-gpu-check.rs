@@ -950,10 +950,8 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         }
     }
     cases.push(check_norm_quant(dev, &mut rng, 21504, 3, WeightType::Q8_0)?);
-    // Embedding rows of the other types (Qwen3.5's Q6_K table in a Q4_K_M file). Q5_0 tables
-    // are refused at load: the gather gave wrong rows on the device (2026-12-06) while its CPU
-    // port agrees with ggml; not yet understood.
-    for et in [WeightType::Q4K, WeightType::Q5K, WeightType::Q6K] {
+    // Embedding rows of the other types (Qwen3.5's Q6_K table in a Q4_K_M file).
+    for et in [WeightType::Q4K, WeightType::Q5K, WeightType::Q6K, WeightType::Q5_0] {
         cases.push(check_norm_quant(dev, &mut rng, 1024, 2, et)?);
     }
     for k in [640, 2048] {
