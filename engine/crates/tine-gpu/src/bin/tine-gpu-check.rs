@@ -1433,7 +1433,9 @@ fn main() -> ExitCode {
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let seed = value("--seed").and_then(|s| s.parse().ok()).unwrap_or(1u64);
     let table = !args.iter().any(|a| a == "--no-table");
+    let lm_head = args.iter().any(|a| a == "--lm-head-bench");
     let result = run(table, bench, profile, seed)
+        .and_then(|ok| if lm_head { lm_head_bench().map(|()| ok) } else { Ok(ok) })
         .and_then(|ok| match value("--model") {
             Some(m) => Ok(model::run(std::path::Path::new(&m), value("--ref").as_deref(), value("--assistant").as_deref())? && ok),
             None => Ok(ok),
@@ -1486,6 +1488,58 @@ fn run(table_on: bool, bench: bool, profile: bool, seed: u64) -> Res<bool> {
         bench::run(&dev, profile)?;
     }
     Ok(ok)
+}
+
+/// The LM head's GEMV at the vocabularies of the families (one row, the output rows of one
+/// weight type), timed over 200 launches: the staged path `gemv` picks for one segment of many
+/// rows, and the plain path (the same rows as two segments). Prints GB/s of weights read.
+fn lm_head_bench() -> Res<()> {
+    let ctx = CudaContext::new(0)?;
+    // SAFETY: no buffer here is used on another stream.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream()?;
+    let dev = Dev { stream, k: Kernels::load(&ctx)? };
+    let mut rng = Rng(7);
+    for (t, n, k) in [(WeightType::Q6K, 248320, 1024), (WeightType::Q8_0, 262144, 640), (WeightType::Q6K, 248320, 2048), (WeightType::Q4K, 248320, 1024)] {
+        // 4096 random rows repeated: the access pattern of a whole table, quantized quickly.
+        let tile = t.quantize(&rng.vec(4096 * k, 0.5));
+        let w: Vec<u8> = tile.iter().copied().cycle().take(n * t.row_bytes(k)).collect();
+        let wd = dev.up(&w)?;
+        let act = ActQ8::quantize(&rng.vec(k, 1.0), 1, k);
+        let (qs, qd, qsum) = act_planes(&dev, &act)?;
+        let out = dev.zeros::<f32>(n)?;
+        let seg = |r0: usize, rows: usize| GemvSeg {
+            w: dev.ptr(&wd) + (r0 * t.row_bytes(k)) as u64,
+            out: dev.ptr(&out) + (r0 * 4) as u64,
+            n: rows as i32,
+            wtype: t.ggml_id(),
+            out_stride: n as i32,
+            ..Default::default()
+        };
+        let planes = (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum));
+        let mut line = format!("lm head {t:?} {n} x {k} ({:.0} MB):", w.len() as f64 / 1e6);
+        for (name, segs) in [("staged", vec![seg(0, n)]), ("plain", vec![seg(0, n / 2), seg(n / 2, n - n / 2)])] {
+            let launch = || -> Res<()> {
+                // SAFETY: the weights hold n rows of k values, the planes one row, out n values.
+                unsafe { dev.k.gemv(&dev.stream, 1, k, &segs, planes)? };
+                Ok(())
+            };
+            for _ in 0..10 {
+                launch()?;
+            }
+            let reps = 200;
+            let start = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            for _ in 0..reps {
+                launch()?;
+            }
+            let end = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+            end.synchronize()?;
+            let us = start.elapsed_ms(&end)? as f64 * 1e3 / reps as f64;
+            line.push_str(&format!(" {name} {us:.1} us ({:.0} GB/s);", w.len() as f64 / us / 1e3));
+        }
+        println!("{line}");
+    }
+    Ok(())
 }
 
 /// A `qwen35` GGUF on the engine: graph nodes per step, decode speed, a verify step of 2..=8
