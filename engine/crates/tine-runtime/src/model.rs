@@ -686,6 +686,17 @@ impl Sequence {
         }
     }
 
+    /// The most drafts one verify round may hold so that a rollback to any of its rows is
+    /// exact: a recurrent state on the GPU engine keeps the state after each row of one engine
+    /// step ([`STEP_ROWS`] rows: the pending token and `STEP_ROWS - 1` drafts); anything else has
+    /// no such bound.
+    pub fn max_verify_drafts(&self) -> usize {
+        match (&self.gpu, &self.cache) {
+            (Some(_), SeqCache::Qwen35(_)) => STEP_ROWS - 1,
+            _ => usize::MAX,
+        }
+    }
+
     /// Whether this sequence steps on the GPU engine.
     pub fn on_gpu_engine(&self) -> bool {
         self.gpu.is_some()

@@ -446,7 +446,7 @@ impl Speculator {
         // Plain decoding stops once the sequence is one short of the context, so the last row
         // it ever computes is at position `context - 2`: a round must not decide past it.
         let room = seq.context().saturating_sub(n + 2);
-        let mut k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room);
+        let mut k_max = self.params.n_max.min(max_new.saturating_sub(1)).min(room).min(seq.max_verify_drafts());
         if self.params.adaptive {
             k_max = self.policy.depth(k_max);
         }
