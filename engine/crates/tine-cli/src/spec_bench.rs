@@ -173,6 +173,8 @@ fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathB
     let mut json = Vec::new();
     for &r in rows {
         anyhow::ensure!((1..=batch.len()).contains(&r), "--forward-rows: {r} is not in 1..={}", batch.len());
+        // A recurrent state on the GPU engine rolls back only inside one engine step.
+        anyhow::ensure!(r <= seq.max_verify_drafts().saturating_add(1), "--forward-rows: {r} rows of a verify this sequence can roll back (at most {})", seq.max_verify_drafts() + 1);
         let (mut fwd, mut total) = (Vec::with_capacity(REPS), Vec::with_capacity(REPS));
         for _ in 0..REPS {
             let t0 = std::time::Instant::now();

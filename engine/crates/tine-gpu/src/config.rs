@@ -185,6 +185,9 @@ impl Qwen35Config {
         if !matches!(self.d_state, 64 | 128 | 256) {
             return Some(format!("delta-net state size {} (64, 128 or 256)", self.d_state));
         }
+        if self.rope_dim == 0 {
+            return Some("no rotated dims (rope.dimension_count = 0)".into());
+        }
         if !(2..=5).contains(&self.conv_kernel) {
             return Some(format!("a conv of {} taps (2..=5)", self.conv_kernel));
         }

@@ -28,6 +28,7 @@
 
 pub mod blocks;
 pub mod config;
+pub mod planes;
 pub mod reference;
 
 #[cfg(feature = "cuda")]

@@ -49,9 +49,10 @@ type Result<T> = std::result::Result<T, Error>;
 /// Called after each launch of a step with what the launch does.
 type Mark<'a> = dyn FnMut(&'static str) -> std::result::Result<(), GpuError> + 'a;
 
-/// State planes per delta-net layer and sequence: the state at the step's start and after each
-/// row of a verify step of up to [`MAX_ROWS`] rows.
-pub const PLANES: usize = MAX_ROWS + 1;
+use crate::planes::Ring;
+pub use crate::planes::PLANES;
+
+const _: () = assert!(PLANES == MAX_ROWS + 1, "a verify step's rows and its start state fit the ring");
 
 type W = (CudaSlice<u8>, WeightType);
 
@@ -139,15 +140,8 @@ pub struct Qwen35Cache {
     /// Per delta-net layer: `[PLANES][H_v][d][d]`.
     ssm: Vec<CudaSlice<f32>>,
     ctx_len: usize,
-    pos: usize,
-    /// The plane holding the state at `pos`.
-    plane: usize,
-    /// The position whose state each plane holds, where it is one of this sequence's.
-    plane_pos: [Option<usize>; PLANES],
-    /// Plane 0 must be zeroed before the next step (the sequence went back to position 0).
-    zero_pending: bool,
-    /// A step failed part way: the state is lost, and only [`Qwen35Cache::truncate`] to 0 works.
-    broken: bool,
+    /// The positions and which plane holds which position's state.
+    ring: Ring,
     last_rows: usize,
     last_head: bool,
     head_row0: usize,
@@ -157,53 +151,30 @@ pub struct Qwen35Cache {
 impl Qwen35Cache {
     /// Positions the sequence holds.
     pub fn len(&self) -> usize {
-        self.pos
+        self.ring.pos()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.pos == 0
+        self.ring.pos() == 0
     }
 
     /// The longest prefix of at most `len` positions [`Qwen35Cache::truncate`] keeps: all of
     /// them at the end, `len` where a plane holds its state (the last step's rows, the last rows
     /// of a prompt), else 0.
     pub fn restorable(&self, len: usize) -> usize {
-        if self.broken {
-            return 0;
-        }
-        if len >= self.pos {
-            return self.pos;
-        }
-        if self.plane_pos.contains(&Some(len)) {
-            len
-        } else {
-            0
-        }
+        self.ring.restorable(len)
     }
 
     /// Keeps the first `len` positions where [`Qwen35Cache::restorable`] allows it (O(1): the
     /// next step starts from the plane holding that state) and returns whether it did; otherwise
     /// nothing changes.
     pub fn truncate(&mut self, len: usize) -> bool {
-        if len >= self.pos && !self.broken {
+        if len >= self.ring.pos() && !self.ring.broken() {
             return true;
         }
-        if len == 0 {
-            self.broken = false;
-            self.plane = 0;
-            self.plane_pos = [None; PLANES];
-            self.plane_pos[0] = Some(0);
-            self.zero_pending = true;
-        } else {
-            let Some(p) = self.plane_pos.iter().position(|&q| q == Some(len)) else { return false };
-            self.plane = p;
-            for q in &mut self.plane_pos {
-                if q.is_some_and(|q| q > len) {
-                    *q = None;
-                }
-            }
+        if !self.ring.truncate(len) {
+            return false;
         }
-        self.pos = len;
         self.last_rows = 0;
         self.last_head = false;
         self.head_row0 = 0;
@@ -376,24 +347,7 @@ impl Qwen35Gpu {
                 ssm.push(alloc(&self.stream, PLANES * c.n_v_heads * c.d_state * c.d_state)?);
             }
         }
-        let mut plane_pos = [None; PLANES];
-        plane_pos[0] = Some(0);
-        Ok(Qwen35Cache {
-            k,
-            v,
-            conv,
-            ssm,
-            ctx_len,
-            pos: 0,
-            plane: 0,
-            plane_pos,
-            zero_pending: false,
-            broken: false,
-            last_rows: 0,
-            last_head: false,
-            head_row0: 0,
-            graphs: (0..2 * MAX_ROWS).map(|_| None).collect(),
-        })
+        Ok(Qwen35Cache { k, v, conv, ssm, ctx_len, ring: Ring::new(), last_rows: 0, last_head: false, head_row0: 0, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     /// Bytes of one sequence's recurrent state planes (every delta-net layer's [`PLANES`]).
@@ -595,6 +549,9 @@ impl Qwen35Gpu {
 
     /// Kernel launches (graph nodes) of a step of `rows` rows.
     pub fn graph_nodes(&self, cache: &mut Qwen35Cache, rows: usize) -> Result<usize> {
+        if !(1..=MAX_ROWS).contains(&rows) {
+            return Err(Error::Step { rows, pos: cache.ring.pos(), what: format!("a graph is captured for 1 to {MAX_ROWS} rows") });
+        }
         let step = self.ptr(&self.step.lock().expect("a step panicked holding the step block").params);
         self.capture(cache, step, rows, true)?;
         let g = &cache.graphs[rows - 1].as_ref().expect("captured just above").0;
@@ -611,7 +568,7 @@ impl Qwen35Gpu {
             let launched = self.launch_step(cache, step, rows, head, None, &mut |_| Ok(()));
             let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
             launched?;
-            let graph = graph?.ok_or_else(|| Error::Step { rows, pos: cache.pos, what: "the capture made no graph".into() })?;
+            let graph = graph?.ok_or_else(|| Error::Step { rows, pos: cache.ring.pos(), what: "the capture made no graph".into() })?;
             graph.upload()?;
             cache.graphs[at] = Some(Graph(graph));
         }
@@ -678,11 +635,11 @@ impl Qwen35Gpu {
     /// [`MAX_ROWS`] rows), calling `mark` once before the launches ("start") and after each.
     fn step_marked(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], head: bool, mark: &mut Mark, eager: bool) -> Result<()> {
         let rows = tokens.len();
-        let fail = |what: String| Error::Step { rows, pos: cache.pos, what };
+        let fail = |what: String| Error::Step { rows, pos: cache.ring.pos(), what };
         if !(1..=self.prompt_rows).contains(&rows) {
             return Err(fail(format!("a step takes 1 to {} tokens", self.prompt_rows)));
         }
-        if cache.pos + rows > cache.ctx_len {
+        if cache.ring.pos() + rows > cache.ctx_len {
             return Err(fail(format!("the cache holds {} positions", cache.ctx_len)));
         }
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
@@ -691,15 +648,18 @@ impl Qwen35Gpu {
         if banned.len() > MAX_BANNED {
             return Err(fail(format!("{} banned ids (the argmax passes over at most {MAX_BANNED})", banned.len())));
         }
-        if cache.zero_pending {
+        if cache.ring.broken() {
+            return Err(fail("a step failed part way and the recurrent state is lost: truncate to 0 first".into()));
+        }
+        if cache.ring.zero_pending() {
             for (conv, ssm) in cache.conv.iter_mut().zip(cache.ssm.iter_mut()) {
                 let (cn, sn) = (conv.len() / PLANES, ssm.len() / PLANES);
                 self.stream.memset_zeros(&mut conv.slice_mut(..cn))?;
                 self.stream.memset_zeros(&mut ssm.slice_mut(..sn))?;
             }
-            cache.zero_pending = false;
+            cache.ring.zeroed();
         }
-        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, n_banned: banned.len() as i32, plane: cache.plane as i32, ..Default::default() };
+        let mut params = StepParams { pos: cache.ring.pos() as i32, rows: rows as i32, n_banned: banned.len() as i32, plane: cache.ring.plane() as i32, ..Default::default() };
         for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
             *slot = t as i32;
         }
@@ -723,18 +683,10 @@ impl Qwen35Gpu {
         drop(block);
         if let Err(e) = launched {
             // A step that failed part way may have written planes: only position 0 is exact now.
-            cache.plane_pos = [None; PLANES];
-            cache.broken = true;
+            cache.ring.failed();
             return Err(e);
         }
-        let p0 = cache.plane;
-        for m in 0..rows {
-            if rows - 1 - m < PLANES - 1 {
-                cache.plane_pos[(p0 + 1 + m) % PLANES] = Some(cache.pos + m + 1);
-            }
-        }
-        cache.plane = (p0 + rows) % PLANES;
-        cache.pos += rows;
+        cache.ring.stepped(rows);
         cache.last_rows = rows;
         cache.last_head = head;
         cache.head_row0 = if rows > MAX_ROWS { rows - 1 } else { 0 };
@@ -754,7 +706,7 @@ impl Qwen35Gpu {
     pub fn forward_top_k_all(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
         self.check_top_k(cache, tokens, k)?;
         if tokens.len() > MAX_ROWS {
-            return Err(Error::Step { rows: tokens.len(), pos: cache.pos, what: format!("every row's top {k} of a step of more than {MAX_ROWS} rows") });
+            return Err(Error::Step { rows: tokens.len(), pos: cache.ring.pos(), what: format!("every row's top {k} of a step of more than {MAX_ROWS} rows") });
         }
         self.step(cache, tokens, banned, true)?;
         self.top_k_rows(0, tokens.len(), k)
@@ -762,7 +714,7 @@ impl Qwen35Gpu {
 
     fn check_top_k(&self, cache: &Qwen35Cache, tokens: &[u32], k: usize) -> Result<()> {
         if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
-            return Err(Error::Step { rows: tokens.len(), pos: cache.pos, what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
+            return Err(Error::Step { rows: tokens.len(), pos: cache.ring.pos(), what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
         }
         Ok(())
     }
@@ -795,7 +747,7 @@ impl Qwen35Gpu {
         if cache.last_head {
             return Ok(());
         }
-        Err(Error::Step { rows: cache.last_rows, pos: cache.pos, what: "the last step ran the trunk alone: it has no logits or ids".into() })
+        Err(Error::Step { rows: cache.last_rows, pos: cache.ring.pos(), what: "the last step ran the trunk alone: it has no logits or ids".into() })
     }
 
     /// The greedy ids of `cache`'s last step (every row's, or a long prompt step's last row's).
@@ -818,7 +770,7 @@ impl Qwen35Gpu {
     pub fn logits_row(&self, cache: &Qwen35Cache, row: usize) -> Result<Vec<f32>> {
         self.headed(cache)?;
         if row >= cache.last_rows || row < cache.head_row0 {
-            return Err(Error::Step { rows: cache.last_rows, pos: cache.pos, what: format!("no logits for row {row}") });
+            return Err(Error::Step { rows: cache.last_rows, pos: cache.ring.pos(), what: format!("no logits for row {row}") });
         }
         let vocab = self.cfg.vocab;
         let mut v = vec![0f32; vocab];
@@ -847,9 +799,10 @@ impl Qwen35Gpu {
         for (conv, ssm) in cache.conv.iter().zip(&cache.ssm) {
             let mut w = vec![0f32; cn];
             let mut t = vec![0f32; sn];
-            if !cache.zero_pending {
-                self.stream.memcpy_dtoh(&conv.slice(cache.plane * cn..(cache.plane + 1) * cn), &mut w[..])?;
-                self.stream.memcpy_dtoh(&ssm.slice(cache.plane * sn..(cache.plane + 1) * sn), &mut t[..])?;
+            let plane = cache.ring.plane();
+            if !cache.ring.zero_pending() {
+                self.stream.memcpy_dtoh(&conv.slice(plane * cn..(plane + 1) * cn), &mut w[..])?;
+                self.stream.memcpy_dtoh(&ssm.slice(plane * sn..(plane + 1) * sn), &mut t[..])?;
             }
             self.stream.synchronize()?;
             // The device keeps each head's state transposed ([col][i]).

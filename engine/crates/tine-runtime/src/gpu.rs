@@ -33,7 +33,7 @@ mod imp {
     /// One sequence's state on the engine.
     pub enum GpuSeq {
         Gemma3(GpuCache),
-        Qwen35(Qwen35Cache),
+        Qwen35(Box<Qwen35Cache>),
     }
 
     /// Calls the same method of either engine with the sequence's state of its kind.
@@ -83,7 +83,7 @@ mod imp {
         pub fn new_seq(&self, context: usize) -> Result<GpuSeq, GpuError> {
             Ok(match self {
                 GpuTrunk::Gemma3(m) => GpuSeq::Gemma3(m.new_cache(context)?),
-                GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(m.new_cache(context)?),
+                GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache(context)?)),
             })
         }
         /// The Gemma 3 engine, for what only it does, or the error naming `what`.
@@ -102,7 +102,7 @@ mod imp {
         }
         /// Runs `tokens` (at most [`GpuTrunk::prompt_rows`]) through the trunk alone (a prompt
         /// chunk before the last: no LM head runs) and returns their final hidden states when asked
-        /// (`rows × hidden`, before the output norm), else nothing.
+        /// (`rows × hidden`, Gemma 3: before the output norm; Qwen3.5: after it, what its NextN head reads), else nothing.
         pub fn forward_trunk(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<Vec<f32>, GpuError> {
             each!(self, seq, |m, c| {
                 m.forward_trunk(c, tokens)?;
@@ -138,7 +138,7 @@ mod imp {
             each!(self, seq, |m, c| m.forward_top_k(c, tokens, banned, k))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`) and
-        /// final hidden states (`rows × hidden`, before the output norm).
+        /// final hidden states (`rows × hidden`, before the output norm on Gemma 3, after it on Qwen3.5).
         pub fn forward_hidden(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             each!(self, seq, |m, c| {
                 m.forward(c, tokens)?;
@@ -147,7 +147,7 @@ mod imp {
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
         /// `banned` (at most [`MAX_BANNED`]), and with `hidden` the rows' final hidden states
-        /// (`rows × hidden`, before the output norm; a verify step for a drafter that reads
+        /// (`rows × hidden`, before the output norm on Gemma 3, after it on Qwen3.5; a verify step for a drafter that reads
         /// them): the logits stay on the device.
         pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], hidden: bool) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
             each!(self, seq, |m, c| {

@@ -422,7 +422,11 @@ impl Speculator {
             let (logits, hidden) = seq.prefill_hidden(model, tokens)?;
             let joined = match &self.hidden {
                 Some(old) => old.concat(&hidden).inspect_err(|_| {
-                    let _ = seq.rollback(start);
+                    // A recurrent state on the GPU engine may not return to `start` after a long
+                    // chunk: then the sequence starts over, so that its tokens stay its state's.
+                    if seq.rollback(start).is_err() {
+                        seq.reset();
+                    }
                 })?,
                 None => hidden,
             };
