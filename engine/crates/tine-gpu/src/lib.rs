@@ -7,10 +7,13 @@
 //!
 //! | kernel | does |
 //! |---|---|
-//! | `norm_quant` | optional post-norm + residual add (or the Q8_0 embedding row, scaled), RMSNorm, and the Q8 activation blocks the GEMVs read |
-//! | `gemv_m{1..8}` | quantized GEMV over M rows (Q4_K, Q5_0, Q6_K, Q8_0 weights), up to four segments per launch (Q, K and V in one), optional GELU(tanh)·up epilogue |
-//! | `qk_norm_rope_kv` | per-head q/k RMSNorm, RoPE (NeoX halves), the query scale, K/V written to the cache at the step's positions |
-//! | `attn_decode_hd{64,128,256}` | causal attention, GQA, sliding window, split over the keys by absolute position with the combine in the same launch |
+//! | `norm_quant` | optional post-norm + residual add, or pre-norm residual add, or the embedding row (any weight type the GEMV reads), RMSNorm, and the Q8 activation blocks the GEMVs read |
+//! | `gemv_m{1..8}` | quantized GEMV over M rows (Q4_K, Q5_K, Q5_0, Q6_K, Q8_0 weights), up to four segments per launch (Q, K and V in one), optional GELU(tanh)·up or SiLU·up epilogue |
+//! | `qk_norm_rope_kv` | per-head q/k RMSNorm, RoPE (NeoX halves, over all or the first `n_rot` dims), the query scale, K/V written to the cache at the step's positions |
+//! | `attn_decode_hd{64,128,256}` | causal attention, GQA, sliding window, split over the keys by absolute position with the combine in the same launch, optional `sigmoid(gate)` on the output |
+//! | `conv_silu` | the gated delta-net's causal conv with SiLU over a conv window kept in state planes |
+//! | `gated_delta_rule` | the delta rule in its recurrent form over the step's rows in order, the state in planes ([`planes`]) |
+//! | `gated_norm_quant` | `RMSNorm(o)·w·SiLU(z)` per value head, as Q8 rows |
 //! | `argmax_rows` | greedy id per row (lowest id on ties), optionally fed back as the next step's token |
 //! | `mmq` | a prompt step's GEMMs (more than 8 rows): the GEMV's segments and epilogue as int8 tensor-core tiles |
 //! | `attn_prompt_hd{64,128,256}` | a prompt step's attention: a block per 8 rows and query head, a running softmax per warp |
@@ -23,8 +26,9 @@
 //! memory, so a graph captured once serves every position.
 //!
 //! Without the `cuda` feature the crate is [`blocks`] (weight and activation formats),
-//! [`config`] (a GGUF's shape as the engine reads it) and [`reference`] (the kernels in float64,
-//! and the GEMV's lane split on the CPU), which CI tests.
+//! [`config`] (a GGUF's shape as the engine reads it), [`planes`] (the recurrent state ring's
+//! bookkeeping) and [`reference`] (the kernels in float64, and the GEMV's lane split on the
+//! CPU), which CI tests.
 
 pub mod blocks;
 pub mod config;
