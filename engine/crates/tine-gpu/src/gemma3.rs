@@ -51,7 +51,8 @@ use crate::blocks::{WeightType, QK};
 mod assistant;
 pub use assistant::AssistantGpu;
 
-use crate::cuda::{ArgmaxArgs, AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX, TOPK_MAX_N};
+use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
+use crate::readout::{time_marks, LastStep, Readout};
 
 /// Why a model could not be loaded or stepped on the GPU.
 #[derive(Debug, thiserror::Error)]
@@ -144,20 +145,13 @@ struct Buffers {
     o: CudaSlice<f32>,
     ff: CudaSlice<f32>,
     down: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
     qs: CudaSlice<i8>,
     qd: CudaSlice<f32>,
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
-    cand_v: CudaSlice<f32>,
-    cand_i: CudaSlice<i32>,
-    argmax_counters: CudaSlice<i32>,
-    ids: CudaSlice<i32>,
-    topk_cand: CudaSlice<u64>,
-    topk_counters: CudaSlice<i32>,
-    topk_ids: CudaSlice<i32>,
-    topk_vals: CudaSlice<f32>,
+    /// The LM head's rows and what reads them.
+    out: Readout,
 }
 
 /// The step's inputs in device memory, written by the host before each step's launches.
@@ -209,13 +203,8 @@ pub struct GpuCache {
     ctx_len: usize,
     /// Positions the cache holds.
     pos: usize,
-    /// Rows of this cache's last step.
-    last_rows: usize,
-    /// Whether the last step ran the LM head (its logits and ids are this cache's).
-    last_head: bool,
-    /// The first row of the last step that ran the LM head (a prompt step runs it on its last
-    /// row alone); the logits and ids buffers hold rows `head_row0..last_rows`.
-    head_row0: usize,
+    /// Which rows of this cache's last step the readout holds.
+    last: LastStep,
     /// Per row count, the full step's graph (index `rows - 1`) and the trunk's alone (index
     /// `MAX_ROWS + rows - 1`: no LM head or argmax, for prompt chunks whose logits nobody reads).
     graphs: Vec<Option<Graph>>,
@@ -240,9 +229,7 @@ impl GpuCache {
     /// step's logits and ids with them.
     pub fn truncate(&mut self, len: usize) {
         self.pos = self.pos.min(len);
-        self.last_rows = 0;
-        self.last_head = false;
-        self.head_row0 = 0;
+        self.last = LastStep::default();
     }
 }
 
@@ -491,20 +478,12 @@ impl Gemma3Gpu {
             o: alloc(&stream, m * cfg.hidden)?,
             ff: alloc(&stream, m * cfg.ff)?,
             down: alloc(&stream, m * cfg.hidden)?,
-            logits: alloc(&stream, MAX_ROWS * cfg.vocab)?,
             qs: alloc(&stream, m * kmax)?,
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
             attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
-            cand_v: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
-            cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
-            argmax_counters: alloc(&stream, MAX_ROWS)?,
-            ids: alloc(&stream, MAX_ROWS)?,
-            topk_cand: alloc(&stream, MAX_ROWS * Kernels::topk_blocks(cfg.vocab) * TOPK_MAX)?,
-            topk_counters: alloc(&stream, MAX_ROWS)?,
-            topk_ids: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
-            topk_vals: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
+            out: Readout::new(&stream, cfg.vocab)?,
         };
         // A NextN step's rows, or an assistant step's one row.
         let hin = alloc(&stream, if nextn.is_some() { m * cfg.hidden } else { cfg.hidden })?;
@@ -540,7 +519,7 @@ impl Gemma3Gpu {
             k.push(alloc(&self.stream, kvd * ctx_len)?);
             v.push(alloc(&self.stream, kvd * ctx_len)?);
         }
-        Ok(GpuCache { k, v, ctx_len, pos: 0, last_rows: 0, last_head: false, head_row0: 0, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        Ok(GpuCache { k, v, ctx_len, pos: 0, last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
@@ -737,11 +716,9 @@ impl Gemma3Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            k.gemv(s, head_rows, c.hidden, &[self.seg(head, &b.logits, c.vocab)], act)?;
+            k.gemv(s, head_rows, c.hidden, &[self.seg(head, &b.out.logits, c.vocab)], act)?;
             mark("lm head")?;
-            let am =
-                ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
-            k.argmax(s, head_rows, &am)?;
+            k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;
             count += 2;
         }
@@ -955,15 +932,7 @@ impl Gemma3Gpu {
             Ok(())
         })?;
         self.stream.synchronize()?;
-        let mut out: Vec<(&'static str, f64)> = Vec::new();
-        for w in marks.windows(2) {
-            let us = w[0].1.elapsed_ms(&w[1].1)? as f64 * 1e3;
-            match out.iter_mut().find(|(k, _)| *k == w[1].0) {
-                Some(e) => e.1 += us,
-                None => out.push((w[1].0, us)),
-            }
-        }
-        Ok(out)
+        Ok(time_marks(&marks)?)
     }
 
     /// One step of `tokens`; a prompt step (more than [`MAX_ROWS`] rows) calls `mark` once before
@@ -1006,28 +975,25 @@ impl Gemma3Gpu {
         }
         drop(block);
         cache.pos += rows;
-        cache.last_rows = rows;
-        cache.last_head = head;
-        cache.head_row0 = if rows > MAX_ROWS { rows - 1 } else { 0 };
+        cache.last = LastStep::after(rows, head);
         Ok(())
     }
 
     /// Runs `tokens` as [`Gemma3Gpu::forward_banning`] does and returns the `k` best `(id, logit)`
-    /// of the last row's logits (1 <= k <= [`TOPK_MAX`]; the sampler's order: logit by total
+    /// of the last row's logits (1 <= k <= [`crate::cuda::TOPK_MAX`]; the sampler's order: logit by total
     /// order, ties to the lower id; `banned` left out), best first: what a sampled step with
     /// top-k reads, instead of the vocabulary-wide row.
     pub fn forward_top_k(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
-        self.check_top_k(cache, tokens, k)?;
+        self.b.out.check_top_k(tokens.len(), cache.pos, k)?;
         self.step(cache, tokens, banned, true, &mut |_| Ok(()))?;
-        let row = cache.last_rows - 1 - cache.head_row0;
-        Ok(self.top_k_rows(row, 1, k)?.pop().expect("one row asked for"))
+        Ok(self.top_k_rows(cache.last.last_row(), 1, k)?.pop().expect("one row asked for"))
     }
 
     /// Runs `tokens` (at most [`MAX_ROWS`]) as [`Gemma3Gpu::forward_banning`] does and returns the
     /// `k` best `(id, logit)` of every row, in [`Gemma3Gpu::forward_top_k`]'s order: a sampled
     /// verify step, which reads `rows × k` pairs instead of `rows × vocab` logits.
     pub fn forward_top_k_all(&self, cache: &mut GpuCache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        self.check_top_k(cache, tokens, k)?;
+        self.b.out.check_top_k(tokens.len(), cache.pos, k)?;
         if tokens.len() > MAX_ROWS {
             return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("every row's top {k} of a step of more than {MAX_ROWS} rows") });
         }
@@ -1035,84 +1001,35 @@ impl Gemma3Gpu {
         self.top_k_rows(0, tokens.len(), k)
     }
 
-    fn check_top_k(&self, cache: &GpuCache, tokens: &[u32], k: usize) -> Result<()> {
-        if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
-            return Err(Gemma3GpuError::Step { rows: tokens.len(), pos: cache.pos, what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
-        }
-        Ok(())
-    }
-
     /// The `k` best of the last step's logits rows `first..first + rows` (rows of the logits
     /// buffer; at most [`MAX_ROWS`]), one list per row, best first.
     fn top_k_rows(&self, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        debug_assert!(first + rows <= MAX_ROWS && rows > 0);
-        let vocab = self.cfg.vocab;
+        // The step block holds this step's banned ids.
         let block = self.step.lock().expect("a step panicked holding the step block");
-        let args = TopKArgs {
-            logits: self.ptr(&self.b.logits) + (first * vocab * 4) as u64,
-            n: vocab as i32,
-            k: k as i32,
-            cand: self.ptr(&self.b.topk_cand),
-            counters: self.ptr(&self.b.topk_counters),
-            ids: self.ptr(&self.b.topk_ids),
-            vals: self.ptr(&self.b.topk_vals),
-            step: self.ptr(&block.params),
-        };
-        // SAFETY: the logits rows lie in the logits buffer (first + rows <= MAX_ROWS), the scratch
-        // holds MAX_ROWS * topk_blocks(vocab) * TOPK_MAX keys, the outputs MAX_ROWS * TOPK_MAX
-        // values, the counters MAX_ROWS zeroed ints; the step block is the one this step's banned
-        // ids were written to.
-        unsafe { self.kernels.top_k(&self.stream, rows, &args)? };
-        drop(block);
-        let (mut ids, mut vals) = (vec![0i32; rows * k], vec![0f32; rows * k]);
-        self.stream.memcpy_dtoh(&self.b.topk_ids.slice(..rows * k), &mut ids[..])?;
-        self.stream.memcpy_dtoh(&self.b.topk_vals.slice(..rows * k), &mut vals[..])?;
-        self.stream.synchronize()?;
-        Ok(ids.chunks(k).zip(vals.chunks(k)).map(|(i, v)| i.iter().zip(v).filter(|&(&i, _)| i >= 0).map(|(&i, &v)| (i as u32, v)).collect()).collect())
-    }
-
-    fn headed(&self, cache: &GpuCache) -> Result<()> {
-        if cache.last_head {
-            return Ok(());
-        }
-        Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: "the last step ran the trunk alone: it has no logits or ids".into() })
+        self.b.out.top_k(&self.kernels, &self.stream, self.ptr(&block.params), first, rows, k)
     }
 
     /// The greedy ids of `cache`'s last step (lowest id among equal maxima): every row's, or
     /// after a prompt step of more than [`MAX_ROWS`] rows the last row's alone.
     pub fn argmax(&self, cache: &GpuCache) -> Result<Vec<u32>> {
-        self.headed(cache)?;
-        let ids = self.stream.clone_dtoh(&self.b.ids)?;
-        Ok(ids[..cache.last_rows - cache.head_row0].iter().map(|&i| i as u32).collect())
+        self.b.out.ids(&self.stream, &cache.last, cache.pos)
     }
 
     /// The logits of `cache`'s last step, `rows × vocab` (after a prompt step of more than
     /// [`MAX_ROWS`] rows, the last row's alone).
     pub fn logits(&self, cache: &GpuCache) -> Result<Vec<f32>> {
-        self.headed(cache)?;
-        let n = (cache.last_rows - cache.head_row0) * self.cfg.vocab;
-        let mut v = vec![0f32; n];
-        self.stream.memcpy_dtoh(&self.b.logits.slice(..n), &mut v[..])?;
-        Ok(v)
+        self.b.out.rows(&self.stream, &cache.last, cache.pos)
     }
 
     /// The logits of row `row` of `cache`'s last step (`vocab` values; a prompt's last row).
     pub fn logits_row(&self, cache: &GpuCache, row: usize) -> Result<Vec<f32>> {
-        self.headed(cache)?;
-        if row >= cache.last_rows || row < cache.head_row0 {
-            return Err(Gemma3GpuError::Step { rows: cache.last_rows, pos: cache.pos, what: format!("no logits for row {row}") });
-        }
-        let vocab = self.cfg.vocab;
-        let mut v = vec![0f32; vocab];
-        let at = row - cache.head_row0;
-        self.stream.memcpy_dtoh(&self.b.logits.slice(at * vocab..(at + 1) * vocab), &mut v[..])?;
-        Ok(v)
+        self.b.out.row(&self.stream, &cache.last, cache.pos, row)
     }
 
     /// The final hidden states (the residual stream before the output norm, what candle's
     /// `forward_all` returns as `hidden`) of `cache`'s last step, `rows × hidden`.
     pub fn hidden(&self, cache: &GpuCache) -> Result<Vec<f32>> {
-        let n = cache.last_rows * self.cfg.hidden;
+        let n = cache.last.rows * self.cfg.hidden;
         let mut v = vec![0f32; n];
         self.stream.memcpy_dtoh(&self.b.h.slice(..n), &mut v[..])?;
         Ok(v)

@@ -41,3 +41,5 @@ pub mod cuda;
 pub mod gemma3;
 #[cfg(feature = "cuda")]
 pub mod qwen35;
+#[cfg(feature = "cuda")]
+mod readout;

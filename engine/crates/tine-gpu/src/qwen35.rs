@@ -38,10 +38,7 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
-use crate::cuda::{
-    ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_BANNED, MAX_ROWS, TOPK_MAX,
-    TOPK_MAX_N,
-};
+use crate::cuda::{AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
@@ -51,6 +48,7 @@ type Mark<'a> = dyn FnMut(&'static str) -> std::result::Result<(), GpuError> + '
 
 use crate::planes::Ring;
 pub use crate::planes::PLANES;
+use crate::readout::{time_marks, LastStep, Readout};
 
 const _: () = assert!(PLANES == MAX_ROWS + 1, "a verify step's rows and its start state fit the ring");
 
@@ -89,20 +87,13 @@ struct Buffers {
     mix: CudaSlice<f32>,
     ff: CudaSlice<f32>,
     down: CudaSlice<f32>,
-    logits: CudaSlice<f32>,
     qs: CudaSlice<i8>,
     qd: CudaSlice<f32>,
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
-    cand_v: CudaSlice<f32>,
-    cand_i: CudaSlice<i32>,
-    argmax_counters: CudaSlice<i32>,
-    ids: CudaSlice<i32>,
-    topk_cand: CudaSlice<u64>,
-    topk_counters: CudaSlice<i32>,
-    topk_ids: CudaSlice<i32>,
-    topk_vals: CudaSlice<f32>,
+    /// The LM head's rows and what reads them.
+    out: Readout,
 }
 
 struct StepBlock {
@@ -142,9 +133,8 @@ pub struct Qwen35Cache {
     ctx_len: usize,
     /// The positions and which plane holds which position's state.
     ring: Ring,
-    last_rows: usize,
-    last_head: bool,
-    head_row0: usize,
+    /// Which rows of this cache's last step the readout holds.
+    last: LastStep,
     graphs: Vec<Option<Graph>>,
 }
 
@@ -175,9 +165,7 @@ impl Qwen35Cache {
         if !self.ring.truncate(len) {
             return false;
         }
-        self.last_rows = 0;
-        self.last_head = false;
-        self.head_row0 = 0;
+        self.last = LastStep::default();
         true
     }
 }
@@ -298,20 +286,12 @@ impl Qwen35Gpu {
             mix: alloc(&stream, m * cfg.hidden)?,
             ff: alloc(&stream, m * cfg.ff)?,
             down: alloc(&stream, m * cfg.hidden)?,
-            logits: alloc(&stream, MAX_ROWS * cfg.vocab)?,
             qs: alloc(&stream, m * kmax)?,
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
             attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
-            cand_v: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
-            cand_i: alloc(&stream, MAX_ROWS * ARGMAX_BLOCKS)?,
-            argmax_counters: alloc(&stream, MAX_ROWS)?,
-            ids: alloc(&stream, MAX_ROWS)?,
-            topk_cand: alloc(&stream, MAX_ROWS * Kernels::topk_blocks(cfg.vocab) * TOPK_MAX)?,
-            topk_counters: alloc(&stream, MAX_ROWS)?,
-            topk_ids: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
-            topk_vals: alloc(&stream, MAX_ROWS * TOPK_MAX)?,
+            out: Readout::new(&stream, cfg.vocab)?,
         };
         let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
         let inv_freq = stream.clone_htod(&inv_freq(cfg.rope_dim.max(2), cfg.rope_base))?;
@@ -347,7 +327,7 @@ impl Qwen35Gpu {
                 ssm.push(alloc(&self.stream, PLANES * c.n_v_heads * c.d_state * c.d_state)?);
             }
         }
-        Ok(Qwen35Cache { k, v, conv, ssm, ctx_len, ring: Ring::new(), last_rows: 0, last_head: false, head_row0: 0, graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        Ok(Qwen35Cache { k, v, conv, ssm, ctx_len, ring: Ring::new(), last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     /// Bytes of one sequence's recurrent state planes (every delta-net layer's [`PLANES`]).
@@ -537,11 +517,9 @@ impl Qwen35Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            k.gemv(s, head_rows, c.hidden, &[self.seg(out, &b.logits, c.vocab)], act)?;
+            k.gemv(s, head_rows, c.hidden, &[self.seg(out, &b.out.logits, c.vocab)], act)?;
             mark("lm head")?;
-            let am =
-                ArgmaxArgs { logits: p(&b.logits), n: c.vocab as i32, cand_v: p(&b.cand_v), cand_i: self.ptr(&b.cand_i), counters: self.ptr(&b.argmax_counters), ids: self.ptr(&b.ids), feed: 0, step };
-            k.argmax(s, head_rows, &am)?;
+            k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;
         }
         Ok(())
@@ -620,15 +598,7 @@ impl Qwen35Gpu {
             true,
         )?;
         self.stream.synchronize()?;
-        let mut out: Vec<(&'static str, f64)> = Vec::new();
-        for w in marks.windows(2) {
-            let us = w[0].1.elapsed_ms(&w[1].1)? as f64 * 1e3;
-            match out.iter_mut().find(|(k, _)| *k == w[1].0) {
-                Some(e) => e.1 += us,
-                None => out.push((w[1].0, us)),
-            }
-        }
-        Ok(out)
+        Ok(time_marks(&marks)?)
     }
 
     /// One step; `eager` launches it directly (no graph, the prompt kernels for more than
@@ -687,24 +657,21 @@ impl Qwen35Gpu {
             return Err(e);
         }
         cache.ring.stepped(rows);
-        cache.last_rows = rows;
-        cache.last_head = head;
-        cache.head_row0 = if rows > MAX_ROWS { rows - 1 } else { 0 };
+        cache.last = LastStep::after(rows, head);
         Ok(())
     }
 
     /// Runs `tokens` as [`Qwen35Gpu::forward_banning`] and returns the `k` best `(id, logit)` of
     /// the last row (the sampler's order, `banned` left out).
     pub fn forward_top_k(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<(u32, f32)>> {
-        self.check_top_k(cache, tokens, k)?;
+        self.b.out.check_top_k(tokens.len(), cache.ring.pos(), k)?;
         self.step(cache, tokens, banned, true)?;
-        let row = cache.last_rows - 1 - cache.head_row0;
-        Ok(self.top_k_rows(row, 1, k)?.pop().expect("one row asked for"))
+        Ok(self.top_k_rows(cache.last.last_row(), 1, k)?.pop().expect("one row asked for"))
     }
 
     /// Runs `tokens` (at most [`MAX_ROWS`]) and returns every row's `k` best `(id, logit)`.
     pub fn forward_top_k_all(&self, cache: &mut Qwen35Cache, tokens: &[u32], banned: &[u32], k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        self.check_top_k(cache, tokens, k)?;
+        self.b.out.check_top_k(tokens.len(), cache.ring.pos(), k)?;
         if tokens.len() > MAX_ROWS {
             return Err(Error::Step { rows: tokens.len(), pos: cache.ring.pos(), what: format!("every row's top {k} of a step of more than {MAX_ROWS} rows") });
         }
@@ -712,77 +679,31 @@ impl Qwen35Gpu {
         self.top_k_rows(0, tokens.len(), k)
     }
 
-    fn check_top_k(&self, cache: &Qwen35Cache, tokens: &[u32], k: usize) -> Result<()> {
-        if !(1..=TOPK_MAX).contains(&k) || self.cfg.vocab > TOPK_MAX_N {
-            return Err(Error::Step { rows: tokens.len(), pos: cache.ring.pos(), what: format!("top {k} of a vocabulary of {} (1..={TOPK_MAX} of up to {TOPK_MAX_N})", self.cfg.vocab) });
-        }
-        Ok(())
-    }
-
     fn top_k_rows(&self, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        let vocab = self.cfg.vocab;
+        // The step block holds this step's banned ids.
         let block = self.step.lock().expect("a step panicked holding the step block");
-        let args = TopKArgs {
-            logits: self.ptr(&self.b.logits) + (first * vocab * 4) as u64,
-            n: vocab as i32,
-            k: k as i32,
-            cand: self.ptr(&self.b.topk_cand),
-            counters: self.ptr(&self.b.topk_counters),
-            ids: self.ptr(&self.b.topk_ids),
-            vals: self.ptr(&self.b.topk_vals),
-            step: self.ptr(&block.params),
-        };
-        // SAFETY: as Gemma3Gpu::top_k_rows: the rows lie in the logits buffer (first + rows <=
-        // MAX_ROWS), the scratch and outputs were sized for MAX_ROWS rows at load.
-        unsafe { self.kernels.top_k(&self.stream, rows, &args)? };
-        drop(block);
-        let (mut ids, mut vals) = (vec![0i32; rows * k], vec![0f32; rows * k]);
-        self.stream.memcpy_dtoh(&self.b.topk_ids.slice(..rows * k), &mut ids[..])?;
-        self.stream.memcpy_dtoh(&self.b.topk_vals.slice(..rows * k), &mut vals[..])?;
-        self.stream.synchronize()?;
-        Ok(ids.chunks(k).zip(vals.chunks(k)).map(|(i, v)| i.iter().zip(v).filter(|&(&i, _)| i >= 0).map(|(&i, &v)| (i as u32, v)).collect()).collect())
-    }
-
-    fn headed(&self, cache: &Qwen35Cache) -> Result<()> {
-        if cache.last_head {
-            return Ok(());
-        }
-        Err(Error::Step { rows: cache.last_rows, pos: cache.ring.pos(), what: "the last step ran the trunk alone: it has no logits or ids".into() })
+        self.b.out.top_k(&self.kernels, &self.stream, self.ptr(&block.params), first, rows, k)
     }
 
     /// The greedy ids of `cache`'s last step (every row's, or a long prompt step's last row's).
     pub fn argmax(&self, cache: &Qwen35Cache) -> Result<Vec<u32>> {
-        self.headed(cache)?;
-        let ids = self.stream.clone_dtoh(&self.b.ids)?;
-        Ok(ids[..cache.last_rows - cache.head_row0].iter().map(|&i| i as u32).collect())
+        self.b.out.ids(&self.stream, &cache.last, cache.ring.pos())
     }
 
     /// The logits of `cache`'s last step, `rows × vocab` (a long prompt step's last row's).
     pub fn logits(&self, cache: &Qwen35Cache) -> Result<Vec<f32>> {
-        self.headed(cache)?;
-        let n = (cache.last_rows - cache.head_row0) * self.cfg.vocab;
-        let mut v = vec![0f32; n];
-        self.stream.memcpy_dtoh(&self.b.logits.slice(..n), &mut v[..])?;
-        Ok(v)
+        self.b.out.rows(&self.stream, &cache.last, cache.ring.pos())
     }
 
     /// The logits of row `row` of `cache`'s last step.
     pub fn logits_row(&self, cache: &Qwen35Cache, row: usize) -> Result<Vec<f32>> {
-        self.headed(cache)?;
-        if row >= cache.last_rows || row < cache.head_row0 {
-            return Err(Error::Step { rows: cache.last_rows, pos: cache.ring.pos(), what: format!("no logits for row {row}") });
-        }
-        let vocab = self.cfg.vocab;
-        let mut v = vec![0f32; vocab];
-        let at = row - cache.head_row0;
-        self.stream.memcpy_dtoh(&self.b.logits.slice(at * vocab..(at + 1) * vocab), &mut v[..])?;
-        Ok(v)
+        self.b.out.row(&self.stream, &cache.last, cache.ring.pos(), row)
     }
 
     /// The hidden states of `cache`'s last step after the output norm (what candle's
     /// `quantized_qwen35` returns and its NextN head reads), `rows × hidden`.
     pub fn hidden(&self, cache: &Qwen35Cache) -> Result<Vec<f32>> {
-        let n = cache.last_rows * self.cfg.hidden;
+        let n = cache.last.rows * self.cfg.hidden;
         let mut v = vec![0f32; n];
         self.stream.memcpy_dtoh(&self.b.hid.slice(..n), &mut v[..])?;
         Ok(v)
