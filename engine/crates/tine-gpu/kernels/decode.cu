@@ -37,6 +37,14 @@ static_assert(sizeof(BlockQ5_K) == 176, "Q5_K");
 // Weight type codes: ggml's own numbers.
 enum WType : int { W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14 };
 
+// Bytes of a row of k values of the LM head's wide layout (Q8_0 or Q6_K; see gemv_wide), and the
+// embedding type bit that says a table is in it.
+#define EMBD_WIDE 0x100
+__host__ __device__ __forceinline__ size_t wide_row_bytes(int type, int k) {
+    const size_t b = type == W_Q8_0 ? (size_t)k + (size_t)(k / 32) * 2 : (size_t)k / 2 + k / 4 + k / 16 + (size_t)(k / 256) * 2;
+    return (b + 15) & ~(size_t)15;
+}
+
 // Four bytes from a 2-byte aligned address (GGUF blocks of 22 and 34 bytes are only that aligned).
 // Weight loads: from global memory read-only for the whole kernel (through the non-coherent
 // cache), or (SM) from a copy the block staged in shared memory.
@@ -161,9 +169,19 @@ __device__ __forceinline__ void scale_min_k4(const uint8_t* s, int j, int& sc, i
     else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
-// Value i of row `token` of an embedding table of k-value rows of weight type `type` (0: Q8_0),
-// as ggml's dequantizer computes it.
+// Value i of row `token` of an embedding table of k-value rows of weight type `type` (0: Q8_0;
+// with EMBD_WIDE, a Q8_0 or Q6_K table in the wide layout), as ggml's dequantizer computes it.
 __device__ __forceinline__ float embd_value(const uint8_t* embd, int type, int k, int token, int i) {
+    if (type & EMBD_WIDE) {
+        const int t = type & 0xFF, u = i / 32;
+        const uint8_t* row = embd + (size_t)token * wide_row_bytes(t, k);
+        if (t == W_Q8_0) return __half2float(*reinterpret_cast<const half*>(row + k + 2 * u)) * (float)(int8_t)row[i];
+        const int v = i % 32, g = (v % 16) / 4, e = v % 4, top = v / 16;
+        const int l = row[16 * u + 4 * g + e];
+        const int q = (top ? l >> 4 : l & 0xF) | (((row[k / 2 + 8 * u + 4 * top + e] >> (2 * g)) & 3) << 4);
+        const float d = __half2float(*reinterpret_cast<const half*>(row + k / 2 + k / 4 + k / 16 + 2 * (u / 8)));
+        return d * (float)(int8_t)row[k / 2 + k / 4 + 2 * u + top] * (float)(q - 32);
+    }
     switch (type) {
         case W_Q4_K: case W_Q5_K: {
             const bool five = type == W_Q5_K;
@@ -680,6 +698,128 @@ __device__ __forceinline__ void gemv_staged(const GemvArgs& p) {
 }
 #define GEMV_STAGED_INST(M) extern "C" __global__ void __launch_bounds__(GEMV_WARPS * WARP) gemv_staged_m##M(const GemvArgs p) { gemv_staged<M>(p); }
 GEMV_STAGED_INST(1) GEMV_STAGED_INST(2) GEMV_STAGED_INST(3) GEMV_STAGED_INST(4) GEMV_STAGED_INST(5) GEMV_STAGED_INST(6) GEMV_STAGED_INST(7) GEMV_STAGED_INST(8)
+
+// ---------------------------------------------------------------------------------------------
+// The GEMV for the LM head over the wide layout: the head's weights (Q8_0 or Q6_K), repacked at
+// load so that every load is aligned and wide (a GGUF block of 34 or 210 bytes is only 2-byte
+// aligned, which caps a GEMV over it at a fraction of the memory's bandwidth). A row of k values:
+//
+//   Q8_0: [qs: k bytes, unit u's 32 at 32u] [d: k/32 halves]                     padded to 16 bytes
+//   Q6_K: [lo: k/2 bytes, unit u's at 16u] [hi: k/4, unit u's at 8u] [sc: k/16, unit u's two at 2u]
+//         [d: k/256 halves]                                                      padded to 16 bytes
+//
+// Q6_K's unit u (values 32u .. 32u + 31, sub-block u % 8 of super-block u / 8): byte e of lo's
+// word g holds value 4g + e in its low nibble and value 16 + 4g + e in its high one; bits 2g, 2g+1
+// of byte e of hi's word 0 are value 4g + e's high bits, of word 1 value 16 + 4g + e's; sc holds
+// the scales of values 0..15 and 16..31. The values are ggml's, only moved (blocks.rs: to_wide).
+//
+// A row is worked by L lanes of a warp (L = p.split, a power of two up to 32, from k alone), lane
+// s taking units s, s + L, s + 2L, ... in order; each unit's contribution is
+// d_m * (fd * (float)isum), isum its integer dot (times the sub-block scales); the L lanes' sums
+// are added by a fixed xor tree. Nothing depends on M. The first units' weights are loaded before
+// the wait for the previous launch.
+
+#define WIDE_WARPS GEMV_WARPS
+#define WIDE_UNROLL 4
+
+struct WideRaw { int4 a; int4 b; int sc; float fd; };
+
+template <int T>
+__device__ __forceinline__ WideRaw wide_load(const uint8_t* row, int k, int u) {
+    WideRaw r;
+    if constexpr (T == W_Q8_0) {
+        const int4* q = reinterpret_cast<const int4*>(row + 32 * (size_t)u);
+        r.a = __ldcs(q);
+        r.b = __ldcs(q + 1);
+        r.sc = 0;
+        r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k) + u)));
+    } else {  // W_Q6_K
+        r.a = __ldcs(reinterpret_cast<const int4*>(row + 16 * (size_t)u));
+        const int2 h = __ldcs(reinterpret_cast<const int2*>(row + k / 2 + 8 * (size_t)u));
+        r.b = make_int4(h.x, h.y, 0, 0);
+        r.sc = (int)__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4) + u);
+        r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4 + k / 16) + u / 8)));
+    }
+    return r;
+}
+
+// The integer dot of a unit with the activation's 32 quants (a: values 0..15, b: 16..31).
+template <int T>
+__device__ __forceinline__ int wide_dot(const WideRaw& w, const int4& a, const int4& b) {
+    if constexpr (T == W_Q8_0) {
+        int s = __dp4a(w.a.x, a.x, 0);
+        s = __dp4a(w.a.y, a.y, s);
+        s = __dp4a(w.a.z, a.z, s);
+        s = __dp4a(w.a.w, a.w, s);
+        s = __dp4a(w.b.x, b.x, s);
+        s = __dp4a(w.b.y, b.y, s);
+        s = __dp4a(w.b.z, b.z, s);
+        return __dp4a(w.b.w, b.w, s);
+    } else {
+        const int lo[4] = {w.a.x, w.a.y, w.a.z, w.a.w};
+        const int av[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        int d0 = 0, d1 = 0;
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+            const uint32_t l = (uint32_t)lo[g];
+            const uint32_t q0 = (l & 0x0F0F0F0Fu) | ((((uint32_t)w.b.x >> (2 * g)) & 0x03030303u) << 4);
+            const uint32_t q1 = ((l >> 4) & 0x0F0F0F0Fu) | ((((uint32_t)w.b.y >> (2 * g)) & 0x03030303u) << 4);
+            d0 = __dp4a((int)__vsubss4(q0, 0x20202020u), av[g], d0);
+            d1 = __dp4a((int)__vsubss4(q1, 0x20202020u), av[4 + g], d1);
+        }
+        return (int)(int8_t)(w.sc & 0xFF) * d0 + (int)(int8_t)(w.sc >> 8) * d1;
+    }
+}
+
+template <int T, int M>
+__device__ __forceinline__ void gemv_wide_body(const GemvArgs& p) {
+    const GemvSeg& s = p.seg[0];
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int L = p.split, sub = lane % L;
+    const int r = ((int)blockIdx.x * WIDE_WARPS + warp) * (WARP / L) + lane / L;
+    const int k = p.k, U = k / QK;
+    const uint8_t* row = s.w + (size_t)min(r, s.n - 1) * wide_row_bytes(T, k);
+    float acc[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
+    pdl_trigger();
+    bool waited = false;
+    for (int base = sub; base < U; base += L * WIDE_UNROLL) {
+        WideRaw w[WIDE_UNROLL];
+#pragma unroll
+        for (int j = 0; j < WIDE_UNROLL; ++j) {
+            const int u = base + j * L;
+            if (u < U) w[j] = wide_load<T>(row, k, u);
+        }
+        if (!waited) { pdl_wait(); waited = true; }
+#pragma unroll
+        for (int j = 0; j < WIDE_UNROLL; ++j) {
+            const int u = base + j * L;
+            if (u >= U) break;
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                const int4* a = reinterpret_cast<const int4*>(p.qs + (size_t)m * k + 32 * (size_t)u);
+                const int isum = wide_dot<T>(w[j], __ldg(a), __ldg(a + 1));
+                acc[m] += __ldg(p.qd + (size_t)m * U + u) * (w[j].fd * (float)isum);
+            }
+        }
+    }
+    if (!waited) pdl_wait();
+    for (int o = L / 2; o > 0; o /= 2)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+    if (sub != 0 || r >= s.n) return;
+#pragma unroll
+    for (int m = 0; m < M; ++m) s.out[(size_t)m * s.out_stride + r] = acc[m];
+}
+
+template <int M>
+__device__ __forceinline__ void gemv_wide(const GemvArgs& p) {
+    if (p.seg[0].type == W_Q8_0) gemv_wide_body<W_Q8_0, M>(p);
+    else gemv_wide_body<W_Q6_K, M>(p);
+}
+#define GEMV_WIDE_INST(M) extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_wide_m##M(const GemvArgs p) { gemv_wide<M>(p); }
+GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WIDE_INST(5) GEMV_WIDE_INST(6) GEMV_WIDE_INST(7) GEMV_WIDE_INST(8)
 
 // ---------------------------------------------------------------------------------------------
 // The GEMM for a prompt's many rows: the same weights, Q8 activation planes, segments and GLU

@@ -118,6 +118,92 @@ impl WeightType {
     }
 }
 
+/// How a matrix's rows lie in device memory: GGUF blocks as the file has them, or the wide layout
+/// ([`WeightType::to_wide`]) the LM head's GEMV reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    Gguf,
+    Wide,
+}
+
+/// The `embd_type` bit that says an embedding table is in the wide layout ([`WeightType::to_wide`]).
+pub const EMBD_WIDE: i32 = 0x100;
+
+impl WeightType {
+    /// Whether the type has a wide layout: the LM head's GEMV (`gemv_wide`) reads it with aligned
+    /// 16-byte loads. Q8_0's 34-byte and Q6_K's 210-byte blocks are only 2-byte aligned, which
+    /// caps a GEMV over the GGUF layout at a fraction of the memory's bandwidth.
+    pub fn has_wide(self) -> bool {
+        matches!(self, WeightType::Q8_0 | WeightType::Q6K)
+    }
+
+    /// Bytes of one row of `k` values in the wide layout (a multiple of 16), where the type has one.
+    pub fn wide_row_bytes(self, k: usize) -> Option<usize> {
+        let b = match self {
+            WeightType::Q8_0 => k + k / 32 * 2,
+            WeightType::Q6K => k / 2 + k / 4 + k / 16 + k / 256 * 2,
+            _ => return None,
+        };
+        Some(b.div_ceil(16) * 16)
+    }
+
+    /// Rows of `k` values in GGUF blocks to the wide layout (kernels/decode.cu, `gemv_wide`): the
+    /// same values and scales, moved so that each 32-value unit's quants are 16-byte aligned and
+    /// its scales sit in planes after them. A row:
+    ///
+    /// * Q8_0: `[qs: k bytes][d: k/32 halves]`, padded to 16 bytes.
+    /// * Q6_K: `[lo: k/2][hi: k/4][sc: k/16][d: k/256 halves]`, padded to 16 bytes. Unit `u`
+    ///   (values `32u..32u+32`): byte `e` of lo's word `g` (at `16u + 4g + e`) holds value
+    ///   `4g + e` in its low nibble and `16 + 4g + e` in its high one; bits `2g, 2g+1` of byte
+    ///   `e` of hi's word 0 (at `k/2 + 8u + e`) are value `4g + e`'s top two, of word 1 value
+    ///   `16 + 4g + e`'s; sc's two bytes are the scales of values 0..16 and 16..32.
+    ///
+    /// None where the type has no wide layout.
+    pub fn to_wide(self, bytes: &[u8], k: usize) -> Option<Vec<u8>> {
+        let (rb, wb) = (self.row_bytes(k), self.wide_row_bytes(k)?);
+        assert!(k.is_multiple_of(self.block_values()) && bytes.len().is_multiple_of(rb), "{} bytes are not whole rows of {k} {self:?}", bytes.len());
+        let rows = bytes.len() / rb;
+        let mut out = vec![0u8; rows * wb];
+        for (src, dst) in bytes.chunks_exact(rb).zip(out.chunks_exact_mut(wb)) {
+            match self {
+                WeightType::Q8_0 => {
+                    for (u, b) in src.chunks_exact(34).enumerate() {
+                        dst[32 * u..32 * u + 32].copy_from_slice(&b[2..34]);
+                        dst[k + 2 * u..k + 2 * u + 2].copy_from_slice(&b[0..2]);
+                    }
+                }
+                _ => {
+                    let (lo0, hi0, sc0, d0) = (0, k / 2, k / 2 + k / 4, k / 2 + k / 4 + k / 16);
+                    for u in 0..k / QK {
+                        let b = &src[210 * (u / 8)..210 * (u / 8 + 1)];
+                        let j = u % 8;
+                        let (n, t) = (j / 4, j % 4);
+                        let val = |l: usize| {
+                            let lo = (b[64 * n + (t & 1) * 32 + l] >> ((t >> 1) * 4)) & 0xF;
+                            let hi = (b[128 + 32 * n + l] >> (2 * t)) & 3;
+                            lo | (hi << 4)
+                        };
+                        for g in 0..4 {
+                            for e in 0..4 {
+                                let (v0, v1) = (val(4 * g + e), val(16 + 4 * g + e));
+                                dst[lo0 + 16 * u + 4 * g + e] = (v0 & 0xF) | ((v1 & 0xF) << 4);
+                                dst[hi0 + 8 * u + e] |= (v0 >> 4) << (2 * g);
+                                dst[hi0 + 8 * u + 4 + e] |= (v1 >> 4) << (2 * g);
+                            }
+                        }
+                        dst[sc0 + 2 * u] = b[192 + 8 * n + 2 * t];
+                        dst[sc0 + 2 * u + 1] = b[192 + 8 * n + 2 * t + 1];
+                        if j == 0 {
+                            dst[d0 + 2 * (u / 8)..d0 + 2 * (u / 8) + 2].copy_from_slice(&b[208..210]);
+                        }
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+}
+
 /// Quantized activations: `rows` rows of `k` values as Q8 blocks of 32, in three planes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ActQ8 {

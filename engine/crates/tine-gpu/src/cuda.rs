@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
 
-use crate::blocks::WeightType;
+use crate::blocks::{Layout, WeightType, QK};
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
@@ -359,6 +359,7 @@ pub struct Kernels {
     norm_quant_short: CudaFunction,
     gemv: Vec<CudaFunction>,
     gemv_staged: Vec<CudaFunction>,
+    gemv_wide: Vec<CudaFunction>,
     mmq: CudaFunction,
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 3],
@@ -391,6 +392,7 @@ impl Kernels {
             norm_quant_short: f("norm_quant_short")?,
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
             gemv_staged: (1..=MAX_ROWS).map(|m| f(&format!("gemv_staged_m{m}"))).collect::<Result<_, _>>()?,
+            gemv_wide: (1..=MAX_ROWS).map(|m| f(&format!("gemv_wide_m{m}"))).collect::<Result<_, _>>()?,
             mmq: f("mmq")?,
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
@@ -520,6 +522,49 @@ impl Kernels {
         }
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
+    }
+
+    /// Lanes per row of `gemv_wide` for rows of `k` values: 4 below k = 4096, else 8 (each lane
+    /// then has about 8 units; measured on an H200 over the LM heads of the families, M = 1..8:
+    /// docs/evaluations/gpu-families.md). A function of `k` alone, so a row's sum is the same for
+    /// any M.
+    pub fn wide_lanes(k: usize) -> usize {
+        if k >= 4096 {
+            8
+        } else {
+            4
+        }
+    }
+
+    /// The GEMV over `rows` (1..=[`MAX_ROWS`]) activation rows for one matrix in the wide layout
+    /// ([`WeightType::to_wide`]): the LM head. `seg.w` points at wide rows.
+    ///
+    /// # Safety
+    /// As for [`Kernels::gemv`], with the weights `n` wide rows of `k` values.
+    pub unsafe fn gemv_wide(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, seg: &GemvSeg, act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
+        check((1..=MAX_ROWS).contains(&rows), || format!("gemv_wide: {rows} rows (1..={MAX_ROWS})"))?;
+        let t = WeightType::from_ggml_id(seg.wtype).filter(|t| t.has_wide()).ok_or_else(|| GpuError::Shape(format!("gemv_wide: weight type {} has no wide layout", seg.wtype)))?;
+        let lanes = Self::wide_lanes(k);
+        check(k.is_multiple_of(t.block_values()) && k / QK >= lanes, || format!("gemv_wide: k = {k} is not whole {t:?} blocks of at least {lanes} units"))?;
+        check(seg.glu == 0, || "gemv_wide: no GLU".to_string())?;
+        let args =
+            GemvArgs { nseg: 1, k: k as i32, split: lanes as i32, rows: rows as i32, qs: act.0, qd: act.1, qsum: act.2, seg: [*seg, GemvSeg::default(), GemvSeg::default(), GemvSeg::default()] };
+        let per_block = GEMV_WARPS * (32 / lanes);
+        let cfg = LaunchConfig { grid_dim: ((seg.n as usize).div_ceil(per_block) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gemv_wide[rows - 1], cfg, &args, "gemv_wide")
+    }
+
+    /// The GEMV of one matrix in either layout ([`Kernels::gemv`] or [`Kernels::gemv_wide`]).
+    ///
+    /// # Safety
+    /// As for [`Kernels::gemv`], the weights `n` rows of `k` values in `layout`.
+    pub unsafe fn gemv_matrix(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, seg: &GemvSeg, layout: Layout, act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
+        match layout {
+            // SAFETY: the caller's contract.
+            Layout::Wide => unsafe { self.gemv_wide(stream, rows, k, seg, act) },
+            // SAFETY: the caller's contract.
+            Layout::Gguf => unsafe { self.gemv(stream, rows, k, std::slice::from_ref(seg), act) },
+        }
     }
 
     /// `qk_norm_rope_kv` for `rows` rows.

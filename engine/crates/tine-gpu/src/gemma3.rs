@@ -47,7 +47,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::quantized::GgmlDType;
 use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
-use crate::blocks::{WeightType, QK};
+use crate::blocks::{Layout, WeightType, EMBD_WIDE, QK};
 mod assistant;
 pub use assistant::AssistantGpu;
 
@@ -123,11 +123,11 @@ struct NextNHead {
     hnorm: CudaSlice<f32>,
     shared_head_norm: CudaSlice<f32>,
     /// `None`: the trunk's output projection.
-    head: Option<(CudaSlice<u8>, WeightType)>,
+    head: Option<Matrix>,
     /// Rows of its logits: the draft vocabulary's size, else the vocabulary's.
     rows: usize,
     /// `None`: the trunk's embedding table.
-    embed: Option<(CudaSlice<u8>, WeightType)>,
+    embed: Option<Matrix>,
     draft_vocab: Option<Vec<u32>>,
     block: Layer,
     local: bool,
@@ -178,8 +178,8 @@ pub struct Gemma3Gpu {
     /// The step's parameter block and prompt tokens; locked for the upload and launch of a step.
     step: std::sync::Mutex<StepBlock>,
     kernels: Kernels,
-    embd: (CudaSlice<u8>, WeightType),
-    output: Option<(CudaSlice<u8>, WeightType)>,
+    embd: Matrix,
+    output: Option<Matrix>,
     output_norm: CudaSlice<f32>,
     inv_local: CudaSlice<f32>,
     inv_global: CudaSlice<f32>,
@@ -261,6 +261,31 @@ impl NextNCache {
     }
 }
 
+/// A matrix an LM head or an embedding gather reads: in the wide layout where its type has one
+/// (the head's GEMV then reads it at the memory's bandwidth; the gather reads either layout),
+/// else as the GGUF's blocks.
+pub(crate) struct Matrix {
+    pub(crate) buf: CudaSlice<u8>,
+    pub(crate) wt: WeightType,
+    pub(crate) layout: Layout,
+}
+
+impl Matrix {
+    /// `rows` rows of `k` values of type `wt` (GGUF blocks) onto the device, repacked to the wide
+    /// layout where the type has one.
+    pub(crate) fn upload(stream: &Arc<CudaStream>, data: &[u8], wt: WeightType, k: usize) -> Result<Matrix> {
+        Ok(match wt.to_wide(data, k) {
+            Some(wide) => Matrix { buf: stream.clone_htod(&wide)?, wt, layout: Layout::Wide },
+            None => Matrix { buf: stream.clone_htod(data)?, wt, layout: Layout::Gguf },
+        })
+    }
+
+    /// `norm_quant`'s `embd_type` for a gather over this table.
+    pub(crate) fn embd_type(&self) -> i32 {
+        self.wt.ggml_id() | if self.layout == Layout::Wide { EMBD_WIDE } else { 0 }
+    }
+}
+
 /// Reads tensors of one GGUF onto the device.
 pub(crate) struct Reader<'a> {
     pub(crate) content: &'a gguf_file::Content,
@@ -283,6 +308,18 @@ impl Reader<'_> {
         }
         let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
         Ok((self.stream.clone_htod(&data[..])?, wt))
+    }
+
+    /// A matrix of `rows` rows of `k` values that an LM head or an embedding gather reads
+    /// ([`Matrix::upload`]).
+    pub(crate) fn matrix(&mut self, name: &str, rows: usize, k: usize) -> Result<Matrix> {
+        let t = self.tensor(name)?;
+        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
+        if t.shape().dims() != [rows, k] || !k.is_multiple_of(wt.block_values()) {
+            return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
+        }
+        let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
+        Matrix::upload(self.stream, &data, wt, k)
     }
 
     /// A vector of `n` values (a norm's weights), as f32.
@@ -340,21 +377,13 @@ impl Reader<'_> {
         };
         let rows = draft_vocab.as_ref().map_or(cfg.vocab, Vec::len);
         let head = if self.content.tensor_infos.contains_key(&name("shared_head_head.weight")) {
-            Some(self.weight(&name("shared_head_head.weight"), rows, cfg.hidden)?)
+            Some(self.matrix(&name("shared_head_head.weight"), rows, cfg.hidden)?)
         } else if let Some(ids) = &draft_vocab {
             Some(self.rows_of("token_embd.weight", ids, cfg.vocab, cfg.hidden)?)
         } else {
             None
         };
-        let embed = if self.content.tensor_infos.contains_key(&name("embed_tokens.weight")) {
-            let e = self.weight(&name("embed_tokens.weight"), cfg.vocab, cfg.hidden)?;
-            if e.1 != WeightType::Q8_0 {
-                return Err(self.model_err(format!("{} is {:?}: the embedding gather reads Q8_0", name("embed_tokens.weight"), e.1)));
-            }
-            Some(e)
-        } else {
-            None
-        };
+        let embed = if self.content.tensor_infos.contains_key(&name("embed_tokens.weight")) { Some(self.matrix(&name("embed_tokens.weight"), cfg.vocab, cfg.hidden)?) } else { None };
         Ok(NextNHead {
             eh_proj: self.weight(&name("eh_proj.weight"), cfg.hidden, 2 * cfg.hidden)?,
             enorm: self.norm(&name("enorm.weight"), cfg.hidden)?,
@@ -371,7 +400,7 @@ impl Reader<'_> {
     }
 
     /// Rows `ids` of the `(rows, k)` quantized matrix `name`, still quantized.
-    fn rows_of(&mut self, name: &str, ids: &[u32], rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
+    fn rows_of(&mut self, name: &str, ids: &[u32], rows: usize, k: usize) -> Result<Matrix> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
         if t.shape().dims() != [rows, k] {
@@ -383,7 +412,7 @@ impl Reader<'_> {
         for &id in ids {
             out.extend_from_slice(&data[id as usize * rb..][..rb]);
         }
-        Ok((self.stream.clone_htod(&out)?, wt))
+        Matrix::upload(self.stream, &out, wt, k)
     }
 }
 
@@ -453,11 +482,8 @@ impl Gemma3Gpu {
         let stream = ctx.new_stream()?;
         let kernels = Kernels::load(&ctx)?;
         let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
-        let embd = r.weight("token_embd.weight", cfg.vocab, cfg.hidden)?;
-        if embd.1 != WeightType::Q8_0 {
-            return Err(model_err(format!("token_embd.weight is {:?}: the embedding gather reads Q8_0", embd.1)));
-        }
-        let output = if content.tensor_infos.contains_key("output.weight") { Some(r.weight("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
+        let embd = r.matrix("token_embd.weight", cfg.vocab, cfg.hidden)?;
+        let output = if content.tensor_infos.contains_key("output.weight") { Some(r.matrix("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
         let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
         let (qd, kvd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim);
         let mut layers = Vec::new();
@@ -535,7 +561,7 @@ impl Gemma3Gpu {
             a,
             res: self.ptr(&b.h),
             w_a,
-            embd: self.ptr(&self.embd.0),
+            embd: self.ptr(&self.embd.buf),
             embd_scale: (self.cfg.hidden as f64).sqrt() as f32,
             step,
             w,
@@ -552,8 +578,14 @@ impl Gemma3Gpu {
             q_stride: 0,
             q_off: 0,
             res_scale: 0.0,
-            embd_type: 0,
+            embd_type: self.embd.embd_type(),
         }
+    }
+
+    /// The GEMV segment of a head's matrix `m` into `out` (rows of `n`): launch it with
+    /// [`Kernels::gemv_matrix`] and `m.layout`.
+    pub(crate) fn mseg(&self, m: &Matrix, out: &CudaSlice<f32>, n: usize) -> GemvSeg {
+        GemvSeg { w: self.ptr(&m.buf), out: self.ptr(out), n: n as i32, wtype: m.wt.ggml_id(), out_stride: n as i32, ..Default::default() }
     }
 
     /// One GEMV segment: `w` times the activation rows into `out` (rows of `n`).
@@ -716,7 +748,7 @@ impl Gemma3Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            k.gemv(s, head_rows, c.hidden, &[self.seg(head, &b.out.logits, c.vocab)], act)?;
+            k.gemv_matrix(s, head_rows, c.hidden, &self.mseg(head, &b.out.logits, c.vocab), head.layout, act)?;
             mark("lm head")?;
             k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;
@@ -743,7 +775,7 @@ impl Gemma3Gpu {
         // 2 * hidden values a row, kmax at load), the head's cache ctx_len positions past the
         // step's (checked by nextn_forward), its logits buffer `head.rows` values.
         unsafe {
-            let e = NormQuantArgs { embd: self.ptr(&embd.0), res_out: 0, q_stride: (2 * h) as i32, q_off: 0, ..self.nq(step, prompt, 0, 0, 2, h, p(&head.enorm)) };
+            let e = NormQuantArgs { embd: self.ptr(&embd.buf), embd_type: embd.embd_type(), res_out: 0, q_stride: (2 * h) as i32, q_off: 0, ..self.nq(step, prompt, 0, 0, 2, h, p(&head.enorm)) };
             k.norm_quant(s, rows, &e)?;
             mark("norm_quant enorm")?;
             let hh = NormQuantArgs { q_stride: (2 * h) as i32, q_off: h as i32, ..self.nq(step, prompt, hin, 0, 0, h, p(&head.hnorm)) };
@@ -758,7 +790,7 @@ impl Gemma3Gpu {
             k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.down), p(&head.block.post_ffn_norm), 1, h, p(&head.shared_head_norm)))?;
             mark("norm_quant")?;
             let out = head.head.as_ref().or(self.output.as_ref()).unwrap_or(&self.embd);
-            k.gemv(s, 1, h, &[self.seg(out, &head.logits, head.rows)], self.act(rows - 1, h))?;
+            k.gemv_matrix(s, 1, h, &self.mseg(out, &head.logits, head.rows), out.layout, self.act(rows - 1, h))?;
             mark("nextn head")?;
         }
         Ok(14)

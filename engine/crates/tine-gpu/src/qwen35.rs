@@ -39,7 +39,7 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
 use crate::cuda::{AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
-use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Reader, PROMPT_ROWS};
+use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
 
@@ -110,8 +110,8 @@ pub struct Qwen35Gpu {
     stream: Arc<CudaStream>,
     step: std::sync::Mutex<StepBlock>,
     kernels: Kernels,
-    embd: W,
-    output: Option<W>,
+    embd: Matrix,
+    output: Option<Matrix>,
     output_norm: CudaSlice<f32>,
     inv_freq: CudaSlice<f32>,
     layers: Vec<Layer>,
@@ -257,8 +257,8 @@ impl Qwen35Gpu {
         let stream = ctx.new_stream()?;
         let kernels = Kernels::load(&ctx)?;
         let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
-        let embd = r.weight("token_embd.weight", cfg.vocab, cfg.hidden)?;
-        let output = if content.tensor_infos.contains_key("output.weight") { Some(r.weight("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
+        let embd = r.matrix("token_embd.weight", cfg.vocab, cfg.hidden)?;
+        let output = if content.tensor_infos.contains_key("output.weight") { Some(r.matrix("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
         let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
         let mut layers = Vec::with_capacity(cfg.layers);
         let (mut n_attn, mut n_gdn, mut slot) = (0, 0, Vec::with_capacity(cfg.layers));
@@ -359,7 +359,7 @@ impl Qwen35Gpu {
             a,
             res: self.ptr(&b.h),
             w_a: 0,
-            embd: self.ptr(&self.embd.0),
+            embd: self.ptr(&self.embd.buf),
             embd_scale: 1.0,
             step,
             w,
@@ -376,7 +376,7 @@ impl Qwen35Gpu {
             q_stride: 0,
             q_off: 0,
             res_scale: 0.0,
-            embd_type: self.embd.1.ggml_id(),
+            embd_type: self.embd.embd_type(),
         }
     }
 
@@ -517,7 +517,8 @@ impl Qwen35Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            k.gemv(s, head_rows, c.hidden, &[self.seg(out, &b.out.logits, c.vocab)], act)?;
+            let seg = GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, ..Default::default() };
+            k.gemv_matrix(s, head_rows, c.hidden, &seg, out.layout, act)?;
             mark("lm head")?;
             k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;

@@ -147,6 +147,46 @@ pub fn embd_value(t: WeightType, row: &[u8], i: usize) -> f32 {
     }
 }
 
+/// Unit `u` (values `32u..32u+32`) of a row in the wide layout ([`WeightType::to_wide`]) as
+/// `gemv_wide` unpacks it: the 32 quants (Q6_K's minus 32), the scales of values 0..16 and
+/// 16..32 (1 for Q8_0), and the block's `d`. Value `i` of the unit is `d · sc[i / 16] · q[i]`.
+pub fn wide_unit(t: WeightType, row: &[u8], k: usize, u: usize) -> ([i8; 32], [i32; 2], f32) {
+    let h = |at: usize| half::f16::from_le_bytes([row[at], row[at + 1]]).to_f32();
+    let mut q = [0i8; 32];
+    match t {
+        WeightType::Q8_0 => {
+            for (i, x) in q.iter_mut().enumerate() {
+                *x = row[32 * u + i] as i8;
+            }
+            (q, [1, 1], h(k + 2 * u))
+        }
+        WeightType::Q6K => {
+            let (lo, hi, sc, d) = (&row[16 * u..], &row[k / 2 + 8 * u..], &row[k / 2 + k / 4 + 2 * u..], k / 2 + k / 4 + k / 16 + 2 * (u / 8));
+            for g in 0..4 {
+                for e in 0..4 {
+                    let l = lo[4 * g + e];
+                    let v0 = (l & 0xF) | (((hi[e] >> (2 * g)) & 3) << 4);
+                    let v1 = (l >> 4) | (((hi[4 + e] >> (2 * g)) & 3) << 4);
+                    q[4 * g + e] = (v0 as i32 - 32) as i8;
+                    q[16 + 4 * g + e] = (v1 as i32 - 32) as i8;
+                }
+            }
+            (q, [sc[0] as i8 as i32, sc[1] as i8 as i32], h(d))
+        }
+        _ => panic!("{t:?} has no wide layout"),
+    }
+}
+
+/// Value `i` of a row in the wide layout as the embedding gather computes it (`embd_value` of
+/// kernels/decode.cu with `EMBD_WIDE`): `d · sc · q`, ggml's dequantizer's order.
+pub fn wide_value(t: WeightType, row: &[u8], k: usize, i: usize) -> f32 {
+    let (q, sc, d) = wide_unit(t, row, k, i / QK);
+    match t {
+        WeightType::Q8_0 => d * q[i % QK] as f32,
+        _ => d * sc[(i % QK) / 16] as f32 * q[i % QK] as f32,
+    }
+}
+
 /// The GEMV as the kernel splits it (units of 32 values, four lanes of 8 per unit, the factors
 /// of [`lane_unit`]), summed in float64. Equal to [`gemv`] up to the rounding of ggml's own
 /// dequantizer, which is what the CI test checks.

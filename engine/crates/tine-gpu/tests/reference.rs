@@ -161,3 +161,34 @@ fn embedding_gather_of_one_value_equals_ggmls_dequantized_row_for_every_type() {
         }
     }
 }
+
+#[test]
+fn wide_layout_holds_ggmls_values_for_every_row_and_unit() {
+    for t in WeightType::ALL {
+        if !t.has_wide() {
+            assert_eq!(t.wide_row_bytes(256), None, "{t:?}");
+            assert_eq!(t.to_wide(&t.quantize(&values(256, 3, 1.0)), 256), None, "{t:?}");
+            continue;
+        }
+        for k in [256usize, 512, 1024, 2560, 640, 96] {
+            if !k.is_multiple_of(t.block_values()) {
+                continue;
+            }
+            let rows = 3;
+            let w = t.quantize(&values(rows * k, 43 + k as u64, 1.7));
+            let want = t.dequantize(&w);
+            let wide = t.to_wide(&w, k).expect("a wide layout");
+            let wb = t.wide_row_bytes(k).expect("a wide layout");
+            assert_eq!(wb % 16, 0, "{t:?} k={k}: rows of {wb} bytes are not 16-byte aligned");
+            assert!(wb >= t.row_bytes(k) && wb < t.row_bytes(k) + 16, "{t:?} k={k}: {wb} bytes a row for {} of GGUF blocks", t.row_bytes(k));
+            assert_eq!(wide.len(), rows * wb);
+            for r in 0..rows {
+                for i in 0..k {
+                    let got = reference::wide_value(t, &wide[r * wb..(r + 1) * wb], k, i);
+                    let x = want[r * k + i];
+                    assert!((got - x).abs() <= 1e-6 * x.abs().max(1.0), "{t:?} k={k} row {r} value {i}: wide {got} vs ggml {x}");
+                }
+            }
+        }
+    }
+}

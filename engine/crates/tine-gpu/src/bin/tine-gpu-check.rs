@@ -25,7 +25,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
-use tine_gpu::blocks::{ActQ8, WeightType, QK};
+use tine_gpu::blocks::{ActQ8, Layout, WeightType, EMBD_WIDE, QK};
 use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
 use tine_gpu::reference;
 
@@ -101,6 +101,7 @@ struct GemvFixture {
     n: usize,
     k: usize,
     glu: bool,
+    layout: Layout,
     w: CudaSlice<u8>,
     w2: CudaSlice<u8>,
     act: (CudaSlice<i8>, CudaSlice<f32>, CudaSlice<i32>),
@@ -111,11 +112,24 @@ struct GemvFixture {
 
 impl GemvFixture {
     fn new(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<GemvFixture> {
+        Self::with_layout(dev, rng, t, n, k, glu, rows, Layout::Gguf)
+    }
+
+    /// The fixture with its weights on the device in `layout` (the reference reads the GGUF
+    /// blocks they came from).
+    #[allow(clippy::too_many_arguments)]
+    fn with_layout(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize, layout: Layout) -> Res<GemvFixture> {
         let w = t.quantize(&rng.vec(n * k, 0.5));
         let w2 = t.quantize(&rng.vec(n * k, 0.5));
         let act = ActQ8::quantize(&rng.vec(rows * k, 2.0), rows, k);
         let (gate, up) = (reference::gemv(t, &w, n, k, &act), reference::gemv(t, &w2, n, k, &act));
-        Ok(GemvFixture { t, n, k, glu, w: dev.up(&w)?, w2: dev.up(&w2)?, act: act_planes(dev, &act)?, out: dev.zeros::<f32>(rows * n)?, gate, up })
+        let on_device = |w: &[u8]| -> Res<CudaSlice<u8>> {
+            match layout {
+                Layout::Gguf => dev.up(w),
+                Layout::Wide => dev.up(&t.to_wide(w, k).ok_or_else(|| format!("{t:?} has no wide layout"))?),
+            }
+        };
+        Ok(GemvFixture { t, n, k, glu, layout, w: on_device(&w)?, w2: on_device(&w2)?, act: act_planes(dev, &act)?, out: dev.zeros::<f32>(rows * n)?, gate, up })
     }
 
     /// The launch over activation rows row0 .. row0 + rows (the output's first `rows` rows).
@@ -134,7 +148,7 @@ impl GemvFixture {
         let planes = (dev.ptr(&self.act.0) + (row0 * k) as u64, dev.ptr(&self.act.1) + (row0 * kb * 4) as u64, dev.ptr(&self.act.2) + (row0 * kb * 4) as u64);
         // SAFETY: the weights hold n rows of k values of type t, the planes the fixture's rows of
         // k (the callers keep row0 + rows within them), out as many rows of n.
-        unsafe { dev.k.gemv(&dev.stream, rows, k, &[seg], planes)? };
+        unsafe { dev.k.gemv_matrix(&dev.stream, rows, k, &seg, self.layout, planes)? };
         let mut v = dev.down(&self.out)?;
         v.truncate(rows * n);
         Ok(v)
@@ -152,13 +166,18 @@ impl GemvFixture {
     }
 
     fn label(&self) -> String {
-        format!("{:?} n={} k={}{}", self.t, self.n, self.k, if self.glu { " glu" } else { "" })
+        format!("{:?} n={} k={}{}{}", self.t, self.n, self.k, if self.glu { " glu" } else { "" }, if self.layout == Layout::Wide { " wide" } else { "" })
     }
 }
 
 /// The GEMV of one weight type and shape, M = 1..=8, against float64 and one-row launches.
 fn check_gemv(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool) -> Res<Case> {
-    let f = GemvFixture::new(dev, rng, t, n, k, glu, MAX_ROWS)?;
+    check_gemv_layout(dev, rng, t, n, k, glu, Layout::Gguf)
+}
+
+/// As [`check_gemv`], the weights in `layout` (the wide one: `gemv_wide`, the LM head's GEMV).
+fn check_gemv_layout(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, layout: Layout) -> Res<Case> {
+    let f = GemvFixture::with_layout(dev, rng, t, n, k, glu, MAX_ROWS, layout)?;
     let mut worst = 0f64;
     let mut bits = true;
     let singles: Vec<Vec<f32>> = (0..MAX_ROWS).map(|m| f.run(dev, 1, m)).collect::<Res<_>>()?;
@@ -314,6 +333,11 @@ const RES_SCALE: f32 = 0.7;
 /// 5 decode.cu's mode 3 (a pre-norm block's `res + a`); mode 2 reads an embedding table of type
 /// `et`.
 fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: WeightType) -> Res<Case> {
+    check_norm_quant_layout(dev, rng, k, mode, et, Layout::Gguf)
+}
+
+/// As [`check_norm_quant`], the embedding table in `layout`.
+fn check_norm_quant_layout(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: WeightType, layout: Layout) -> Res<Case> {
     let rows = MAX_ROWS;
     let plain = mode == 3;
     let vocab = 64;
@@ -324,7 +348,11 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: WeightTyp
     let embd = et.quantize(&rng.vec(vocab * k, 1.0));
     let tokens: [i32; MAX_ROWS] = std::array::from_fn(|i| (rng.next() % vocab as u64) as i32 ^ (i as i32 & 1));
     let (eps, scale) = (1e-6f32, (k as f32).sqrt());
-    let (ad, resd, wad, wd, ed) = (dev.up(&a)?, dev.up(&res)?, dev.up(&w_a)?, dev.up(&w)?, dev.up(&embd)?);
+    let table = match layout {
+        Layout::Gguf => embd.clone(),
+        Layout::Wide => et.to_wide(&embd, k).ok_or_else(|| format!("{et:?} has no wide layout"))?,
+    };
+    let (ad, resd, wad, wd, ed) = (dev.up(&a)?, dev.up(&res)?, dev.up(&w_a)?, dev.up(&w)?, dev.up(&table)?);
     let mut step = dev.up(&[StepParams::default()])?;
     let (res_out, y_out) = (dev.zeros::<f32>(rows * k)?, dev.zeros::<f32>(rows * k)?);
     let (qs, qd, qsum) = (dev.zeros::<i8>(rows * k)?, dev.zeros::<f32>(rows * k / QK)?, dev.zeros::<i32>(rows * k / QK)?);
@@ -387,7 +415,11 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: WeightTyp
                 norm: i32::from(!plain),
                 tokens: 0,
                 res_scale: if mode == 4 { RES_SCALE } else { 0.0 },
-                embd_type: if et == WeightType::Q8_0 { 0 } else { et.ggml_id() },
+                embd_type: match (layout, et) {
+                    (Layout::Wide, _) => et.ggml_id() | EMBD_WIDE,
+                    (Layout::Gguf, WeightType::Q8_0) => 0,
+                    _ => et.ggml_id(),
+                },
                 ..Default::default()
             };
             // SAFETY: every buffer holds `rows` rows of k (and k/32 per row for the scales), the
@@ -417,7 +449,7 @@ fn check_norm_quant(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: WeightTyp
             bits &= singles[1].iter().zip(&got_q.qs).all(|(a, b)| *a == *b as f32);
         }
     }
-    let embedding = format!("{et:?} embedding");
+    let embedding = format!("{et:?}{} embedding", if layout == Layout::Wide { " wide" } else { "" });
     let what = ["plain + norm", "post-norm + residual", &embedding, "quantize only", "post-norm + residual, scaled", "residual + norm"][mode as usize];
     Ok(Case { name: format!("norm_quant k={k} {what}"), worst, bits: Some(bits), note })
 }
@@ -942,6 +974,19 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     for t in WeightType::ALL {
         cases.push(check_gemv(dev, &mut rng, t, 2048 / 8, 640.max(t.block_values()) / t.block_values() * t.block_values(), true)?);
     }
+    // The LM head's wide layout: the heads' widths (4 lanes a row below 4096, 8 from it), rows
+    // not a multiple of a block's, the fewest units a row takes.
+    for (t, n, k) in [
+        (WeightType::Q6K, 4099, 1024),
+        (WeightType::Q8_0, 4101, 640),
+        (WeightType::Q6K, 1030, 4096),
+        (WeightType::Q8_0, 517, 4096),
+        (WeightType::Q6K, 77, 2560),
+        (WeightType::Q8_0, 33, 128),
+        (WeightType::Q6K, 9, 256),
+    ] {
+        cases.push(check_gemv_layout(dev, &mut rng, t, n, k, false, Layout::Wide)?);
+    }
     cases.push(check_gemv_segments(dev, &mut rng, 640, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)])?);
     cases.push(check_gemv_segments(dev, &mut rng, 1024, &[(WeightType::Q4K, 33), (WeightType::Q6K, 70), (WeightType::Q8_0, 5), (WeightType::Q5_0, 64)])?);
     for k in [640, 1024, 2048, 96, 8192] {
@@ -953,6 +998,10 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     // Embedding rows of the other types (Qwen3.5's Q6_K table in a Q4_K_M file).
     for et in [WeightType::Q4K, WeightType::Q5K, WeightType::Q6K, WeightType::Q5_0] {
         cases.push(check_norm_quant(dev, &mut rng, 1024, 2, et)?);
+    }
+    // The tied tables in the wide layout (the LM head's): Qwen3.5's Q6_K, Gemma 3's Q8_0.
+    for (et, k) in [(WeightType::Q6K, 1024), (WeightType::Q8_0, 640), (WeightType::Q6K, 4096)] {
+        cases.push(check_norm_quant_layout(dev, &mut rng, k, 2, et, Layout::Wide)?);
     }
     for k in [640, 2048] {
         cases.push(check_norm_quant_concat(dev, &mut rng, k)?);
@@ -1517,11 +1566,23 @@ fn lm_head_bench() -> Res<()> {
             ..Default::default()
         };
         let planes = (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum));
+        let wide = dev.up(&t.to_wide(&w, k).unwrap_or_default())?;
         let mut line = format!("lm head {t:?} {n} x {k} ({:.0} MB):", w.len() as f64 / 1e6);
-        for (name, segs) in [("staged", vec![seg(0, n)]), ("plain", vec![seg(0, n / 2), seg(n / 2, n - n / 2)])] {
+        let variants: [(&str, Vec<GemvSeg>); 3] = [("staged", vec![seg(0, n)]), ("plain", vec![seg(0, n / 2), seg(n / 2, n - n / 2)]), ("wide", vec![GemvSeg { w: dev.ptr(&wide), ..seg(0, n) }])];
+        for (name, segs) in variants {
+            if name == "wide" && !t.has_wide() {
+                continue;
+            }
             let launch = || -> Res<()> {
-                // SAFETY: the weights hold n rows of k values, the planes one row, out n values.
-                unsafe { dev.k.gemv(&dev.stream, 1, k, &segs, planes)? };
+                // SAFETY: the weights hold n rows of k values (the wide copy n wide rows), the
+                // planes one row, out n values.
+                unsafe {
+                    if name == "wide" {
+                        dev.k.gemv_wide(&dev.stream, 1, k, &segs[0], planes)?
+                    } else {
+                        dev.k.gemv(&dev.stream, 1, k, &segs, planes)?
+                    }
+                };
                 Ok(())
             };
             for _ in 0..10 {

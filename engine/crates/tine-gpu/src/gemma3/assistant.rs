@@ -47,7 +47,7 @@ pub struct AssistantGpu {
     pre_projection: (CudaSlice<u8>, WeightType),
     post_projection: (CudaSlice<u8>, WeightType),
     output_norm: CudaSlice<f32>,
-    head: (CudaSlice<u8>, WeightType),
+    head: Matrix,
     /// Rows of the head: the draft vocabulary's size, else the vocabulary's.
     rows: usize,
     draft_vocab: Option<Vec<u32>>,
@@ -147,7 +147,7 @@ impl Gemma3Gpu {
         let pre_projection = pick(&projection("pre"), n_embd, 2 * c.hidden, &mut r)?;
         let post_projection = pick(&projection("post"), c.hidden, n_embd, &mut r)?;
         let output_norm = r.norm("output_norm.weight", n_embd)?;
-        let head = r.weight("token_embd.weight", rows, n_embd)?;
+        let head = r.matrix("token_embd.weight", rows, n_embd)?;
         let qd = n_head * head_dim;
         let mut blocks = Vec::with_capacity(block_count);
         for i in 0..block_count {
@@ -251,7 +251,7 @@ impl Gemma3Gpu {
             let last = head.blocks.last().expect("a head has blocks (checked at load)");
             let out = NormQuantArgs { res_scale: last.scale, ..self.nq(step, None, p(&b.down), p(&last.post_ffn_norm), 1, n, p(&head.output_norm)) };
             k.norm_quant(s, 1, &out)?;
-            k.gemv(s, 1, n, &[self.seg(&head.head, &head.logits, head.rows)], act)?;
+            k.gemv_matrix(s, 1, n, &self.mseg(&head.head, &head.logits, head.rows), head.head.layout, act)?;
             k.norm_quant(s, 1, &self.nq(step, None, p(&b.h), 0, 0, n, 0))?;
             k.gemv(s, 1, n, &[self.seg(&head.post_projection, &b.o, h)], act)?;
         }
