@@ -1687,6 +1687,124 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) gated_delta_rule(
     }
 }
 
+// conv_silu and gated_delta_rule in one launch, for steps of up to MAX_ROWS rows (decode and
+// verify; a prompt step runs the two kernels). Block (h, column group) first runs the conv for
+// the channels it reads: key head h mod hk's q and k, and its own value columns, into shared
+// memory (the same operations as conv_silu, so the same bits), then the delta rule as
+// gated_delta_rule over them. Several blocks convolve the same q/k channels; only block
+// (h < hk, y = 0) writes their windows, each block its own value columns'. No block reads a
+// window plane another writes: rows <= n_planes - 1, so the planes written are not the one read.
+
+struct ConvGdnArgs { ConvArgs conv; GdnArgs gdn; };
+
+template <int E, int K>
+__device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a) {
+    __shared__ float sq[MAX_ROWS][256], sk[MAX_ROWS][256], sv[MAX_ROWS][GDN_WARPS];
+    const ConvArgs& cv = a.conv;
+    const GdnArgs& p = a.gdn;
+    const int h = blockIdx.x, d = 32 * E, kh = h % p.hk, C = cv.C;
+    const int P = cv.n_planes, p0 = cv.step->plane, rows = p.rows;
+    const size_t plane_sz = (size_t)(K - 1) * C;
+    for (int j = threadIdx.x; j < 2 * d + GDN_WARPS; j += blockDim.x) {
+        const int c = j < d ? kh * d + j : j < 2 * d ? (p.hk + kh) * d + (j - d) : (2 * p.hk + h) * d + blockIdx.y * GDN_WARPS + (j - 2 * d);
+        const bool writer = j >= 2 * d || (h < p.hk && blockIdx.y == 0);
+        float wt[K], r[K];
+#pragma unroll
+        for (int t = 0; t < K; ++t) wt[t] = __ldg(cv.w + (size_t)c * K + t);
+#pragma unroll
+        for (int t = 0; t < K - 1; ++t) r[t] = cv.planes[(size_t)p0 * plane_sz + (size_t)t * C + c];
+        for (int m = 0; m < rows; ++m) {
+            r[K - 1] = cv.x[(size_t)m * C + c];
+            float s = 0.0f;
+#pragma unroll
+            for (int t = 0; t < K; ++t) s += wt[t] * r[t];
+            const float y = s / (1.0f + expf(-s));
+            if (j < d) sq[m][j] = y;
+            else if (j < 2 * d) sk[m][j - d] = y;
+            else sv[m][j - 2 * d] = y;
+#pragma unroll
+            for (int t = 0; t < K - 1; ++t) r[t] = r[t + 1];
+            if (writer && rows - 1 - m < P - 1) {
+                float* dst = cv.planes + (size_t)((p0 + 1 + m) % P) * plane_sz + c;
+#pragma unroll
+                for (int t = 0; t < K - 1; ++t) dst[(size_t)t * C] = r[t];
+            }
+        }
+    }
+    __syncthreads();
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int col = blockIdx.y * GDN_WARPS + warp;
+    const int PS = p.n_planes, ps0 = p.step->plane;
+    const size_t splane = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
+    float S[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) S[e] = p.planes[(size_t)ps0 * splane + at + 32 * e];
+    const float av = __ldg(p.a + h), dtb = __ldg(p.dt_bias + h);
+    for (int m = 0; m < rows; ++m) {
+        float q[E], k[E], sqq = 0.0f, skk = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            q[e] = sq[m][lane + 32 * e];
+            k[e] = sk[m][lane + 32 * e];
+            sqq += q[e] * q[e];
+            skk += k[e] * k[e];
+        }
+        sqq = warp_sum(sqq);
+        skk = warp_sum(skk);
+        const float fq = (1.0f / sqrtf(sqq + p.eps)) * p.q_scale, fk = 1.0f / sqrtf(skk + p.eps);
+        const float v = sv[m][warp];
+        const float bt = 1.0f / (1.0f + expf(-p.beta[(size_t)m * p.hv + h]));
+        const float x = p.alpha[(size_t)m * p.hv + h] + dtb;
+        const float decay = expf(av * (x > 20.0f ? x : log1pf(expf(x))));
+        float kv = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            q[e] *= fq;
+            k[e] *= fk;
+            S[e] *= decay;
+            kv += S[e] * k[e];
+        }
+        kv = warp_sum(kv);
+        const float u = bt * (v - kv);
+        float o = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            S[e] += k[e] * u;
+            o += S[e] * q[e];
+        }
+        o = warp_sum(o);
+        if (lane == 0) p.out[(size_t)m * p.hv * d + (size_t)h * d + col] = o;
+        if (rows - 1 - m < PS - 1) {
+            float* dst = p.planes + (size_t)((ps0 + 1 + m) % PS) * splane + at;
+#pragma unroll
+            for (int e = 0; e < E; ++e) dst[32 * e] = S[e];
+        }
+    }
+}
+
+template <int E>
+__device__ __forceinline__ void conv_gdn_k(const ConvGdnArgs& a) {
+    switch (a.conv.K) {
+        case 2: conv_gdn_body<E, 2>(a); break;
+        case 3: conv_gdn_body<E, 3>(a); break;
+        case 4: conv_gdn_body<E, 4>(a); break;
+        case 5: conv_gdn_body<E, 5>(a); break;
+        default: break;
+    }
+}
+
+// Grid: (hv, d / GDN_WARPS); block GDN_WARPS warps; rows <= MAX_ROWS.
+extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) conv_gated_delta_rule(const ConvGdnArgs a) {
+    pdl_trigger();
+    pdl_wait();
+    switch (a.gdn.d) {
+        case 64: conv_gdn_k<2>(a); break;
+        case 128: conv_gdn_k<4>(a); break;
+        case 256: conv_gdn_k<8>(a); break;
+        default: break;
+    }
+}
+
 // RMSNorm(o) w SiLU(z) per value head (d values), written as the Q8 rows of the output
 // projection's input. Grid: (hv, rows); block d threads (a multiple of 32, at most 256).
 struct GatedNormArgs {
@@ -1724,5 +1842,6 @@ static_assert(sizeof(AttnArgs) == 112, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
 static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");
+static_assert(sizeof(ConvGdnArgs) == 152, "ConvGdnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
 static_assert(sizeof(TopKArgs) == 56, "TopKArgs");

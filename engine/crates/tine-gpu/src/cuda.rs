@@ -250,6 +250,15 @@ pub struct ConvArgs {
     pub rows: i32,
 }
 
+/// `conv_gated_delta_rule`'s arguments: the conv's (its `y` unused) and the delta rule's (its
+/// `qkv` unused), over the same rows and planes.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ConvGdnArgs {
+    pub conv: ConvArgs,
+    pub gdn: GdnArgs,
+}
+
 /// `gated_delta_rule`'s arguments (see decode.cu).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -336,6 +345,7 @@ const _: () = assert!(std::mem::size_of::<AttnArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
 const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
+const _: () = assert!(std::mem::size_of::<ConvGdnArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<TopKArgs>() == 56);
 
@@ -350,6 +360,7 @@ unsafe impl DeviceRepr for TopKArgs {}
 unsafe impl DeviceRepr for ConvArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
 unsafe impl DeviceRepr for GatedNormArgs {}
+unsafe impl DeviceRepr for ConvGdnArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -368,6 +379,7 @@ pub struct Kernels {
     topk: CudaFunction,
     conv: CudaFunction,
     gdn: CudaFunction,
+    conv_gdn: CudaFunction,
     gated_norm: CudaFunction,
     /// Launch with programmatic dependent launch (each kernel may start while the previous one
     /// runs, up to its `griddepcontrol.wait`): `TINE_GPU_PDL=0` turns it off.
@@ -401,6 +413,7 @@ impl Kernels {
             topk: f("topk_rows")?,
             conv: f("conv_silu")?,
             gdn: f("gated_delta_rule")?,
+            conv_gdn: f("conv_gated_delta_rule")?,
             gated_norm: f("gated_norm_quant")?,
             pdl: AtomicBool::new(std::env::var("TINE_GPU_PDL").map_or(true, |v| v != "0")),
             _module: module,
@@ -651,6 +664,24 @@ impl Kernels {
         })?;
         let cfg = LaunchConfig { grid_dim: (args.hv as u32, (args.d as usize / GDN_WARPS) as u32, 1), block_dim: ((GDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.gdn, cfg, args, "gated_delta_rule")
+    }
+
+    /// `conv_silu` then `gated_delta_rule` in one launch, for a step of up to [`MAX_ROWS`] rows
+    /// (fewer than the planes): the same bits as the two launches.
+    ///
+    /// # Safety
+    /// As for [`Kernels::conv_silu`] and [`Kernels::gated_delta_rule`] (the conv's `y` and the
+    /// rule's `qkv` are not read).
+    pub unsafe fn conv_gated_delta_rule(&self, stream: &Arc<CudaStream>, args: &ConvGdnArgs) -> Result<(), GpuError> {
+        let (c, g) = (&args.conv, &args.gdn);
+        check((2..=CONV_MAX_K as i32).contains(&c.k), || format!("conv_gated_delta_rule: a kernel of {} taps (2..={CONV_MAX_K})", c.k))?;
+        check(matches!(g.d, 64 | 128 | 256) && g.hk > 0 && g.hv % g.hk == 0, || format!("conv_gated_delta_rule: {} value heads over {} key heads of {}", g.hv, g.hk, g.d))?;
+        check(c.c == (2 * g.hk + g.hv) * g.d, || format!("conv_gated_delta_rule: {} channels for {} key and {} value heads of {}", c.c, g.hk, g.hv, g.d))?;
+        check(c.rows == g.rows && c.n_planes == g.n_planes && g.rows >= 1 && g.rows as usize <= MAX_ROWS && g.rows < g.n_planes, || {
+            format!("conv_gated_delta_rule: {} and {} rows (1..={MAX_ROWS}), {} and {} planes (more than the rows)", c.rows, g.rows, c.n_planes, g.n_planes)
+        })?;
+        let cfg = LaunchConfig { grid_dim: (g.hv as u32, (g.d as usize / GDN_WARPS) as u32, 1), block_dim: ((GDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.conv_gdn, cfg, args, "conv_gated_delta_rule")
     }
 
     /// `RMSNorm(o) · w · SiLU(z)` per value head for `rows` rows, as Q8 rows.

@@ -8,9 +8,10 @@
 //! 1. `norm_quant`: `x += down` of the layer before (layer 0: the embedding row, any weight type
 //!    the GEMV reads), then `attn_norm(x)` as Q8
 //! 2. the mixer:
-//!    - a delta-net layer (5 launches): one GEMV of four segments (the fused QKV rows, the gate
-//!      `z`, `beta`, `alpha`), `conv_silu` over the layer's conv window, `gated_delta_rule` over
-//!      its state, `gated_norm_quant` (`RMSNorm(o) · w · SiLU(z)` as Q8), `ssm_out`;
+//!    - a delta-net layer (4 launches): one GEMV of four segments (the fused QKV rows, the gate
+//!      `z`, `beta`, `alpha`), `conv_gated_delta_rule` (the causal conv over the layer's conv
+//!      window, then the delta rule over its state; a prompt step runs them as `conv_silu` and
+//!      `gated_delta_rule`), `gated_norm_quant` (`RMSNorm(o) · w · SiLU(z)` as Q8), `ssm_out`;
 //!    - a full-attention layer (4 launches): one GEMV of four segments (q, its gate, k, v: the GGUF's
 //!      `[q | gate]` rows are split per head at load), `qk_norm_rope_kv` (RoPE on the first
 //!      `rope.dimension_count` dims), the attention with the `sigmoid(gate)` epilogue, `attn_output`;
@@ -18,7 +19,8 @@
 //! 4. the SwiGLU GEMV (gate and up, SiLU epilogue), `norm_quant` of its rows, `down`
 //!
 //! then `norm_quant` (`x += down`, `output_norm`, the normed rows kept as f32: the hidden states
-//! Qwen3.5's NextN head reads), the LM head and the greedy argmax.
+//! Qwen3.5's NextN head reads), the LM head (`gemv_wide` where the head is Q8_0 or Q6_K: the wide
+//! layout) and the greedy argmax.
 //!
 //! **Recurrent state and rollback.** Each delta-net layer keeps [`PLANES`] planes of its state (conv
 //! window and delta state) per sequence: a step reads the plane its sequence is at and writes the
@@ -38,7 +40,7 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
-use crate::cuda::{AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
+use crate::cuda::{AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
@@ -417,8 +419,6 @@ impl Qwen35Gpu {
                             n_planes: PLANES as i32,
                             rows: rows as i32,
                         };
-                        k.conv_silu(s, &ca)?;
-                        mark("conv_silu")?;
                         let ga = GdnArgs {
                             qkv: p(&b.conv),
                             alpha: p(&b.alpha),
@@ -437,8 +437,17 @@ impl Qwen35Gpu {
                             q_scale: 1.0 / (c.d_state as f32).sqrt(),
                             pad_: 0,
                         };
-                        k.gated_delta_rule(s, &ga)?;
-                        mark("gated_delta_rule")?;
+                        // A decode or verify step: one launch; a prompt step: two (the fused
+                        // kernel takes fewer rows than the planes).
+                        if prompt.is_none() {
+                            k.conv_gated_delta_rule(s, &ConvGdnArgs { conv: ca, gdn: ga })?;
+                            mark("conv_gated_delta_rule")?;
+                        } else {
+                            k.conv_silu(s, &ca)?;
+                            mark("conv_silu")?;
+                            k.gated_delta_rule(s, &ga)?;
+                            mark("gated_delta_rule")?;
+                        }
                         let na = GatedNormArgs { o: p(&b.o), z: p(&b.x2), w: p(norm), qs: act.0, qd: act.1, qsum: act.2, hv: c.n_v_heads as i32, d: c.d_state as i32, eps: c.eps, pad_: 0 };
                         k.gated_norm_quant(s, rows, &na)?;
                         mark("gated_norm_quant")?;

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, Layout, WeightType, EMBD_WIDE, QK};
-use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
+use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
 use tine_gpu::reference;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -803,7 +803,11 @@ fn check_argmax(dev: &Dev, rng: &mut Rng, n: usize) -> Res<Case> {
 /// `steps` successive steps of the given row counts (the rows of one sequence, the state carried
 /// in planes from step to step), against the float64 reference row by row; and the same rows as
 /// one-row steps, bit for bit (outputs and the state planes).
-fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]) -> Res<Case> {
+/// The delta-net's launches over steps of the given sizes against float64, and against one-row
+/// steps bit for bit (outputs and the states the planes hold). With `fused`, steps of up to
+/// MAX_ROWS rows run `conv_gated_delta_rule` (the one-row steps still run the two kernels, so the
+/// bits also say the fused launch is the two launches).
+fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize], fused: bool) -> Res<Case> {
     let reference::GdnDims { hk, hv, d, kernel } = dims;
     let c = dims.channels();
     let total: usize = steps.iter().sum();
@@ -844,7 +848,7 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
     // Runs the rows in steps of the given sizes: o (f32), y's Q8 planes, the conv and delta
     // state planes, the plane holding the last row's state.
     type Run = (Vec<f32>, ActQ8, Vec<f32>, Vec<f32>, usize);
-    let mut run = |sizes: &[usize]| -> Res<Run> {
+    let mut run = |sizes: &[usize], fused: bool| -> Res<Run> {
         let conv_planes = dev.zeros::<f32>(planes * (kernel - 1) * c)?;
         let ssm_planes = dev.zeros::<f32>(planes * hv * d * d)?;
         let (yc, o) = (dev.zeros::<f32>(total * c)?, dev.zeros::<f32>(total * hv * d)?);
@@ -896,8 +900,12 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
             // SAFETY: every buffer holds `total` rows (row0 + rows <= total), the planes `planes`
             // planes, and the step block's plane is below `planes`.
             unsafe {
-                dev.k.conv_silu(&dev.stream, &ca)?;
-                dev.k.gated_delta_rule(&dev.stream, &ga)?;
+                if fused && rows <= MAX_ROWS {
+                    dev.k.conv_gated_delta_rule(&dev.stream, &ConvGdnArgs { conv: ca, gdn: ga })?;
+                } else {
+                    dev.k.conv_silu(&dev.stream, &ca)?;
+                    dev.k.gated_delta_rule(&dev.stream, &ga)?;
+                }
                 dev.k.gated_norm_quant(&dev.stream, rows, &na)?;
             }
             row0 += rows;
@@ -906,8 +914,8 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
         let act = ActQ8 { k: hv * d, rows: total, qs: dev.down(&qs)?, d: dev.down(&qd)?, sum: dev.down(&qsum)? };
         Ok((dev.down(&o)?, act, dev.down(&conv_planes)?, dev.down(&ssm_planes)?, plane))
     };
-    let (o, act, convp, ssmp, plane) = run(steps)?;
-    let (o1, act1, convp1, ssmp1, plane1) = run(&vec![1; total])?;
+    let (o, act, convp, ssmp, plane) = run(steps, fused)?;
+    let (o1, act1, convp1, ssmp1, plane1) = run(&vec![1; total], false)?;
     let mut worst = 0f64;
     let omax = want_o.iter().fold(0f64, |m, v| m.max(v.abs()));
     for (g, w) in o.iter().zip(&want_o) {
@@ -938,7 +946,8 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
         && act == act1
         && same(&convp[plane * cz..(plane + 1) * cz], &convp1[plane1 * cz..(plane1 + 1) * cz])
         && same(&ssmp[plane * sz..(plane + 1) * sz], &ssmp1[plane1 * sz..(plane1 + 1) * sz]);
-    Ok(Case { name: format!("delta-net hk={hk} hv={hv} d={d} conv={kernel} steps {steps:?}"), worst, bits: Some(bits), note: String::new() })
+    let how = if fused { ", conv fused" } else { "" };
+    Ok(Case { name: format!("delta-net hk={hk} hv={hv} d={d} conv={kernel} steps {steps:?}{how}"), worst, bits: Some(bits), note: String::new() })
 }
 
 fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
@@ -1014,8 +1023,11 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (reference::GdnDims { hk: 2, hv: 4, d: 64, kernel: 4 }, vec![2, 7, 1]),
         (reference::GdnDims { hk: 1, hv: 2, d: 256, kernel: 3 }, vec![4, 4]),
     ] {
-        cases.push(check_gdn(dev, &mut rng, dims, &steps)?);
+        cases.push(check_gdn(dev, &mut rng, dims, &steps, false)?);
+        cases.push(check_gdn(dev, &mut rng, dims, &steps, true)?);
     }
+    // Value heads over fewer key heads (the 9B's 32 over 16): the q/k windows' one writer.
+    cases.push(check_gdn(dev, &mut rng, reference::GdnDims { hk: 2, hv: 6, d: 128, kernel: 4 }, &[3, 1, 8, 8, 2], true)?);
     for (h, kv, hd, pos, n_rot) in [(4, 1, 256, 0, 0), (4, 1, 256, 1000, 0), (8, 2, 128, 77, 0), (2, 2, 64, 31000, 0), (8, 2, 256, 1234, 64), (4, 2, 64, 9, 16)] {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot)?);
     }
