@@ -11,6 +11,10 @@
 #                                         # and every spec type against plain decoding
 #   bash tools/cuda/qwen35_job.sh bench   # llama-bench tg128/pp512 against tine on the engine
 #                                         # and on candle's CUDA path, same GGUF (0.8b Q4_K_M)
+#   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
+#                                         # (tools/gemma3_random_model.py): tine-gpu-check
+#                                         # --model, ids against the CPU path, tg128 against
+#                                         # llama-bench
 #
 # Everything it makes stays in /tmp/q35 while the machine is warm (a second call reuses it).
 # Writes $OUT/q35-log.txt; prints a summary.
@@ -140,5 +144,41 @@ print(f"tine tg128 (engine): {med('tg128', 'predicted_per_second')} tok/s; candl
 PY
   exit 0
 fi
-echo "usage: qwen35_job.sh check|bench" >&2
+if [ "$mode" = gemma3 ]; then
+  # Gemma 3 on the engine over random-weight GGUFs (tools/gemma3_random_model.py, shapes `small`
+  # and `270m`, quantized here to Q4_K_M): tine-gpu-check --model (graph nodes, speed, verify
+  # rows against one-row steps), greedy ids of the engine against the CPU path, and tg128
+  # against llama-bench on the same GGUF.
+  build_llama
+  for shape in small 270m; do
+    [ -s "$W/g3-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" \
+      python3 "$root/tools/gemma3_random_model.py" --shape "$shape" --out "$W/g3-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/g3-$shape-q4_k_m.gguf" ] || "$LB/llama-quantize" "$W/g3-$shape-f16.gguf" "$W/g3-$shape-q4_k_m.gguf" Q4_K_M >>"$W/models.log" 2>&1
+    say "gemma3 $shape Q4_K_M: $(ls -la "$W/g3-$shape-q4_k_m.gguf" 2>&1)"
+    M="$W/g3-$shape-q4_k_m.gguf"
+    run "gemma3-$shape" 240 "$C" --no-table --model "$M" || true
+    for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
+      base=(generate -m "$M" -p "$p" -n 48 --ignore-eos --temp 0)
+      cpu=$(timeout 120 "$T" "${base[@]}" --device cpu 2>/dev/null)
+      gpu=$(timeout 60 "$T" "${base[@]}" --device cuda 2>"$W/err-gpu")
+      [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  gemma3 $shape engine vs cpu: ${p:0:24}" || { say "DIFF  gemma3 $shape engine vs cpu: ${p:0:24}"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; tail -n 3 "$W/err-gpu" >>"$log"; }
+    done
+  done
+  M="$W/g3-270m-q4_k_m.gguf"
+  say "llama-bench gemma3 270m"
+  timeout 240 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
+  for r in 1 2 3; do
+    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$OUT/g3-tg128-$r.json" >>"$log" 2>&1
+  done
+  python3 - "$OUT" <<'PY' | tee -a "$log"
+import json, statistics, sys
+v = []
+for r in (1, 2, 3):
+    try: v.append(json.load(open(f"{sys.argv[1]}/g3-tg128-{r}.json"))["predicted_per_second"])
+    except Exception: pass
+print(f"tine gemma3 270m tg128 (engine): {statistics.median(v):.1f} tok/s" if v else "tine gemma3 270m tg128: no result")
+PY
+  exit 0
+fi
+echo "usage: qwen35_job.sh check|bench|gemma3" >&2
 exit 2
