@@ -37,11 +37,18 @@ static_assert(sizeof(BlockQ5_K) == 176, "Q5_K");
 // Weight type codes: ggml's own numbers.
 enum WType : int { W_Q5_0 = 6, W_Q8_0 = 8, W_Q4_K = 12, W_Q5_K = 13, W_Q6_K = 14 };
 
-// Bytes of a row of k values of the LM head's wide layout (Q8_0 or Q6_K; see gemv_wide), and the
-// embedding type bit that says a table is in it.
+// Bytes of a row of k values in the wide layout (see gemv_wide), and the embedding type bit that
+// says a table is in it. The same bytes as the GGUF blocks, padded to 16.
 #define EMBD_WIDE 0x100
 __host__ __device__ __forceinline__ size_t wide_row_bytes(int type, int k) {
-    const size_t b = type == W_Q8_0 ? (size_t)k + (size_t)(k / 32) * 2 : (size_t)k / 2 + k / 4 + k / 16 + (size_t)(k / 256) * 2;
+    size_t b;
+    switch (type) {
+        case W_Q8_0: b = (size_t)k / 32 * 34; break;
+        case W_Q5_0: b = (size_t)k / 32 * 22; break;
+        case W_Q4_K: b = (size_t)k / 256 * 144; break;
+        case W_Q5_K: b = (size_t)k / 256 * 176; break;
+        default: b = (size_t)k / 256 * 210; break;
+    }
     return (b + 15) & ~(size_t)15;
 }
 
@@ -169,19 +176,30 @@ __device__ __forceinline__ void scale_min_k4(const uint8_t* s, int j, int& sc, i
     else { sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4); mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4); }
 }
 
+// Value i of a row in the wide layout (see gemv_wide), as ggml's dequantizer computes it.
+__device__ __forceinline__ float wide_value(const uint8_t* row, int t, int k, int i) {
+    const int u = i / 32, v = i % 32, top = v / 16, g = (v % 16) / 4, e = v % 4;
+    auto half_at = [&](size_t off) { return __half2float(*reinterpret_cast<const half*>(row + off)); };
+    if (t == W_Q8_0) return half_at((size_t)k + 2 * u) * (float)(int8_t)row[i];
+    const int l = row[16 * u + 4 * g + e];
+    const int lo = top ? l >> 4 : l & 0xF;
+    if (t == W_Q6_K) {
+        const int q = lo | (((row[k / 2 + 8 * u + 4 * top + e] >> (2 * g)) & 3) << 4);
+        return half_at((size_t)k / 2 + k / 4 + k / 16 + 2 * (u / 8)) * (float)(int8_t)row[k / 2 + k / 4 + 2 * u + top] * (float)(q - 32);
+    }
+    const int hb = (t == W_Q5_0 || t == W_Q5_K) ? (row[k / 2 + 4 * u + e] >> (4 * top + g)) & 1 : 0;
+    const int q = lo | (hb << 4);
+    if (t == W_Q5_0) return half_at((size_t)k / 2 + k / 8 + 2 * u) * (float)(q - 16);
+    const uint8_t* meta = row + (t == W_Q5_K ? k / 2 + k / 8 : k / 2) + 16 * (u / 8);
+    int sc, mn;
+    scale_min_k4(meta + 4, u % 8, sc, mn);
+    return __half2float(*reinterpret_cast<const half*>(meta)) * (float)sc * (float)q - __half2float(*reinterpret_cast<const half*>(meta + 2)) * (float)mn;
+}
+
 // Value i of row `token` of an embedding table of k-value rows of weight type `type` (0: Q8_0;
 // with EMBD_WIDE, a Q8_0 or Q6_K table in the wide layout), as ggml's dequantizer computes it.
 __device__ __forceinline__ float embd_value(const uint8_t* embd, int type, int k, int token, int i) {
-    if (type & EMBD_WIDE) {
-        const int t = type & 0xFF, u = i / 32;
-        const uint8_t* row = embd + (size_t)token * wide_row_bytes(t, k);
-        if (t == W_Q8_0) return __half2float(*reinterpret_cast<const half*>(row + k + 2 * u)) * (float)(int8_t)row[i];
-        const int v = i % 32, g = (v % 16) / 4, e = v % 4, top = v / 16;
-        const int l = row[16 * u + 4 * g + e];
-        const int q = (top ? l >> 4 : l & 0xF) | (((row[k / 2 + 8 * u + 4 * top + e] >> (2 * g)) & 3) << 4);
-        const float d = __half2float(*reinterpret_cast<const half*>(row + k / 2 + k / 4 + k / 16 + 2 * (u / 8)));
-        return d * (float)(int8_t)row[k / 2 + k / 4 + 2 * u + top] * (float)(q - 32);
-    }
+    if (type & EMBD_WIDE) return wide_value(embd + (size_t)token * wide_row_bytes(type & 0xFF, k), type & 0xFF, k, i);
     switch (type) {
         case W_Q4_K: case W_Q5_K: {
             const bool five = type == W_Q5_K;
@@ -353,6 +371,7 @@ struct GemvSeg {
     int out_stride;
     int glu;
     int block_start;    // first block of the grid that works on this segment
+    int wide;           // the weights are in the wide layout (gemv_wide; mmq reads either)
 };
 
 struct GemvArgs {
@@ -700,96 +719,148 @@ __device__ __forceinline__ void gemv_staged(const GemvArgs& p) {
 GEMV_STAGED_INST(1) GEMV_STAGED_INST(2) GEMV_STAGED_INST(3) GEMV_STAGED_INST(4) GEMV_STAGED_INST(5) GEMV_STAGED_INST(6) GEMV_STAGED_INST(7) GEMV_STAGED_INST(8)
 
 // ---------------------------------------------------------------------------------------------
-// The GEMV for the LM head over the wide layout: the head's weights (Q8_0 or Q6_K), repacked at
-// load so that every load is aligned and wide (a GGUF block of 34 or 210 bytes is only 2-byte
-// aligned, which caps a GEMV over it at a fraction of the memory's bandwidth). A row of k values:
+// The GEMV over the wide layout: the weights repacked at load (blocks.rs: to_wide) so that every
+// load is aligned and wide. A GGUF block of 22, 34, 144, 176 or 210 bytes puts a 32-value unit's
+// quants at 2-byte alignment or split between nibbles of a neighbour's bytes, which caps a GEMV
+// over it at a fraction of the memory's bandwidth (docs/evaluations/gpu-families.md). The values
+// and scales are ggml's, only moved. A row of k values (U = k/32 units, SB = k/256 super-blocks),
+// padded to 16 bytes:
 //
-//   Q8_0: [qs: k bytes, unit u's 32 at 32u] [d: k/32 halves]                     padded to 16 bytes
-//   Q6_K: [lo: k/2 bytes, unit u's at 16u] [hi: k/4, unit u's at 8u] [sc: k/16, unit u's two at 2u]
-//         [d: k/256 halves]                                                      padded to 16 bytes
+//   Q8_0: [qs: 32 per unit][d: a half per unit]
+//   Q5_0: [lo: 16 per unit][qh: 4 per unit][d: a half per unit]
+//   Q4_K: [lo: 16 per unit][meta: 16 per SB (d, dmin, the 12 scale bytes, as in the block)]
+//   Q5_K: [lo: 16 per unit][qh: 4 per unit][meta: 16 per SB]
+//   Q6_K: [lo: 16 per unit][hi: 8 per unit][sc: 2 per unit][d: a half per SB]
 //
-// Q6_K's unit u (values 32u .. 32u + 31, sub-block u % 8 of super-block u / 8): byte e of lo's
-// word g holds value 4g + e in its low nibble and value 16 + 4g + e in its high one; bits 2g, 2g+1
-// of byte e of hi's word 0 are value 4g + e's high bits, of word 1 value 16 + 4g + e's; sc holds
-// the scales of values 0..15 and 16..31. The values are ggml's, only moved (blocks.rs: to_wide).
+// In a unit (values 0..31): byte 4g + e of lo holds value 4g + e in its low nibble and 16 + 4g + e
+// in its high one; bit 4t + g of qh's byte e is the fifth bit of value 16t + 4g + e; bits 2g, 2g+1
+// of hi's byte 4t + e are value 16t + 4g + e's top two; sc holds the scales of values 0..15 and
+// 16..31. So the unit unpacks to eight int8x4 words q[0..7] (q[g]: values 4g.., q[4+g]: 16+4g..)
+// with shifts and masks alone.
 //
-// A row is worked by L lanes of a warp (L = p.split, a power of two up to 32, from k alone), lane
-// s taking units s, s + L, s + 2L, ... in order; each unit's contribution is
-// d_m * (fd * (float)isum), isum its integer dot (times the sub-block scales); the L lanes' sums
-// are added by a fixed xor tree. Nothing depends on M. The first units' weights are loaded before
-// the wait for the previous launch.
+// A row is worked by L lanes of a warp (L = p.split, 4 or 8, from k alone), lane s taking units
+// s, s + L, s + 2L, ... in order; a unit adds  d_m * (fd * (float)dot + fmin * sum_m)  (Q6_K: dot
+// is sc0 * dot0 + sc1 * dot1, Q4_K/Q5_K: fd = d * sc, fmin = -dmin * mn); the L lanes' sums are
+// added by a fixed xor tree. Nothing depends on M. The first units' weights are loaded before the
+// wait for the previous launch. Up to four segments a launch, each with its own output and
+// optional GLU, as gemv.
 
 #define WIDE_WARPS GEMV_WARPS
 #define WIDE_UNROLL 4
 
-struct WideRaw { int4 a; int4 b; int sc; float fd; };
+struct WideRaw { int4 lo; int4 ext; float fd; float fmin; };
+
+// Q4_K/Q5_K: the scale and min of sub-block j from the 12 scale bytes held in words w1..w3 of meta.
+__device__ __forceinline__ void wide_scale_min(const int4& meta, int j, int& sc, int& mn) {
+    const uint32_t w1 = (uint32_t)meta.y, w2 = (uint32_t)meta.z, w3 = (uint32_t)meta.w;
+    if (j < 4) {
+        sc = (int)((w1 >> (8 * j)) & 63);
+        mn = (int)((w2 >> (8 * j)) & 63);
+    } else {
+        const int jj = j - 4;
+        sc = (int)(((w3 >> (8 * jj)) & 0xF) | (((w1 >> (8 * jj + 6)) & 3) << 4));
+        mn = (int)(((w3 >> (8 * jj + 4)) & 0xF) | (((w2 >> (8 * jj + 6)) & 3) << 4));
+    }
+}
+
+__device__ __forceinline__ float half_lo(int w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFF))); }
+__device__ __forceinline__ float half_hi(int w) { return __half2float(__ushort_as_half((unsigned short)((uint32_t)w >> 16))); }
 
 template <int T>
 __device__ __forceinline__ WideRaw wide_load(const uint8_t* row, int k, int u) {
     WideRaw r;
+    r.fmin = 0.0f;
+    r.ext = make_int4(0, 0, 0, 0);
     if constexpr (T == W_Q8_0) {
         const int4* q = reinterpret_cast<const int4*>(row + 32 * (size_t)u);
-        r.a = __ldcs(q);
-        r.b = __ldcs(q + 1);
-        r.sc = 0;
+        r.lo = __ldcs(q);
+        r.ext = __ldcs(q + 1);
         r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k) + u)));
-    } else {  // W_Q6_K
-        r.a = __ldcs(reinterpret_cast<const int4*>(row + 16 * (size_t)u));
-        const int2 h = __ldcs(reinterpret_cast<const int2*>(row + k / 2 + 8 * (size_t)u));
-        r.b = make_int4(h.x, h.y, 0, 0);
-        r.sc = (int)__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4) + u);
-        r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4 + k / 16) + u / 8)));
+    } else {
+        r.lo = __ldcs(reinterpret_cast<const int4*>(row + 16 * (size_t)u));
+        if constexpr (T == W_Q6_K) {
+            const int2 h = __ldcs(reinterpret_cast<const int2*>(row + k / 2 + 8 * (size_t)u));
+            r.ext = make_int4(h.x, h.y, (int)__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4) + u), 0);
+            r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4 + k / 16) + u / 8)));
+        } else if constexpr (T == W_Q5_0) {
+            r.ext.x = __ldcs(reinterpret_cast<const int*>(row + k / 2) + u);
+            r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 8) + u)));
+        } else {  // Q4_K, Q5_K
+            if constexpr (T == W_Q5_K) r.ext.x = __ldcs(reinterpret_cast<const int*>(row + k / 2) + u);
+            const int4 meta = __ldg(reinterpret_cast<const int4*>(row + (T == W_Q5_K ? k / 2 + k / 8 : k / 2)) + u / 8);
+            int sc, mn;
+            wide_scale_min(meta, u % 8, sc, mn);
+            r.fd = half_lo(meta.x) * (float)sc;
+            r.fmin = -half_hi(meta.x) * (float)mn;
+        }
     }
     return r;
 }
 
-// The integer dot of a unit with the activation's 32 quants (a: values 0..15, b: 16..31).
+// Word g (0..7) of the unit's quants as int8x4: values 4g.. (g < 4) or 16 + 4(g - 4).. .
 template <int T>
-__device__ __forceinline__ int wide_dot(const WideRaw& w, const int4& a, const int4& b) {
+__device__ __forceinline__ int wide_word(const WideRaw& w, int g) {
     if constexpr (T == W_Q8_0) {
-        int s = __dp4a(w.a.x, a.x, 0);
-        s = __dp4a(w.a.y, a.y, s);
-        s = __dp4a(w.a.z, a.z, s);
-        s = __dp4a(w.a.w, a.w, s);
-        s = __dp4a(w.b.x, b.x, s);
-        s = __dp4a(w.b.y, b.y, s);
-        s = __dp4a(w.b.z, b.z, s);
-        return __dp4a(w.b.w, b.w, s);
+        const int v[8] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w, w.ext.x, w.ext.y, w.ext.z, w.ext.w};
+        return v[g];
     } else {
-        const int lo[4] = {w.a.x, w.a.y, w.a.z, w.a.w};
-        const int av[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        int d0 = 0, d1 = 0;
-#pragma unroll
-        for (int g = 0; g < 4; ++g) {
-            const uint32_t l = (uint32_t)lo[g];
-            const uint32_t q0 = (l & 0x0F0F0F0Fu) | ((((uint32_t)w.b.x >> (2 * g)) & 0x03030303u) << 4);
-            const uint32_t q1 = ((l >> 4) & 0x0F0F0F0Fu) | ((((uint32_t)w.b.y >> (2 * g)) & 0x03030303u) << 4);
-            d0 = __dp4a((int)__vsubss4(q0, 0x20202020u), av[g], d0);
-            d1 = __dp4a((int)__vsubss4(q1, 0x20202020u), av[4 + g], d1);
+        const int lo[4] = {w.lo.x, w.lo.y, w.lo.z, w.lo.w};
+        const int t = g / 4, gg = g % 4;
+        uint32_t q = ((uint32_t)lo[gg] >> (4 * t)) & 0x0F0F0F0Fu;
+        if constexpr (T == W_Q6_K) {
+            q |= ((((uint32_t)(t ? w.ext.y : w.ext.x)) >> (2 * gg)) & 0x03030303u) << 4;
+            return (int)__vsubss4(q, 0x20202020u);
+        } else if constexpr (T == W_Q5_0 || T == W_Q5_K) {
+            q |= ((((uint32_t)w.ext.x) >> (4 * t + gg)) & 0x01010101u) << 4;
+            return T == W_Q5_0 ? (int)__vsubss4(q, 0x10101010u) : (int)q;
+        } else {
+            return (int)q;
         }
-        return (int)(int8_t)(w.sc & 0xFF) * d0 + (int)(int8_t)(w.sc >> 8) * d1;
     }
 }
 
-template <int T, int M>
-__device__ __forceinline__ void gemv_wide_body(const GemvArgs& p) {
-    const GemvSeg& s = p.seg[0];
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int L = p.split, sub = lane % L;
-    const int r = ((int)blockIdx.x * WIDE_WARPS + warp) * (WARP / L) + lane / L;
-    const int k = p.k, U = k / QK;
-    const uint8_t* row = s.w + (size_t)min(r, s.n - 1) * wide_row_bytes(T, k);
-    float acc[M];
+// The unit's contribution to one activation row (a: its 32 quants; d, sum: its scale and sum).
+template <int T>
+__device__ __forceinline__ float wide_unit(const WideRaw& w, const int4& a0, const int4& a1, float d, float sum) {
+    const int av[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+    if constexpr (T == W_Q6_K) {
+        int d0 = 0, d1 = 0;
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[m] = 0.0f;
-    pdl_trigger();
+        for (int g = 0; g < 4; ++g) {
+            d0 = __dp4a(wide_word<T>(w, g), av[g], d0);
+            d1 = __dp4a(wide_word<T>(w, 4 + g), av[4 + g], d1);
+        }
+        return d * (w.fd * (float)((int)(int8_t)(w.ext.z & 0xFF) * d0 + (int)(int8_t)(w.ext.z >> 8) * d1));
+    } else {
+        int dot = 0;
+#pragma unroll
+        for (int g = 0; g < 8; ++g) dot = __dp4a(wide_word<T>(w, g), av[g], dot);
+        if constexpr (T == W_Q4_K || T == W_Q5_K) return d * (w.fd * (float)dot + w.fmin * sum);
+        else return d * (w.fd * (float)dot);
+    }
+}
+
+template <int T, int M, bool GLU>
+__device__ __forceinline__ void gemv_wide_seg(const GemvArgs& p, const GemvSeg& s, int r) {
+    const int lane = threadIdx.x % WARP;
+    const int L = p.split, sub = lane % L;
+    const int k = p.k, U = k / QK;
+    const size_t rb = wide_row_bytes(T, k), ro = (size_t)min(r, s.n - 1) * rb;
+    const uint8_t* row = s.w + ro;
+    const uint8_t* row2 = GLU ? s.w2 + ro : nullptr;
+    float acc[M], acc2[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[m] = acc2[m] = 0.0f;
     bool waited = false;
     for (int base = sub; base < U; base += L * WIDE_UNROLL) {
-        WideRaw w[WIDE_UNROLL];
+        WideRaw w[WIDE_UNROLL], w2[WIDE_UNROLL];
 #pragma unroll
         for (int j = 0; j < WIDE_UNROLL; ++j) {
             const int u = base + j * L;
-            if (u < U) w[j] = wide_load<T>(row, k, u);
+            if (u < U) {
+                w[j] = wide_load<T>(row, k, u);
+                if (GLU) w2[j] = wide_load<T>(row2, k, u);
+            }
         }
         if (!waited) { pdl_wait(); waited = true; }
 #pragma unroll
@@ -799,27 +870,67 @@ __device__ __forceinline__ void gemv_wide_body(const GemvArgs& p) {
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const int4* a = reinterpret_cast<const int4*>(p.qs + (size_t)m * k + 32 * (size_t)u);
-                const int isum = wide_dot<T>(w[j], __ldg(a), __ldg(a + 1));
-                acc[m] += __ldg(p.qd + (size_t)m * U + u) * (w[j].fd * (float)isum);
+                const int4 a0 = __ldg(a), a1 = __ldg(a + 1);
+                const float d = __ldg(p.qd + (size_t)m * U + u);
+                const float sum = (T == W_Q4_K || T == W_Q5_K) ? (float)__ldg(p.qsum + (size_t)m * U + u) : 0.0f;
+                acc[m] += wide_unit<T>(w[j], a0, a1, d, sum);
+                if (GLU) acc2[m] += wide_unit<T>(w2[j], a0, a1, d, sum);
             }
         }
     }
     if (!waited) pdl_wait();
     for (int o = L / 2; o > 0; o /= 2)
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+        for (int m = 0; m < M; ++m) {
+            acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+            if (GLU) acc2[m] += __shfl_xor_sync(0xffffffffu, acc2[m], o);
+        }
     if (sub != 0 || r >= s.n) return;
 #pragma unroll
-    for (int m = 0; m < M; ++m) s.out[(size_t)m * s.out_stride + r] = acc[m];
+    for (int m = 0; m < M; ++m) s.out[(size_t)m * s.out_stride + r] = GLU ? glu_act(s.glu, acc[m]) * acc2[m] : acc[m];
 }
 
 template <int M>
 __device__ __forceinline__ void gemv_wide(const GemvArgs& p) {
-    if (p.seg[0].type == W_Q8_0) gemv_wide_body<W_Q8_0, M>(p);
-    else gemv_wide_body<W_Q6_K, M>(p);
+    int si = 0;
+#pragma unroll
+    for (int i = 1; i < 4; ++i) if (i < p.nseg && (int)blockIdx.x >= p.seg[i].block_start) si = i;
+    const GemvSeg& s = p.seg[si];
+    const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, L = p.split;
+    const int r = (((int)blockIdx.x - s.block_start) * WIDE_WARPS + warp) * (WARP / L) + lane / L;
+    pdl_trigger();
+    switch (s.type * 2 + (s.glu ? 1 : 0)) {
+        case W_Q8_0 * 2: gemv_wide_seg<W_Q8_0, M, false>(p, s, r); break;
+        case W_Q5_0 * 2: gemv_wide_seg<W_Q5_0, M, false>(p, s, r); break;
+        case W_Q4_K * 2: gemv_wide_seg<W_Q4_K, M, false>(p, s, r); break;
+        case W_Q6_K * 2: gemv_wide_seg<W_Q6_K, M, false>(p, s, r); break;
+        case W_Q5_K * 2: gemv_wide_seg<W_Q5_K, M, false>(p, s, r); break;
+        case W_Q8_0 * 2 + 1: gemv_wide_seg<W_Q8_0, M, true>(p, s, r); break;
+        case W_Q5_0 * 2 + 1: gemv_wide_seg<W_Q5_0, M, true>(p, s, r); break;
+        case W_Q4_K * 2 + 1: gemv_wide_seg<W_Q4_K, M, true>(p, s, r); break;
+        case W_Q6_K * 2 + 1: gemv_wide_seg<W_Q6_K, M, true>(p, s, r); break;
+        case W_Q5_K * 2 + 1: gemv_wide_seg<W_Q5_K, M, true>(p, s, r); break;
+        default: pdl_wait(); break;
+    }
 }
 #define GEMV_WIDE_INST(M) extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_wide_m##M(const GemvArgs p) { gemv_wide<M>(p); }
 GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WIDE_INST(5) GEMV_WIDE_INST(6) GEMV_WIDE_INST(7) GEMV_WIDE_INST(8)
+
+// The 8 values of quarter l4 of unit u of a wide row, with the factors, exactly as load_unit
+// gives them from the GGUF block (the prompt GEMM's weight loader over the wide layout).
+template <int T>
+__device__ __forceinline__ void load_unit_wide(const uint8_t* row, int k, int u, int l4, int& w0, int& w1, float& fw, float& fmin) {
+    const WideRaw r = wide_load<T>(row, k, u);
+    w0 = wide_word<T>(r, 2 * l4);
+    w1 = wide_word<T>(r, 2 * l4 + 1);
+    if constexpr (T == W_Q6_K) {
+        fw = r.fd * (float)(int8_t)((r.ext.z >> (8 * (l4 >> 1))) & 0xFF);
+        fmin = 0.0f;
+    } else {
+        fw = r.fd;
+        fmin = l4 == 0 ? r.fmin : 0.0f;
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // The GEMM for a prompt's many rows: the same weights, Q8 activation planes, segments and GLU
@@ -861,8 +972,8 @@ __device__ __forceinline__ void mma_k16(int (&c)[4], int a0, int a1, int b0) {
 }
 
 // Stages weight rows r0.. of `w` (n rows), units ku0 .. ku0 + MMQ_KU - 1, as int8 with factors.
-template <int T>
-__device__ __forceinline__ void mmq_stage_w(MmqSmem& sm, int which, const uint8_t* w, int n, int r0, int ku0, int units, size_t row_bytes) {
+template <int T, bool WIDE>
+__device__ __forceinline__ void mmq_stage_w(MmqSmem& sm, int which, const uint8_t* w, int n, int r0, int ku0, int units, size_t row_bytes, int k) {
     const int t = threadIdx.x, l4 = t & 3, uu = (t >> 2) % MMQ_KU;
 #pragma unroll
     for (int i = 0; i < MMQ_BR * MMQ_KU * 4 / MMQ_THREADS; ++i) {
@@ -870,14 +981,17 @@ __device__ __forceinline__ void mmq_stage_w(MmqSmem& sm, int which, const uint8_
         const int r = r0 + row, u = ku0 + uu;
         int w0 = 0, w1 = 0;
         float fw = 0.0f, fmin = 0.0f;
-        if (r < n && u < units) load_unit<T, false>(w + (size_t)r * row_bytes, u, l4, w0, w1, fw, fmin);
+        if (r < n && u < units) {
+            if constexpr (WIDE) load_unit_wide<T>(w + (size_t)r * row_bytes, k, u, l4, w0, w1, fw, fmin);
+            else load_unit<T, false>(w + (size_t)r * row_bytes, u, l4, w0, w1, fw, fmin);
+        }
         *reinterpret_cast<int2*>(&sm.w[which][row][uu * 32 + 8 * l4]) = make_int2(w0, w1);
         if (l4 == 0) { sm.fw0[which][row][uu] = fw; sm.fmin[which][row][uu] = fmin; }
         if (l4 == 2) sm.fw1[which][row][uu] = fw;
     }
 }
 
-template <int T, bool GLU>
+template <int T, bool GLU, bool WIDE>
 __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& sm) {
     constexpr bool TWO = T == W_Q6_K;  // two scales per unit: two k16 products
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
@@ -885,7 +999,7 @@ __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& s
     const int wr = warp % 2, wm = warp / 2;
     const int k = p.k, units = k / QK, rows = p.rows;
     const int m0 = blockIdx.y * MMQ_BM;
-    const size_t row_bytes = (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
+    const size_t row_bytes = WIDE ? wide_row_bytes(T, k) : (size_t)(k / WInfo<T>::BV) * WInfo<T>::BB;
     float acc[4][4], acc2[4][4];
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -893,8 +1007,8 @@ __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& s
         for (int e = 0; e < 4; ++e) acc[j][e] = acc2[j][e] = 0.0f;
     for (int ku0 = 0; ku0 < units; ku0 += MMQ_KU) {
         __syncthreads();  // the previous stage is consumed
-        mmq_stage_w<T>(sm, 0, s.w, s.n, r0, ku0, units, row_bytes);
-        if (GLU) mmq_stage_w<T>(sm, 1, s.w2, s.n, r0, ku0, units, row_bytes);
+        mmq_stage_w<T, WIDE>(sm, 0, s.w, s.n, r0, ku0, units, row_bytes, k);
+        if (GLU) mmq_stage_w<T, WIDE>(sm, 1, s.w2, s.n, r0, ku0, units, row_bytes, k);
 #pragma unroll
         for (int i = 0; i < MMQ_BM * MMQ_KU * 2 / MMQ_THREADS; ++i) {
             const int idx = t + i * MMQ_THREADS, tl = idx / (MMQ_KU * 2), piece = idx % (MMQ_KU * 2);
@@ -976,17 +1090,14 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) 
     const int r0 = ((int)blockIdx.x - s.block_start) * MMQ_BR;
     pdl_trigger();
     pdl_wait();
-    switch (s.type * 2 + (s.glu ? 1 : 0)) {
-        case W_Q8_0 * 2: mmq_body<W_Q8_0, false>(p, s, r0, sm); break;
-        case W_Q5_0 * 2: mmq_body<W_Q5_0, false>(p, s, r0, sm); break;
-        case W_Q4_K * 2: mmq_body<W_Q4_K, false>(p, s, r0, sm); break;
-        case W_Q6_K * 2: mmq_body<W_Q6_K, false>(p, s, r0, sm); break;
-        case W_Q5_K * 2: mmq_body<W_Q5_K, false>(p, s, r0, sm); break;
-        case W_Q8_0 * 2 + 1: mmq_body<W_Q8_0, true>(p, s, r0, sm); break;
-        case W_Q5_0 * 2 + 1: mmq_body<W_Q5_0, true>(p, s, r0, sm); break;
-        case W_Q4_K * 2 + 1: mmq_body<W_Q4_K, true>(p, s, r0, sm); break;
-        case W_Q6_K * 2 + 1: mmq_body<W_Q6_K, true>(p, s, r0, sm); break;
-        case W_Q5_K * 2 + 1: mmq_body<W_Q5_K, true>(p, s, r0, sm); break;
+    const int wide = s.wide ? 1 : 0;
+    switch ((s.type * 2 + (s.glu ? 1 : 0)) * 2 + wide) {
+#define MMQ_CASE(T, G, W) case (T * 2 + G) * 2 + W: mmq_body<T, G, W>(p, s, r0, sm); break;
+        MMQ_CASE(W_Q8_0, 0, 0) MMQ_CASE(W_Q5_0, 0, 0) MMQ_CASE(W_Q4_K, 0, 0) MMQ_CASE(W_Q6_K, 0, 0) MMQ_CASE(W_Q5_K, 0, 0)
+        MMQ_CASE(W_Q8_0, 1, 0) MMQ_CASE(W_Q5_0, 1, 0) MMQ_CASE(W_Q4_K, 1, 0) MMQ_CASE(W_Q6_K, 1, 0) MMQ_CASE(W_Q5_K, 1, 0)
+        MMQ_CASE(W_Q8_0, 0, 1) MMQ_CASE(W_Q5_0, 0, 1) MMQ_CASE(W_Q4_K, 0, 1) MMQ_CASE(W_Q6_K, 0, 1) MMQ_CASE(W_Q5_K, 0, 1)
+        MMQ_CASE(W_Q8_0, 1, 1) MMQ_CASE(W_Q5_0, 1, 1) MMQ_CASE(W_Q4_K, 1, 1) MMQ_CASE(W_Q6_K, 1, 1) MMQ_CASE(W_Q5_K, 1, 1)
+#undef MMQ_CASE
         default: break;
     }
 }
@@ -1688,8 +1799,8 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) gated_delta_rule(
 }
 
 // conv_silu and gated_delta_rule in one launch, for steps of up to MAX_ROWS rows (decode and
-// verify; a prompt step runs the two kernels). Block (h, column group) first runs the conv for
-// the channels it reads: key head h mod hk's q and k, and its own value columns, into shared
+// verify; a prompt step runs the two kernels). Block (h, group of CGDN_WARPS columns) loads its
+// columns' state, then runs the conv for the channels it reads: key head h mod hk's q and k, and its own value columns, into shared
 // memory (the same operations as conv_silu, so the same bits), then the delta rule as
 // gated_delta_rule over them. Several blocks convolve the same q/k channels; only block
 // (h < hk, y = 0) writes their windows, each block its own value columns'. No block reads a
@@ -1697,24 +1808,39 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) gated_delta_rule(
 
 struct ConvGdnArgs { ConvArgs conv; GdnArgs gdn; };
 
+#define CGDN_WARPS 16
+
 template <int E, int K>
 __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a) {
-    __shared__ float sq[MAX_ROWS][256], sk[MAX_ROWS][256], sv[MAX_ROWS][GDN_WARPS];
+    __shared__ float sq[MAX_ROWS][256], sk[MAX_ROWS][256], sv[MAX_ROWS][CGDN_WARPS];
     const ConvArgs& cv = a.conv;
     const GdnArgs& p = a.gdn;
     const int h = blockIdx.x, d = 32 * E, kh = h % p.hk, C = cv.C;
-    const int P = cv.n_planes, p0 = cv.step->plane, rows = p.rows;
+    const int rows = p.rows;
+    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
+    const int col = blockIdx.y * CGDN_WARPS + warp;
+    // The state first: its loads are in flight while the conv runs.
+    const int PS = p.n_planes, ps0 = p.step->plane;
+    const size_t splane = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
+    float S[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) S[e] = p.planes[(size_t)ps0 * splane + at + 32 * e];
+    const int P = cv.n_planes, p0 = cv.step->plane;
     const size_t plane_sz = (size_t)(K - 1) * C;
-    for (int j = threadIdx.x; j < 2 * d + GDN_WARPS; j += blockDim.x) {
-        const int c = j < d ? kh * d + j : j < 2 * d ? (p.hk + kh) * d + (j - d) : (2 * p.hk + h) * d + blockIdx.y * GDN_WARPS + (j - 2 * d);
+    for (int j = threadIdx.x; j < 2 * d + CGDN_WARPS; j += blockDim.x) {
+        const int c = j < d ? kh * d + j : j < 2 * d ? (p.hk + kh) * d + (j - d) : (2 * p.hk + h) * d + blockIdx.y * CGDN_WARPS + (j - 2 * d);
         const bool writer = j >= 2 * d || (h < p.hk && blockIdx.y == 0);
-        float wt[K], r[K];
+        float wt[K], r[K], xs[MAX_ROWS];
 #pragma unroll
         for (int t = 0; t < K; ++t) wt[t] = __ldg(cv.w + (size_t)c * K + t);
 #pragma unroll
         for (int t = 0; t < K - 1; ++t) r[t] = cv.planes[(size_t)p0 * plane_sz + (size_t)t * C + c];
-        for (int m = 0; m < rows; ++m) {
-            r[K - 1] = cv.x[(size_t)m * C + c];
+#pragma unroll
+        for (int m = 0; m < MAX_ROWS; ++m) xs[m] = m < rows ? cv.x[(size_t)m * C + c] : 0.0f;
+#pragma unroll
+        for (int m = 0; m < MAX_ROWS; ++m) {
+            if (m >= rows) break;
+            r[K - 1] = xs[m];
             float s = 0.0f;
 #pragma unroll
             for (int t = 0; t < K; ++t) s += wt[t] * r[t];
@@ -1732,13 +1858,6 @@ __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a) {
         }
     }
     __syncthreads();
-    const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
-    const int col = blockIdx.y * GDN_WARPS + warp;
-    const int PS = p.n_planes, ps0 = p.step->plane;
-    const size_t splane = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
-    float S[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) S[e] = p.planes[(size_t)ps0 * splane + at + 32 * e];
     const float av = __ldg(p.a + h), dtb = __ldg(p.dt_bias + h);
     for (int m = 0; m < rows; ++m) {
         float q[E], k[E], sqq = 0.0f, skk = 0.0f;
@@ -1793,8 +1912,8 @@ __device__ __forceinline__ void conv_gdn_k(const ConvGdnArgs& a) {
     }
 }
 
-// Grid: (hv, d / GDN_WARPS); block GDN_WARPS warps; rows <= MAX_ROWS.
-extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) conv_gated_delta_rule(const ConvGdnArgs a) {
+// Grid: (hv, d / CGDN_WARPS); block CGDN_WARPS warps; rows <= MAX_ROWS.
+extern "C" __global__ void __launch_bounds__(CGDN_WARPS * WARP) conv_gated_delta_rule(const ConvGdnArgs a) {
     pdl_trigger();
     pdl_wait();
     switch (a.gdn.d) {

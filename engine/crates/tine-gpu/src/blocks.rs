@@ -119,7 +119,7 @@ impl WeightType {
 }
 
 /// How a matrix's rows lie in device memory: GGUF blocks as the file has them, or the wide layout
-/// ([`WeightType::to_wide`]) the LM head's GEMV reads.
+/// ([`WeightType::to_wide`]) the engine's GEMVs read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
     Gguf,
@@ -130,77 +130,118 @@ pub enum Layout {
 pub const EMBD_WIDE: i32 = 0x100;
 
 impl WeightType {
-    /// Whether the type has a wide layout: the LM head's GEMV (`gemv_wide`) reads it with aligned
-    /// 16-byte loads. Q8_0's 34-byte and Q6_K's 210-byte blocks are only 2-byte aligned, which
-    /// caps a GEMV over the GGUF layout at a fraction of the memory's bandwidth.
-    pub fn has_wide(self) -> bool {
-        matches!(self, WeightType::Q8_0 | WeightType::Q6K)
-    }
-
-    /// Bytes of one row of `k` values in the wide layout (a multiple of 16), where the type has one.
-    pub fn wide_row_bytes(self, k: usize) -> Option<usize> {
-        let b = match self {
-            WeightType::Q8_0 => k + k / 32 * 2,
-            WeightType::Q6K => k / 2 + k / 4 + k / 16 + k / 256 * 2,
-            _ => return None,
-        };
-        Some(b.div_ceil(16) * 16)
+    /// Bytes of one row of `k` values in the wide layout: the GGUF blocks' bytes, padded to a
+    /// multiple of 16.
+    pub fn wide_row_bytes(self, k: usize) -> usize {
+        self.row_bytes(k).div_ceil(16) * 16
     }
 
     /// Rows of `k` values in GGUF blocks to the wide layout (kernels/decode.cu, `gemv_wide`): the
     /// same values and scales, moved so that each 32-value unit's quants are 16-byte aligned and
-    /// its scales sit in planes after them. A row:
+    /// unpack with shifts and masks, its scales in planes after them. A row (`U = k/32` units,
+    /// `SB = k/256` super-blocks), padded to 16 bytes:
     ///
-    /// * Q8_0: `[qs: k bytes][d: k/32 halves]`, padded to 16 bytes.
-    /// * Q6_K: `[lo: k/2][hi: k/4][sc: k/16][d: k/256 halves]`, padded to 16 bytes. Unit `u`
-    ///   (values `32u..32u+32`): byte `e` of lo's word `g` (at `16u + 4g + e`) holds value
-    ///   `4g + e` in its low nibble and `16 + 4g + e` in its high one; bits `2g, 2g+1` of byte
-    ///   `e` of hi's word 0 (at `k/2 + 8u + e`) are value `4g + e`'s top two, of word 1 value
-    ///   `16 + 4g + e`'s; sc's two bytes are the scales of values 0..16 and 16..32.
+    /// * Q8_0: `[qs: 32 a unit][d: a half a unit]`
+    /// * Q5_0: `[lo: 16 a unit][qh: 4 a unit][d: a half a unit]`
+    /// * Q4_K: `[lo: 16 a unit][meta: 16 a super-block: d, dmin and the 12 scale bytes]`
+    /// * Q5_K: `[lo: 16 a unit][qh: 4 a unit][meta: 16 a super-block]`
+    /// * Q6_K: `[lo: 16 a unit][hi: 8 a unit][sc: 2 a unit][d: a half a super-block]`
     ///
-    /// None where the type has no wide layout.
-    pub fn to_wide(self, bytes: &[u8], k: usize) -> Option<Vec<u8>> {
-        let (rb, wb) = (self.row_bytes(k), self.wide_row_bytes(k)?);
+    /// In a unit (values `0..32`): byte `4g + e` of lo holds value `4g + e`'s low four bits in
+    /// its low nibble and value `16 + 4g + e`'s in its high one; bit `4t + g` of qh's byte `e` is
+    /// value `16t + 4g + e`'s fifth bit; bits `2g, 2g + 1` of hi's byte `4t + e` are value
+    /// `16t + 4g + e`'s top two; sc's two bytes are the scales of values `0..16` and `16..32`.
+    pub fn to_wide(self, bytes: &[u8], k: usize) -> Vec<u8> {
+        let (rb, wb) = (self.row_bytes(k), self.wide_row_bytes(k));
         assert!(k.is_multiple_of(self.block_values()) && bytes.len().is_multiple_of(rb), "{} bytes are not whole rows of {k} {self:?}", bytes.len());
-        let rows = bytes.len() / rb;
-        let mut out = vec![0u8; rows * wb];
+        let units = k / QK;
+        let mut out = vec![0u8; bytes.len() / rb * wb];
         for (src, dst) in bytes.chunks_exact(rb).zip(out.chunks_exact_mut(wb)) {
-            match self {
-                WeightType::Q8_0 => {
-                    for (u, b) in src.chunks_exact(34).enumerate() {
-                        dst[32 * u..32 * u + 32].copy_from_slice(&b[2..34]);
-                        dst[k + 2 * u..k + 2 * u + 2].copy_from_slice(&b[0..2]);
+            if self == WeightType::Q8_0 {
+                for (u, b) in src.chunks_exact(34).enumerate() {
+                    dst[32 * u..32 * u + 32].copy_from_slice(&b[2..34]);
+                    dst[k + 2 * u..k + 2 * u + 2].copy_from_slice(&b[0..2]);
+                }
+                continue;
+            }
+            for u in 0..units {
+                let v = self.unit_quants(src, u);
+                for g in 0..4 {
+                    for e in 0..4 {
+                        let (v0, v1) = (v[4 * g + e], v[16 + 4 * g + e]);
+                        dst[16 * u + 4 * g + e] = (v0 & 0xF) | ((v1 & 0xF) << 4);
+                        match self {
+                            WeightType::Q6K => {
+                                dst[k / 2 + 8 * u + e] |= (v0 >> 4) << (2 * g);
+                                dst[k / 2 + 8 * u + 4 + e] |= (v1 >> 4) << (2 * g);
+                            }
+                            WeightType::Q5_0 | WeightType::Q5K => dst[k / 2 + 4 * u + e] |= ((v0 >> 4) << g) | ((v1 >> 4) << (4 + g)),
+                            _ => {}
+                        }
                     }
                 }
-                _ => {
-                    let (lo0, hi0, sc0, d0) = (0, k / 2, k / 2 + k / 4, k / 2 + k / 4 + k / 16);
-                    for u in 0..k / QK {
-                        let b = &src[210 * (u / 8)..210 * (u / 8 + 1)];
-                        let j = u % 8;
-                        let (n, t) = (j / 4, j % 4);
-                        let val = |l: usize| {
-                            let lo = (b[64 * n + (t & 1) * 32 + l] >> ((t >> 1) * 4)) & 0xF;
-                            let hi = (b[128 + 32 * n + l] >> (2 * t)) & 3;
-                            lo | (hi << 4)
-                        };
-                        for g in 0..4 {
-                            for e in 0..4 {
-                                let (v0, v1) = (val(4 * g + e), val(16 + 4 * g + e));
-                                dst[lo0 + 16 * u + 4 * g + e] = (v0 & 0xF) | ((v1 & 0xF) << 4);
-                                dst[hi0 + 8 * u + e] |= (v0 >> 4) << (2 * g);
-                                dst[hi0 + 8 * u + 4 + e] |= (v1 >> 4) << (2 * g);
-                            }
-                        }
-                        dst[sc0 + 2 * u] = b[192 + 8 * n + 2 * t];
-                        dst[sc0 + 2 * u + 1] = b[192 + 8 * n + 2 * t + 1];
-                        if j == 0 {
-                            dst[d0 + 2 * (u / 8)..d0 + 2 * (u / 8) + 2].copy_from_slice(&b[208..210]);
+                match self {
+                    WeightType::Q5_0 => dst[k / 2 + k / 8 + 2 * u..][..2].copy_from_slice(&src[22 * u..22 * u + 2]),
+                    WeightType::Q6K => {
+                        let b = &src[210 * (u / 8)..];
+                        let (n, t) = ((u % 8) / 4, u % 4);
+                        dst[k / 2 + k / 4 + 2 * u] = b[192 + 8 * n + 2 * t];
+                        dst[k / 2 + k / 4 + 2 * u + 1] = b[192 + 8 * n + 2 * t + 1];
+                        if u % 8 == 0 {
+                            dst[k / 2 + k / 4 + k / 16 + 2 * (u / 8)..][..2].copy_from_slice(&b[208..210]);
                         }
                     }
+                    _ => {}
+                }
+            }
+            if matches!(self, WeightType::Q4K | WeightType::Q5K) {
+                let (bb, meta) = (self.block_bytes(), if self == WeightType::Q5K { k / 2 + k / 8 } else { k / 2 });
+                for (sb, b) in src.chunks_exact(bb).enumerate() {
+                    dst[meta + 16 * sb..meta + 16 * sb + 16].copy_from_slice(&b[0..16]);
                 }
             }
         }
-        Some(out)
+        out
+    }
+
+    /// The 32 unsigned quants of unit `u` of a GGUF row (Q5_0: 0..32, Q4_K: 0..16, Q5_K: 0..32,
+    /// Q6_K: 0..64), before any offset.
+    fn unit_quants(self, row: &[u8], u: usize) -> [u8; 32] {
+        let mut v = [0u8; 32];
+        match self {
+            WeightType::Q5_0 => {
+                let b = &row[22 * u..22 * u + 22];
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for (l, x) in v.iter_mut().enumerate() {
+                    let nib = if l < 16 { b[6 + l] & 0xF } else { b[6 + l - 16] >> 4 };
+                    *x = nib | ((((qh >> l) & 1) as u8) << 4);
+                }
+            }
+            WeightType::Q4K | WeightType::Q5K => {
+                let five = self == WeightType::Q5K;
+                let b = &row[self.block_bytes() * (u / 8)..];
+                let j = u % 8;
+                let qs0 = if five { 48 } else { 16 };
+                for (l, x) in v.iter_mut().enumerate() {
+                    let byte = b[qs0 + 32 * (j / 2) + l];
+                    *x = if j & 1 == 1 { byte >> 4 } else { byte & 0xF };
+                    if five {
+                        *x |= ((b[16 + l] >> j) & 1) << 4;
+                    }
+                }
+            }
+            WeightType::Q6K => {
+                let b = &row[210 * (u / 8)..];
+                let (n, t) = ((u % 8) / 4, u % 4);
+                for (l, x) in v.iter_mut().enumerate() {
+                    let lo = (b[64 * n + (t & 1) * 32 + l] >> ((t >> 1) * 4)) & 0xF;
+                    let hi = (b[128 + 32 * n + l] >> (2 * t)) & 3;
+                    *x = lo | (hi << 4);
+                }
+            }
+            WeightType::Q8_0 => unreachable!("Q8_0 quants are moved whole"),
+        }
+        v
     }
 }
 

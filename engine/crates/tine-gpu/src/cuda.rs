@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
 
-use crate::blocks::{Layout, WeightType, QK};
+use crate::blocks::WeightType;
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
@@ -165,6 +165,9 @@ pub struct GemvSeg {
     pub out_stride: i32,
     pub glu: i32,
     pub block_start: i32,
+    /// 1: the weights are in the wide layout ([`WeightType::to_wide`]), which `gemv_wide` and
+    /// `mmq` read; 0: GGUF blocks (`gemv`, `gemv_staged`, `mmq`). One layout a launch.
+    pub wide: i32,
 }
 
 /// `gemv_m{M}`'s arguments.
@@ -503,28 +506,41 @@ impl Kernels {
     }
 
     /// The GEMV over `rows` activation rows for the segments `segs` (filled in: each segment's
-    /// `block_start`): `gemv_m{rows}` for up to [`MAX_ROWS`] rows (each row's bits the same for
-    /// any count), the tensor-core `mmq` for more (a prompt; its rows match to float rounding).
+    /// `block_start`), all in one layout: for up to [`MAX_ROWS`] rows `gemv_wide_m{rows}` over
+    /// wide rows, `gemv_m{rows}` (or `gemv_staged_m{rows}`) over GGUF blocks (each row's bits the
+    /// same for any count); the tensor-core `mmq` for more (a prompt; its rows match to float
+    /// rounding).
     ///
     /// # Safety
-    /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type, the
-    /// activation planes `rows` rows of `k`, each output `rows` rows of `out_stride`.
+    /// As for [`Kernels::norm_quant`]: the weights hold `n` rows of `k` values of their type in
+    /// the segment's layout, the activation planes `rows` rows of `k`, each output `rows` rows of
+    /// `out_stride`.
     pub unsafe fn gemv(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
         check(rows >= 1, || "gemv: no rows".to_string())?;
         check((1..=4).contains(&segs.len()), || format!("gemv: {} segments (1..=4)", segs.len()))?;
         let many = rows > MAX_ROWS;
-        let split = Self::gemv_split(k);
+        let wide = segs[0].wide != 0;
+        check(segs.iter().all(|s| (s.wide != 0) == wide), || "gemv: segments in both layouts".to_string())?;
+        let split = if wide { Self::wide_lanes(k) } else { Self::gemv_split(k) };
         let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, rows: rows as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
         let mut blocks = 0usize;
         for (slot, s) in args.seg.iter_mut().zip(segs) {
             let bv = WeightType::from_ggml_id(s.wtype).ok_or_else(|| GpuError::Shape(format!("gemv: weight type {} is not one the kernels read", s.wtype)))?.block_values();
             check(k.is_multiple_of(bv), || format!("gemv: k = {k} is not a multiple of the weight type's {bv}"))?;
             *slot = GemvSeg { block_start: blocks as i32, ..*s };
-            blocks += (s.n as usize).div_ceil(if many { MMQ_ROWS } else { GEMV_WARPS / split * GEMV_ROWS });
+            blocks += (s.n as usize).div_ceil(match (many, wide) {
+                (true, _) => MMQ_ROWS,
+                (false, true) => GEMV_WARPS * (32 / split),
+                (false, false) => GEMV_WARPS / split * GEMV_ROWS,
+            });
         }
         if many {
             let cfg = LaunchConfig { grid_dim: (blocks as u32, rows.div_ceil(MMQ_TOKENS) as u32, 1), block_dim: (MMQ_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
             return self.launch(stream, &self.mmq, cfg, &args, "mmq");
+        }
+        if wide {
+            let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+            return self.launch(stream, &self.gemv_wide[rows - 1], cfg, &args, "gemv_wide");
         }
         if let [one] = segs {
             if let Some(stage_bytes) = Self::gemv_stage_bytes(one, k, split) {
@@ -537,46 +553,14 @@ impl Kernels {
         self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
     }
 
-    /// Lanes per row of `gemv_wide` for rows of `k` values: 4 below k = 4096, else 8 (each lane
-    /// then has about 8 units; measured on an H200 over the LM heads of the families, M = 1..8:
-    /// docs/evaluations/gpu-families.md). A function of `k` alone, so a row's sum is the same for
-    /// any M.
+    /// Lanes per row of `gemv_wide` for rows of `k` values: 4 below k = 4096, else 8 (measured on
+    /// an H200 over the LM heads of the families, M = 1..8: docs/evaluations/gpu-families.md). A
+    /// function of `k` alone, so a row's sum is the same for any M.
     pub fn wide_lanes(k: usize) -> usize {
         if k >= 4096 {
             8
         } else {
             4
-        }
-    }
-
-    /// The GEMV over `rows` (1..=[`MAX_ROWS`]) activation rows for one matrix in the wide layout
-    /// ([`WeightType::to_wide`]): the LM head. `seg.w` points at wide rows.
-    ///
-    /// # Safety
-    /// As for [`Kernels::gemv`], with the weights `n` wide rows of `k` values.
-    pub unsafe fn gemv_wide(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, seg: &GemvSeg, act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
-        check((1..=MAX_ROWS).contains(&rows), || format!("gemv_wide: {rows} rows (1..={MAX_ROWS})"))?;
-        let t = WeightType::from_ggml_id(seg.wtype).filter(|t| t.has_wide()).ok_or_else(|| GpuError::Shape(format!("gemv_wide: weight type {} has no wide layout", seg.wtype)))?;
-        let lanes = Self::wide_lanes(k);
-        check(k.is_multiple_of(t.block_values()) && k / QK >= lanes, || format!("gemv_wide: k = {k} is not whole {t:?} blocks of at least {lanes} units"))?;
-        check(seg.glu == 0, || "gemv_wide: no GLU".to_string())?;
-        let args =
-            GemvArgs { nseg: 1, k: k as i32, split: lanes as i32, rows: rows as i32, qs: act.0, qd: act.1, qsum: act.2, seg: [*seg, GemvSeg::default(), GemvSeg::default(), GemvSeg::default()] };
-        let per_block = GEMV_WARPS * (32 / lanes);
-        let cfg = LaunchConfig { grid_dim: ((seg.n as usize).div_ceil(per_block) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
-        self.launch(stream, &self.gemv_wide[rows - 1], cfg, &args, "gemv_wide")
-    }
-
-    /// The GEMV of one matrix in either layout ([`Kernels::gemv`] or [`Kernels::gemv_wide`]).
-    ///
-    /// # Safety
-    /// As for [`Kernels::gemv`], the weights `n` rows of `k` values in `layout`.
-    pub unsafe fn gemv_matrix(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, seg: &GemvSeg, layout: Layout, act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
-        match layout {
-            // SAFETY: the caller's contract.
-            Layout::Wide => unsafe { self.gemv_wide(stream, rows, k, seg, act) },
-            // SAFETY: the caller's contract.
-            Layout::Gguf => unsafe { self.gemv(stream, rows, k, std::slice::from_ref(seg), act) },
         }
     }
 
@@ -636,6 +620,8 @@ impl Kernels {
 
 /// Warps (state columns) per block of `gated_delta_rule`.
 pub const GDN_WARPS: usize = 4;
+/// Warps (state columns) per block of `conv_gated_delta_rule`.
+pub const CGDN_WARPS: usize = 16;
 /// The widest conv kernel `conv_silu` takes (taps).
 pub const CONV_MAX_K: usize = 5;
 
@@ -680,7 +666,7 @@ impl Kernels {
         check(c.rows == g.rows && c.n_planes == g.n_planes && g.rows >= 1 && g.rows as usize <= MAX_ROWS && g.rows < g.n_planes, || {
             format!("conv_gated_delta_rule: {} and {} rows (1..={MAX_ROWS}), {} and {} planes (more than the rows)", c.rows, g.rows, c.n_planes, g.n_planes)
         })?;
-        let cfg = LaunchConfig { grid_dim: (g.hv as u32, (g.d as usize / GDN_WARPS) as u32, 1), block_dim: ((GDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (g.hv as u32, (g.d as usize / CGDN_WARPS) as u32, 1), block_dim: ((CGDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.conv_gdn, cfg, args, "conv_gated_delta_rule")
     }
 

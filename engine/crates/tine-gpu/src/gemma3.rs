@@ -47,7 +47,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::quantized::GgmlDType;
 use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 
-use crate::blocks::{Layout, WeightType, EMBD_WIDE, QK};
+use crate::blocks::{WeightType, EMBD_WIDE, QK};
 mod assistant;
 pub use assistant::AssistantGpu;
 
@@ -261,28 +261,23 @@ impl NextNCache {
     }
 }
 
-/// A matrix an LM head or an embedding gather reads: in the wide layout where its type has one
-/// (the head's GEMV then reads it at the memory's bandwidth; the gather reads either layout),
-/// else as the GGUF's blocks.
+/// A matrix an LM head or an embedding gather reads (both read the wide layout, as every GEMV of
+/// the engine does).
 pub(crate) struct Matrix {
     pub(crate) buf: CudaSlice<u8>,
     pub(crate) wt: WeightType,
-    pub(crate) layout: Layout,
 }
 
 impl Matrix {
     /// `rows` rows of `k` values of type `wt` (GGUF blocks) onto the device, repacked to the wide
-    /// layout where the type has one.
+    /// layout.
     pub(crate) fn upload(stream: &Arc<CudaStream>, data: &[u8], wt: WeightType, k: usize) -> Result<Matrix> {
-        Ok(match wt.to_wide(data, k) {
-            Some(wide) => Matrix { buf: stream.clone_htod(&wide)?, wt, layout: Layout::Wide },
-            None => Matrix { buf: stream.clone_htod(data)?, wt, layout: Layout::Gguf },
-        })
+        Ok(Matrix { buf: stream.clone_htod(&wt.to_wide(data, k))?, wt })
     }
 
     /// `norm_quant`'s `embd_type` for a gather over this table.
     pub(crate) fn embd_type(&self) -> i32 {
-        self.wt.ggml_id() | if self.layout == Layout::Wide { EMBD_WIDE } else { 0 }
+        self.wt.ggml_id() | EMBD_WIDE
     }
 }
 
@@ -299,7 +294,8 @@ impl Reader<'_> {
         self.content.tensor(self.file, name, &candle_core::Device::Cpu).map_err(|source| Gemma3GpuError::Read { path: format!("{} ({name})", self.path), source })
     }
 
-    /// A quantized matrix of `rows` rows of `k` values, its GGUF blocks uploaded as they are.
+    /// A quantized matrix of `rows` rows of `k` values, its GGUF blocks uploaded in the wide
+    /// layout ([`WeightType::to_wide`]): every GEMV of the engine reads that.
     pub(crate) fn weight(&mut self, name: &str, rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
@@ -307,7 +303,7 @@ impl Reader<'_> {
             return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
         }
         let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
-        Ok((self.stream.clone_htod(&data[..])?, wt))
+        Ok((self.stream.clone_htod(&wt.to_wide(&data, k))?, wt))
     }
 
     /// A matrix of `rows` rows of `k` values that an LM head or an embedding gather reads
@@ -582,15 +578,14 @@ impl Gemma3Gpu {
         }
     }
 
-    /// The GEMV segment of a head's matrix `m` into `out` (rows of `n`): launch it with
-    /// [`Kernels::gemv_matrix`] and `m.layout`.
+    /// The GEMV segment of a head's matrix `m` into `out` (rows of `n`).
     pub(crate) fn mseg(&self, m: &Matrix, out: &CudaSlice<f32>, n: usize) -> GemvSeg {
-        GemvSeg { w: self.ptr(&m.buf), out: self.ptr(out), n: n as i32, wtype: m.wt.ggml_id(), out_stride: n as i32, ..Default::default() }
+        GemvSeg { w: self.ptr(&m.buf), out: self.ptr(out), n: n as i32, wtype: m.wt.ggml_id(), out_stride: n as i32, wide: 1, ..Default::default() }
     }
 
     /// One GEMV segment: `w` times the activation rows into `out` (rows of `n`).
     fn seg(&self, w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize) -> GemvSeg {
-        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() }
+        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, wide: 1, ..Default::default() }
     }
 
     /// The activation planes (`qs`, `qd`, `qsum`) from row `row` on, for rows of `k` values.
@@ -698,7 +693,7 @@ impl Gemma3Gpu {
         mark("gemv o")?;
         k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(w.post_attn_norm), 1, width, p(w.ffn_norm)))?;
         mark("norm_quant")?;
-        let glu = GemvSeg { w: self.ptr(&w.gate.0), w2: self.ptr(&w.up.0), out: p(&b.ff), n: ff as i32, wtype: w.gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0 };
+        let glu = GemvSeg { w: self.ptr(&w.gate.0), w2: self.ptr(&w.up.0), out: p(&b.ff), n: ff as i32, wtype: w.gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0, wide: 1 };
         k.gemv(s, rows, width, &[glu], act)?;
         mark("gemv gate·up")?;
         k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, ff, 0))?;
@@ -748,7 +743,7 @@ impl Gemma3Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            k.gemv_matrix(s, head_rows, c.hidden, &self.mseg(head, &b.out.logits, c.vocab), head.layout, act)?;
+            k.gemv(s, head_rows, c.hidden, &[self.mseg(head, &b.out.logits, c.vocab)], act)?;
             mark("lm head")?;
             k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;
@@ -790,7 +785,7 @@ impl Gemma3Gpu {
             k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.down), p(&head.block.post_ffn_norm), 1, h, p(&head.shared_head_norm)))?;
             mark("norm_quant")?;
             let out = head.head.as_ref().or(self.output.as_ref()).unwrap_or(&self.embd);
-            k.gemv_matrix(s, 1, h, &self.mseg(out, &head.logits, head.rows), out.layout, self.act(rows - 1, h))?;
+            k.gemv(s, 1, h, &[self.mseg(out, &head.logits, head.rows)], self.act(rows - 1, h))?;
             mark("nextn head")?;
         }
         Ok(14)

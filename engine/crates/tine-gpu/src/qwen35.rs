@@ -19,8 +19,8 @@
 //! 4. the SwiGLU GEMV (gate and up, SiLU epilogue), `norm_quant` of its rows, `down`
 //!
 //! then `norm_quant` (`x += down`, `output_norm`, the normed rows kept as f32: the hidden states
-//! Qwen3.5's NextN head reads), the LM head (`gemv_wide` where the head is Q8_0 or Q6_K: the wide
-//! layout) and the greedy argmax.
+//! Qwen3.5's NextN head reads), the LM head and the greedy argmax. Every matrix is in the wide
+//! layout (`gemv_wide`).
 //!
 //! **Recurrent state and rollback.** Each delta-net layer keeps [`PLANES`] planes of its state (conv
 //! window and delta state) per sequence: a step reads the plane its sequence is at and writes the
@@ -120,6 +120,10 @@ pub struct Qwen35Gpu {
     /// Per layer, its index among the attention layers' caches or the delta-net layers' states.
     slot: Vec<usize>,
     b: Buffers,
+    /// Decode and verify steps run the conv and the delta rule as one launch
+    /// (`conv_gated_delta_rule`); `TINE_GPU_FUSED_CONV=0` runs them as two (the same bits), to
+    /// time one against the other.
+    fused_conv: bool,
     _ctx: Arc<CudaContext>,
 }
 
@@ -188,7 +192,7 @@ impl Reader<'_> {
             q.extend_from_slice(&data[(2 * h * hd) * rb..(2 * h + 1) * hd * rb]);
             g.extend_from_slice(&data[(2 * h + 1) * hd * rb..(2 * h + 2) * hd * rb]);
         }
-        Ok(((self.stream.clone_htod(&q)?, wt), (self.stream.clone_htod(&g)?, wt)))
+        Ok(((self.stream.clone_htod(&wt.to_wide(&q, k))?, wt), (self.stream.clone_htod(&wt.to_wide(&g, k))?, wt)))
     }
 
     fn qwen35_layer(&mut self, cfg: &Qwen35Config, l: usize) -> Result<Layer> {
@@ -298,7 +302,23 @@ impl Qwen35Gpu {
         let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
         let inv_freq = stream.clone_htod(&inv_freq(cfg.rope_dim.max(2), cfg.rope_base))?;
         stream.synchronize()?;
-        Ok(Qwen35Gpu { cfg, max_ctx: ctx_len, prompt_rows: m, stream, step, kernels, embd, output, output_norm, inv_freq, layers, slot, b, _ctx: ctx })
+        Ok(Qwen35Gpu {
+            cfg,
+            max_ctx: ctx_len,
+            prompt_rows: m,
+            stream,
+            step,
+            kernels,
+            embd,
+            output,
+            output_norm,
+            inv_freq,
+            layers,
+            slot,
+            b,
+            fused_conv: std::env::var("TINE_GPU_FUSED_CONV").map_or(true, |v| v != "0"),
+            _ctx: ctx,
+        })
     }
 
     pub fn config(&self) -> &Qwen35Config {
@@ -344,7 +364,7 @@ impl Qwen35Gpu {
     }
 
     fn seg(&self, w: &W, out: &CudaSlice<f32>, n: usize) -> GemvSeg {
-        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, ..Default::default() }
+        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, wide: 1, ..Default::default() }
     }
 
     fn act(&self, row: usize, k: usize) -> (DevPtr, DevPtr, DevPtr) {
@@ -439,7 +459,7 @@ impl Qwen35Gpu {
                         };
                         // A decode or verify step: one launch; a prompt step: two (the fused
                         // kernel takes fewer rows than the planes).
-                        if prompt.is_none() {
+                        if prompt.is_none() && self.fused_conv {
                             k.conv_gated_delta_rule(s, &ConvGdnArgs { conv: ca, gdn: ga })?;
                             mark("conv_gated_delta_rule")?;
                         } else {
@@ -507,7 +527,8 @@ impl Qwen35Gpu {
                 }
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
                 mark("norm_quant")?;
-                let glu = GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 2, block_start: 0 };
+                let glu =
+                    GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 2, block_start: 0, wide: 1 };
                 k.gemv(s, rows, c.hidden, &[glu], act)?;
                 mark("gemv gate·up")?;
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
@@ -526,8 +547,8 @@ impl Qwen35Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            let seg = GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, ..Default::default() };
-            k.gemv_matrix(s, head_rows, c.hidden, &seg, out.layout, act)?;
+            let seg = GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: 1, ..Default::default() };
+            k.gemv(s, head_rows, c.hidden, &[seg], act)?;
             mark("lm head")?;
             k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;

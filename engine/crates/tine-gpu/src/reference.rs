@@ -148,43 +148,64 @@ pub fn embd_value(t: WeightType, row: &[u8], i: usize) -> f32 {
 }
 
 /// Unit `u` (values `32u..32u+32`) of a row in the wide layout ([`WeightType::to_wide`]) as
-/// `gemv_wide` unpacks it: the 32 quants (Q6_K's minus 32), the scales of values 0..16 and
-/// 16..32 (1 for Q8_0), and the block's `d`. Value `i` of the unit is `d · sc[i / 16] · q[i]`.
-pub fn wide_unit(t: WeightType, row: &[u8], k: usize, u: usize) -> ([i8; 32], [i32; 2], f32) {
+/// `gemv_wide` unpacks it: the 32 quants (after the type's offset), and the factors: value `i` is
+/// `fw[i / 16] · q[i] + fmin` (`fw` per half-unit: Q6_K's two sub-block scales times `d`; the
+/// other types' one factor twice). ggml's dequantizer computes the same products.
+pub fn wide_unit(t: WeightType, row: &[u8], k: usize, u: usize) -> ([i8; 32], [f32; 2], f32) {
     let h = |at: usize| half::f16::from_le_bytes([row[at], row[at + 1]]).to_f32();
     let mut q = [0i8; 32];
+    if t == WeightType::Q8_0 {
+        for (i, x) in q.iter_mut().enumerate() {
+            *x = row[32 * u + i] as i8;
+        }
+        let d = h(k + 2 * u);
+        return (q, [d, d], 0.0);
+    }
+    for g in 0..4 {
+        for e in 0..4 {
+            let l = row[16 * u + 4 * g + e];
+            for (top, nib) in [(0, l & 0xF), (1, l >> 4)] {
+                let v = 16 * top + 4 * g + e;
+                let hi = match t {
+                    WeightType::Q6K => ((row[k / 2 + 8 * u + 4 * top + e] >> (2 * g)) & 3) << 4,
+                    WeightType::Q5_0 | WeightType::Q5K => ((row[k / 2 + 4 * u + e] >> (4 * top + g)) & 1) << 4,
+                    _ => 0,
+                };
+                let off = match t {
+                    WeightType::Q6K => 32,
+                    WeightType::Q5_0 => 16,
+                    _ => 0,
+                };
+                q[v] = ((nib | hi) as i32 - off) as i8;
+            }
+        }
+    }
     match t {
-        WeightType::Q8_0 => {
-            for (i, x) in q.iter_mut().enumerate() {
-                *x = row[32 * u + i] as i8;
-            }
-            (q, [1, 1], h(k + 2 * u))
-        }
         WeightType::Q6K => {
-            let (lo, hi, sc, d) = (&row[16 * u..], &row[k / 2 + 8 * u..], &row[k / 2 + k / 4 + 2 * u..], k / 2 + k / 4 + k / 16 + 2 * (u / 8));
-            for g in 0..4 {
-                for e in 0..4 {
-                    let l = lo[4 * g + e];
-                    let v0 = (l & 0xF) | (((hi[e] >> (2 * g)) & 3) << 4);
-                    let v1 = (l >> 4) | (((hi[4 + e] >> (2 * g)) & 3) << 4);
-                    q[4 * g + e] = (v0 as i32 - 32) as i8;
-                    q[16 + 4 * g + e] = (v1 as i32 - 32) as i8;
-                }
-            }
-            (q, [sc[0] as i8 as i32, sc[1] as i8 as i32], h(d))
+            let d = h(k / 2 + k / 4 + k / 16 + 2 * (u / 8));
+            let sc = &row[k / 2 + k / 4 + 2 * u..];
+            (q, [d * sc[0] as i8 as f32, d * sc[1] as i8 as f32], 0.0)
         }
-        _ => panic!("{t:?} has no wide layout"),
+        WeightType::Q5_0 => {
+            let d = h(k / 2 + k / 8 + 2 * u);
+            (q, [d, d], 0.0)
+        }
+        _ => {
+            let meta = (if t == WeightType::Q5K { k / 2 + k / 8 } else { k / 2 }) + 16 * (u / 8);
+            let s = &row[meta + 4..meta + 16];
+            let j = u % 8;
+            let (sc, mn) = if j < 4 { (s[j] & 63, s[j + 4] & 63) } else { ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)) };
+            let fw = h(meta) * sc as f32;
+            (q, [fw, fw], -(h(meta + 2) * mn as f32))
+        }
     }
 }
 
-/// Value `i` of a row in the wide layout as the embedding gather computes it (`embd_value` of
-/// kernels/decode.cu with `EMBD_WIDE`): `d · sc · q`, ggml's dequantizer's order.
+/// Value `i` of a row in the wide layout as the embedding gather computes it (`wide_value` of
+/// kernels/decode.cu): ggml's dequantizer's products.
 pub fn wide_value(t: WeightType, row: &[u8], k: usize, i: usize) -> f32 {
-    let (q, sc, d) = wide_unit(t, row, k, i / QK);
-    match t {
-        WeightType::Q8_0 => d * q[i % QK] as f32,
-        _ => d * sc[(i % QK) / 16] as f32 * q[i % QK] as f32,
-    }
+    let (q, fw, fmin) = wide_unit(t, row, k, i / QK);
+    fw[(i % QK) / 16] * q[i % QK] as f32 + fmin
 }
 
 /// The GEMV as the kernel splits it (units of 32 values, four lanes of 8 per unit, the factors

@@ -163,13 +163,8 @@ fn embedding_gather_of_one_value_equals_ggmls_dequantized_row_for_every_type() {
 }
 
 #[test]
-fn wide_layout_holds_ggmls_values_for_every_row_and_unit() {
+fn wide_layout_holds_ggmls_values_for_every_type_row_and_unit() {
     for t in WeightType::ALL {
-        if !t.has_wide() {
-            assert_eq!(t.wide_row_bytes(256), None, "{t:?}");
-            assert_eq!(t.to_wide(&t.quantize(&values(256, 3, 1.0)), 256), None, "{t:?}");
-            continue;
-        }
         for k in [256usize, 512, 1024, 2560, 640, 96] {
             if !k.is_multiple_of(t.block_values()) {
                 continue;
@@ -177,8 +172,8 @@ fn wide_layout_holds_ggmls_values_for_every_row_and_unit() {
             let rows = 3;
             let w = t.quantize(&values(rows * k, 43 + k as u64, 1.7));
             let want = t.dequantize(&w);
-            let wide = t.to_wide(&w, k).expect("a wide layout");
-            let wb = t.wide_row_bytes(k).expect("a wide layout");
+            let wide = t.to_wide(&w, k);
+            let wb = t.wide_row_bytes(k);
             assert_eq!(wb % 16, 0, "{t:?} k={k}: rows of {wb} bytes are not 16-byte aligned");
             assert!(wb >= t.row_bytes(k) && wb < t.row_bytes(k) + 16, "{t:?} k={k}: {wb} bytes a row for {} of GGUF blocks", t.row_bytes(k));
             assert_eq!(wide.len(), rows * wb);
@@ -187,6 +182,30 @@ fn wide_layout_holds_ggmls_values_for_every_row_and_unit() {
                     let got = reference::wide_value(t, &wide[r * wb..(r + 1) * wb], k, i);
                     let x = want[r * k + i];
                     assert!((got - x).abs() <= 1e-6 * x.abs().max(1.0), "{t:?} k={k} row {r} value {i}: wide {got} vs ggml {x}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn wide_units_give_the_lane_split_s_quants_and_factors() {
+    // What the prompt GEMM's loader takes from a wide row (load_unit_wide) is what load_unit takes
+    // from the GGUF block: the same quants and factors for every quarter of every unit.
+    for t in WeightType::ALL {
+        let k = 512;
+        let w = t.quantize(&values(2 * k, 7, 1.1));
+        let wide = t.to_wide(&w, k);
+        let (rb, wb) = (t.row_bytes(k), t.wide_row_bytes(k));
+        for r in 0..2 {
+            for u in 0..k / 32 {
+                let (q, fw, fmin) = reference::wide_unit(t, &wide[r * wb..(r + 1) * wb], k, u);
+                for l4 in 0..4 {
+                    let (lq, lfw, lfmin) = reference::lane_unit(t, &w[r * rb..(r + 1) * rb], u, l4);
+                    assert_eq!(&q[8 * l4..8 * l4 + 8], &lq, "{t:?} row {r} unit {u} quarter {l4}: quants");
+                    assert_eq!(fw[l4 / 2].to_bits(), lfw.to_bits(), "{t:?} row {r} unit {u} quarter {l4}: factor");
+                    let want_min = if l4 == 0 { lfmin } else { fmin };
+                    assert_eq!(fmin.to_bits(), want_min.to_bits(), "{t:?} row {r} unit {u}: min");
                 }
             }
         }

@@ -111,10 +111,6 @@ struct GemvFixture {
 }
 
 impl GemvFixture {
-    fn new(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<GemvFixture> {
-        Self::with_layout(dev, rng, t, n, k, glu, rows, Layout::Gguf)
-    }
-
     /// The fixture with its weights on the device in `layout` (the reference reads the GGUF
     /// blocks they came from).
     #[allow(clippy::too_many_arguments)]
@@ -126,7 +122,7 @@ impl GemvFixture {
         let on_device = |w: &[u8]| -> Res<CudaSlice<u8>> {
             match layout {
                 Layout::Gguf => dev.up(w),
-                Layout::Wide => dev.up(&t.to_wide(w, k).ok_or_else(|| format!("{t:?} has no wide layout"))?),
+                Layout::Wide => dev.up(&t.to_wide(w, k)),
             }
         };
         Ok(GemvFixture { t, n, k, glu, layout, w: on_device(&w)?, w2: on_device(&w2)?, act: act_planes(dev, &act)?, out: dev.zeros::<f32>(rows * n)?, gate, up })
@@ -144,11 +140,12 @@ impl GemvFixture {
             out_stride: n as i32,
             glu: self.glu as i32,
             block_start: 0,
+            wide: (self.layout == Layout::Wide) as i32,
         };
         let planes = (dev.ptr(&self.act.0) + (row0 * k) as u64, dev.ptr(&self.act.1) + (row0 * kb * 4) as u64, dev.ptr(&self.act.2) + (row0 * kb * 4) as u64);
         // SAFETY: the weights hold n rows of k values of type t, the planes the fixture's rows of
         // k (the callers keep row0 + rows within them), out as many rows of n.
-        unsafe { dev.k.gemv_matrix(&dev.stream, rows, k, &seg, self.layout, planes)? };
+        unsafe { dev.k.gemv(&dev.stream, rows, k, &[seg], planes)? };
         let mut v = dev.down(&self.out)?;
         v.truncate(rows * n);
         Ok(v)
@@ -197,8 +194,9 @@ fn check_gemv_layout(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize
 
 /// The GEMM over a prompt's `rows` rows (`mmq`, more than 8) against float64, and the first row
 /// against a one-row launch (to the same tolerance: the sums are taken in another order).
-fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<Case> {
-    let f = GemvFixture::new(dev, rng, t, n, k, glu, rows)?;
+#[allow(clippy::too_many_arguments)]
+fn check_gemv_prompt(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize, layout: Layout) -> Res<Case> {
+    let f = GemvFixture::with_layout(dev, rng, t, n, k, glu, rows, layout)?;
     let single = f.run(dev, 1, 0)?;
     let got = f.run(dev, rows, 0)?;
     let mut worst = 0f64;
@@ -269,7 +267,7 @@ fn check_attention_rows(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd
 }
 
 /// Q, K and V in one `mmq` launch over a prompt's `rows` rows.
-fn check_mmq_segments(dev: &Dev, rng: &mut Rng, k: usize, rows: usize, parts: &[(WeightType, usize)]) -> Res<Case> {
+fn check_mmq_segments(dev: &Dev, rng: &mut Rng, k: usize, rows: usize, parts: &[(WeightType, usize)], layout: Layout) -> Res<Case> {
     let act = ActQ8::quantize(&rng.vec(rows * k, 1.0), rows, k);
     let (qs, qd, qsum) = act_planes(dev, &act)?;
     let mut keep = Vec::new();
@@ -277,9 +275,9 @@ fn check_mmq_segments(dev: &Dev, rng: &mut Rng, k: usize, rows: usize, parts: &[
     let mut refs = Vec::new();
     for &(t, n) in parts {
         let w = t.quantize(&rng.vec(n * k, 0.5));
-        let wd = dev.up(&w)?;
+        let wd = if layout == Layout::Wide { dev.up(&t.to_wide(&w, k))? } else { dev.up(&w)? };
         let out = dev.zeros::<f32>(rows * n)?;
-        segs.push(GemvSeg { w: dev.ptr(&wd), out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, ..Default::default() });
+        segs.push(GemvSeg { w: dev.ptr(&wd), out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, wide: (layout == Layout::Wide) as i32, ..Default::default() });
         refs.push(reference::gemv(t, &w, n, k, &act));
         keep.push((wd, out));
     }
@@ -292,11 +290,12 @@ fn check_mmq_segments(dev: &Dev, rng: &mut Rng, k: usize, rows: usize, parts: &[
         }
     }
     let shape: Vec<String> = parts.iter().map(|(t, n)| format!("{t:?}x{n}")).collect();
-    Ok(Case { name: format!("mmq segments k={k} rows={rows} [{}]", shape.join(", ")), worst, bits: None, note: String::new() })
+    let how = if layout == Layout::Wide { " wide" } else { "" };
+    Ok(Case { name: format!("mmq segments k={k} rows={rows} [{}]{how}", shape.join(", ")), worst, bits: None, note: String::new() })
 }
 
 /// Q, K and V in one launch of three segments of two types.
-fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType, usize)]) -> Res<Case> {
+fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType, usize)], layout: Layout) -> Res<Case> {
     let act = ActQ8::quantize(&rng.vec(4 * k, 1.0), 4, k);
     let (qs, qd, qsum) = act_planes(dev, &act)?;
     let mut keep = Vec::new();
@@ -304,9 +303,9 @@ fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType,
     let mut refs = Vec::new();
     for &(t, n) in parts {
         let w = t.quantize(&rng.vec(n * k, 0.5));
-        let wd = dev.up(&w)?;
+        let wd = if layout == Layout::Wide { dev.up(&t.to_wide(&w, k))? } else { dev.up(&w)? };
         let out = dev.zeros::<f32>(4 * n)?;
-        segs.push(GemvSeg { w: dev.ptr(&wd), out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, ..Default::default() });
+        segs.push(GemvSeg { w: dev.ptr(&wd), out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, wide: (layout == Layout::Wide) as i32, ..Default::default() });
         refs.push(reference::gemv(t, &w, n, k, &act));
         keep.push((wd, out));
     }
@@ -320,7 +319,8 @@ fn check_gemv_segments(dev: &Dev, rng: &mut Rng, k: usize, parts: &[(WeightType,
         }
     }
     let shape: Vec<String> = parts.iter().map(|(t, n)| format!("{t:?}x{n}")).collect();
-    Ok(Case { name: format!("gemv segments k={k} [{}]", shape.join(", ")), worst, bits: None, note: String::new() })
+    let how = if layout == Layout::Wide { " wide" } else { "" };
+    Ok(Case { name: format!("gemv segments k={k} [{}]{how}", shape.join(", ")), worst, bits: None, note: String::new() })
 }
 
 /// norm_quant in one mode, rows 1..=8.
@@ -350,7 +350,7 @@ fn check_norm_quant_layout(dev: &Dev, rng: &mut Rng, k: usize, mode: i32, et: We
     let (eps, scale) = (1e-6f32, (k as f32).sqrt());
     let table = match layout {
         Layout::Gguf => embd.clone(),
-        Layout::Wide => et.to_wide(&embd, k).ok_or_else(|| format!("{et:?} has no wide layout"))?,
+        Layout::Wide => et.to_wide(&embd, k),
     };
     let (ad, resd, wad, wd, ed) = (dev.up(&a)?, dev.up(&res)?, dev.up(&w_a)?, dev.up(&w)?, dev.up(&table)?);
     let mut step = dev.up(&[StepParams::default()])?;
@@ -983,21 +983,39 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     for t in WeightType::ALL {
         cases.push(check_gemv(dev, &mut rng, t, 2048 / 8, 640.max(t.block_values()) / t.block_values() * t.block_values(), true)?);
     }
-    // The LM head's wide layout: the heads' widths (4 lanes a row below 4096, 8 from it), rows
-    // not a multiple of a block's, the fewest units a row takes.
-    for (t, n, k) in [
-        (WeightType::Q6K, 4099, 1024),
-        (WeightType::Q8_0, 4101, 640),
-        (WeightType::Q6K, 1030, 4096),
-        (WeightType::Q8_0, 517, 4096),
-        (WeightType::Q6K, 77, 2560),
-        (WeightType::Q8_0, 33, 128),
-        (WeightType::Q6K, 9, 256),
+    // The wide layout (every GEMV of the engine): the families' widths (4 lanes a row below
+    // 4096, 8 from it), rows not a multiple of a block's, rows of fewer units than lanes, GLU.
+    for (t, n, k, glu) in [
+        (WeightType::Q6K, 4099, 1024, false),
+        (WeightType::Q8_0, 4101, 640, false),
+        (WeightType::Q6K, 1030, 4096, false),
+        (WeightType::Q8_0, 517, 4096, false),
+        (WeightType::Q6K, 77, 2560, false),
+        (WeightType::Q8_0, 33, 128, false),
+        (WeightType::Q6K, 9, 256, false),
+        (WeightType::Q8_0, 7, 96, false),
+        (WeightType::Q5_0, 1024, 640, false),
+        (WeightType::Q5_0, 130, 5120, false),
+        (WeightType::Q5_0, 5, 32, false),
+        (WeightType::Q4K, 7168, 1024, false),
+        (WeightType::Q4K, 66, 5120, false),
+        (WeightType::Q4K, 1024, 3584, false),
+        (WeightType::Q5K, 6144, 1024, false),
+        (WeightType::Q5K, 5, 256, false),
+        (WeightType::Q6K, 1024, 3584, false),
+        (WeightType::Q4K, 3584, 1024, true),
+        (WeightType::Q5_0, 2048, 640, true),
+        (WeightType::Q8_0, 256, 640, true),
+        (WeightType::Q5K, 300, 512, true),
+        (WeightType::Q6K, 257, 768, true),
     ] {
-        cases.push(check_gemv_layout(dev, &mut rng, t, n, k, false, Layout::Wide)?);
+        cases.push(check_gemv_layout(dev, &mut rng, t, n, k, glu, Layout::Wide)?);
     }
-    cases.push(check_gemv_segments(dev, &mut rng, 640, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)])?);
-    cases.push(check_gemv_segments(dev, &mut rng, 1024, &[(WeightType::Q4K, 33), (WeightType::Q6K, 70), (WeightType::Q8_0, 5), (WeightType::Q5_0, 64)])?);
+    for layout in [Layout::Gguf, Layout::Wide] {
+        cases.push(check_gemv_segments(dev, &mut rng, 640, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)], layout)?);
+        cases.push(check_gemv_segments(dev, &mut rng, 1024, &[(WeightType::Q4K, 33), (WeightType::Q6K, 70), (WeightType::Q8_0, 5), (WeightType::Q5_0, 64)], layout)?);
+        cases.push(check_gemv_segments(dev, &mut rng, 1024, &[(WeightType::Q5K, 6144), (WeightType::Q4K, 2048), (WeightType::Q4K, 16), (WeightType::Q4K, 16)], layout)?);
+    }
     for k in [640, 1024, 2048, 96, 8192] {
         for mode in 0..6 {
             cases.push(check_norm_quant(dev, &mut rng, k, mode, WeightType::Q8_0)?);
@@ -1008,8 +1026,9 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     for et in [WeightType::Q4K, WeightType::Q5K, WeightType::Q6K, WeightType::Q5_0] {
         cases.push(check_norm_quant(dev, &mut rng, 1024, 2, et)?);
     }
-    // The tied tables in the wide layout (the LM head's): Qwen3.5's Q6_K, Gemma 3's Q8_0.
-    for (et, k) in [(WeightType::Q6K, 1024), (WeightType::Q8_0, 640), (WeightType::Q6K, 4096)] {
+    // The tables in the wide layout (what the engine loads): Qwen3.5's Q6_K, Gemma 3's Q8_0, the
+    // other types.
+    for (et, k) in [(WeightType::Q6K, 1024), (WeightType::Q8_0, 640), (WeightType::Q6K, 4096), (WeightType::Q4K, 1024), (WeightType::Q5K, 512), (WeightType::Q5_0, 640)] {
         cases.push(check_norm_quant_layout(dev, &mut rng, k, 2, et, Layout::Wide)?);
     }
     for k in [640, 2048] {
@@ -1075,9 +1094,13 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (WeightType::Q6K, 33, 256, true, 65),
         (WeightType::Q4K, 100, 1280, false, 512),
     ] {
-        cases.push(check_gemv_prompt(dev, &mut rng, t, n, k, glu, rows)?);
+        cases.push(check_gemv_prompt(dev, &mut rng, t, n, k, glu, rows, Layout::Gguf)?);
+        cases.push(check_gemv_prompt(dev, &mut rng, t, n, k, glu, rows, Layout::Wide)?);
     }
-    cases.push(check_mmq_segments(dev, &mut rng, 640, 77, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)])?);
+    for layout in [Layout::Gguf, Layout::Wide] {
+        cases.push(check_mmq_segments(dev, &mut rng, 640, 77, &[(WeightType::Q5_0, 1024), (WeightType::Q5_0, 256), (WeightType::Q8_0, 256)], layout)?);
+        cases.push(check_mmq_segments(dev, &mut rng, 1024, 100, &[(WeightType::Q5K, 640), (WeightType::Q4K, 256), (WeightType::Q6K, 64)], layout)?);
+    }
     for (h, kv, hd, ctx, window, pos, rows) in [
         (4, 1, 256, 1024, 0, 0, 200),
         (4, 1, 256, 2048, 512, 300, 333),
@@ -1120,11 +1143,11 @@ mod bench {
     }
 
     /// Random rows of type t, `n` of them, made from 64 distinct quantized rows (quantizing 167M
-    /// values on the CPU would dominate the run).
+    /// values on the CPU would dominate the run), in the wide layout (what the engine loads).
     fn weights(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize) -> Res<CudaSlice<u8>> {
         let distinct = n.min(64);
-        let base = t.quantize(&rng.vec(distinct * k, 0.1));
-        let rb = t.row_bytes(k);
+        let base = t.to_wide(&t.quantize(&rng.vec(distinct * k, 0.1)), k);
+        let rb = t.wide_row_bytes(k);
         let mut all = Vec::with_capacity(n * rb);
         for r in 0..n {
             all.extend_from_slice(&base[(r % distinct) * rb..][..rb]);
@@ -1188,6 +1211,7 @@ mod bench {
             in_mode: mode,
             norm: norm_on as i32,
             tokens: 0,
+            embd_type: WeightType::Q8_0.ggml_id() | EMBD_WIDE,
             ..Default::default()
         };
         // One decode step of `rows` rows, as launches on the stream. With `marks`, an event is
@@ -1216,6 +1240,7 @@ mod bench {
                         n: n as i32,
                         wtype: t.ggml_id(),
                         out_stride: n as i32,
+                        wide: 1,
                         ..Default::default()
                     };
                     let label = "gemv: q k v";
@@ -1286,7 +1311,8 @@ mod bench {
                         dev.k.norm_quant(&dev.stream, rows, &nq(p(&o), 1, HIDDEN, true))?;
                     }
                     mark(label)?;
-                    let glu = GemvSeg { w: dev.ptr(&ly.gate), w2: dev.ptr(&ly.up), out: p(&ff), n: FF as i32, wtype: WeightType::Q5_0.ggml_id(), out_stride: FF as i32, glu: 1, block_start: 0 };
+                    let glu =
+                        GemvSeg { w: dev.ptr(&ly.gate), w2: dev.ptr(&ly.up), out: p(&ff), n: FF as i32, wtype: WeightType::Q5_0.ggml_id(), out_stride: FF as i32, glu: 1, block_start: 0, wide: 1 };
                     let label = "gemv: gate/up GLU";
                     if skip != Some(label) {
                         dev.k.gemv(&dev.stream, rows, HIDDEN, &[glu], act)?;
@@ -1309,7 +1335,7 @@ mod bench {
                     dev.k.norm_quant(&dev.stream, rows, &nq(p(&down), 1, HIDDEN, true))?;
                 }
                 mark(label)?;
-                let lm = GemvSeg { w: dev.ptr(&embd), out: p(&logits), n: VOCAB as i32, wtype: WeightType::Q8_0.ggml_id(), out_stride: VOCAB as i32, ..Default::default() };
+                let lm = GemvSeg { w: dev.ptr(&embd), out: p(&logits), n: VOCAB as i32, wtype: WeightType::Q8_0.ggml_id(), out_stride: VOCAB as i32, wide: 1, ..Default::default() };
                 let label = "gemv: LM head";
                 if skip != Some(label) {
                     dev.k.gemv(&dev.stream, rows, HIDDEN, &[lm], act)?;
@@ -1578,23 +1604,15 @@ fn lm_head_bench() -> Res<()> {
             ..Default::default()
         };
         let planes = (dev.ptr(&qs), dev.ptr(&qd), dev.ptr(&qsum));
-        let wide = dev.up(&t.to_wide(&w, k).unwrap_or_default())?;
+        let wide = dev.up(&t.to_wide(&w, k))?;
         let mut line = format!("lm head {t:?} {n} x {k} ({:.0} MB):", w.len() as f64 / 1e6);
-        let variants: [(&str, Vec<GemvSeg>); 3] = [("staged", vec![seg(0, n)]), ("plain", vec![seg(0, n / 2), seg(n / 2, n - n / 2)]), ("wide", vec![GemvSeg { w: dev.ptr(&wide), ..seg(0, n) }])];
+        let variants: [(&str, Vec<GemvSeg>); 3] =
+            [("staged", vec![seg(0, n)]), ("plain", vec![seg(0, n / 2), seg(n / 2, n - n / 2)]), ("wide", vec![GemvSeg { w: dev.ptr(&wide), wide: 1, ..seg(0, n) }])];
         for (name, segs) in variants {
-            if name == "wide" && !t.has_wide() {
-                continue;
-            }
             let launch = || -> Res<()> {
                 // SAFETY: the weights hold n rows of k values (the wide copy n wide rows), the
                 // planes one row, out n values.
-                unsafe {
-                    if name == "wide" {
-                        dev.k.gemv_wide(&dev.stream, 1, k, &segs[0], planes)?
-                    } else {
-                        dev.k.gemv(&dev.stream, 1, k, &segs, planes)?
-                    }
-                };
+                unsafe { dev.k.gemv(&dev.stream, 1, k, &segs, planes)? };
                 Ok(())
             };
             for _ in 0..10 {

@@ -251,7 +251,7 @@ impl Gemma3Gpu {
             let last = head.blocks.last().expect("a head has blocks (checked at load)");
             let out = NormQuantArgs { res_scale: last.scale, ..self.nq(step, None, p(&b.down), p(&last.post_ffn_norm), 1, n, p(&head.output_norm)) };
             k.norm_quant(s, 1, &out)?;
-            k.gemv_matrix(s, 1, n, &self.mseg(&head.head, &head.logits, head.rows), head.head.layout, act)?;
+            k.gemv(s, 1, n, &[self.mseg(&head.head, &head.logits, head.rows)], act)?;
             k.norm_quant(s, 1, &self.nq(step, None, p(&b.h), 0, 0, n, 0))?;
             k.gemv(s, 1, n, &[self.seg(&head.post_projection, &b.o, h)], act)?;
         }
