@@ -738,7 +738,8 @@ GEMV_STAGED_INST(1) GEMV_STAGED_INST(2) GEMV_STAGED_INST(3) GEMV_STAGED_INST(4) 
 // 16..31. So the unit unpacks to eight int8x4 words q[0..7] (q[g]: values 4g.., q[4+g]: 16+4g..)
 // with shifts and masks alone.
 //
-// A row is worked by L lanes of a warp (L = p.split, 4 or 8, from k alone), lane s taking units
+// A row is worked by L lanes of a warp (L = p.split, 1..32, from the launch's rows and k, never
+// from M: Kernels::wide_lanes), lane s taking units
 // s, s + L, s + 2L, ... in order; a unit adds  d_m * (fd * (float)dot + fmin * sum_m)  (Q6_K: dot
 // is sc0 * dot0 + sc1 * dot1, Q4_K/Q5_K: fd = d * sc, fmin = -dmin * mn); the L lanes' sums are
 // added by a fixed xor tree. Nothing depends on M. The first units' weights are loaded before the

@@ -521,7 +521,7 @@ impl Kernels {
         let many = rows > MAX_ROWS;
         let wide = segs[0].wide != 0;
         check(segs.iter().all(|s| (s.wide != 0) == wide), || "gemv: segments in both layouts".to_string())?;
-        let split = if wide { Self::wide_lanes(k) } else { Self::gemv_split(k) };
+        let split = if wide { Self::wide_lanes(segs.iter().map(|s| s.n.max(0) as usize).sum(), k) } else { Self::gemv_split(k) };
         let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, rows: rows as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
         let mut blocks = 0usize;
         for (slot, s) in args.seg.iter_mut().zip(segs) {
@@ -553,15 +553,17 @@ impl Kernels {
         self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
     }
 
-    /// Lanes per row of `gemv_wide` for rows of `k` values: 4 below k = 4096, else 8 (measured on
-    /// an H200 over the LM heads of the families, M = 1..8: docs/evaluations/gpu-families.md). A
-    /// function of `k` alone, so a row's sum is the same for any M.
-    pub fn wide_lanes(k: usize) -> usize {
-        if k >= 4096 {
-            8
-        } else {
-            4
-        }
+    /// Lanes per row of `gemv_wide` for a launch of `n` rows in all (its segments') of `k` values:
+    /// enough lanes that the launch has about 1536 warps (a matrix of few rows still spreads over
+    /// every SM), at least 4 (8 from k = 4096: the LM heads, measured on an H200 over M = 1..8,
+    /// docs/evaluations/gpu-families.md), at most 32 and at most the row's units. A function of the
+    /// launch's shape alone, never of M, so a row's sum is the same for any M.
+    pub fn wide_lanes(n: usize, k: usize) -> usize {
+        let floor = if k >= 4096 { 8 } else { 4 };
+        let want = (32 * 1536usize).div_ceil(n.max(1)).next_power_of_two().clamp(floor, 32);
+        let units = (k / 32).max(1);
+        let most = 1usize << (usize::BITS - 1 - units.leading_zeros());
+        want.min(most)
     }
 
     /// `qk_norm_rope_kv` for `rows` rows.
