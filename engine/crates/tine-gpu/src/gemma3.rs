@@ -186,6 +186,8 @@ pub struct Gemma3Gpu {
     layers: Vec<Layer>,
     nextn: Option<NextNHead>,
     b: Buffers,
+    /// The matrices are in the wide layout ([`wide_layout`]).
+    wide: bool,
     _ctx: Arc<CudaContext>,
 }
 
@@ -261,24 +263,31 @@ impl NextNCache {
     }
 }
 
-/// A matrix an LM head or an embedding gather reads (both read the wide layout, as every GEMV of
-/// the engine does).
+/// A matrix an LM head or an embedding gather reads, in the engine's layout.
 pub(crate) struct Matrix {
     pub(crate) buf: CudaSlice<u8>,
     pub(crate) wt: WeightType,
+    pub(crate) wide: bool,
 }
 
 impl Matrix {
     /// `rows` rows of `k` values of type `wt` (GGUF blocks) onto the device, repacked to the wide
-    /// layout.
-    pub(crate) fn upload(stream: &Arc<CudaStream>, data: &[u8], wt: WeightType, k: usize) -> Result<Matrix> {
-        Ok(Matrix { buf: stream.clone_htod(&wt.to_wide(data, k))?, wt })
+    /// layout when `wide`.
+    pub(crate) fn upload(stream: &Arc<CudaStream>, data: &[u8], wt: WeightType, k: usize, wide: bool) -> Result<Matrix> {
+        let buf = if wide { stream.clone_htod(&wt.to_wide(data, k))? } else { stream.clone_htod(data)? };
+        Ok(Matrix { buf, wt, wide })
     }
 
     /// `norm_quant`'s `embd_type` for a gather over this table.
     pub(crate) fn embd_type(&self) -> i32 {
-        self.wt.ggml_id() | EMBD_WIDE
+        self.wt.ggml_id() | if self.wide { EMBD_WIDE } else { 0 }
     }
+}
+
+/// Whether the engine loads its matrices in the wide layout ([`WeightType::to_wide`]): yes,
+/// unless `TINE_GPU_WIDE=0` (GGUF blocks as the file has them, for timing one against the other).
+pub(crate) fn wide_layout() -> bool {
+    std::env::var("TINE_GPU_WIDE").map_or(true, |v| v != "0")
 }
 
 /// Reads tensors of one GGUF onto the device.
@@ -287,6 +296,8 @@ pub(crate) struct Reader<'a> {
     pub(crate) file: &'a mut File,
     pub(crate) path: &'a str,
     pub(crate) stream: &'a Arc<CudaStream>,
+    /// Upload matrices in the wide layout ([`wide_layout`]).
+    pub(crate) wide: bool,
 }
 
 impl Reader<'_> {
@@ -295,7 +306,8 @@ impl Reader<'_> {
     }
 
     /// A quantized matrix of `rows` rows of `k` values, its GGUF blocks uploaded in the wide
-    /// layout ([`WeightType::to_wide`]): every GEMV of the engine reads that.
+    /// layout ([`WeightType::to_wide`]) that the engine's GEMVs read (as they are without
+    /// `wide`).
     pub(crate) fn weight(&mut self, name: &str, rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
@@ -303,7 +315,12 @@ impl Reader<'_> {
             return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
         }
         let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
-        Ok((self.stream.clone_htod(&wt.to_wide(&data, k))?, wt))
+        Ok((self.upload(&data, wt, k)?, wt))
+    }
+
+    /// Rows of GGUF blocks onto the device in the reader's layout.
+    pub(crate) fn upload(&self, data: &[u8], wt: WeightType, k: usize) -> Result<CudaSlice<u8>> {
+        Ok(if self.wide { self.stream.clone_htod(&wt.to_wide(data, k))? } else { self.stream.clone_htod(data)? })
     }
 
     /// A matrix of `rows` rows of `k` values that an LM head or an embedding gather reads
@@ -315,7 +332,7 @@ impl Reader<'_> {
             return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
         }
         let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
-        Matrix::upload(self.stream, &data, wt, k)
+        Matrix::upload(self.stream, &data, wt, k, self.wide)
     }
 
     /// A vector of `n` values (a norm's weights), as f32.
@@ -408,7 +425,7 @@ impl Reader<'_> {
         for &id in ids {
             out.extend_from_slice(&data[id as usize * rb..][..rb]);
         }
-        Matrix::upload(self.stream, &out, wt, k)
+        Matrix::upload(self.stream, &out, wt, k, self.wide)
     }
 }
 
@@ -477,7 +494,8 @@ impl Gemma3Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let kernels = Kernels::load(&ctx)?;
-        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
+        let wide = wide_layout();
+        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream, wide };
         let embd = r.matrix("token_embd.weight", cfg.vocab, cfg.hidden)?;
         let output = if content.tensor_infos.contains_key("output.weight") { Some(r.matrix("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
         let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
@@ -513,7 +531,7 @@ impl Gemma3Gpu {
         let inv_local = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_local))?;
         let inv_global = stream.clone_htod(&inv_freq(cfg.head_dim, cfg.rope_global))?;
         stream.synchronize()?;
-        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, prompt_rows, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, nextn, b, _ctx: ctx })
+        Ok(Gemma3Gpu { cfg, max_ctx: ctx_len, prompt_rows, stream, step, kernels, embd, output, output_norm, inv_local, inv_global, layers, nextn, b, wide, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma3Config {
@@ -580,12 +598,12 @@ impl Gemma3Gpu {
 
     /// The GEMV segment of a head's matrix `m` into `out` (rows of `n`).
     pub(crate) fn mseg(&self, m: &Matrix, out: &CudaSlice<f32>, n: usize) -> GemvSeg {
-        GemvSeg { w: self.ptr(&m.buf), out: self.ptr(out), n: n as i32, wtype: m.wt.ggml_id(), out_stride: n as i32, wide: 1, ..Default::default() }
+        GemvSeg { w: self.ptr(&m.buf), out: self.ptr(out), n: n as i32, wtype: m.wt.ggml_id(), out_stride: n as i32, wide: m.wide as i32, ..Default::default() }
     }
 
     /// One GEMV segment: `w` times the activation rows into `out` (rows of `n`).
     fn seg(&self, w: &(CudaSlice<u8>, WeightType), out: &CudaSlice<f32>, n: usize) -> GemvSeg {
-        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, wide: 1, ..Default::default() }
+        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, wide: self.wide as i32, ..Default::default() }
     }
 
     /// The activation planes (`qs`, `qd`, `qsum`) from row `row` on, for rows of `k` values.
@@ -693,7 +711,8 @@ impl Gemma3Gpu {
         mark("gemv o")?;
         k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(w.post_attn_norm), 1, width, p(w.ffn_norm)))?;
         mark("norm_quant")?;
-        let glu = GemvSeg { w: self.ptr(&w.gate.0), w2: self.ptr(&w.up.0), out: p(&b.ff), n: ff as i32, wtype: w.gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0, wide: 1 };
+        let glu =
+            GemvSeg { w: self.ptr(&w.gate.0), w2: self.ptr(&w.up.0), out: p(&b.ff), n: ff as i32, wtype: w.gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0, wide: self.wide as i32 };
         k.gemv(s, rows, width, &[glu], act)?;
         mark("gemv gate·up")?;
         k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, ff, 0))?;

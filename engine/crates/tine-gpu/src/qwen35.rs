@@ -41,7 +41,7 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
 use crate::cuda::{AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
-use crate::gemma3::{alloc, inv_freq, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
+use crate::gemma3::{alloc, inv_freq, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
 
@@ -124,6 +124,8 @@ pub struct Qwen35Gpu {
     /// (`conv_gated_delta_rule`); `TINE_GPU_FUSED_CONV=0` runs them as two (the same bits), to
     /// time one against the other.
     fused_conv: bool,
+    /// The matrices are in the wide layout (`TINE_GPU_WIDE=0`: GGUF blocks).
+    wide: bool,
     _ctx: Arc<CudaContext>,
 }
 
@@ -192,7 +194,7 @@ impl Reader<'_> {
             q.extend_from_slice(&data[(2 * h * hd) * rb..(2 * h + 1) * hd * rb]);
             g.extend_from_slice(&data[(2 * h + 1) * hd * rb..(2 * h + 2) * hd * rb]);
         }
-        Ok(((self.stream.clone_htod(&wt.to_wide(&q, k))?, wt), (self.stream.clone_htod(&wt.to_wide(&g, k))?, wt)))
+        Ok(((self.upload(&q, wt, k)?, wt), (self.upload(&g, wt, k)?, wt)))
     }
 
     fn qwen35_layer(&mut self, cfg: &Qwen35Config, l: usize) -> Result<Layer> {
@@ -262,7 +264,8 @@ impl Qwen35Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let kernels = Kernels::load(&ctx)?;
-        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream };
+        let wide = wide_layout();
+        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &stream, wide };
         let embd = r.matrix("token_embd.weight", cfg.vocab, cfg.hidden)?;
         let output = if content.tensor_infos.contains_key("output.weight") { Some(r.matrix("output.weight", cfg.vocab, cfg.hidden)?) } else { None };
         let output_norm = r.norm("output_norm.weight", cfg.hidden)?;
@@ -317,6 +320,7 @@ impl Qwen35Gpu {
             slot,
             b,
             fused_conv: std::env::var("TINE_GPU_FUSED_CONV").map_or(true, |v| v != "0"),
+            wide,
             _ctx: ctx,
         })
     }
@@ -364,7 +368,7 @@ impl Qwen35Gpu {
     }
 
     fn seg(&self, w: &W, out: &CudaSlice<f32>, n: usize) -> GemvSeg {
-        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, wide: 1, ..Default::default() }
+        GemvSeg { w: self.ptr(&w.0), out: self.ptr(out), n: n as i32, wtype: w.1.ggml_id(), out_stride: n as i32, wide: self.wide as i32, ..Default::default() }
     }
 
     fn act(&self, row: usize, k: usize) -> (DevPtr, DevPtr, DevPtr) {
@@ -527,8 +531,17 @@ impl Qwen35Gpu {
                 }
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
                 mark("norm_quant")?;
-                let glu =
-                    GemvSeg { w: self.ptr(&ly.gate.0), w2: self.ptr(&ly.up.0), out: p(&b.ff), n: c.ff as i32, wtype: ly.gate.1.ggml_id(), out_stride: c.ff as i32, glu: 2, block_start: 0, wide: 1 };
+                let glu = GemvSeg {
+                    w: self.ptr(&ly.gate.0),
+                    w2: self.ptr(&ly.up.0),
+                    out: p(&b.ff),
+                    n: c.ff as i32,
+                    wtype: ly.gate.1.ggml_id(),
+                    out_stride: c.ff as i32,
+                    glu: 2,
+                    block_start: 0,
+                    wide: self.wide as i32,
+                };
                 k.gemv(s, rows, c.hidden, &[glu], act)?;
                 mark("gemv gate·up")?;
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
@@ -547,7 +560,8 @@ impl Qwen35Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
-            let seg = GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: 1, ..Default::default() };
+            let seg =
+                GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: out.wide as i32, ..Default::default() };
             k.gemv(s, head_rows, c.hidden, &[seg], act)?;
             mark("lm head")?;
             k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;

@@ -136,7 +136,7 @@ impl Gemma3Gpu {
             Some(v) => Some(draft_ids(v, &key, c.vocab).map_err(model_err)?),
         };
         let rows = draft_vocab.as_ref().map_or(c.vocab, Vec::len);
-        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &self.stream };
+        let mut r = Reader { content: &content, file: &mut file, path: &shown, stream: &self.stream, wide: self.wide };
         let pick = |names: &[String], rows: usize, k: usize, r: &mut Reader| -> Result<(CudaSlice<u8>, WeightType)> {
             match names.iter().find(|n| content.tensor_infos.contains_key(*n)) {
                 Some(n) => r.weight(n, rows, k),
