@@ -11,6 +11,9 @@
 #                                         # and every spec type against plain decoding
 #   bash tools/cuda/qwen35_job.sh bench   # llama-bench tg128/pp512 against tine on the engine
 #                                         # and on candle's CUDA path, same GGUF (0.8b Q4_K_M)
+#   bash tools/cuda/qwen35_job.sh slim    # no llama.cpp: the table, both families' random GGUFs
+#                                         # quantized by tine-gpu-check --quantize, their checks
+#                                         # (and A/B timings), ids against the CPU path
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -180,5 +183,57 @@ print(f"tine gemma3 270m tg128 (engine): {statistics.median(v):.1f} tok/s" if v 
 PY
   exit 0
 fi
-echo "usage: qwen35_job.sh check|bench|gemma3" >&2
+if [ "$mode" = slim ]; then
+  # Correctness and the engine's own speed without llama.cpp (no build: a few minutes less of
+  # device time): the kernel table; random-weight GGUFs of both families written here and
+  # quantized by `tine-gpu-check --quantize` (candle's quantizers, llama-quantize's Q4_K_M mix);
+  # the model checks, and each with the matrices as GGUF blocks (TINE_GPU_WIDE=0) and the delta-net
+  # conv in its own launch (TINE_GPU_FUSED_CONV=0) for the timings; greedy ids of the engine
+  # against the CPU path and spec against plain on the small shapes.
+  run kernels 300 "$C" || true
+  grep -E "^(FAIL|kernels:)" "$log" | tail -n 20
+  q() { # q FAMILY SHAPE: written and quantized once
+    local fam=$1 shape=$2 script=tools/qwen35_random_model.py pre=q35
+    [ "$fam" = gemma3 ] && { script=tools/gemma3_random_model.py; pre=g3; }
+    [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/$script" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
+    echo "$W/$pre-$shape-q.gguf"
+  }
+  for shape in small 0.8b; do
+    M=$(q qwen35 $shape)
+    run "qwen35-$shape" 120 "$C" --no-table --qwen35 "$M" || true
+  done
+  M="$W/q35-0.8b-q.gguf"
+  for v in TINE_GPU_WIDE=0 TINE_GPU_FUSED_CONV=0; do
+    env $v timeout 60 "$C" --no-table --qwen35 "$M" 2>&1 | grep -E "^(decode|verify|profile|graph)" | sed "s/^/$v /" >>"$log"
+  done
+  for shape in small 270m; do
+    M=$(q gemma3 $shape)
+    run "gemma3-$shape" 120 "$C" --no-table --model "$M" || true
+  done
+  TINE_GPU_WIDE=0 timeout 60 "$C" --no-table --model "$W/g3-270m-q.gguf" 2>&1 | grep -E "model: (greedy|1-row|4-row|8-row)" | sed "s/^/TINE_GPU_WIDE=0 /" >>"$log"
+  fails=0
+  for M in "$W/q35-small-q.gguf" "$W/g3-small-q.gguf"; do
+    for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
+      base=(generate -m "$M" -p "$p" -n 48 --ignore-eos)
+      cpu=$(timeout 60 "$T" "${base[@]}" --temp 0 --device cpu 2>/dev/null)
+      gpu=$(timeout 60 "$T" "${base[@]}" --temp 0 --device cuda 2>"$W/err-gpu")
+      [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  engine vs cpu: $(basename "$M") ${p:0:24}" || { say "DIFF  engine vs cpu: $(basename "$M") ${p:0:24}"; tail -n 2 "$W/err-gpu" >>"$log"; fails=$((fails + 1)); }
+      for temp in 0 0.8; do
+        plain=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+        for spec in "--spec-type ngram --spec-ngram-min 1" "-md $M"; do
+          got=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 $spec 2>/dev/null)
+          [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  spec vs plain: $(basename "$M") temp $temp $spec" || { say "DIFF  spec vs plain: $(basename "$M") temp $temp $spec"; fails=$((fails + 1)); }
+        done
+      done
+    done
+  done
+  M="$W/q35-small-q.gguf"
+  plain=$(timeout 60 "$T" generate -m "$M" -p "Once upon a time" -n 48 --ignore-eos --device cuda --temp 0 2>/dev/null)
+  got=$(timeout 60 "$T" generate -m "$M" -p "Once upon a time" -n 48 --ignore-eos --device cuda --temp 0 --spec-type draft-mtp 2>/dev/null)
+  [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  spec vs plain: q35-small draft-mtp" || { say "DIFF  spec vs plain: q35-small draft-mtp"; fails=$((fails + 1)); }
+  say "generate failures: $fails"
+  exit 0
+fi
+echo "usage: qwen35_job.sh check|bench|gemma3|slim" >&2
 exit 2

@@ -4,6 +4,7 @@
 //! 270M decode step captured as one CUDA graph and timed.
 //!
 //!   tine-gpu-check [--no-table] [--bench | --profile] [--seed N] [--model GGUF [--ref CPU.jsonl] [--assistant GGUF]]
+//!   tine-gpu-check --quantize IN.gguf OUT.gguf   # F16 matrices to a Q4_K_M-like mix (candle's quantizers)
 //!
 //! `--no-table` skips the kernel table. `--profile` also times each launch of the bench's step inside its graph (an event node after
 //! each launch), summed per kind of launch.
@@ -1513,8 +1514,76 @@ mod bench {
     }
 }
 
+/// `--quantize IN OUT`: the F16/F32 matrices of a GGUF quantized with candle's port of ggml's
+/// quantizers in the mix llama-quantize's Q4_K_M makes (`token_embd` Q6_K, or Q8_0 for rows not of
+/// 256; `attn_qkv` Q5_K; `attn_v` and `ffn_down` Q6_K; the rest Q4_K, or Q5_0 for rows not of
+/// 256), so that a device job checks every weight type the engine reads without building
+/// llama.cpp. Norms and other vectors stay as they are. Writes OUT atomically.
+fn quantize_gguf(src: &std::path::Path, dst: &std::path::Path) -> Res<()> {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let cpu = candle_core::Device::Cpu;
+    let mut f = std::fs::File::open(src)?;
+    let content = gguf_file::Content::read(&mut f)?;
+    let mut names: Vec<&String> = content.tensor_infos.keys().collect();
+    names.sort_by_key(|n| content.tensor_infos[*n].offset);
+    let mut tensors = Vec::with_capacity(names.len());
+    for name in names {
+        let t = content.tensor(&mut f, name, &cpu)?;
+        let dims = t.shape().dims().to_vec();
+        let float = matches!(t.dtype(), GgmlDType::F16 | GgmlDType::F32 | GgmlDType::BF16);
+        let q = match (dims.as_slice(), float) {
+            ([_, cols], true) if cols % 32 == 0 => {
+                let k256 = cols % 256 == 0;
+                let dt = if name.ends_with("token_embd.weight") {
+                    if k256 {
+                        GgmlDType::Q6K
+                    } else {
+                        GgmlDType::Q8_0
+                    }
+                } else if name.ends_with("attn_qkv.weight") && k256 {
+                    GgmlDType::Q5K
+                } else if (name.ends_with("attn_v.weight") || name.ends_with("ffn_down.weight")) && k256 {
+                    GgmlDType::Q6K
+                } else if k256 {
+                    GgmlDType::Q4K
+                } else {
+                    GgmlDType::Q5_0
+                };
+                QTensor::quantize(&t.dequantize(&cpu)?, dt)?
+            }
+            _ => t,
+        };
+        tensors.push((name.clone(), q));
+    }
+    let md: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let tmp = dst.with_extension("partial");
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+    gguf_file::write(&mut out, &md, &t_refs)?;
+    std::io::Write::flush(&mut out)?;
+    drop(out);
+    std::fs::rename(&tmp, dst)?;
+    println!("quantized {} -> {} ({} tensors)", src.display(), dst.display(), t_refs.len());
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(i) = args.iter().position(|a| a == "--quantize") {
+        return match (args.get(i + 1), args.get(i + 2)) {
+            (Some(a), Some(b)) => match quantize_gguf(std::path::Path::new(a), std::path::Path::new(b)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("tine-gpu-check: --quantize: {e}");
+                    ExitCode::FAILURE
+                }
+            },
+            _ => {
+                eprintln!("tine-gpu-check: --quantize IN OUT");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let profile = args.iter().any(|a| a == "--profile");
     let bench = profile || args.iter().any(|a| a == "--bench");
     let value = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
