@@ -197,7 +197,8 @@ __device__ __forceinline__ float wide_value(const uint8_t* row, int t, int k, in
 }
 
 // Value i of row `token` of an embedding table of k-value rows of weight type `type` (0: Q8_0;
-// with EMBD_WIDE, a Q8_0 or Q6_K table in the wide layout), as ggml's dequantizer computes it.
+// with EMBD_WIDE, a table of any of the types in the wide layout), as ggml's dequantizer computes
+// it.
 __device__ __forceinline__ float embd_value(const uint8_t* embd, int type, int k, int token, int i) {
     if (type & EMBD_WIDE) return wide_value(embd + (size_t)token * wide_row_bytes(type & 0xFF, k), type & 0xFF, k, i);
     switch (type) {
@@ -767,27 +768,35 @@ __device__ __forceinline__ void wide_scale_min(const int4& meta, int j, int& sc,
 __device__ __forceinline__ float half_lo(int w) { return __half2float(__ushort_as_half((unsigned short)(w & 0xFFFF))); }
 __device__ __forceinline__ float half_hi(int w) { return __half2float(__ushort_as_half((unsigned short)((uint32_t)w >> 16))); }
 
-template <int T>
+// Weight loads: evict-first (__ldcs) in the GEMV, which reads each weight once a step; through
+// the read-only cache (__ldg) in the prompt GEMM, whose blocks over the same rows re-read them.
+template <bool STREAM, typename V>
+__device__ __forceinline__ V wld(const V* p) {
+    if constexpr (STREAM) return __ldcs(p);
+    else return __ldg(p);
+}
+
+template <int T, bool STREAM = true>
 __device__ __forceinline__ WideRaw wide_load(const uint8_t* row, int k, int u) {
     WideRaw r;
     r.fmin = 0.0f;
     r.ext = make_int4(0, 0, 0, 0);
     if constexpr (T == W_Q8_0) {
         const int4* q = reinterpret_cast<const int4*>(row + 32 * (size_t)u);
-        r.lo = __ldcs(q);
-        r.ext = __ldcs(q + 1);
-        r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k) + u)));
+        r.lo = wld<STREAM>(q);
+        r.ext = wld<STREAM>(q + 1);
+        r.fd = __half2float(__ushort_as_half(wld<STREAM>(reinterpret_cast<const unsigned short*>(row + k) + u)));
     } else {
-        r.lo = __ldcs(reinterpret_cast<const int4*>(row + 16 * (size_t)u));
+        r.lo = wld<STREAM>(reinterpret_cast<const int4*>(row + 16 * (size_t)u));
         if constexpr (T == W_Q6_K) {
-            const int2 h = __ldcs(reinterpret_cast<const int2*>(row + k / 2 + 8 * (size_t)u));
-            r.ext = make_int4(h.x, h.y, (int)__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4) + u), 0);
-            r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4 + k / 16) + u / 8)));
+            const int2 h = wld<STREAM>(reinterpret_cast<const int2*>(row + k / 2 + 8 * (size_t)u));
+            r.ext = make_int4(h.x, h.y, (int)wld<STREAM>(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4) + u), 0);
+            r.fd = __half2float(__ushort_as_half(wld<STREAM>(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 4 + k / 16) + u / 8)));
         } else if constexpr (T == W_Q5_0) {
-            r.ext.x = __ldcs(reinterpret_cast<const int*>(row + k / 2) + u);
-            r.fd = __half2float(__ushort_as_half(__ldcs(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 8) + u)));
+            r.ext.x = wld<STREAM>(reinterpret_cast<const int*>(row + k / 2) + u);
+            r.fd = __half2float(__ushort_as_half(wld<STREAM>(reinterpret_cast<const unsigned short*>(row + k / 2 + k / 8) + u)));
         } else {  // Q4_K, Q5_K
-            if constexpr (T == W_Q5_K) r.ext.x = __ldcs(reinterpret_cast<const int*>(row + k / 2) + u);
+            if constexpr (T == W_Q5_K) r.ext.x = wld<STREAM>(reinterpret_cast<const int*>(row + k / 2) + u);
             const int4 meta = __ldg(reinterpret_cast<const int4*>(row + (T == W_Q5_K ? k / 2 + k / 8 : k / 2)) + u / 8);
             int sc, mn;
             wide_scale_min(meta, u % 8, sc, mn);
@@ -921,7 +930,7 @@ GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WID
 // gives them from the GGUF block (the prompt GEMM's weight loader over the wide layout).
 template <int T>
 __device__ __forceinline__ void load_unit_wide(const uint8_t* row, int k, int u, int l4, int& w0, int& w1, float& fw, float& fmin) {
-    const WideRaw r = wide_load<T>(row, k, u);
+    const WideRaw r = wide_load<T, false>(row, k, u);
     w0 = wide_word<T>(r, 2 * l4);
     w1 = wide_word<T>(r, 2 * l4 + 1);
     if constexpr (T == W_Q6_K) {
@@ -1811,9 +1820,15 @@ struct ConvGdnArgs { ConvArgs conv; GdnArgs gdn; };
 
 #define CGDN_WARPS 16
 
+// The conv's outputs for the block: q and k of its key head, its value columns (declared once, in
+// the kernel: a __shared__ array in a template body would be allocated once per instantiation).
+struct CgdnSmem { float q[MAX_ROWS][256]; float k[MAX_ROWS][256]; float v[MAX_ROWS][CGDN_WARPS]; };
+
 template <int E, int K>
-__device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a) {
-    __shared__ float sq[MAX_ROWS][256], sk[MAX_ROWS][256], sv[MAX_ROWS][CGDN_WARPS];
+__device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm) {
+    float (&sq)[MAX_ROWS][256] = sm.q;
+    float (&sk)[MAX_ROWS][256] = sm.k;
+    float (&sv)[MAX_ROWS][CGDN_WARPS] = sm.v;
     const ConvArgs& cv = a.conv;
     const GdnArgs& p = a.gdn;
     const int h = blockIdx.x, d = 32 * E, kh = h % p.hk, C = cv.C;
@@ -1903,24 +1918,25 @@ __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a) {
 }
 
 template <int E>
-__device__ __forceinline__ void conv_gdn_k(const ConvGdnArgs& a) {
+__device__ __forceinline__ void conv_gdn_k(const ConvGdnArgs& a, CgdnSmem& sm) {
     switch (a.conv.K) {
-        case 2: conv_gdn_body<E, 2>(a); break;
-        case 3: conv_gdn_body<E, 3>(a); break;
-        case 4: conv_gdn_body<E, 4>(a); break;
-        case 5: conv_gdn_body<E, 5>(a); break;
+        case 2: conv_gdn_body<E, 2>(a, sm); break;
+        case 3: conv_gdn_body<E, 3>(a, sm); break;
+        case 4: conv_gdn_body<E, 4>(a, sm); break;
+        case 5: conv_gdn_body<E, 5>(a, sm); break;
         default: break;
     }
 }
 
 // Grid: (hv, d / CGDN_WARPS); block CGDN_WARPS warps; rows <= MAX_ROWS.
 extern "C" __global__ void __launch_bounds__(CGDN_WARPS * WARP) conv_gated_delta_rule(const ConvGdnArgs a) {
+    __shared__ CgdnSmem sm;
     pdl_trigger();
     pdl_wait();
     switch (a.gdn.d) {
-        case 64: conv_gdn_k<2>(a); break;
-        case 128: conv_gdn_k<4>(a); break;
-        case 256: conv_gdn_k<8>(a); break;
+        case 64: conv_gdn_k<2>(a, sm); break;
+        case 128: conv_gdn_k<4>(a, sm); break;
+        case 256: conv_gdn_k<8>(a, sm); break;
         default: break;
     }
 }

@@ -416,8 +416,8 @@ impl Reader<'_> {
     fn rows_of(&mut self, name: &str, ids: &[u32], rows: usize, k: usize) -> Result<Matrix> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
-        if t.shape().dims() != [rows, k] {
-            return Err(self.model_err(format!("{name} has shape {:?}, expected [{rows}, {k}]", t.shape().dims())));
+        if t.shape().dims() != [rows, k] || !k.is_multiple_of(wt.block_values()) {
+            return Err(self.model_err(format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims())));
         }
         let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
         let rb = wt.row_bytes(k);
