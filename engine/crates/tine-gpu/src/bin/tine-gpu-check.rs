@@ -1909,7 +1909,7 @@ mod model {
         println!("model: NextN graph nodes per step (1, 4, 8 entries): {nodes:?}, expected 14: {}", if pass { "ok" } else { "FAIL" });
         ok &= pass;
         let width = g.config().hidden;
-        let prompt: Vec<u32> = (0..40u32).map(|i| 100 + (i * 7919) % 20000).collect();
+        let prompt: Vec<u32> = (0..40u32).map(|i| (100 + (i * 7919) % 20000) % g.config().vocab as u32).collect();
         c.truncate(0);
         let mut hidden = Vec::new();
         for chunk in prompt.chunks(MAX_ROWS) {
@@ -2058,7 +2058,7 @@ mod model {
     fn assistant(g: &Gemma3Gpu, c: &mut GpuCache, model: &std::path::Path, path: &std::path::Path) -> Res<bool> {
         let mut ok = true;
         let head = g.load_assistant(path)?;
-        let prompt: Vec<u32> = (0..40u32).map(|i| 100 + (i * 7919) % 20000).collect();
+        let prompt: Vec<u32> = (0..40u32).map(|i| (100 + (i * 7919) % 20000) % g.config().vocab as u32).collect();
         c.truncate(0);
         let mut hidden = Vec::new();
         for chunk in prompt.chunks(MAX_ROWS) {
@@ -2139,7 +2139,8 @@ mod model {
         let nodes: Vec<String> = [1, 2, 4, 8].iter().map(|&m| g.graph_nodes(&mut c, m).map(|n| format!("{m} rows: {n}"))).collect::<Result<_, _>>()?;
         println!("model: graph nodes per step: {}", nodes.join(", "));
         let mut ok = true;
-        let prompt: Vec<u32> = vec![2, 818, 3925, 529, 506, 19129, 3798, 13244];
+        // Gemma 3 ids (wrapped into a smaller vocabulary: the random small shapes).
+        let prompt: Vec<u32> = [2u32, 818, 3925, 529, 506, 19129, 3798, 13244].iter().map(|&t| t % g.config().vocab as u32).collect();
         let (ids, _, _) = greedy(&g, &mut c, &prompt, 8)?;
         let n = 256;
         let (_, _, secs) = greedy(&g, &mut c, &prompt, n)?;
@@ -2235,7 +2236,7 @@ mod model {
         }
         // A 512-token prompt: every step through the full program, then every step but the last
         // through the trunk alone (what prefill runs); the next step's logits must not change.
-        let long: Vec<u32> = (0..512u32).map(|i| 100 + (i * 7919) % 20000).collect();
+        let long: Vec<u32> = (0..512u32).map(|i| (100 + (i * 7919) % 20000) % vocab as u32).collect();
         let mut after = Vec::new();
         for trunk in [false, true] {
             c.truncate(0);
@@ -2309,7 +2310,7 @@ mod model {
         );
         ok &= pass;
         // A prompt step after 8 positions, across window and chunk edges.
-        let tail: Vec<u32> = (0..700u32).map(|i| 50 + (i * 104729) % 30000).collect();
+        let tail: Vec<u32> = (0..700u32).map(|i| (50 + (i * 104729) % 30000) % vocab as u32).collect();
         let mut rows_after = Vec::new();
         for wide in [false, true] {
             c.truncate(0);
@@ -2329,7 +2330,7 @@ mod model {
         ok &= pass;
         // Prefill speed: llama-bench's pp512 (a 512-token prompt into an empty cache) and longer.
         for n_tok in [512usize, 2048] {
-            let toks: Vec<u32> = (0..n_tok as u32).map(|i| 100 + (i * 7919) % 20000).collect();
+            let toks: Vec<u32> = (0..n_tok as u32).map(|i| (100 + (i * 7919) % 20000) % g.config().vocab as u32).collect();
             let mut best = f64::MAX;
             for _ in 0..5 {
                 c.truncate(0);
@@ -2350,7 +2351,7 @@ mod model {
         }
         // Where a 512-row prompt step's time goes (each launch followed by an event).
         c.truncate(0);
-        let toks: Vec<u32> = (0..pr.min(512) as u32).map(|i| 100 + (i * 7919) % 20000).collect();
+        let toks: Vec<u32> = (0..pr.min(512) as u32).map(|i| (100 + (i * 7919) % 20000) % g.config().vocab as u32).collect();
         let _ = g.profile_prompt(&mut c, &toks)?;
         c.truncate(0);
         let prof = g.profile_prompt(&mut c, &toks)?;
