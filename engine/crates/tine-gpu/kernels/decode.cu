@@ -1742,12 +1742,60 @@ struct GdnArgs {
     float eps; float q_scale; int pad_;
 };
 
+// Row m of the delta rule for column col of value head h: q and k of its key head at qr and kr
+// (lane l holding entries l + 32 e), v at vp; updates the column's state S, writes o and (for
+// the last n_planes - 1 rows) the state into plane (p0 + 1 + m) % n_planes. gated_delta_rule
+// and conv_gated_delta_rule both step through it, so their rows are the same operations.
+template <int E>
+__device__ __forceinline__ void gdn_row(const GdnArgs& p, int h, int col, int m, int p0, const float* qr, const float* kr, const float* vp, float a, float dtb, float (&S)[E]) {
+    const int lane = threadIdx.x % WARP, d = 32 * E, P = p.n_planes;
+    const size_t plane_sz = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
+    float q[E], k[E], sq = 0.0f, sk = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        q[e] = qr[lane + 32 * e];
+        k[e] = kr[lane + 32 * e];
+        sq += q[e] * q[e];
+        sk += k[e] * k[e];
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    const float fq = (1.0f / sqrtf(sq + p.eps)) * p.q_scale, fk = 1.0f / sqrtf(sk + p.eps);
+    const float v = *vp;
+    const float bt = 1.0f / (1.0f + expf(-p.beta[(size_t)m * p.hv + h]));
+    const float x = p.alpha[(size_t)m * p.hv + h] + dtb;
+    const float decay = expf(a * (x > 20.0f ? x : log1pf(expf(x))));
+    float kv = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        q[e] *= fq;
+        k[e] *= fk;
+        S[e] *= decay;
+        kv += S[e] * k[e];
+    }
+    kv = warp_sum(kv);
+    const float u = bt * (v - kv);
+    float o = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        S[e] += k[e] * u;
+        o += S[e] * q[e];
+    }
+    o = warp_sum(o);
+    if (lane == 0) p.out[(size_t)m * p.hv * d + (size_t)h * d + col] = o;
+    if (p.rows - 1 - m < P - 1) {
+        float* dst = p.planes + (size_t)((p0 + 1 + m) % P) * plane_sz + at;
+#pragma unroll
+        for (int e = 0; e < E; ++e) dst[32 * e] = S[e];
+    }
+}
+
 template <int E>
 __device__ __forceinline__ void gdn_body(const GdnArgs& p) {
     const int h = blockIdx.x, lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int d = 32 * E, col = blockIdx.y * GDN_WARPS + warp;
     const int kh = h % p.hk, C = (2 * p.hk + p.hv) * d;
-    const int P = p.n_planes, p0 = p.step->plane;
+    const int p0 = p.step->plane;
     const size_t plane_sz = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
     float S[E];
 #pragma unroll
@@ -1755,44 +1803,7 @@ __device__ __forceinline__ void gdn_body(const GdnArgs& p) {
     const float a = __ldg(p.a + h), dtb = __ldg(p.dt_bias + h);
     for (int m = 0; m < p.rows; ++m) {
         const float* row = p.qkv + (size_t)m * C;
-        float q[E], k[E], sq = 0.0f, sk = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            q[e] = row[kh * d + lane + 32 * e];
-            k[e] = row[(p.hk + kh) * d + lane + 32 * e];
-            sq += q[e] * q[e];
-            sk += k[e] * k[e];
-        }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        const float fq = (1.0f / sqrtf(sq + p.eps)) * p.q_scale, fk = 1.0f / sqrtf(sk + p.eps);
-        const float v = row[(2 * p.hk + h) * d + col];
-        const float bt = 1.0f / (1.0f + expf(-p.beta[(size_t)m * p.hv + h]));
-        const float x = p.alpha[(size_t)m * p.hv + h] + dtb;
-        const float decay = expf(a * (x > 20.0f ? x : log1pf(expf(x))));
-        float kv = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            q[e] *= fq;
-            k[e] *= fk;
-            S[e] *= decay;
-            kv += S[e] * k[e];
-        }
-        kv = warp_sum(kv);
-        const float u = bt * (v - kv);
-        float o = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            S[e] += k[e] * u;
-            o += S[e] * q[e];
-        }
-        o = warp_sum(o);
-        if (lane == 0) p.out[(size_t)m * p.hv * d + (size_t)h * d + col] = o;
-        if (p.rows - 1 - m < P - 1) {
-            float* dst = p.planes + (size_t)((p0 + 1 + m) % P) * plane_sz + at;
-#pragma unroll
-            for (int e = 0; e < E; ++e) dst[32 * e] = S[e];
-        }
+        gdn_row<E>(p, h, col, m, p0, row + kh * d, row + (p.hk + kh) * d, row + (2 * p.hk + h) * d + col, a, dtb, S);
     }
 }
 
@@ -1836,7 +1847,7 @@ __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int col = blockIdx.y * CGDN_WARPS + warp;
     // The state first: its loads are in flight while the conv runs.
-    const int PS = p.n_planes, ps0 = p.step->plane;
+    const int ps0 = p.step->plane;
     const size_t splane = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
     float S[E];
 #pragma unroll
@@ -1875,46 +1886,7 @@ __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm
     }
     __syncthreads();
     const float av = __ldg(p.a + h), dtb = __ldg(p.dt_bias + h);
-    for (int m = 0; m < rows; ++m) {
-        float q[E], k[E], sqq = 0.0f, skk = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            q[e] = sq[m][lane + 32 * e];
-            k[e] = sk[m][lane + 32 * e];
-            sqq += q[e] * q[e];
-            skk += k[e] * k[e];
-        }
-        sqq = warp_sum(sqq);
-        skk = warp_sum(skk);
-        const float fq = (1.0f / sqrtf(sqq + p.eps)) * p.q_scale, fk = 1.0f / sqrtf(skk + p.eps);
-        const float v = sv[m][warp];
-        const float bt = 1.0f / (1.0f + expf(-p.beta[(size_t)m * p.hv + h]));
-        const float x = p.alpha[(size_t)m * p.hv + h] + dtb;
-        const float decay = expf(av * (x > 20.0f ? x : log1pf(expf(x))));
-        float kv = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            q[e] *= fq;
-            k[e] *= fk;
-            S[e] *= decay;
-            kv += S[e] * k[e];
-        }
-        kv = warp_sum(kv);
-        const float u = bt * (v - kv);
-        float o = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) {
-            S[e] += k[e] * u;
-            o += S[e] * q[e];
-        }
-        o = warp_sum(o);
-        if (lane == 0) p.out[(size_t)m * p.hv * d + (size_t)h * d + col] = o;
-        if (rows - 1 - m < PS - 1) {
-            float* dst = p.planes + (size_t)((ps0 + 1 + m) % PS) * splane + at;
-#pragma unroll
-            for (int e = 0; e < E; ++e) dst[32 * e] = S[e];
-        }
-    }
+    for (int m = 0; m < rows; ++m) gdn_row<E>(p, h, col, m, ps0, sq[m], sk[m], &sv[m][warp], av, dtb, S);
 }
 
 template <int E>
