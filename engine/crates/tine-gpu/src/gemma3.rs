@@ -271,13 +271,6 @@ pub(crate) struct Matrix {
 }
 
 impl Matrix {
-    /// `rows` rows of `k` values of type `wt` (GGUF blocks) onto the device, repacked to the wide
-    /// layout when `wide`.
-    pub(crate) fn upload(stream: &Arc<CudaStream>, data: &[u8], wt: WeightType, k: usize, wide: bool) -> Result<Matrix> {
-        let buf = if wide { stream.clone_htod(&wt.to_wide(data, k))? } else { stream.clone_htod(data)? };
-        Ok(Matrix { buf, wt, wide })
-    }
-
     /// `norm_quant`'s `embd_type` for a gather over this table.
     pub(crate) fn embd_type(&self) -> i32 {
         self.wt.ggml_id() | if self.wide { EMBD_WIDE } else { 0 }
@@ -324,15 +317,10 @@ impl Reader<'_> {
     }
 
     /// A matrix of `rows` rows of `k` values that an LM head or an embedding gather reads
-    /// ([`Matrix::upload`]).
+    /// ([`Reader::weight`], kept with its layout).
     pub(crate) fn matrix(&mut self, name: &str, rows: usize, k: usize) -> Result<Matrix> {
-        let t = self.tensor(name)?;
-        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
-        if t.shape().dims() != [rows, k] || !k.is_multiple_of(wt.block_values()) {
-            return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
-        }
-        let data = t.data().map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
-        Matrix::upload(self.stream, &data, wt, k, self.wide)
+        let (buf, wt) = self.weight(name, rows, k)?;
+        Ok(Matrix { buf, wt, wide: self.wide })
     }
 
     /// A vector of `n` values (a norm's weights), as f32.
@@ -425,7 +413,7 @@ impl Reader<'_> {
         for &id in ids {
             out.extend_from_slice(&data[id as usize * rb..][..rb]);
         }
-        Matrix::upload(self.stream, &out, wt, k, self.wide)
+        Ok(Matrix { buf: self.upload(&out, wt, k)?, wt, wide: self.wide })
     }
 }
 
