@@ -14,6 +14,12 @@
 #   bash tools/cuda/qwen35_job.sh slim    # no llama.cpp: the table, both families' random GGUFs
 #                                         # quantized by tine-gpu-check --quantize, their checks
 #                                         # (and A/B timings), ids against the CPU path
+#   bash tools/cuda/qwen35_job.sh gemma4  # Gemma 4 on the engine: the kernel table, random-weight
+#                                         # GGUFs (tools/gemma4_random_model.py: `small-e2b`,
+#                                         # `small-dense` quantized by tine-gpu-check --quantize;
+#                                         # `e2b` by llama-quantize Q4_K_M), tine-gpu-check --gemma4
+#                                         # on each, ids of the engine against the CPU path, spec
+#                                         # against plain, tg128/pp512 against llama-bench on e2b
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -144,6 +150,77 @@ def med(name, key):
 try: cand = f"{json.load(open(f'{o}/tg128-candle.json'))['predicted_per_second']:.1f}"
 except Exception: cand = "no result"
 print(f"tine tg128 (engine): {med('tg128', 'predicted_per_second')} tok/s; candle's CUDA path: {cand} tok/s; pp512 (engine): {med('pp512', 'prompt_per_second')} tok/s")
+PY
+  exit 0
+fi
+if [ "$mode" = gemma4 ]; then
+  build_llama &
+  BP=$!
+  g4() { # g4 SHAPE: the F16 GGUF of a random-weight shape
+    [ -s "$W/g4-$1-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$1" --out "$W/g4-$1-f16.gguf" >>"$W/models.log" 2>&1
+  }
+  g4 e2b &
+  EP=$!
+  run kernels 300 "$C" || true
+  grep -E "^(FAIL|kernels:)" "$log" | tail -n 20
+  fails=0
+  for shape in small-e2b small-dense; do
+    g4 $shape
+    M="$W/g4-$shape-q.gguf"
+    [ -s "$M" ] || "$C" --quantize "$W/g4-$shape-f16.gguf" "$M" >>"$W/models.log" 2>&1
+    run "gemma4-$shape" 120 "$C" --no-table --gemma4 "$M" || true
+    for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
+      base=(generate -m "$M" -p "$p" -n 48 --ignore-eos)
+      cpu=$(timeout 60 "$T" "${base[@]}" --temp 0 --device cpu 2>/dev/null)
+      gpu=$(timeout 60 "$T" "${base[@]}" --temp 0 --device cuda 2>"$W/err-gpu")
+      grep -E "loaded|engine" "$W/err-gpu" | head -n 2 >>"$log"
+      [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  engine vs cpu: $shape ${p:0:24}" || { say "DIFF  engine vs cpu: $shape ${p:0:24}"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; tail -n 2 "$W/err-gpu" >>"$log"; fails=$((fails + 1)); }
+      for temp in 0 0.8; do
+        plain=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+        for spec in "--spec-type ngram --spec-ngram-min 1" "-md $M"; do
+          got=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 $spec 2>"$W/err-spec")
+          acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+          [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  spec vs plain: $shape temp $temp $spec ($acc)" || { say "DIFF  spec vs plain: $shape temp $temp $spec"; tail -n 2 "$W/err-spec" >>"$log"; fails=$((fails + 1)); }
+        done
+      done
+    done
+  done
+  say "gemma4 small failures: $fails"
+  wait "$EP"
+  wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/g4-e2b-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/g4-e2b-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  say "gemma4 e2b Q4_K_M: $(ls -la "$M" 2>&1)"
+  run gemma4-e2b 240 "$C" --no-table --gemma4 "$M" || true
+  say "llama-bench gemma4 e2b"
+  timeout 240 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
+  python3 - "$W/p512.json" <<'PY'
+import json, random, sys
+random.seed(5)
+json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
+PY
+  for r in 1 2 3; do
+    timeout 120 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/g4-tg128-$r.json" >>"$log" 2>&1
+    timeout 120 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/g4-pp512-$r.json" >>"$log" 2>&1
+  done
+  timeout 200 env TINE_GPU_ENGINE=0 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 32 --temp 0 --ignore-eos --json "$W/g4-tg-candle.json" >>"$log" 2>&1
+  base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos)
+  cpu=$(timeout 200 "$T" "${base[@]}" --device cpu 2>/dev/null)
+  gpu=$(timeout 120 "$T" "${base[@]}" --device cuda 2>/dev/null)
+  [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  e2b engine vs cpu, 24 greedy tokens" || { say "DIFF  e2b engine vs cpu"; echo "  cpu:    ${cpu: -100}" >>"$log"; echo "  engine: ${gpu: -100}" >>"$log"; }
+  python3 - "$W" <<'PY' | tee -a "$log"
+import json, statistics, sys
+w = sys.argv[1]
+def med(name, key):
+    v = []
+    for r in (1, 2, 3):
+        try: v.append(json.load(open(f"{w}/{name}-{r}.json"))[key])
+        except Exception: pass
+    return f"{statistics.median(v):.1f}" if v else "no result"
+try: cand = f"{json.load(open(f'{w}/g4-tg-candle.json'))['predicted_per_second']:.1f}"
+except Exception: cand = "no result"
+print(f"tine gemma4 e2b tg128 (engine): {med('g4-tg128', 'predicted_per_second')} tok/s; candle's CUDA path (32 tokens): {cand} tok/s; pp512 (engine): {med('g4-pp512', 'prompt_per_second')} tok/s")
 PY
   exit 0
 fi

@@ -150,6 +150,7 @@ struct StepParams {
 //   in_mode 2: t = dequant(embd[token_m]) * embd_scale      (layer 0: the embedding row, of type
 //              embd_type (0: Q8_0); token_m from `tokens` when set, else from the step block)
 //   in_mode 3: t = res + a                                  (a pre-norm block's residual add)
+//   in_mode 4: t = gelu_tanh(a) * w_a[m * b_stride + i]     (Gemma 4's per-layer input gate)
 // If res_out is set, t is stored there (the residual stream). Then
 //   y = norm ? rmsnorm(t) * w : t
 // is written as Q8 blocks (qs/d/sum) and, if y_out is set, as f32, into rows of q_stride values
@@ -167,6 +168,7 @@ struct NormQuantArgs {
     int q_stride; int q_off;  // the Q8 (and y_out) rows: q_stride values each (0: k), written from q_off
     float res_scale;  // in_mode 1: t is scaled by res_scale (0: not scaled)
     int embd_type;    // in_mode 2: the embedding table's weight type (0: Q8_0)
+    int b_stride;     // in_mode 4: values between rows of w_a
 };
 
 // The 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K super-block (ggml's
@@ -245,6 +247,12 @@ __device__ __forceinline__ float embd_value(const uint8_t* embd, int type, int k
     }
 }
 
+// The GLU's activation of the gate: 1 GELU (tanh approximation, Gemma's), 2 SiLU (SwiGLU).
+__device__ __forceinline__ float glu_act(int glu, float g) {
+    if (glu == 2) return g / (1.0f + expf(-g));
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+}
+
 #define NQ_THREADS 256
 #define NQ_PER 32  // values per thread: k <= NQ_THREADS * NQ_PER for the norm modes
 #define NQ_PER_SHORT 4  // norm_quant_short: rows of up to 1024 values (fewer registers, more blocks per SM)
@@ -318,6 +326,16 @@ __device__ __forceinline__ void norm_quant_body(const NormQuantArgs& p) {
 #pragma unroll
             for (int j = 0; j < PER; ++j) t[j] *= p.res_scale;
         }
+    } else if (p.in_mode == 4) {
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = tid + NQ_THREADS * j;
+            t[j] = w[j] = 0.0f;
+            if (i < k) {
+                t[j] = glu_act(1, __ldg(p.a + (size_t)m * k + i)) * __ldg(p.w_a + (size_t)m * p.b_stride + i);
+                if (p.norm) w[j] = __ldg(p.w + i);
+            }
+        }
     } else {
         const int token = p.in_mode != 2 ? 0 : p.tokens ? p.tokens[m] : p.step->tokens[m];
 #pragma unroll
@@ -347,6 +365,43 @@ __device__ __forceinline__ void norm_quant_body(const NormQuantArgs& p) {
 }
 extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant(NormQuantArgs p) { norm_quant_body<NQ_PER>(p); }
 extern "C" __global__ void __launch_bounds__(NQ_THREADS) norm_quant_short(NormQuantArgs p) { norm_quant_body<NQ_PER_SHORT>(p); }
+
+// ---------------------------------------------------------------------------------------------
+// Gemma 4's per-layer inputs (the E-series' per-layer embeddings), for every layer at once:
+//   out[m, l P + i] = (rmsnorm(proj[m, l P ..] * proj_scale)_i * w_i + tok_scale * E[token_m, l P + i]) / sqrt(2)
+// with proj the embedded rows through per_layer_model_proj, E the per-layer token embedding
+// table (rows of n_layer * P values of type embd_type, either layout, read in place), w the
+// per-layer projection norm. Grid: (n_layer, M); block: P threads (a multiple of 32 up to 1024).
+
+struct PleArgs {
+    const float* proj; const uint8_t* embd; const float* w; float* out;
+    const StepParams* step; const int* tokens;  // the rows' ids (null: the step block's)
+    int embd_type; int n_layer; int p; float eps;
+    float proj_scale; float tok_scale;
+};
+
+extern "C" __global__ void __launch_bounds__(1024) ple_inputs(PleArgs a) {
+    __shared__ float red[32];
+    const int l = blockIdx.x, m = blockIdx.y, i = threadIdx.x;
+    pdl_trigger();
+    pdl_wait();
+    const int k = a.n_layer * a.p;
+    const size_t at = (size_t)m * k + (size_t)l * a.p + i;
+    const float x = a.proj[at] * a.proj_scale;
+    const float r = rsqrtf(block_sum_all(x * x, red) / (float)a.p + a.eps);
+    const int token = a.tokens ? a.tokens[m] : a.step->tokens[m];
+    const float e = embd_value(a.embd, a.embd_type, k, token, l * a.p + i) * a.tok_scale;
+    a.out[at] = (x * r * a.w[i] + e) * 0.70710678118654752f;
+}
+
+// Logit softcapping in place: x = tanh(x * inv_cap) * cap over n values (a step's rows of logits).
+struct SoftcapArgs { float* x; int n; float cap; float inv_cap; int pad_; };
+
+extern "C" __global__ void __launch_bounds__(256) softcap(SoftcapArgs a) {
+    pdl_trigger();
+    pdl_wait();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < a.n; i += gridDim.x * blockDim.x) a.x[i] = tanhf(a.x[i] * a.inv_cap) * a.cap;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Quantized GEMV over M activation rows: out[m][r] = sum_i W[r][i] * y[m][i].
@@ -566,12 +621,6 @@ __device__ __forceinline__ void gemv_rows(const GemvArgs& p, const uint8_t* w, c
             v[i][m] = warp_sum(acc[i][m]);
             v2[i][m] = GLU ? warp_sum(acc2[i][m]) : 0.0f;
         }
-}
-
-// The GLU's activation of the gate: 1 GELU (tanh approximation, Gemma's), 2 SiLU (SwiGLU).
-__device__ __forceinline__ float glu_act(int glu, float g) {
-    if (glu == 2) return g / (1.0f + expf(-g));
-    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
 }
 
 // A block's share of one segment: warp w works on the rows of group w / S, slice w % S; the
@@ -1118,7 +1167,8 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) 
 // at positions pos + m.
 //
 // Grid: (n_head + n_kv, M); block: hd/2 threads, thread i holding dims i and i + hd/2 (the norm's
-// values); the normed head goes through shared memory to the rotation's pairs.
+// values); the normed head goes through shared memory to the rotation's pairs. n_kv 0: the
+// queries alone (a layer reading another layer's K/V writes none).
 // q, k, v: [M, heads * hd] f32 (the QKV GEMV's outputs). q is rewritten in place.
 // Cache layout: [n_kv][ctx][hd] f32.
 
@@ -1131,6 +1181,8 @@ struct RopeArgs {
     const StepParams* step;
     int n_head; int n_kv; int hd;
     int n_rot;  // dims rotated (0: hd); inv_freq holds n_rot / 2 values
+    int v_norm;    // V's RMSNorm without a weight (Gemma 4) before it is cached
+    int v_from_k;  // V is K's projection before its norm (Gemma 4's k_eq_v layers; v unread)
 };
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
@@ -1169,10 +1221,16 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         float* kd = p.k_cache + ((size_t)kvh * p.ctx + pos) * p.hd;
         kd[i] = o0;
         kd[i + half_hd] = o1;
-        const float* vs = p.v + ((size_t)m * p.n_kv + kvh) * p.hd;
+        const float* vs = p.v_from_k ? src : p.v + ((size_t)m * p.n_kv + kvh) * p.hd;
+        float v0 = vs[i], v1 = vs[i + half_hd];
+        if (p.v_norm) {
+            const float rv = rsqrtf(block_sum_all(v0 * v0 + v1 * v1, red) / (float)p.hd + p.eps);
+            v0 *= rv;
+            v1 *= rv;
+        }
         float* vd = p.v_cache + ((size_t)kvh * p.ctx + pos) * p.hd;
-        vd[i] = vs[i];
-        vd[i + half_hd] = vs[i + half_hd];
+        vd[i] = v0;
+        vd[i + half_hd] = v1;
     }
 }
 
@@ -1203,6 +1261,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
 #define ATTN_THREADS 256
 #define ATTN_WARPS (ATTN_THREADS / WARP)
 #define ATTN_SUB (ATTN_CHUNK / ATTN_WARPS)
+#define ATTN_KB 4  // heads of 512: keys a warp loads at once
 
 struct AttnArgs {
     const float* q; const float* k_cache; const float* v_cache;
@@ -1217,12 +1276,13 @@ template <int E> struct VecF;
 template <> struct VecF<2> { static __device__ __forceinline__ void load(const float* p, float* v) { const float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; } };
 template <> struct VecF<4> { static __device__ __forceinline__ void load(const float* p, float* v) { const float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; } };
 template <> struct VecF<8> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<4>::load(p, v); VecF<4>::load(p + 4, v + 4); } };
+template <> struct VecF<16> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<8>::load(p, v); VecF<8>::load(p + 8, v + 8); } };
 
-// Thread t < HD writes dim t of row m, head h: y as f32 and as Q8 (warp w's dims are the 32-value
-// block w of the head; the same arithmetic as norm_quant's plain mode).
+// Writes dim t of row m, head h: y as f32 and as Q8 (a warp's 32 lanes hold a 32-value block of
+// the head, t = 32 w + lane + ATTN_THREADS r; the same arithmetic as norm_quant's plain mode).
 template <int HD>
-__device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int h, float y) {
-    const int t = threadIdx.x, lane = t % WARP;
+__device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int h, int t, float y) {
+    const int lane = t % WARP;
     const int k = p.n_head * HD;
     const size_t i = (size_t)m * k + (size_t)h * HD + t;
     if (p.gate) y *= 1.0f / (1.0f + expf(-p.gate[i]));
@@ -1276,37 +1336,81 @@ __device__ void attn_body(const AttnArgs& p) {
     pdl_wait();
     float qr[E];
     VecF<E>::load(p.q + ((size_t)m * p.n_head + h) * HD + lane * E, qr);
-    // K and V rows of the warp's keys, all loads issued at once.
-    float kv[ATTN_SUB][E], vv[ATTN_SUB][E];
-#pragma unroll
-    for (int j = 0; j < ATTN_SUB; ++j) {
-#pragma unroll
-        for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
-        if (j < nk) {
-            VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
-            VecF<E>::load(vc + (size_t)(s0 + j) * HD, vv[j]);
-        }
-    }
-    float sc[ATTN_SUB], mx = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < ATTN_SUB; ++j) {
-        float t = 0.0f;
-#pragma unroll
-        for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
-        sc[j] = warp_sum(t);
-    }
-#pragma unroll
-    for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) mx = fmaxf(mx, sc[j]);
-    float acc[E], sum = 0.0f;
+    float sc[ATTN_SUB], mx = -INFINITY, acc[E], sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.0f;
+    if constexpr (HD <= 256) {
+        // K and V rows of the warp's keys, all loads issued at once.
+        float kv[ATTN_SUB][E], vv[ATTN_SUB][E];
 #pragma unroll
-    for (int j = 0; j < ATTN_SUB; ++j) {
-        if (j < nk) {
-            const float w = expf(sc[j] - mx);
-            sum += w;
+        for (int j = 0; j < ATTN_SUB; ++j) {
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[e] += w * vv[j][e];
+            for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
+            if (j < nk) {
+                VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
+                VecF<E>::load(vc + (size_t)(s0 + j) * HD, vv[j]);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) {
+            float t = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
+            sc[j] = warp_sum(t);
+        }
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) mx = fmaxf(mx, sc[j]);
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) {
+            if (j < nk) {
+                const float w = expf(sc[j] - mx);
+                sum += w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[e] += w * vv[j][e];
+            }
+        }
+    } else {
+        // Heads of 512 (Gemma 4's global layers): the same sums over the same keys, the K rows
+        // loaded ATTN_KB at a time for the scores, then the V rows for the weighted sum (a
+        // warp's 8 keys' K and V at once would not fit the registers).
+        constexpr int KB = ATTN_KB;
+#pragma unroll
+        for (int j0 = 0; j0 < ATTN_SUB; j0 += KB) {
+            float kv[KB][E];
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+#pragma unroll
+                for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
+                if (j0 + j < nk) VecF<E>::load(kc + (size_t)(s0 + j0 + j) * HD, kv[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                float t = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
+                sc[j0 + j] = warp_sum(t);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < ATTN_SUB; ++j) if (j < nk) mx = fmaxf(mx, sc[j]);
+#pragma unroll
+        for (int j0 = 0; j0 < ATTN_SUB; j0 += KB) {
+            float vv[KB][E];
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+#pragma unroll
+                for (int e = 0; e < E; ++e) vv[j][e] = 0.0f;
+                if (j0 + j < nk) VecF<E>::load(vc + (size_t)(s0 + j0 + j) * HD, vv[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < KB; ++j) {
+                if (j0 + j < nk) {
+                    const float w = expf(sc[j0 + j] - mx);
+                    sum += w;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) acc[e] += w * vv[j][e];
+                }
+            }
         }
     }
     if (lane == 0) { wmax[warp] = mx; wsum[warp] = sum; }
@@ -1323,19 +1427,27 @@ __device__ void attn_body(const AttnArgs& p) {
 #pragma unroll
     for (int e = 0; e < E; ++e) wacc[warp][e * WARP + lane] = acc[e] * scale;
     __syncthreads();
-    // Thread t < HD: dim t, the warps' sums added in warp order.
-    float o = 0.0f;
-    if (tid < HD) {
-        const int idx = (tid % E) * WARP + tid / E;
+    // Thread t: dims t, t + ATTN_THREADS, ... below HD, the warps' sums added in warp order.
+    constexpr int DPT = (HD + ATTN_THREADS - 1) / ATTN_THREADS;  // dims per thread
+    float o[DPT];
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; ++w) o += wacc[w][idx];
+    for (int r = 0; r < DPT; ++r) {
+        const int d = tid + r * ATTN_THREADS;
+        o[r] = 0.0f;
+        if (d < HD) {
+            const int idx = (d % E) * WARP + d / E;
+#pragma unroll
+            for (int w = 0; w < ATTN_WARPS; ++w) o[r] += wacc[w][idx];
+        }
     }
     if (nchunks == 1) {
-        if (tid < HD) attn_emit<HD>(p, m, h, o / den);
+#pragma unroll
+        for (int r = 0; r < DPT; ++r) if (tid + r * ATTN_THREADS < HD) attn_emit<HD>(p, m, h, tid + r * ATTN_THREADS, o[r] / den);
         return;
     }
     float* ph = p.partials + ((size_t)m * p.n_head + h) * p.chunks_max * (HD + 2);
-    if (tid < HD) ph[(size_t)c * (HD + 2) + 2 + tid] = o;
+#pragma unroll
+    for (int r = 0; r < DPT; ++r) if (tid + r * ATTN_THREADS < HD) ph[(size_t)c * (HD + 2) + 2 + tid + r * ATTN_THREADS] = o[r];
     if (tid == 0) { ph[(size_t)c * (HD + 2)] = M; ph[(size_t)c * (HD + 2) + 1] = den; }
     // The last chunk of this (m, h) to finish merges the chunks in chunk order.
     __threadfence();
@@ -1358,14 +1470,17 @@ __device__ void attn_body(const AttnArgs& p) {
         if (lane == 0) { stat[0] = M2; stat[1] = den2; }
     }
     __syncthreads();
-    if (tid < HD) {
+#pragma unroll
+    for (int r = 0; r < DPT; ++r) {
+        const int d = tid + r * ATTN_THREADS;
+        if (d >= HD) break;
         const float M2 = stat[0];
         float o2 = 0.0f;
         for (int cc = 0; cc < nchunks; ++cc) {
             const float* pc = ph + (size_t)cc * (HD + 2);
-            o2 += __ldcg(pc + 2 + tid) * expf(__ldcg(pc) - M2);
+            o2 += __ldcg(pc + 2 + d) * expf(__ldcg(pc) - M2);
         }
-        attn_emit<HD>(p, m, h, o2 / stat[1]);
+        attn_emit<HD>(p, m, h, d, o2 / stat[1]);
     }
     if (tid == 0) p.counters[m * p.n_head + h] = 0;
 }
@@ -1373,6 +1488,7 @@ __device__ void attn_body(const AttnArgs& p) {
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd64(const AttnArgs p) { attn_body<64>(p); }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(const AttnArgs p) { attn_body<128>(p); }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd512(const AttnArgs p) { attn_body<512>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Attention for a prompt's many rows. A block takes ATTN_PROWS consecutive rows of one query
@@ -1382,15 +1498,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(con
 // are merged per row at the end (in warp order). No partials and no merge across blocks; the
 // sums are not attn_body's, so a prompt's rows match the decode attention to float rounding.
 //
-// Grid: (ceil(step->rows / ATTN_PROWS), n_head); block ATTN_THREADS. Output as attn_body's.
+// Grid: (ceil(step->rows / ATTN_PROWS), n_head) (ATTN_PROWS_512 at heads of 512); block
+// ATTN_THREADS. Output as attn_body's.
 
 #define ATTN_PROWS 8
 #define ATTN_PSUB 4
+#define ATTN_PROWS_512 4  // rows a block at heads of 512
 
-template <int HD>
+template <int HD, int PR = ATTN_PROWS, int PS = ATTN_PSUB>
 __device__ void attn_prompt_body(const AttnArgs& p) {
     constexpr int E = HD / WARP;
-    __shared__ float qsm[ATTN_PROWS][HD];
+    __shared__ float qsm[PR][HD];
     __shared__ float st[ATTN_WARPS][HD + 2];
     const int h = blockIdx.y;
     const int g = h / (p.n_head / p.n_kv);
@@ -1398,26 +1516,26 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
     pdl_trigger();
     pdl_wait();
     const int pos0 = p.step->pos, rows = p.step->rows;
-    const int m0 = (int)blockIdx.x * ATTN_PROWS, nr = min(ATTN_PROWS, rows - m0);
+    const int m0 = (int)blockIdx.x * PR, nr = min(PR, rows - m0);
     if (nr <= 0) return;
     for (int i = tid; i < nr * HD; i += ATTN_THREADS) qsm[i / HD][i % HD] = p.q[((size_t)(m0 + i / HD) * p.n_head + h) * HD + i % HD];
     __syncthreads();
     const int lo_first = p.window > 0 ? max(0, pos0 + m0 - p.window + 1) : 0, hi_last = pos0 + m0 + nr - 1;
     const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
     const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
-    float rmax[ATTN_PROWS], rsum[ATTN_PROWS], acc[ATTN_PROWS][E];
+    float rmax[PR], rsum[PR], acc[PR][E];
 #pragma unroll
-    for (int r = 0; r < ATTN_PROWS; ++r) {
+    for (int r = 0; r < PR; ++r) {
         rmax[r] = -INFINITY;
         rsum[r] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[r][e] = 0.0f;
     }
-    for (int base = lo_first + warp * ATTN_PSUB; base <= hi_last; base += ATTN_WARPS * ATTN_PSUB) {
-        const int nk = min(ATTN_PSUB, hi_last - base + 1);
-        float kv[ATTN_PSUB][E], vv[ATTN_PSUB][E];
+    for (int base = lo_first + warp * PS; base <= hi_last; base += ATTN_WARPS * PS) {
+        const int nk = min(PS, hi_last - base + 1);
+        float kv[PS][E], vv[PS][E];
 #pragma unroll
-        for (int j = 0; j < ATTN_PSUB; ++j) {
+        for (int j = 0; j < PS; ++j) {
 #pragma unroll
             for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
             if (j < nk) {
@@ -1426,7 +1544,7 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
             }
         }
 #pragma unroll
-        for (int r = 0; r < ATTN_PROWS; ++r) {
+        for (int r = 0; r < PR; ++r) {
             const int hi = pos0 + m0 + r;
             const int lo = p.window > 0 ? max(0, hi - p.window + 1) : 0;
             // Keys base + j with lo <= base + j <= hi (the same for the whole warp).
@@ -1435,9 +1553,9 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
             float qr[E];
 #pragma unroll
             for (int e = 0; e < E; ++e) qr[e] = qsm[r][lane * E + e];
-            float sc[ATTN_PSUB], mx = -INFINITY;
+            float sc[PS], mx = -INFINITY;
 #pragma unroll
-            for (int j = 0; j < ATTN_PSUB; ++j) {
+            for (int j = 0; j < PS; ++j) {
                 float t = 0.0f;
 #pragma unroll
                 for (int e = 0; e < E; ++e) t += qr[e] * kv[j][e];
@@ -1450,7 +1568,7 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) acc[r][e] *= keep;
 #pragma unroll
-            for (int j = 0; j < ATTN_PSUB; ++j) {
+            for (int j = 0; j < PS; ++j) {
                 if (j >= j0 && j < j1) {
                     const float w = expf(sc[j] - nm);
                     rsum[r] += w;
@@ -1461,15 +1579,15 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
             rmax[r] = nm;
         }
     }
-    // Per row: the warps' states merged in warp order; thread t < HD writes dim t.
+    // Per row: the warps' states merged in warp order; thread t writes dims t, t + ATTN_THREADS, ...
 #pragma unroll
-    for (int r = 0; r < ATTN_PROWS; ++r) {
+    for (int r = 0; r < PR; ++r) {
         if (r >= nr) break;
         if (lane == 0) { st[warp][0] = rmax[r]; st[warp][1] = rsum[r]; }
 #pragma unroll
         for (int e = 0; e < E; ++e) st[warp][2 + lane * E + e] = acc[r][e];
         __syncthreads();
-        if (tid < HD) {
+        for (int d = tid; d < HD; d += ATTN_THREADS) {
             float M = -INFINITY;
 #pragma unroll
             for (int w = 0; w < ATTN_WARPS; ++w) M = fmaxf(M, st[w][0]);
@@ -1479,9 +1597,9 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
                 if (st[w][0] == -INFINITY) continue;
                 const float f = expf(st[w][0] - M);
                 den += st[w][1] * f;
-                o += st[w][2 + tid] * f;
+                o += st[w][2 + d] * f;
             }
-            attn_emit<HD>(p, m0 + r, h, o / den);
+            attn_emit<HD>(p, m0 + r, h, d, o / den);
         }
         __syncthreads();
     }
@@ -1490,6 +1608,8 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd64(const AttnArgs p) { attn_prompt_body<64>(p); }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd128(const AttnArgs p) { attn_prompt_body<128>(p); }
 extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd256(const AttnArgs p) { attn_prompt_body<256>(p); }
+// Heads of 512: 4 rows a block and 2 keys a load (the registers of 8 rows of 16 dims each).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd512(const AttnArgs p) { attn_prompt_body<512, ATTN_PROWS_512, 2>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the
@@ -1942,10 +2062,10 @@ extern "C" __global__ void __launch_bounds__(256) gated_norm_quant(const GatedNo
 
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
 static_assert(sizeof(StepParams) == 88, "StepParams");
-static_assert(sizeof(NormQuantArgs) == 144, "NormQuantArgs");
+static_assert(sizeof(NormQuantArgs) == 152, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
-static_assert(sizeof(RopeArgs) == 112, "RopeArgs");
+static_assert(sizeof(RopeArgs) == 120, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 112, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
@@ -1953,3 +2073,5 @@ static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");
 static_assert(sizeof(ConvGdnArgs) == 152, "ConvGdnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
 static_assert(sizeof(TopKArgs) == 56, "TopKArgs");
+static_assert(sizeof(PleArgs) == 72, "PleArgs");
+static_assert(sizeof(SoftcapArgs) == 24, "SoftcapArgs");

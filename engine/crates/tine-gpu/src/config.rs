@@ -1,4 +1,4 @@
-//! A Gemma 3 or Qwen3.5 GGUF's shape as the GPU engine reads it: the hyperparameters of its step program,
+//! A Gemma 3, Gemma 4 or Qwen3.5 GGUF's shape as the GPU engine reads it: the hyperparameters of its step program,
 //! and which blocks belong to the trunk and which to a NextN head. Host code only (no CUDA), so
 //! CI tests it.
 
@@ -198,6 +198,153 @@ impl Qwen35Config {
     }
 }
 
+/// One Gemma 4 layer's attention shape.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma4Layer {
+    /// Sliding-window attention (else global).
+    pub sliding: bool,
+    pub n_head: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    pub ff: usize,
+    /// The layer whose K/V this layer reads: itself, or for a KV-shared layer the last layer of
+    /// its kind that owns K/V (`kv_layers - 2` sliding, `kv_layers - 1` global).
+    pub kv_layer: usize,
+}
+
+/// The hyperparameters of a `gemma4` GGUF's step program (the rules of candle's
+/// `quantized_gemma4::Config`, which the CPU path reads: per-layer head counts and head dims,
+/// KV-shared layers, per-layer embeddings, logit softcapping). The routed experts of a
+/// 26B-A4B-style file are not on the engine: [`Gemma4Config::unsupported`] says so.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Gemma4Config {
+    pub hidden: usize,
+    pub layers: Vec<Gemma4Layer>,
+    pub vocab: usize,
+    pub eps: f32,
+    pub window: usize,
+    pub rope_base: f32,
+    pub rope_base_swa: f32,
+    /// Dims RoPE turns on global and on sliding layers.
+    pub rope_dim: usize,
+    pub rope_dim_swa: usize,
+    pub softcap: Option<f32>,
+    /// Layers that own K/V (the first `kv_layers`).
+    pub kv_layers: usize,
+    /// Values per layer of the per-layer embeddings (0: none).
+    pub per_layer: usize,
+    /// Routed experts (`expert_count`; 0: none).
+    pub experts: usize,
+}
+
+impl Gemma4Config {
+    /// Reads the metadata of a `gemma4` GGUF whose token table has `vocab` rows.
+    pub fn from_metadata(md: &HashMap<String, Value>, vocab: usize) -> Result<Gemma4Config, String> {
+        let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
+        if arch != "gemma4" {
+            return Err(format!("architecture `{arch}` is not gemma4"));
+        }
+        let get = |key: &str| md.get(&format!("gemma4.{key}"));
+        let u = |key: &str| -> Result<usize, String> { get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize).ok_or_else(|| format!("metadata gemma4.{key} missing")) };
+        let opt_u = |key: &str| -> Result<Option<usize>, String> { get(key).map(|v| v.to_u32().map(|v| v as usize).map_err(|e| format!("gemma4.{key}: {e}"))).transpose() };
+        let f = |key: &str| -> Result<Option<f32>, String> { get(key).map(|v| v.to_f32().map_err(|e| format!("gemma4.{key}: {e}"))).transpose() };
+        let n = u("block_count")?;
+        if n == 0 {
+            return Err("gemma4.block_count is 0".into());
+        }
+        let per_layer = |key: &str| -> Result<Vec<usize>, String> {
+            match get(key) {
+                Some(Value::Array(a)) if a.len() == n => {
+                    a.iter().map(|x| x.to_u32().map(|x| x as usize).or_else(|_| x.to_i32().map(|x| x as usize)).map_err(|e| format!("gemma4.{key}: {e}"))).collect()
+                }
+                Some(Value::Array(a)) => Err(format!("gemma4.{key} has {} values for {n} layers", a.len())),
+                Some(v) => Ok(vec![v.to_u32().map_err(|e| format!("gemma4.{key}: {e}"))? as usize; n]),
+                None => Err(format!("metadata gemma4.{key} missing")),
+            }
+        };
+        let sliding: Vec<bool> = match get("attention.sliding_window_pattern") {
+            Some(Value::Array(a)) if a.len() == n => a.iter().map(|v| v.to_bool().map_err(|e| format!("gemma4.attention.sliding_window_pattern: {e}"))).collect::<Result<_, _>>()?,
+            Some(Value::Array(a)) => return Err(format!("gemma4.attention.sliding_window_pattern has {} values for {n} layers", a.len())),
+            Some(_) => return Err("gemma4.attention.sliding_window_pattern is not a bool per layer".into()),
+            None => return Err("metadata gemma4.attention.sliding_window_pattern missing".into()),
+        };
+        let (n_head, n_kv, ff) = (per_layer("attention.head_count")?, per_layer("attention.head_count_kv")?, per_layer("feed_forward_length")?);
+        let (hd, hd_swa) = (u("attention.key_length")?, u("attention.key_length_swa")?);
+        if opt_u("attention.value_length")?.unwrap_or(hd) != hd || opt_u("attention.value_length_swa")?.unwrap_or(hd_swa) != hd_swa {
+            return Err("gemma4: value_length differs from key_length".into());
+        }
+        let shared = opt_u("attention.shared_kv_layers")?.unwrap_or(0);
+        if shared >= n {
+            return Err(format!("gemma4: {shared} KV-shared layers of {n}"));
+        }
+        let kv_layers = n - shared;
+        if shared > 0 && kv_layers < 2 {
+            return Err(format!("gemma4: KV-shared layers need two layers with K/V before them, there are {kv_layers}"));
+        }
+        let mut layers = Vec::with_capacity(n);
+        for l in 0..n {
+            if n_head[l] == 0 || n_kv[l] == 0 || !n_head[l].is_multiple_of(n_kv[l]) {
+                return Err(format!("gemma4: layer {l} has {} query heads over {} KV heads", n_head[l], n_kv[l]));
+            }
+            let kv_layer = if l < kv_layers { l } else { kv_layers - if sliding[l] { 2 } else { 1 } };
+            layers.push(Gemma4Layer { sliding: sliding[l], n_head: n_head[l], n_kv: n_kv[l], head_dim: if sliding[l] { hd_swa } else { hd }, ff: ff[l], kv_layer });
+        }
+        for l in kv_layers..n {
+            let (me, src) = (&layers[l], &layers[layers[l].kv_layer]);
+            if src.sliding != me.sliding || src.head_dim != me.head_dim || !me.n_head.is_multiple_of(src.n_kv) {
+                return Err(format!("gemma4: layer {l} shares layer {}'s K/V, which is of another kind or shape", me.kv_layer));
+            }
+        }
+        let rope_base = f("rope.freq_base")?.unwrap_or(1_000_000.0);
+        Ok(Gemma4Config {
+            hidden: u("embedding_length")?,
+            vocab,
+            eps: f("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+            window: u("attention.sliding_window")?,
+            rope_base,
+            rope_base_swa: f("rope.freq_base_swa")?.unwrap_or(rope_base),
+            rope_dim: opt_u("rope.dimension_count")?.unwrap_or(hd).min(hd),
+            rope_dim_swa: opt_u("rope.dimension_count_swa")?.unwrap_or(hd_swa).min(hd_swa),
+            softcap: f("final_logit_softcapping")?.filter(|&c| c > 0.0),
+            kv_layers,
+            per_layer: opt_u("embedding_length_per_layer_input")?.unwrap_or(0),
+            experts: opt_u("expert_count")?.unwrap_or(0),
+            layers,
+        })
+    }
+
+    /// The layer whose K/V layer `l` reads (itself where it owns K/V).
+    pub fn kv_source(&self, l: usize) -> usize {
+        self.layers[l].kv_layer
+    }
+
+    /// Why the engine's kernels cannot run this shape, if they cannot.
+    pub fn unsupported(&self) -> Option<String> {
+        if self.experts > 0 {
+            return Some(format!("{} routed experts (a 26B-A4B-style block): the experts are not on the GPU engine yet", self.experts));
+        }
+        for (l, ly) in self.layers.iter().enumerate() {
+            let src = &self.layers[ly.kv_layer];
+            if !matches!(ly.head_dim, 64 | 128 | 256 | 512) || ly.n_head / src.n_kv > 8 {
+                return Some(format!("layer {l}: attention heads {} / {} KV heads of {} dims", ly.n_head, src.n_kv, ly.head_dim));
+            }
+            if !ly.ff.is_multiple_of(32) {
+                return Some(format!("layer {l}: a feed-forward width of {} (a multiple of 32)", ly.ff));
+            }
+        }
+        if !self.hidden.is_multiple_of(32) || self.hidden > 8192 {
+            return Some(format!("a hidden width of {} (a multiple of 32, at most 8192)", self.hidden));
+        }
+        if self.per_layer > 0 && (!self.per_layer.is_multiple_of(32) || self.per_layer > 1024) {
+            return Some(format!("per-layer inputs of {} values (a multiple of 32 up to 1024)", self.per_layer));
+        }
+        if self.rope_dim % 2 == 1 || self.rope_dim_swa % 2 == 1 {
+            return Some(format!("odd rotated dims ({} and {})", self.rope_dim, self.rope_dim_swa));
+        }
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +394,51 @@ mod tests {
         .collect();
         md.insert("general.architecture".into(), Value::String("qwen35".into()));
         md
+    }
+
+    fn gemma4_metadata(shared: u32) -> HashMap<String, Value> {
+        let mut md: HashMap<String, Value> = [
+            ("block_count", 6),
+            ("embedding_length", 256),
+            ("attention.key_length", 512),
+            ("attention.key_length_swa", 256),
+            ("attention.sliding_window", 512),
+            ("rope.dimension_count", 128),
+            ("attention.shared_kv_layers", shared),
+            ("embedding_length_per_layer_input", 64),
+        ]
+        .into_iter()
+        .map(|(k, v)| (format!("gemma4.{k}"), Value::U32(v)))
+        .collect();
+        let arr = |v: &[u32]| Value::Array(v.iter().map(|&x| Value::U32(x)).collect());
+        md.insert("gemma4.attention.head_count".into(), Value::U32(8));
+        md.insert("gemma4.attention.head_count_kv".into(), arr(&[2, 2, 1, 2, 2, 1]));
+        md.insert("gemma4.feed_forward_length".into(), arr(&[512, 512, 512, 1024, 1024, 1024]));
+        md.insert("gemma4.attention.sliding_window_pattern".into(), Value::Array([true, true, false, true, true, false].into_iter().map(Value::Bool).collect()));
+        md.insert("gemma4.final_logit_softcapping".into(), Value::F32(30.0));
+        md.insert("general.architecture".into(), Value::String("gemma4".into()));
+        md
+    }
+
+    #[test]
+    fn gemma4_kv_shared_layers_read_the_last_owner_of_their_kind() {
+        let c = Gemma4Config::from_metadata(&gemma4_metadata(3), 1000).expect("gemma4");
+        assert_eq!(c.kv_layers, 3);
+        // Layers 3, 4 (sliding) read layer 1; layer 5 (global) reads layer 2.
+        assert_eq!((0..6).map(|l| c.kv_source(l)).collect::<Vec<_>>(), vec![0, 1, 2, 1, 1, 2]);
+        assert_eq!((c.layers[2].head_dim, c.layers[1].head_dim, c.layers[4].ff), (512, 256, 1024));
+        assert_eq!((c.rope_dim, c.rope_dim_swa, c.softcap, c.per_layer), (128, 256, Some(30.0), 64));
+        assert_eq!(c.unsupported(), None);
+        let own = Gemma4Config::from_metadata(&gemma4_metadata(0), 1000).expect("no sharing");
+        assert_eq!((own.kv_layers, own.kv_source(5)), (6, 5));
+        // One layer with K/V before shared ones is refused, as candle refuses it.
+        assert!(Gemma4Config::from_metadata(&gemma4_metadata(5), 1000).is_err());
+        let mut moe = gemma4_metadata(0);
+        moe.insert("gemma4.expert_count".into(), Value::U32(8));
+        assert!(Gemma4Config::from_metadata(&moe, 1000).expect("reads").unsupported().expect("refused").contains("experts"));
+        let mut bad = gemma4_metadata(0);
+        bad.insert("gemma4.feed_forward_length".into(), Value::Array(vec![Value::U32(512); 5]));
+        assert!(Gemma4Config::from_metadata(&bad, 1000).expect_err("5 values for 6 layers").contains("5 values"));
     }
 
     #[test]

@@ -41,6 +41,8 @@ pub const ATTN_CHUNK: usize = 64;
 pub const ATTN_THREADS: usize = 256;
 /// Rows per block of the prompt attention (`attn_prompt_hd*`).
 pub const ATTN_PROMPT_ROWS: usize = 8;
+/// Rows per block of the prompt attention at heads of 512.
+pub const ATTN_PROMPT_ROWS_512: usize = 4;
 
 /// Blocks per row of the argmax.
 pub const ARGMAX_BLOCKS: usize = 128;
@@ -151,6 +153,9 @@ pub struct NormQuantArgs {
     pub res_scale: f32,
     /// `in_mode` 2: the embedding table's weight type, ggml's number (0: Q8_0).
     pub embd_type: i32,
+    /// `in_mode` 4 (`gelu_tanh(a) · w_a`, Gemma 4's per-layer input gate): values between the
+    /// rows of `w_a`.
+    pub b_stride: i32,
 }
 
 /// One segment of a GEMV launch.
@@ -207,6 +212,46 @@ pub struct RopeArgs {
     pub hd: i32,
     /// Dims rotated at the front of each head (0: all of them); `inv_freq` holds `n_rot / 2`.
     pub n_rot: i32,
+    /// 1: V's RMSNorm without a weight before it is cached (Gemma 4).
+    pub v_norm: i32,
+    /// 1: V is K's projection before its norm (Gemma 4's `k_eq_v` layers; `v` is not read).
+    pub v_from_k: i32,
+}
+
+/// `ple_inputs`'s arguments: Gemma 4's per-layer inputs of a step's rows (see decode.cu).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PleArgs {
+    /// `[rows, n_layer * p]`: the embedded rows through `per_layer_model_proj`.
+    pub proj: DevPtr,
+    /// `per_layer_token_embd`: rows of `n_layer * p` values of `embd_type`, either layout.
+    pub embd: DevPtr,
+    /// `per_layer_proj_norm`, `p` values.
+    pub w: DevPtr,
+    /// `[rows, n_layer * p]`.
+    pub out: DevPtr,
+    pub step: DevPtr,
+    /// The rows' token ids (0: the step block's).
+    pub tokens: DevPtr,
+    pub embd_type: i32,
+    pub n_layer: i32,
+    pub p: i32,
+    pub eps: f32,
+    /// `1 / sqrt(hidden)`.
+    pub proj_scale: f32,
+    /// `sqrt(p)`.
+    pub tok_scale: f32,
+}
+
+/// `softcap`'s arguments: `x = tanh(x · inv_cap) · cap` over `n` values in place.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SoftcapArgs {
+    pub x: DevPtr,
+    pub n: i32,
+    pub cap: f32,
+    pub inv_cap: f32,
+    pub pad_: i32,
 }
 
 /// `attn_decode_hd{HD}`'s arguments.
@@ -340,10 +385,10 @@ pub struct TopKArgs {
 
 // The sizes decode.cu asserts for the same structs.
 const _: () = assert!(std::mem::size_of::<StepParams>() == 88);
-const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 144);
+const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
-const _: () = assert!(std::mem::size_of::<RopeArgs>() == 112);
+const _: () = assert!(std::mem::size_of::<RopeArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 112);
 const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
@@ -351,6 +396,8 @@ const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<ConvGdnArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<TopKArgs>() == 56);
+const _: () = assert!(std::mem::size_of::<PleArgs>() == 72);
+const _: () = assert!(std::mem::size_of::<SoftcapArgs>() == 24);
 
 // SAFETY: each is a repr(C) struct of integers and floats, the layout of its namesake in decode.cu
 // (sizes asserted on both sides), passed by value as a kernel parameter.
@@ -364,6 +411,8 @@ unsafe impl DeviceRepr for ConvArgs {}
 unsafe impl DeviceRepr for GdnArgs {}
 unsafe impl DeviceRepr for GatedNormArgs {}
 unsafe impl DeviceRepr for ConvGdnArgs {}
+unsafe impl DeviceRepr for PleArgs {}
+unsafe impl DeviceRepr for SoftcapArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -376,8 +425,10 @@ pub struct Kernels {
     gemv_wide: Vec<CudaFunction>,
     mmq: CudaFunction,
     rope: CudaFunction,
-    attn: [(usize, CudaFunction); 3],
-    attn_prompt: [(usize, CudaFunction); 3],
+    attn: [(usize, CudaFunction); 4],
+    attn_prompt: [(usize, CudaFunction); 4],
+    ple: CudaFunction,
+    softcap: CudaFunction,
     argmax: CudaFunction,
     topk: CudaFunction,
     conv: CudaFunction,
@@ -410,8 +461,10 @@ impl Kernels {
             gemv_wide: (1..=MAX_ROWS).map(|m| f(&format!("gemv_wide_m{m}"))).collect::<Result<_, _>>()?,
             mmq: f("mmq")?,
             rope: f("qk_norm_rope_kv")?,
-            attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?)],
-            attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?)],
+            attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?), (512, f("attn_decode_hd512")?)],
+            attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?), (512, f("attn_prompt_hd512")?)],
+            ple: f("ple_inputs")?,
+            softcap: f("softcap")?,
             argmax: f("argmax_rows")?,
             topk: f("topk_rows")?,
             conv: f("conv_silu")?,
@@ -573,6 +626,7 @@ impl Kernels {
     pub unsafe fn qk_norm_rope_kv(&self, stream: &Arc<CudaStream>, rows: usize, args: &RopeArgs) -> Result<(), GpuError> {
         check(args.hd > 0 && args.hd % 64 == 0 && args.hd <= 512, || format!("qk_norm_rope_kv: head dim {} (a multiple of 64 up to 512)", args.hd))?;
         check(args.n_rot >= 0 && args.n_rot % 2 == 0 && args.n_rot <= args.hd, || format!("qk_norm_rope_kv: {} rotated dims of a head of {}", args.n_rot, args.hd))?;
+        check(args.n_head > 0 && args.n_kv >= 0, || format!("qk_norm_rope_kv: {} query heads and {} KV heads", args.n_head, args.n_kv))?;
         let cfg = LaunchConfig { grid_dim: ((args.n_head + args.n_kv) as u32, rows as u32, 1), block_dim: ((args.hd / 2) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.rope, cfg, args, "qk_norm_rope_kv")
     }
@@ -590,22 +644,23 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`]; `partials` holds `rows * n_head * chunks_max * (hd + 2)`
     /// floats and `counters` `MAX_ROWS * n_head` zeroed ints.
     pub unsafe fn attention(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+        let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_head as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, f, cfg, args, "attention")
     }
 
     /// Causal attention for a prompt's `rows` rows (the step block's `rows`): a block per 8 rows
-    /// and query head, its warps over the rows' keys, each key's K/V loaded once for the 8 rows
+    /// (4 at heads of 512) and query head, its warps over the rows' keys, each key's K/V loaded once for the block's rows
     /// (to float rounding of [`Kernels::attention`]'s rows). No partials or counters.
     ///
     /// # Safety
     /// As for [`Kernels::attention`], for `rows` rows.
     pub unsafe fn attention_prompt(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        let f = self.attn_prompt.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128 or 256)")))?;
+        let f = self.attn_prompt.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
-        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(ATTN_PROMPT_ROWS) as u32, args.n_head as u32, 1), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        let per_block = if hd == 512 { ATTN_PROMPT_ROWS_512 } else { ATTN_PROMPT_ROWS };
+        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(per_block) as u32, args.n_head as u32, 1), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, f, cfg, args, "attention_prompt")
     }
 
@@ -680,6 +735,28 @@ impl Kernels {
         check(args.d > 0 && args.d % 32 == 0 && args.d <= 256, || format!("gated_norm_quant: heads of {} values (a multiple of 32 up to 256)", args.d))?;
         let cfg = LaunchConfig { grid_dim: (args.hv as u32, rows as u32, 1), block_dim: (args.d as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.gated_norm, cfg, args, "gated_norm_quant")
+    }
+
+    /// Gemma 4's per-layer inputs of `rows` rows ([`PleArgs`]).
+    ///
+    /// # Safety
+    /// As for [`Kernels::norm_quant`]: `proj` and `out` hold `rows` rows of `n_layer * p`
+    /// values, `embd` a table of such rows for every token id of the step, `w` `p` values.
+    pub unsafe fn ple_inputs(&self, stream: &Arc<CudaStream>, rows: usize, args: &PleArgs) -> Result<(), GpuError> {
+        check(args.p > 0 && args.p % 32 == 0 && args.p <= 1024 && args.n_layer > 0, || format!("ple_inputs: {} layers of {} values (a multiple of 32 up to 1024)", args.n_layer, args.p))?;
+        let cfg = LaunchConfig { grid_dim: (args.n_layer as u32, rows as u32, 1), block_dim: (args.p as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.ple, cfg, args, "ple_inputs")
+    }
+
+    /// Logit softcapping in place over `args.n` values.
+    ///
+    /// # Safety
+    /// `args.x` holds `args.n` floats.
+    pub unsafe fn softcap(&self, stream: &Arc<CudaStream>, args: &SoftcapArgs) -> Result<(), GpuError> {
+        check(args.n > 0 && args.cap > 0.0, || format!("softcap: {} values, cap {}", args.n, args.cap))?;
+        let blocks = (args.n as usize).div_ceil(256 * 8).min(1024);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.softcap, cfg, args, "softcap")
     }
 
     /// The blocks per row of `topk_rows` for rows of `n` values (its scratch is `rows * blocks *

@@ -65,7 +65,7 @@ pub enum Gemma3GpuError {
     },
     #[error("{path}: {what}")]
     Model { path: String, what: String },
-    #[error("tensor {name} is {dtype:?}, which the GPU engine does not read (it reads Q4_K, Q5_0, Q6_K and Q8_0 weights)")]
+    #[error("tensor {name} is {dtype:?}, which the GPU engine does not read (it reads Q4_K, Q5_K, Q5_0, Q6_K and Q8_0 weights)")]
     Unsupported { name: String, dtype: GgmlDType },
     #[error("CUDA driver")]
     Driver(#[from] cudarc::driver::DriverError),
@@ -581,6 +581,7 @@ impl Gemma3Gpu {
             q_off: 0,
             res_scale: 0.0,
             embd_type: self.embd.embd_type(),
+            b_stride: 0,
         }
     }
 
@@ -646,6 +647,8 @@ impl Gemma3Gpu {
             n_kv: c.n_kv as i32,
             hd: c.head_dim as i32,
             n_rot: 0,
+            v_norm: 0,
+            v_from_k: 0,
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;

@@ -7,18 +7,20 @@
 //!
 //! | kernel | does |
 //! |---|---|
-//! | `norm_quant` | optional post-norm + residual add, or pre-norm residual add, or the embedding row (any weight type the GEMV reads, in either layout), RMSNorm, and the Q8 activation blocks the GEMVs read |
+//! | `norm_quant` | optional post-norm + residual add, or pre-norm residual add, or the embedding row (any weight type the GEMV reads, in either layout), or `gelu(a) · b` (Gemma 4's per-layer input gate), RMSNorm, and the Q8 activation blocks the GEMVs read |
 //! | `gemv_wide_m{1..8}` | quantized GEMV over M rows of weights in the wide layout ([`blocks::WeightType::to_wide`]: what the engine loads), 4 to 32 lanes a row from the launch's shape, up to four segments per launch (Q, K and V in one), optional GELU(tanh)·up or SiLU·up epilogue |
 //! | `gemv_m{1..8}`, `gemv_staged_m{1..8}` | the same over GGUF blocks as the file has them (Q4_K, Q5_K, Q5_0, Q6_K, Q8_0; `TINE_GPU_WIDE=0`) |
-//! | `qk_norm_rope_kv` | per-head q/k RMSNorm, RoPE (NeoX halves, over all or the first `n_rot` dims), the query scale, K/V written to the cache at the step's positions |
-//! | `attn_decode_hd{64,128,256}` | causal attention, GQA, sliding window, split over the keys by absolute position with the combine in the same launch, optional `sigmoid(gate)` on the output |
+//! | `qk_norm_rope_kv` | per-head q/k RMSNorm, RoPE (NeoX halves, over all or the first `n_rot` dims), the query scale, K/V written to the cache at the step's positions (optionally V's weightless RMSNorm and V taken from K's projection: Gemma 4) |
+//! | `attn_decode_hd{64,128,256,512}` | causal attention, GQA, sliding window, split over the keys by absolute position with the combine in the same launch, optional `sigmoid(gate)` on the output |
 //! | `conv_silu` | the gated delta-net's causal conv with SiLU over a conv window kept in state planes |
 //! | `gated_delta_rule` | the delta rule in its recurrent form over the step's rows in order, the state in planes ([`planes`]) |
 //! | `conv_gated_delta_rule` | `conv_silu` and `gated_delta_rule` in one launch for decode and verify steps, the same bits |
 //! | `gated_norm_quant` | `RMSNorm(o)·w·SiLU(z)` per value head, as Q8 rows |
 //! | `argmax_rows` | greedy id per row (lowest id on ties), optionally fed back as the next step's token |
 //! | `mmq` | a prompt step's GEMMs (more than 8 rows): the GEMV's segments and epilogue as int8 tensor-core tiles, over either layout |
-//! | `attn_prompt_hd{64,128,256}` | a prompt step's attention: a block per 8 rows and query head, a running softmax per warp |
+//! | `attn_prompt_hd{64,128,256,512}` | a prompt step's attention: a block per 8 rows (4 at heads of 512) and query head, a running softmax per warp |
+//! | `ple_inputs` | Gemma 4's per-layer inputs of a step's rows: the per-layer projection's RMSNorm per layer plus the per-layer token embedding gathered in place |
+//! | `softcap` | logit softcapping, `tanh(x / c) · c` |
 //! | `topk_rows` | the k best logits of each row (k <= 64) under the sampler's order, banned ids left out |
 //!
 //! Every decode kernel computes a row (one token of a step) with the same operations in the same
@@ -41,6 +43,8 @@ pub mod reference;
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod gemma3;
+#[cfg(feature = "cuda")]
+pub mod gemma4;
 #[cfg(feature = "cuda")]
 pub mod qwen35;
 #[cfg(feature = "cuda")]

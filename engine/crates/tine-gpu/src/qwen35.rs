@@ -403,6 +403,7 @@ impl Qwen35Gpu {
             q_off: 0,
             res_scale: 0.0,
             embd_type: self.embd.embd_type(),
+            b_stride: 0,
         }
     }
 
@@ -499,6 +500,8 @@ impl Qwen35Gpu {
                             n_kv: c.n_kv as i32,
                             hd: c.head_dim as i32,
                             n_rot: c.rope_dim as i32,
+                            v_norm: 0,
+                            v_from_k: 0,
                         };
                         k.qk_norm_rope_kv(s, rows, &rope)?;
                         mark("qk_norm_rope_kv")?;

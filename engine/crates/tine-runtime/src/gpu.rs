@@ -1,5 +1,5 @@
 //! The seam to tine-gpu's decode engine: with `--device cuda` (unless `TINE_GPU_ENGINE=0`), a
-//! Gemma 3 or a Qwen3.5 (`qwen35`) whose weights the engine reads (Q4_K, Q5_K, Q5_0, Q6_K, Q8_0)
+//! Gemma 3, a Gemma 4 (dense or E-series) or a Qwen3.5 (`qwen35`) whose weights the engine reads (Q4_K, Q5_K, Q5_0, Q6_K, Q8_0)
 //! runs its steps there, one captured CUDA graph per row count, instead of through candle's CUDA
 //! backend op by op. On Gemma 3 a NextN head baked into the GGUF and an assistant head
 //! (`--mtp-head`, reading the sequence's KV cache there) run there too; Qwen3.5's NextN head runs
@@ -23,16 +23,19 @@ mod imp {
     use super::*;
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
     use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
+    use tine_gpu::gemma4::{Gemma4Cache, Gemma4Gpu};
     use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
 
     /// The model's trunk on the engine.
     pub enum GpuTrunk {
         Gemma3(Box<Gemma3Gpu>),
+        Gemma4(Box<Gemma4Gpu>),
         Qwen35(Box<Qwen35Gpu>),
     }
     /// One sequence's state on the engine.
     pub enum GpuSeq {
         Gemma3(GpuCache),
+        Gemma4(Box<Gemma4Cache>),
         Qwen35(Box<Qwen35Cache>),
     }
 
@@ -41,15 +44,16 @@ mod imp {
         ($trunk:expr, $seq:expr, |$m:ident, $c:ident| $body:expr) => {
             match ($trunk, $seq) {
                 (GpuTrunk::Gemma3($m), GpuSeq::Gemma3($c)) => $body,
+                (GpuTrunk::Gemma4($m), GpuSeq::Gemma4($c)) => $body,
                 (GpuTrunk::Qwen35($m), GpuSeq::Qwen35($c)) => $body,
                 _ => unreachable!("a sequence's state is made by its model's engine"),
             }
         };
     }
 
-    /// The error for what the Qwen3.5 engine does not do (yet).
-    fn not_on_qwen35(what: &str) -> GpuError {
-        GpuError::Step { rows: 0, pos: 0, what: format!("{what} is not on the GPU engine for qwen35") }
+    /// The error for what the engine does not do (yet) for `family`.
+    fn not_on_engine(family: &str, what: &str) -> GpuError {
+        GpuError::Step { rows: 0, pos: 0, what: format!("{what} is not on the GPU engine for {family}") }
     }
     /// One sequence's NextN cache on the engine.
     pub struct GpuNextN(NextNCache);
@@ -75,14 +79,19 @@ mod imp {
             if std::env::var("TINE_GPU_ENGINE").is_ok_and(|v| v == "0") {
                 return Ok(None);
             }
-            if tine_gpu::gemma3::architecture(path)?.starts_with("qwen35") {
+            let arch = tine_gpu::gemma3::architecture(path)?;
+            if arch.starts_with("qwen35") {
                 return Ok(Some(GpuTrunk::Qwen35(Box::new(Qwen35Gpu::load(path, gpu_id, max_ctx)?))));
+            }
+            if arch == "gemma4" {
+                return Ok(Some(GpuTrunk::Gemma4(Box::new(Gemma4Gpu::load(path, gpu_id, max_ctx)?))));
             }
             Ok(Some(GpuTrunk::Gemma3(Box::new(Gemma3Gpu::load(path, gpu_id, max_ctx)?))))
         }
         pub fn new_seq(&self, context: usize) -> Result<GpuSeq, GpuError> {
             Ok(match self {
                 GpuTrunk::Gemma3(m) => GpuSeq::Gemma3(m.new_cache(context)?),
+                GpuTrunk::Gemma4(m) => GpuSeq::Gemma4(Box::new(m.new_cache(context)?)),
                 GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache(context)?)),
             })
         }
@@ -90,7 +99,15 @@ mod imp {
         fn gemma3(&self, what: &str) -> Result<&Gemma3Gpu, GpuError> {
             match self {
                 GpuTrunk::Gemma3(m) => Ok(m),
-                GpuTrunk::Qwen35(_) => Err(not_on_qwen35(what)),
+                _ => Err(not_on_engine(self.family(), what)),
+            }
+        }
+        /// The model family's architecture name.
+        fn family(&self) -> &'static str {
+            match self {
+                GpuTrunk::Gemma3(_) => "gemma3",
+                GpuTrunk::Gemma4(_) => "gemma4",
+                GpuTrunk::Qwen35(_) => "qwen35",
             }
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits, `rows × vocab`.
@@ -102,7 +119,7 @@ mod imp {
         }
         /// Runs `tokens` (at most [`GpuTrunk::prompt_rows`]) through the trunk alone (a prompt
         /// chunk before the last: no LM head runs) and returns their final hidden states when asked
-        /// (`rows × hidden`, Gemma 3: before the output norm; Qwen3.5: after it, what its NextN head reads), else nothing.
+        /// (`rows × hidden`, Gemma 3: before the output norm; Gemma 4 and Qwen3.5: after it, what an assistant or NextN head reads), else nothing.
         pub fn forward_trunk(&self, seq: &mut GpuSeq, tokens: &[u32], hidden: bool) -> Result<Vec<f32>, GpuError> {
             each!(self, seq, |m, c| {
                 m.forward_trunk(c, tokens)?;
@@ -138,7 +155,7 @@ mod imp {
             each!(self, seq, |m, c| m.forward_top_k(c, tokens, banned, k))
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns their logits (`rows × vocab`) and
-        /// final hidden states (`rows × hidden`, before the output norm on Gemma 3, after it on Qwen3.5).
+        /// final hidden states (`rows × hidden`, before the output norm on Gemma 3, after it on Gemma 4 and Qwen3.5).
         pub fn forward_hidden(&self, seq: &mut GpuSeq, tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             each!(self, seq, |m, c| {
                 m.forward(c, tokens)?;
@@ -147,7 +164,7 @@ mod imp {
         }
         /// Runs `tokens` (at most [`STEP_ROWS`]) and returns every row's greedy id, passing over
         /// `banned` (at most [`MAX_BANNED`]), and with `hidden` the rows' final hidden states
-        /// (`rows × hidden`, before the output norm on Gemma 3, after it on Qwen3.5; a verify step for a drafter that reads
+        /// (`rows × hidden`, before the output norm on Gemma 3, after it on Gemma 4 and Qwen3.5; a verify step for a drafter that reads
         /// them): the logits stay on the device.
         pub fn forward_argmax_all(&self, seq: &mut GpuSeq, tokens: &[u32], banned: &[u32], hidden: bool) -> Result<(Vec<u32>, Vec<f32>), GpuError> {
             each!(self, seq, |m, c| {
@@ -168,7 +185,7 @@ mod imp {
         pub fn new_nextn(&self, context: usize) -> Result<Option<GpuNextN>, GpuError> {
             match self {
                 GpuTrunk::Gemma3(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN)),
-                GpuTrunk::Qwen35(_) => Ok(None),
+                GpuTrunk::Gemma4(_) | GpuTrunk::Qwen35(_) => Ok(None),
             }
         }
         /// Runs the NextN head over entries `state.len()..`: `hidden` (`rows × hidden`) and the
@@ -199,20 +216,21 @@ mod imp {
         pub fn read_kv(&self, seq: &GpuSeq) -> Result<Vec<LayerKv>, GpuError> {
             match (self, seq) {
                 (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.read_kv(c),
-                _ => Err(not_on_qwen35("a slot file")),
+                _ => Err(not_on_engine(self.family(), "a slot file")),
             }
         }
         /// `seq` holds `len` positions with K and V `layers` (as [`GpuTrunk::read_kv`] gives).
         pub fn write_kv(&self, seq: &mut GpuSeq, len: usize, layers: &[(&[f32], &[f32])]) -> Result<(), GpuError> {
             match (self, seq) {
                 (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.write_kv(c, len, layers),
-                _ => Err(not_on_qwen35("a slot file")),
+                _ => Err(not_on_engine(self.family(), "a slot file")),
             }
         }
         /// KV heads and head size (a layer's K is `(kv_heads, len, head_dim)`).
         pub fn kv_shape(&self) -> (usize, usize) {
             match self {
                 GpuTrunk::Gemma3(m) => (m.config().n_kv, m.config().head_dim),
+                GpuTrunk::Gemma4(m) => (m.config().layers[0].n_kv, m.config().layers[0].head_dim),
                 GpuTrunk::Qwen35(m) => (m.config().n_kv, m.config().head_dim),
             }
         }
@@ -220,6 +238,7 @@ mod imp {
         pub fn max_context(&self) -> usize {
             match self {
                 GpuTrunk::Gemma3(m) => m.max_ctx(),
+                GpuTrunk::Gemma4(m) => m.max_ctx(),
                 GpuTrunk::Qwen35(m) => m.max_ctx(),
             }
         }
@@ -228,6 +247,7 @@ mod imp {
         pub fn prompt_rows(&self) -> usize {
             match self {
                 GpuTrunk::Gemma3(m) => m.prompt_rows(),
+                GpuTrunk::Gemma4(m) => m.prompt_rows(),
                 GpuTrunk::Qwen35(m) => m.prompt_rows(),
             }
         }
@@ -241,7 +261,7 @@ mod imp {
         pub fn assistant_step(&self, head: &GpuAssistant, seq: &GpuSeq, hidden: &[f32], token: u32, position: usize) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             match (self, seq) {
                 (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.assistant_step(&head.0, c, hidden, token, position),
-                _ => Err(not_on_qwen35("an assistant head")),
+                _ => Err(not_on_engine(self.family(), "an assistant head")),
             }
         }
     }
@@ -258,6 +278,7 @@ mod imp {
         pub fn len(&self) -> usize {
             match self {
                 GpuSeq::Gemma3(c) => c.len(),
+                GpuSeq::Gemma4(c) => c.len(),
                 GpuSeq::Qwen35(c) => c.len(),
             }
         }
@@ -266,6 +287,7 @@ mod imp {
         pub fn restorable(&self, len: usize) -> usize {
             match self {
                 GpuSeq::Gemma3(c) => len.min(c.len()),
+                GpuSeq::Gemma4(c) => len.min(c.len()),
                 GpuSeq::Qwen35(c) => c.restorable(len),
             }
         }
@@ -274,6 +296,10 @@ mod imp {
         pub fn truncate(&mut self, len: usize) -> bool {
             match self {
                 GpuSeq::Gemma3(c) => {
+                    c.truncate(len);
+                    true
+                }
+                GpuSeq::Gemma4(c) => {
                     c.truncate(len);
                     true
                 }

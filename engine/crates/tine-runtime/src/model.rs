@@ -427,6 +427,15 @@ impl Model {
         self.engine_note.as_deref()
     }
 
+    /// Leaves the GPU engine for candle's CUDA path (whose weights are loaded beside it), for
+    /// `why` (a drafter the engine does not run beside this model); [`Model::engine_note`] says
+    /// it. Sequences made before keep the engine's state: call this before making any.
+    pub fn leave_engine(&mut self, why: &str) {
+        if self.gpu.take().is_some() {
+            self.engine_note = Some(why.to_string());
+        }
+    }
+
     /// Stores the keys and the values of sequences made from now on as `k` and `v` (llama.cpp's
     /// `--cache-type-k/-v`; f32 by default). Sequences differ between types, but within one type
     /// a speculative verify batch reproduces one-token decoding bit for bit. On the CPU every

@@ -27,7 +27,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, Layout, WeightType, EMBD_WIDE, QK};
-use tine_gpu::cuda::{ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, RopeArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX};
+use tine_gpu::cuda::{
+    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS,
+    TOPK_MAX,
+};
 use tine_gpu::reference;
 
 type Res<T> = Result<T, Box<dyn std::error::Error>>;
@@ -509,11 +512,15 @@ fn check_norm_quant_concat(dev: &Dev, rng: &mut Rng, k: usize) -> Res<Case> {
 
 /// q/k norm + RoPE + KV write for rows at pos..pos+M.
 /// `qk_norm_rope_kv` with RoPE on the first `n_rot` dims of each head (0: all).
-fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, pos: usize, n_rot: usize) -> Res<Case> {
+/// `v_norm`: V's RMSNorm without a weight; `v_from_k`: V is K's projection before its norm
+/// (Gemma 4); `n_kv` 0: the queries alone (a layer reading another's K/V).
+#[allow(clippy::too_many_arguments)]
+fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, pos: usize, n_rot: usize, v_norm: bool, v_from_k: bool) -> Res<Case> {
     let nr = if n_rot == 0 { hd } else { n_rot };
     let rows = MAX_ROWS;
     let ctx = pos + rows + 3;
-    let (q, kx, v) = (rng.vec(rows * n_head * hd, 2.0), rng.vec(rows * n_kv * hd, 2.0), rng.vec(rows * n_kv * hd, 2.0));
+    // (n_kv 0: one head's worth of K and V the kernel must not touch.)
+    let (q, kx, v) = (rng.vec(rows * n_head * hd, 2.0), rng.vec(rows * n_kv.max(1) * hd, 2.0), rng.vec(rows * n_kv.max(1) * hd, 2.0));
     let qn: Vec<f32> = rng.vec(hd, 0.5).iter().map(|x| 1.0 + x).collect();
     let kn: Vec<f32> = rng.vec(hd, 0.5).iter().map(|x| 1.0 + x).collect();
     let inv = reference::inv_freq(nr, 1e6);
@@ -524,7 +531,7 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
     let mut results: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = Vec::new();
     for pass in 0..2 {
         let qd = dev.up(&q)?;
-        let (kc, vc) = (dev.zeros::<f32>(n_kv * ctx * hd)?, dev.zeros::<f32>(n_kv * ctx * hd)?);
+        let (kc, vc) = (dev.zeros::<f32>(n_kv.max(1) * ctx * hd)?, dev.zeros::<f32>(n_kv.max(1) * ctx * hd)?);
         let launches: Vec<(usize, usize)> = if pass == 0 { (0..rows).map(|m| (m, 1)).collect() } else { vec![(0, rows)] };
         for (row0, n_rows) in launches {
             dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
@@ -545,6 +552,8 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
                 n_kv: n_kv as i32,
                 hd: hd as i32,
                 n_rot: n_rot as i32,
+                v_norm: v_norm as i32,
+                v_from_k: v_from_k as i32,
             };
             // SAFETY: q/k/v hold `rows` rows, the caches ctx > pos + rows positions.
             unsafe { dev.k.qk_norm_rope_kv(&dev.stream, n_rows, &args)? };
@@ -563,8 +572,16 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
                 }
                 if h >= n_head {
                     let g = h - n_head;
-                    let vs = &v[(m * n_kv + g) * hd..][..hd];
-                    if vs != &vg[(g * ctx + pos + m) * hd..][..hd] {
+                    let vs = if v_from_k { &kx[(m * n_kv + g) * hd..][..hd] } else { &v[(m * n_kv + g) * hd..][..hd] };
+                    let got_v = &vg[(g * ctx + pos + m) * hd..][..hd];
+                    if v_norm {
+                        let x: Vec<f64> = vs.iter().map(|&v| v as f64).collect();
+                        let want = reference::rms_norm(&x, &vec![1.0; hd], eps as f64);
+                        let mx = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+                        for d in 0..hd {
+                            worst = worst.max((got_v[d] as f64 - want[d]).abs() / (4e-6 * mx + 1e-7));
+                        }
+                    } else if vs != got_v {
                         worst = f64::INFINITY;
                     }
                 }
@@ -574,7 +591,115 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
     }
     let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     let bits = same(&results[0].0, &results[1].0) && same(&results[0].1, &results[1].1) && same(&results[0].2, &results[1].2);
-    Ok(Case { name: format!("qk_norm_rope_kv heads={n_head}/{n_kv} hd={hd} rot={nr} pos={pos}"), worst, bits: Some(bits), note: String::new() })
+    let v_mode = match (v_norm, v_from_k) {
+        (false, false) => "",
+        (true, false) => " v_norm",
+        (false, true) => " v=k",
+        (true, true) => " v=k v_norm",
+    };
+    Ok(Case { name: format!("qk_norm_rope_kv heads={n_head}/{n_kv} hd={hd} rot={nr} pos={pos}{v_mode}"), worst, bits: Some(bits), note: String::new() })
+}
+
+/// `ple_inputs` over `rows` tokens against float64: the per-layer embeddings of a table of
+/// `layers * p`-value rows of `et` in `layout` and a random projection.
+fn check_ple(dev: &Dev, rng: &mut Rng, layers: usize, p: usize, et: WeightType, layout: Layout) -> Res<Case> {
+    let (rows, vocab, k, hidden) = (MAX_ROWS, 97, layers * p, 1536);
+    let table = et.quantize(&rng.vec(vocab * k, 1.0));
+    let table_dev = match layout {
+        Layout::Wide => dev.up(&et.to_wide(&table, k))?,
+        Layout::Gguf => dev.up(&table)?,
+    };
+    let proj = rng.vec(rows * k, 20.0);
+    let w: Vec<f32> = rng.vec(p, 0.5).iter().map(|x| 1.0 + x).collect();
+    let tokens: Vec<i32> = (0..rows).map(|_| (rng.next() % vocab as u64) as i32).collect();
+    let mut sp = StepParams::default();
+    sp.tokens[..rows].copy_from_slice(&tokens);
+    let step = dev.up(&[sp])?;
+    let (pd, wd, out) = (dev.up(&proj)?, dev.up(&w)?, dev.zeros::<f32>(rows * k)?);
+    let (eps, proj_scale, tok_scale) = (1e-6f32, 1.0 / (hidden as f32).sqrt(), (p as f32).sqrt());
+    let embd_type = et.ggml_id() | if layout == Layout::Wide { EMBD_WIDE } else { 0 };
+    let args = PleArgs {
+        proj: dev.ptr(&pd),
+        embd: dev.ptr(&table_dev),
+        w: dev.ptr(&wd),
+        out: dev.ptr(&out),
+        step: dev.ptr(&step),
+        tokens: 0,
+        embd_type,
+        n_layer: layers as i32,
+        p: p as i32,
+        eps,
+        proj_scale,
+        tok_scale,
+    };
+    // SAFETY: proj and out hold `rows` rows of layers * p values, the table `vocab` rows (every
+    // token below vocab), w p values, the step block the rows' tokens.
+    unsafe { dev.k.ple_inputs(&dev.stream, rows, &args)? };
+    let got = dev.down(&out)?;
+    let deq = et.dequantize(&table);
+    let mut worst = 0f64;
+    for m in 0..rows {
+        for l in 0..layers {
+            let x: Vec<f64> = proj[m * k + l * p..][..p].iter().map(|&v| v as f64 * proj_scale as f64).collect();
+            let n = reference::rms_norm(&x, &w, eps as f64);
+            for i in 0..p {
+                let e = deq[tokens[m] as usize * k + l * p + i] as f64 * tok_scale as f64;
+                let want = (n[i] + e) * std::f64::consts::FRAC_1_SQRT_2;
+                worst = worst.max((got[m * k + l * p + i] as f64 - want).abs() / (4e-6 * (n[i].abs() + e.abs() + 1.0)));
+            }
+        }
+    }
+    Ok(Case { name: format!("ple_inputs layers={layers} p={p} table {et:?} {layout:?}"), worst, bits: None, note: String::new() })
+}
+
+/// `norm_quant` in_mode 4 (`gelu_tanh(a) · b`, b's rows `stride` apart) against float64, and its
+/// Q8 rows against the CPU quantizer over its own f32 output.
+fn check_gelu_gate(dev: &Dev, rng: &mut Rng, k: usize, stride: usize) -> Res<Case> {
+    let rows = MAX_ROWS;
+    let a = rng.vec(rows * k, 3.0);
+    let b = rng.vec(rows * stride, 2.0);
+    let (ad, bd, y) = (dev.up(&a)?, dev.up(&b)?, dev.zeros::<f32>(rows * k)?);
+    let (qs, qd, qsum) = (dev.zeros::<i8>(rows * k)?, dev.zeros::<f32>(rows * k / QK)?, dev.zeros::<i32>(rows * k / QK)?);
+    let args = NormQuantArgs {
+        a: dev.ptr(&ad),
+        w_a: dev.ptr(&bd),
+        b_stride: stride as i32,
+        y_out: dev.ptr(&y),
+        qs: dev.ptr(&qs),
+        qd: dev.ptr(&qd),
+        qsum: dev.ptr(&qsum),
+        k: k as i32,
+        in_mode: 4,
+        eps: 1e-6,
+        ..Default::default()
+    };
+    // SAFETY: a, y and the planes hold `rows` rows of k values, b `rows` rows of `stride` >= k.
+    unsafe { dev.k.norm_quant(&dev.stream, rows, &args)? };
+    let got = dev.down(&y)?;
+    let mut worst = 0f64;
+    for m in 0..rows {
+        for i in 0..k {
+            let g = a[m * k + i] as f64;
+            let gelu = 0.5 * g * (1.0 + (0.7978845608028654 * (g + 0.044715 * g * g * g)).tanh());
+            let want = gelu * b[m * stride + i] as f64;
+            worst = worst.max((got[m * k + i] as f64 - want).abs() / (4e-6 * (want.abs() + 1.0)));
+        }
+    }
+    let want = ActQ8::quantize(&got, rows, k);
+    let q8 = dev.down(&qs)? == want.qs && dev.down(&qd)?.iter().zip(&want.d).all(|(a, b)| a.to_bits() == b.to_bits()) && dev.down(&qsum)? == want.sum;
+    Ok(Case { name: format!("norm_quant gelu gate k={k} b rows of {stride}"), worst, bits: None, note: if q8 { String::new() } else { "Q8 rows differ from the f32 rows quantized".into() } })
+}
+
+/// `softcap` over `n` values against float64.
+fn check_softcap(dev: &Dev, rng: &mut Rng, n: usize, cap: f32) -> Res<Case> {
+    let x = rng.vec(n, 4.0 * cap);
+    let xd = dev.up(&x)?;
+    let args = SoftcapArgs { x: dev.ptr(&xd), n: n as i32, cap, inv_cap: (1.0 / cap as f64) as f32, pad_: 0 };
+    // SAFETY: x holds n floats.
+    unsafe { dev.k.softcap(&dev.stream, &args)? };
+    let got = dev.down(&xd)?;
+    let worst = x.iter().zip(&got).fold(0f64, |w, (&v, &g)| w.max((g as f64 - (v as f64 / cap as f64).tanh() * cap as f64).abs() / (2e-6 * cap as f64)));
+    Ok(Case { name: format!("softcap n={n} cap={cap}"), worst, bits: None, note: String::new() })
 }
 
 /// Attention for rows at pos..pos+M over a random cache; with `gated`, the output times
@@ -1049,7 +1174,30 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     // Value heads over fewer key heads (the 9B's 32 over 16): the q/k windows' one writer.
     cases.push(check_gdn(dev, &mut rng, reference::GdnDims { hk: 2, hv: 6, d: 128, kernel: 4 }, &[3, 1, 8, 8, 2], true)?);
     for (h, kv, hd, pos, n_rot) in [(4, 1, 256, 0, 0), (4, 1, 256, 1000, 0), (8, 2, 128, 77, 0), (2, 2, 64, 31000, 0), (8, 2, 256, 1234, 64), (4, 2, 64, 9, 16)] {
-        cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot)?);
+        cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot, false, false)?);
+    }
+    // Gemma 4: V's weightless norm, V from K's projection (k_eq_v), heads of 512 with a quarter
+    // rotated, queries alone (a KV-shared layer).
+    for (h, kv, hd, pos, n_rot, v_norm, v_from_k) in [
+        (8, 1, 256, 300, 0, true, false),
+        (8, 1, 512, 4000, 128, true, false),
+        (4, 2, 512, 17, 128, true, true),
+        (4, 1, 64, 5, 16, false, true),
+        (8, 0, 512, 999, 128, false, false),
+        (4, 0, 256, 3, 0, false, false),
+    ] {
+        cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot, v_norm, v_from_k)?);
+    }
+    // Gemma 4's per-layer inputs, its per-layer input gate (norm_quant in_mode 4), and logit softcapping.
+    for (layers, p, et, layout) in [(35, 256, WeightType::Q8_0, Layout::Wide), (3, 64, WeightType::Q4K, Layout::Wide), (5, 32, WeightType::Q6K, Layout::Gguf), (4, 128, WeightType::Q5K, Layout::Wide)]
+    {
+        cases.push(check_ple(dev, &mut rng, layers, p, et, layout)?);
+    }
+    for (k, stride) in [(256, 8960), (64, 192), (1536, 1536)] {
+        cases.push(check_gelu_gate(dev, &mut rng, k, stride)?);
+    }
+    for (n, cap) in [(262144 * 3, 30.0), (4096, 30.0), (100, 0.5)] {
+        cases.push(check_softcap(dev, &mut rng, n, cap)?);
     }
     for (h, kv, hd, ctx, window, pos) in [
         (4, 1, 256, 2048, 0, 0),
@@ -1065,6 +1213,11 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (3, 1, 64, 200, 33, 150),
         (16, 2, 256, 4096, 1024, 3000),
         (2, 2, 128, 100, 0, 3),
+        // Gemma 4's global layers (heads of 512).
+        (8, 1, 512, 2048, 0, 0),
+        (8, 1, 512, 2048, 0, 1500),
+        (4, 2, 512, 700, 0, 63),
+        (8, 1, 512, 4096, 512, 3000),
     ] {
         cases.push(check_attention(dev, &mut rng, h, kv, hd, ctx, window, pos, false)?);
     }
@@ -1110,6 +1263,9 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         (2, 1, 64, 600, 7, 500, 41),
         (16, 2, 256, 4096, 0, 3000, 19),
         (3, 1, 64, 300, 0, 0, 9),
+        (8, 1, 512, 1024, 0, 0, 200),
+        (4, 2, 512, 2048, 0, 900, 37),
+        (8, 1, 512, 2048, 512, 700, 66),
     ] {
         cases.push(check_attention_rows(dev, &mut rng, h, kv, hd, ctx, window, pos, rows)?);
     }
@@ -1272,6 +1428,8 @@ mod bench {
                         n_kv: KV as i32,
                         hd: HD as i32,
                         n_rot: 0,
+                        v_norm: 0,
+                        v_from_k: 0,
                     };
                     let label = "qk_norm_rope_kv";
                     if skip != Some(label) {
@@ -1598,6 +1756,10 @@ fn main() -> ExitCode {
         })
         .and_then(|ok| match value("--qwen35") {
             Some(m) => Ok(qwen35::run(std::path::Path::new(&m))? && ok),
+            None => Ok(ok),
+        })
+        .and_then(|ok| match value("--gemma4") {
+            Some(m) => Ok(gemma4::run(std::path::Path::new(&m))? && ok),
             None => Ok(ok),
         });
     match result {
@@ -2385,6 +2547,166 @@ mod model {
                     ),
                 }
             }
+        }
+        Ok(ok)
+    }
+}
+
+/// `--gemma4 FILE`: Gemma 4 on the engine over a real or random-weight GGUF: graph nodes, verify
+/// steps of 2..=8 rows against one-row steps (logits bit for bit, and the step after a
+/// truncation), a prompt step against one-row steps (to float rounding), decode speed, where a
+/// step's time goes, and verify steps timed against a one-row step.
+mod gemma4 {
+    use super::*;
+    use tine_gpu::gemma4::{Gemma4Cache, Gemma4Gpu};
+
+    fn prompt(vocab: usize) -> Vec<u32> {
+        (0..21u32).map(|i| (i * 7919 + 13) % vocab as u32).collect()
+    }
+
+    fn same(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// The prompt in one-row steps, then `n` greedy one-row steps: the ids and each step's logits.
+    fn one_rows(g: &Gemma4Gpu, c: &mut Gemma4Cache, prompt: &[u32], n: usize) -> Res<(Vec<u32>, Vec<Vec<f32>>)> {
+        let mut next = 0;
+        for &t in prompt {
+            g.forward(c, &[t])?;
+            next = g.argmax(c)?[0];
+        }
+        let (mut ids, mut rows) = (Vec::new(), Vec::new());
+        for _ in 0..n {
+            ids.push(next);
+            g.forward(c, &[next])?;
+            rows.push(g.logits(c)?);
+            next = g.argmax(c)?[0];
+        }
+        Ok((ids, rows))
+    }
+
+    pub fn run(path: &std::path::Path) -> Res<bool> {
+        let g = Gemma4Gpu::load(path, 0, 4096)?;
+        let cfg = g.config().clone();
+        let global = cfg.layers.iter().filter(|l| !l.sliding).count();
+        println!(
+            "gemma4 {}: {} layers ({global} global, {} owning K/V), hidden {}, per-layer inputs {}, vocab {}, softcap {:?}, K/V {:.1} KiB a position",
+            path.display(),
+            cfg.layers.len(),
+            cfg.kv_layers,
+            cfg.hidden,
+            cfg.per_layer,
+            cfg.vocab,
+            cfg.softcap,
+            g.kv_bytes_per_position() as f64 / 1024.0
+        );
+        let mut ok = true;
+        let mut c = g.new_cache(4096)?;
+        for rows in [1, 4, 8] {
+            println!("graph nodes, {rows} rows: {}", g.graph_nodes(&mut c, rows)?);
+        }
+        let p = prompt(cfg.vocab);
+        let vocab = cfg.vocab;
+        let mut c1 = g.new_cache(4096)?;
+        let (ids, rows) = one_rows(&g, &mut c1, &p, MAX_ROWS)?;
+        for m in 2..=MAX_ROWS {
+            let mut cv = g.new_cache(4096)?;
+            for &t in &p {
+                g.forward(&mut cv, &[t])?;
+            }
+            g.forward(&mut cv, &ids[..m])?;
+            let logits = g.logits(&cv)?;
+            let mut ok_m = (0..m).all(|r| same(&logits[r * vocab..(r + 1) * vocab], &rows[r]));
+            // Keeping one verify row and decoding on gives the one-row path's next logits.
+            cv.truncate(p.len() + 1);
+            g.forward(&mut cv, &[ids[1]])?;
+            ok_m &= same(&g.logits(&cv)?, &rows[1]);
+            println!("{} verify {m} rows vs one-row steps: logits and the step after a truncation: {}", if ok_m { "ok  " } else { "FAIL" }, if ok_m { "bit-identical" } else { "DIFFER" });
+            ok &= ok_m;
+        }
+        let mut cp = g.new_cache(4096)?;
+        g.forward_prompt(&mut cp, &p)?;
+        let last = g.logits_row(&cp, p.len() - 1)?;
+        let mut c2 = g.new_cache(4096)?;
+        for &t in &p {
+            g.forward(&mut c2, &[t])?;
+        }
+        let want = g.logits(&c2)?;
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = last.iter().zip(&want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let pass = err <= 2e-2 * scale;
+        println!(
+            "{} prompt step of {} rows vs one-row steps: max |diff| {err:.3e} (logits up to {scale:.3e}), argmax {} vs {}",
+            if pass { "ok  " } else { "FAIL" },
+            p.len(),
+            reference::argmax(&last),
+            reference::argmax(&want)
+        );
+        ok &= pass;
+        // A long prompt (the prompt kernels over more than one attention chunk and past the
+        // sliding window) then one-row steps: the greedy ids of both paths.
+        let long: Vec<u32> = (0..700u32).map(|i| (i * 104729 + 7) % vocab as u32).collect();
+        let mut cl = g.new_cache(4096)?;
+        g.forward_prompt(&mut cl, &long)?;
+        let mut cr = g.new_cache(4096)?;
+        for chunk in long.chunks(MAX_ROWS) {
+            g.forward(&mut cr, chunk)?;
+        }
+        let (a, b) = (g.argmax(&cl)?[0], *g.argmax(&cr)?.last().expect("rows"));
+        let (la, lb) = (g.logits_row(&cl, long.len() - 1)?, g.logits_row(&cr, MAX_ROWS.min(long.len() - (long.len() - 1) / MAX_ROWS * MAX_ROWS) - 1)?);
+        let err = la.iter().zip(&lb).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        let scale = lb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let pass = err <= 2e-2 * scale;
+        println!("{} prompt of {} rows vs verify steps of 8: max |diff| {err:.3e} (logits up to {scale:.3e}), argmax {a} vs {b}", if pass { "ok  " } else { "FAIL" }, long.len());
+        ok &= pass;
+        let mut cs = g.new_cache(4096)?;
+        g.forward_prompt(&mut cs, &p)?;
+        let mut next = g.argmax(&cs)?[0];
+        for _ in 0..8 {
+            g.forward(&mut cs, &[next])?;
+            next = g.argmax(&cs)?[0];
+        }
+        let n = 256;
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            g.forward(&mut cs, &[next])?;
+            next = g.argmax(&cs)?[0];
+        }
+        let dt = t0.elapsed().as_secs_f64();
+        let step = dt / n as f64;
+        println!("decode: {n} tokens in {:.1} ms: {:.3} ms a token, {:.1} tok/s", dt * 1e3, step * 1e3, n as f64 / dt);
+        for m in [1, 4] {
+            let mut runs = Vec::new();
+            for _ in 0..5 {
+                let at = cs.len();
+                runs.push(g.profile(&mut cs, &ids[..m])?);
+                cs.truncate(at + 1);
+            }
+            let kinds: Vec<&str> = runs[0].iter().map(|(k, _)| *k).collect();
+            let mut total = 0.0;
+            let mut line = String::new();
+            for (i, k) in kinds.iter().enumerate() {
+                let mut v: Vec<f64> = runs.iter().map(|r| r[i].1).collect();
+                v.sort_by(f64::total_cmp);
+                total += v[2];
+                line.push_str(&format!(" {k} {:.1};", v[2]));
+            }
+            println!("profile, {m} rows (us, summed per kind):{line} total {total:.1}");
+        }
+        for m in [4, 8] {
+            let reps = 50;
+            let at = cs.len();
+            g.forward(&mut cs, &ids[..m])?;
+            cs.truncate(at + 1);
+            let t0 = std::time::Instant::now();
+            for _ in 0..reps {
+                let at = cs.len();
+                g.forward(&mut cs, &ids[..m])?;
+                g.argmax(&cs)?;
+                cs.truncate(at + 1);
+            }
+            let dt = t0.elapsed().as_secs_f64() / reps as f64;
+            println!("verify {m} rows: {:.3} ms ({:.2}x a one-row step)", dt * 1e3, dt / step);
         }
         Ok(ok)
     }
