@@ -19,7 +19,8 @@
 #                                         # `small-dense` quantized by tine-gpu-check --quantize;
 #                                         # `e2b` by llama-quantize Q4_K_M), tine-gpu-check --gemma4
 #                                         # on each, ids of the engine against the CPU path, spec
-#                                         # against plain, tg128/pp512 against llama-bench on e2b
+#                                         # (the assistant on the engine included) against plain,
+#                                         # tg128/pp512 against llama-bench on e2b
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -183,6 +184,23 @@ if [ "$mode" = gemma4 ]; then
           [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  spec vs plain: $shape temp $temp $spec ($acc)" || { say "DIFF  spec vs plain: $shape temp $temp $spec"; tail -n 2 "$W/err-spec" >>"$log"; fails=$((fails + 1)); }
         done
       done
+    done
+  done
+  # The assistant on the engine: lossless against plain decoding, and its acceptance against the
+  # CPU path's (the same drafts where the CPU scores every token too: small-dense-assistant has
+  # no ordered embeddings, small-e2b-assistant has them and the engine does not use them).
+  for shape in small-dense small-e2b; do
+    A="$W/g4-$shape-assistant-q.gguf"
+    g4 "$shape-assistant"
+    [ -s "$A" ] || "$C" --quantize "$W/g4-$shape-assistant-f16.gguf" "$A" >>"$W/models.log" 2>&1
+    M="$W/g4-$shape-q.gguf"
+    base=(generate -m "$M" -p 'The history of the printing press begins' -n 48 --ignore-eos)
+    for temp in 0 0.8; do
+      plain=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+      got=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 --spec-type draft-assistant --mtp-head "$A" 2>"$W/err-spec")
+      acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+      cpu_acc=$(timeout 120 "$T" "${base[@]}" --device cpu --temp $temp --seed 7 --spec-type draft-assistant --mtp-head "$A" 2>&1 >/dev/null | grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" | head -n 1)
+      [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  assistant vs plain: $shape temp $temp (engine $acc; cpu $cpu_acc)" || { say "DIFF  assistant vs plain: $shape temp $temp"; tail -n 3 "$W/err-spec" >>"$log"; fails=$((fails + 1)); }
     done
   done
   say "gemma4 small failures: $fails"

@@ -315,17 +315,6 @@ impl SpecArgs {
         }
     }
 
-    /// Moves `model` off the GPU engine where a drafter these flags load cannot run beside it
-    /// there ([`SpecFactory::fit_target`]), saying so; before any sequence is made.
-    fn fit(&self, model: &mut Model) {
-        let configs = [self.config(), self.mtp_head.as_ref().map(|_| self.config_as(SpecType::DraftAssistant, false))];
-        for c in configs.iter().flatten() {
-            if let Some(why) = SpecFactory::fit_target(c, model) {
-                eprintln!("tine: {why}");
-            }
-        }
-    }
-
     fn load(&self, model: &Model) -> anyhow::Result<Option<SpecFactory>> {
         let Some(config) = self.config() else { return Ok(None) };
         let what = format!("speculative decoding ({})", config.label());
@@ -491,8 +480,7 @@ fn parse_ids(text: &str) -> anyhow::Result<Vec<u32>> {
 }
 
 fn generate(a: GenerateArgs) -> anyhow::Result<()> {
-    let mut model = load(&a.model)?;
-    a.spec.fit(&mut model);
+    let model = load(&a.model)?;
     let prompt_ids = if let Some(file) = &a.prompt_ids {
         let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
         parse_ids(&text).with_context(|| format!("{} is not a JSON array of token ids", file.display()))?
@@ -611,8 +599,7 @@ pub(crate) fn sampled_run(
 }
 
 fn logit_equiv(a: LogitEquivArgs) -> anyhow::Result<bool> {
-    let mut model = load(&a.model)?;
-    a.spec.fit(&mut model);
+    let model = load(&a.model)?;
     let prompts: Vec<String> = match &a.prompts {
         Some(f) => std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?.lines().filter(|l| !l.trim().is_empty()).map(|l| l.replace("\\n", "\n")).collect(),
         None => EQUIV_PROMPTS.iter().map(|s| s.to_string()).collect(),
@@ -758,9 +745,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let reasoning_format = tine_api::ReasoningFormat::from_name(&a.reasoning_format).ok_or_else(|| anyhow::anyhow!("--reasoning-format {}: one of none, deepseek, auto", a.reasoning_format))?;
     use tine_engine::embeddings::Pooling;
     let pooling = a.pooling.as_deref().map(|p| Pooling::from_name(p).ok_or_else(|| anyhow::anyhow!("--pooling {p}: one of none, mean, cls, last (rank is a reranker's, not served)"))).transpose()?;
-    let mut model = load(&a.model)?;
-    a.spec.fit(&mut model);
-    let model = std::sync::Arc::new(model);
+    let model = std::sync::Arc::new(load(&a.model)?);
     let embeddings = if a.embeddings {
         if model.engine() == "tine-gpu" {
             anyhow::bail!("--embeddings: the GPU engine computes no embeddings yet; serve them with --device cpu");

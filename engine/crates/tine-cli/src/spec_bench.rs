@@ -252,13 +252,7 @@ fn report(md: &str, json: &impl serde::Serialize, out: Option<&PathBuf>) -> anyh
 pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(a.n_predict > 0, "--n-predict must be a positive token count, got {}", a.n_predict);
     anyhow::ensure!(a.rounds > 0, "--rounds must be at least 1");
-    let mut model = crate::load(&a.model)?;
-    if a.mtp_head.is_some() {
-        // A Gemma 4 assistant runs beside candle's path only (SpecFactory::fit_target).
-        if let Some(why) = SpecFactory::fit_target(&SpecConfig { mtp_head: a.mtp_head.clone(), ..SpecConfig::new(SpecType::DraftAssistant) }, &mut model) {
-            eprintln!("tine: {why}");
-        }
-    }
+    let model = crate::load(&a.model)?;
     if !a.forward_rows.is_empty() {
         return forward_costs(&model, &a.forward_rows, a.out.as_ref());
     }

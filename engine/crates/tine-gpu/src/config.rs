@@ -225,7 +225,8 @@ pub struct Gemma4Config {
     pub window: usize,
     pub rope_base: f32,
     pub rope_base_swa: f32,
-    /// Dims RoPE turns on global and on sliding layers.
+    /// Dims RoPE turns on global and on sliding layers (as the file states them: a layer turns at
+    /// most its head's; `rope_freqs` holds `rope_dim / 2` factors).
     pub rope_dim: usize,
     pub rope_dim_swa: usize,
     pub softcap: Option<f32>,
@@ -303,8 +304,8 @@ impl Gemma4Config {
             window: u("attention.sliding_window")?,
             rope_base,
             rope_base_swa: f("rope.freq_base_swa")?.unwrap_or(rope_base),
-            rope_dim: opt_u("rope.dimension_count")?.unwrap_or(hd).min(hd),
-            rope_dim_swa: opt_u("rope.dimension_count_swa")?.unwrap_or(hd_swa).min(hd_swa),
+            rope_dim: opt_u("rope.dimension_count")?.unwrap_or(hd),
+            rope_dim_swa: opt_u("rope.dimension_count_swa")?.unwrap_or(hd_swa),
             softcap: f("final_logit_softcapping")?.filter(|&c| c > 0.0),
             kv_layers,
             per_layer: opt_u("embedding_length_per_layer_input")?.unwrap_or(0),
@@ -338,8 +339,8 @@ impl Gemma4Config {
         if self.per_layer > 0 && (!self.per_layer.is_multiple_of(32) || self.per_layer > 1024) {
             return Some(format!("per-layer inputs of {} values (a multiple of 32 up to 1024)", self.per_layer));
         }
-        if self.rope_dim % 2 == 1 || self.rope_dim_swa % 2 == 1 {
-            return Some(format!("odd rotated dims ({} and {})", self.rope_dim, self.rope_dim_swa));
+        if self.rope_dim % 2 == 1 || self.rope_dim_swa % 2 == 1 || self.rope_dim == 0 || self.rope_dim_swa == 0 {
+            return Some(format!("rotated dims {} and {} (even, not 0)", self.rope_dim, self.rope_dim_swa));
         }
         None
     }

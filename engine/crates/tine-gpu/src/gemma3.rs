@@ -495,7 +495,8 @@ impl Gemma3Gpu {
         let nextn = if cfg.nextn { Some(r.nextn(&cfg, &content.metadata)?) } else { None };
         // A NextN head's eh_proj reads rows of twice the hidden width.
         let kmax = cfg.ff.max(qd).max(2 * cfg.hidden);
-        let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
+        // Local layers' chunks_max counts one more than their window's span.
+        let chunks_max = Kernels::attn_chunks_max(ctx_len, 0).max(Kernels::attn_chunks_max(ctx_len, cfg.window));
         let prompt_rows = PROMPT_ROWS;
         let m = prompt_rows;
         let b = Buffers {

@@ -32,6 +32,9 @@
 //! Every kernel is batch-invariant, so a verify step of M rows gives each row the bits a one-row
 //! step at its position gives. KV-shared layers read the K/V their source layer wrote earlier in
 //! the same step; a sequence holds K/V for the owning layers only.
+//!
+//! Gemma 4's assistant drafts on the engine too, reading a sequence's K/V (the `assistant`
+//! module, [`Gemma4AssistantGpu`]).
 
 use std::fs::File;
 use std::path::Path;
@@ -45,6 +48,9 @@ use crate::config::Gemma4Config;
 use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::gemma3::{alloc, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};
+
+mod assistant;
+pub use assistant::Gemma4AssistantGpu;
 
 type Result<T> = std::result::Result<T, Error>;
 
@@ -122,6 +128,8 @@ struct Buffers {
 struct StepBlock {
     params: CudaSlice<StepParams>,
     tokens: CudaSlice<i32>,
+    /// An assistant step's input hidden state.
+    hin: CudaSlice<f32>,
 }
 
 /// Gemma 4 on the GPU: weights and the step's buffers, shared by every sequence (steps run one at
@@ -145,6 +153,8 @@ pub struct Gemma4Gpu {
     /// Per layer that owns K/V, its index among the sequence's caches.
     slot: Vec<Option<usize>>,
     b: Buffers,
+    /// Floats of the attention's partials a row takes (the widest layer's).
+    partials_row: usize,
     wide: bool,
     _ctx: Arc<CudaContext>,
 }
@@ -298,8 +308,10 @@ impl Gemma4Gpu {
         }
         let max = |f: &dyn Fn(&crate::config::Gemma4Layer) -> usize| cfg.layers.iter().map(f).max().unwrap_or(0);
         let (qd, kvd, ff, heads, hd) = (max(&|l| l.n_head * l.head_dim), max(&|l| l.n_kv * l.head_dim), max(&|l| l.ff), max(&|l| l.n_head), max(&|l| l.head_dim));
-        let kmax = cfg.hidden.max(ff).max(qd);
-        let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
+        let kmax = cfg.hidden.max(ff).max(qd).max(cfg.per_layer);
+        // The attention's partials: each layer's rows of its heads and chunks (a sliding layer's
+        // chunks_max counts one more than its window's span).
+        let partials = cfg.layers.iter().map(|l| l.n_head * Kernels::attn_chunks_max(ctx_len, if l.sliding { cfg.window } else { 0 }) * (l.head_dim + 2)).max().unwrap_or(0);
         let m = PROMPT_ROWS;
         let b = Buffers {
             h: alloc(&stream, m * cfg.hidden)?,
@@ -316,15 +328,16 @@ impl Gemma4Gpu {
             qs: alloc(&stream, m * kmax)?,
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
-            partials: alloc(&stream, MAX_ROWS * heads * chunks_max * (hd + 2))?,
+            partials: alloc(&stream, MAX_ROWS * partials)?,
             attn_counters: alloc(&stream, MAX_ROWS * heads)?,
             out: Readout::new(&stream, cfg.vocab)?,
         };
-        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
-        let inv_swa = stream.clone_htod(&inv_freq(cfg.rope_dim_swa, cfg.rope_base_swa, None))?;
-        let inv_global = stream.clone_htod(&inv_freq(cfg.rope_dim, cfg.rope_base, rope_freqs.as_deref()))?;
+        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)?, hin: alloc(&stream, cfg.hidden)? });
+        let (hd_swa, hd_global) = (cfg.layers.iter().find(|l| l.sliding).map_or(hd, |l| l.head_dim), cfg.layers.iter().find(|l| !l.sliding).map_or(hd, |l| l.head_dim));
+        let inv_swa = stream.clone_htod(&inv_freq(cfg.rope_dim_swa.min(hd_swa), cfg.rope_base_swa, None))?;
+        let inv_global = stream.clone_htod(&inv_freq(cfg.rope_dim.min(hd_global), cfg.rope_base, rope_freqs.as_deref()))?;
         stream.synchronize()?;
-        Ok(Gemma4Gpu { cfg, max_ctx: ctx_len, prompt_rows: m, stream, step, kernels, embd, output, output_norm, inv_swa, inv_global, layers, ple, slot, b, wide, _ctx: ctx })
+        Ok(Gemma4Gpu { cfg, max_ctx: ctx_len, prompt_rows: m, stream, step, kernels, embd, output, output_norm, inv_swa, inv_global, layers, ple, slot, b, partials_row: partials, wide, _ctx: ctx })
     }
 
     pub fn config(&self) -> &Gemma4Config {
@@ -483,7 +496,7 @@ impl Gemma4Gpu {
                     n_head: lc.n_head as i32,
                     n_kv: if ly.kv.is_some() { n_kv as i32 } else { 0 },
                     hd: hd as i32,
-                    n_rot: if lc.sliding { c.rope_dim_swa } else { c.rope_dim } as i32,
+                    n_rot: if lc.sliding { c.rope_dim_swa } else { c.rope_dim }.min(hd) as i32,
                     v_norm: 1,
                     v_from_k: ly.kv.as_ref().is_some_and(|o| o.v.is_none()) as i32,
                 };

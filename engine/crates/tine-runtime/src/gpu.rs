@@ -23,7 +23,7 @@ mod imp {
     use super::*;
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
     use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
-    use tine_gpu::gemma4::{Gemma4Cache, Gemma4Gpu};
+    use tine_gpu::gemma4::{Gemma4AssistantGpu, Gemma4Cache, Gemma4Gpu};
     use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
 
     /// The model's trunk on the engine.
@@ -58,7 +58,10 @@ mod imp {
     /// One sequence's NextN cache on the engine.
     pub struct GpuNextN(NextNCache);
     /// An assistant head on the engine, reading the sequences' KV caches.
-    pub struct GpuAssistant(AssistantGpu);
+    pub enum GpuAssistant {
+        Gemma3(AssistantGpu),
+        Gemma4(Box<Gemma4AssistantGpu>),
+    }
 
     /// The most tokens one engine step takes (verify batches up to this; longer inputs go in
     /// steps of it).
@@ -253,14 +256,24 @@ mod imp {
         }
         /// Loads an assistant head (a `gemma4-assistant` GGUF) for this trunk.
         pub fn load_assistant(&self, path: &Path) -> Result<GpuAssistant, GpuError> {
-            Ok(GpuAssistant(self.gemma3("an assistant head")?.load_assistant(path)?))
+            match self {
+                GpuTrunk::Gemma4(m) => Ok(GpuAssistant::Gemma4(Box::new(m.load_assistant(path)?))),
+                _ => Ok(GpuAssistant::Gemma3(self.gemma3("an assistant head")?.load_assistant(path)?)),
+            }
         }
         /// One draft step of `head` at `position` for `token`, reading `hidden` (`hidden` values)
         /// and `seq`'s cache (positions below `position`). Returns the logits (over the head's
         /// draft vocabulary when it has one) and the next step's hidden state.
         pub fn assistant_step(&self, head: &GpuAssistant, seq: &GpuSeq, hidden: &[f32], token: u32, position: usize) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             match (self, seq) {
-                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.assistant_step(&head.0, c, hidden, token, position),
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => match head {
+                    GpuAssistant::Gemma3(a) => m.assistant_step(a, c, hidden, token, position),
+                    GpuAssistant::Gemma4(_) => Err(not_on_engine("gemma3", "a Gemma 4 target's assistant")),
+                },
+                (GpuTrunk::Gemma4(m), GpuSeq::Gemma4(c)) => match head {
+                    GpuAssistant::Gemma4(a) => m.assistant_step(a, c, hidden, token, position),
+                    GpuAssistant::Gemma3(_) => Err(not_on_engine("gemma4", "a Gemma 3 target's assistant")),
+                },
                 _ => Err(not_on_engine(self.family(), "an assistant head")),
             }
         }

@@ -427,15 +427,6 @@ impl Model {
         self.engine_note.as_deref()
     }
 
-    /// Leaves the GPU engine for candle's CUDA path (whose weights are loaded beside it), for
-    /// `why` (a drafter the engine does not run beside this model); [`Model::engine_note`] says
-    /// it. Sequences made before keep the engine's state: call this before making any.
-    pub fn leave_engine(&mut self, why: &str) {
-        if self.gpu.take().is_some() {
-            self.engine_note = Some(why.to_string());
-        }
-    }
-
     /// Stores the keys and the values of sequences made from now on as `k` and `v` (llama.cpp's
     /// `--cache-type-k/-v`; f32 by default). Sequences differ between types, but within one type
     /// a speculative verify batch reproduces one-token decoding bit for bit. On the CPU every
@@ -1524,16 +1515,17 @@ impl Assistant {
     }
 
     /// Whether drafts score only the tokens of the top centroid clusters (a Gemma 4 E-series
-    /// assistant with ordered embeddings).
+    /// assistant with ordered embeddings, on candle's path: the GPU engine's head scores every
+    /// token).
     pub fn ordered_embeddings(&self) -> bool {
-        matches!(&self.head, AssistantOn::Gemma4(h) if h.has_ordered_embeddings())
+        self.gpu.is_none() && matches!(&self.head, AssistantOn::Gemma4(h) if h.has_ordered_embeddings())
     }
 
     /// Turns a Gemma 4 assistant's ordered embeddings off (every token scored) or back on;
     /// returns whether they are in use.
     pub fn set_ordered_embeddings(&mut self, on: bool) -> bool {
         match &mut self.head {
-            AssistantOn::Gemma4(h) => h.set_ordered_embeddings(on),
+            AssistantOn::Gemma4(h) => h.set_ordered_embeddings(on) && self.gpu.is_none(),
             AssistantOn::Gemma3(_) => false,
         }
     }
@@ -1546,9 +1538,7 @@ impl Assistant {
         let head = match &target.weights {
             Weights::Gemma3(weights) => AssistantOn::Gemma3(Box::new(AssistantHead::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?)),
             Weights::Gemma4(weights) => {
-                let head = gemma4::assistant::Assistant::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?;
-                target.device.synchronize().map_err(|source| LoadError::Weights { path: p(), source })?;
-                return Ok(Assistant { head: AssistantOn::Gemma4(Box::new(head)), gpu: None, path: p() });
+                AssistantOn::Gemma4(Box::new(gemma4::assistant::Assistant::from_gguf(&ct, &mut reader, &target.device, weights).map_err(|source| LoadError::Weights { path: p(), source })?))
             }
             Weights::Qwen35(_) => return Err(LoadError::AssistantTarget { path: p(), target: target.info.architecture.clone() }),
         };

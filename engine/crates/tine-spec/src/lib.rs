@@ -687,27 +687,6 @@ impl std::fmt::Debug for SpecFactory {
 
 impl SpecFactory {
     /// Loads what `config` needs and checks it fits `target`.
-    /// Moves `target` off the GPU engine where `config`'s drafter cannot run beside it there (a
-    /// Gemma 4 assistant: not on the engine yet, and it reads the target's KV cache, which then
-    /// has to be candle's), and returns why; call it before [`SpecFactory::load`] and before
-    /// making sequences. Any other drafter keeps the target where it is.
-    pub fn fit_target(config: &SpecConfig, target: &mut Model) -> Option<String> {
-        if target.engine() != "tine-gpu" || target.info.architecture != "gemma4" {
-            return None;
-        }
-        let assistant = match config.spec_type {
-            SpecType::DraftAssistant => true,
-            SpecType::DraftMtp => config.draft_model.as_ref().and_then(|p| Model::architecture_of(p).ok()).is_some_and(|a| ASSISTANT_ARCHITECTURES.contains(&a.as_str())),
-            _ => false,
-        };
-        if !assistant {
-            return None;
-        }
-        let why = "the Gemma 4 assistant head is not on the GPU engine yet: the target runs on candle's CUDA path beside it";
-        target.leave_engine(why);
-        Some(why.to_string())
-    }
-
     pub fn load(config: SpecConfig, target: &Model) -> Result<SpecFactory, SetupError> {
         config.params.check()?;
         if config.ngram_first && (config.ngram_min == 0 || config.ngram_min > config.ngram_max) {
