@@ -51,6 +51,11 @@ pub struct SpecBenchArgs {
     /// median of 21, after a prompt of 64 tokens), against a one-row decode step.
     #[arg(long = "forward-rows", value_delimiter = ',', value_name = "ROWS")]
     pub forward_rows: Vec<usize>,
+    /// Instead of decoding: continuous batching's cost, for each of these sequence counts N: one
+    /// `forward_many` of N sequences one decode row each (after a prompt of 64 tokens each)
+    /// against N decode steps one after another, medians of 21.
+    #[arg(long = "batch-seqs", value_delimiter = ',', value_name = "N", conflicts_with = "forward_rows")]
+    pub batch_seqs: Vec<usize>,
     /// Instead of decoding: the cost of one assistant draft step (`--mtp-head`) against one
     /// target decode step at the same position (medians of 21, after a prompt of 64 tokens);
     /// for a Gemma 4 assistant with ordered embeddings, with them on and off.
@@ -152,6 +157,63 @@ fn decode_step_ms(model: &tine_runtime::Model, seq: &mut tine_runtime::Sequence,
 }
 
 /// `--forward-rows`: ms per `forward_all` of `r` rows (a verify batch) at a fixed position.
+/// `--batch-seqs`: N sequences' decode rows in one `forward_many` against N decode steps.
+fn batch_costs(model: &tine_runtime::Model, counts: &[usize], out: Option<&PathBuf>) -> anyhow::Result<()> {
+    const REPS: usize = 21;
+    let most = counts.iter().copied().max().unwrap_or(1);
+    anyhow::ensure!(counts.iter().all(|&n| n >= 1), "--batch-seqs: counts of at least 1");
+    let words: Vec<&str> = PASSAGE.split_whitespace().collect();
+    // N different prompts of 64 tokens: the passage from N starting words.
+    let mut seqs = Vec::with_capacity(most);
+    for i in 0..most {
+        let text = words[i % words.len()..].iter().chain(words.iter()).copied().collect::<Vec<_>>().join(" ");
+        let prompt: Vec<u32> = model.tokenizer.encode(&text, true, false).into_iter().take(64).collect();
+        let mut seq = model.new_sequence(prompt.len() + 8);
+        seq.prefill(model, &prompt)?;
+        seqs.push((seq, prompt[prompt.len() / 2]));
+    }
+    let mut md = String::new();
+    writeln!(
+        md,
+        "Model: `{}` ({}); N sequences after 64 positions each, one decode row each: one `forward_many` ({}) against N `forward_all` one after another, then each sequence rolled back; medians of {REPS}.\n",
+        model.info.path.display(),
+        tine_runtime::describe_device(model.device()),
+        if model.batches() { "one forward" } else { "one after another on this model and device" }
+    )?;
+    writeln!(md, "| sequences | ms, one after another | ms, batched | speed-up | tok/s batched |")?;
+    writeln!(md, "|---|---|---|---|---|")?;
+    let mut json = Vec::new();
+    for &n in counts {
+        let (mut each, mut batched) = (Vec::with_capacity(REPS), Vec::with_capacity(REPS));
+        for _ in 0..REPS {
+            let t0 = std::time::Instant::now();
+            for (seq, t) in seqs[..n].iter_mut() {
+                seq.forward_all(model, &[*t])?;
+            }
+            each.push(t0.elapsed().as_secs_f64() * 1e3);
+            for (seq, _) in seqs[..n].iter_mut() {
+                let len = seq.len() - 1;
+                seq.rollback(len)?;
+            }
+            let rows: Vec<[u32; 1]> = seqs[..n].iter().map(|(_, t)| [*t]).collect();
+            let t0 = std::time::Instant::now();
+            {
+                let mut steps: Vec<(&mut tine_runtime::Sequence, &[u32])> = seqs[..n].iter_mut().zip(&rows).map(|((s, _), r)| (s, &r[..])).collect();
+                model.forward_many(&mut steps)?;
+            }
+            batched.push(t0.elapsed().as_secs_f64() * 1e3);
+            for (seq, _) in seqs[..n].iter_mut() {
+                let len = seq.len() - 1;
+                seq.rollback(len)?;
+            }
+        }
+        let (e, b) = (median(each), median(batched));
+        writeln!(md, "| {n} | {e:.2} | {b:.2} | {:.2}x | {:.1} |", e / b, n as f64 / b * 1e3)?;
+        json.push(serde_json::json!({"sequences": n, "ms_each": e, "ms_batched": b, "speedup": e / b}));
+    }
+    report(&md, &serde_json::json!(json), out)
+}
+
 fn forward_costs(model: &tine_runtime::Model, rows: &[usize], out: Option<&PathBuf>) -> anyhow::Result<()> {
     const REPS: usize = 21;
     let prompt: Vec<u32> = model.tokenizer.encode(PASSAGE, true, false).into_iter().take(64).collect();
@@ -255,6 +317,9 @@ pub fn run(a: SpecBenchArgs) -> anyhow::Result<()> {
     let model = crate::load(&a.model)?;
     if !a.forward_rows.is_empty() {
         return forward_costs(&model, &a.forward_rows, a.out.as_ref());
+    }
+    if !a.batch_seqs.is_empty() {
+        return batch_costs(&model, &a.batch_seqs, a.out.as_ref());
     }
     if a.draft_steps {
         let head = a.mtp_head.as_ref().expect("clap requires --mtp-head with --draft-steps");

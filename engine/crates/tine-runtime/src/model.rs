@@ -412,6 +412,82 @@ impl Model {
         Ok(model)
     }
 
+    /// Appends `steps[i].1` to sequence `steps[i].0` for every `i` and returns each one's logits
+    /// rows, bit for bit what [`Sequence::forward_all`] gives each alone (continuous batching).
+    /// Gemma 3 on the CPU runs them as one forward (every matrix read once for the rows of all;
+    /// [`Model::batches`]); otherwise they run one after another. Atomic as a whole: on an error
+    /// every sequence is as it was before the call.
+    pub fn forward_many(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
+        for (seq, tokens) in steps.iter() {
+            seq.check(self, tokens)?;
+        }
+        let Weights::Gemma3(w) = &self.weights else { return self.forward_each(steps) };
+        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _)| seq.gpu.is_some() || !matches!(seq.cache, SeqCache::Gemma3(_))) {
+            return self.forward_each(steps);
+        }
+        let ids = steps.iter().map(|(_, t)| Tensor::new(*t, &self.device)?.unsqueeze(0)).collect::<candle_core::Result<Vec<_>>>()?;
+        let mut batch: Vec<(&Tensor, &mut candle_transformers::models::quantized_gemma3::Cache)> = Vec::with_capacity(steps.len());
+        for ((seq, _), x) in steps.iter_mut().zip(&ids) {
+            let SeqCache::Gemma3(cache) = &mut seq.cache else { unreachable!("checked above") };
+            batch.push((x, cache));
+        }
+        // On an error the patch puts every cache back.
+        let outs = w.forward_batch(&mut batch, false)?;
+        drop(batch);
+        let mut logits = Vec::with_capacity(outs.len());
+        let mut failed = None;
+        for ((seq, _), out) in steps.iter_mut().zip(outs) {
+            let rows = seq.injected().and_then(|()| {
+                let l = out.logits.squeeze(0)?;
+                Ok(Logits { vocab: l.dim(1)?, data: l.flatten_all()?.to_vec1::<f32>()? })
+            });
+            match rows {
+                Ok(l) => logits.push(l),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failed {
+            // Every cache holds its new rows, no sequence's tokens do yet: cut the caches back.
+            for (seq, _) in steps.iter_mut() {
+                let len = seq.tokens.len();
+                if seq.cache.truncate(len).is_err() {
+                    seq.reset();
+                }
+            }
+            return Err(e);
+        }
+        for (seq, tokens) in steps.iter_mut() {
+            seq.tokens.extend_from_slice(tokens);
+        }
+        Ok(logits)
+    }
+
+    /// [`Model::forward_many`] one sequence after another.
+    fn forward_each(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
+        let mut out = Vec::with_capacity(steps.len());
+        for i in 0..steps.len() {
+            let (seq, tokens) = &mut steps[i];
+            match seq.forward_all(self, tokens) {
+                Ok(l) => out.push(l),
+                Err(e) => {
+                    for (seq, tokens) in steps[..i].iter_mut() {
+                        seq.undo_append(tokens.len());
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether [`Model::forward_many`] runs its sequences as one forward (Gemma 3 on the CPU).
+    pub fn batches(&self) -> bool {
+        self.device.is_cpu() && self.gpu.is_none() && matches!(self.weights, Weights::Gemma3(_))
+    }
+
     /// What runs the steps: `"tine-gpu"` (the GPU decode engine) or `"candle"`.
     pub fn engine(&self) -> &'static str {
         if self.gpu.is_some() {
@@ -914,6 +990,15 @@ impl Sequence {
         self.injected()?;
         self.tokens.extend_from_slice(chunk);
         Ok(logits)
+    }
+
+    /// Undoes a step that appended `n` tokens (it succeeded, a step batched with it did not).
+    fn undo_append(&mut self, n: usize) {
+        let start = self.tokens.len() - n;
+        self.tokens.truncate(start);
+        if self.cache.truncate(start).is_err() {
+            self.reset();
+        }
     }
 
     /// Appends `tokens` in one forward and returns the logits of every one of them (a verify batch).

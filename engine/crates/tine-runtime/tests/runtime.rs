@@ -602,3 +602,51 @@ fn a_sequence_on_a_shared_prefix_steps_saves_and_rolls_back_as_one_holding_it() 
 fn the_crates_modules_import_one_way_without_circles() {
     tine_test_support::module_graph::assert_one_way(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"));
 }
+
+// Continuous batching on the CPU: `Model::forward_many` over sequences of the default model
+// (Q4_K, Q6_K and Q8_0 matrices: the quantized kernels' row paths) against each sequence alone.
+#[test]
+fn forward_many_gives_each_sequence_its_own_logits_bit_for_bit() {
+    let model = real_model();
+    assert!(model.batches(), "Gemma 3 on the CPU runs a batch as one forward");
+    let prompts = ["The history of the printing press", "Once upon a time", "fn main() {", "Water boils at"];
+    let mut batched: Vec<_> = prompts.iter().map(|_| model.new_sequence(256)).collect();
+    let mut alone: Vec<_> = prompts.iter().map(|_| model.new_sequence(256)).collect();
+    let ids: Vec<Vec<u32>> = prompts.iter().map(|p| model.tokenizer.encode(p, true, false)).collect();
+    let mut next: Vec<u32> = Vec::new();
+    for (i, p) in ids.iter().enumerate() {
+        alone[i].prefill(model, p).expect("prefill");
+        let last = batched[i].prefill(model, p).expect("prefill");
+        next.push(last.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).expect("logits").0 as u32);
+    }
+    // Rounds of decode rows, one sequence verifying 3 rows, one sitting a round out, a rollback.
+    for round in 0..6 {
+        let rows: Vec<Vec<u32>> = (0..4).map(|i| if round == 2 && i == 1 { vec![next[i], 7, 9] } else { vec![next[i]] }).collect();
+        let active: Vec<usize> = (0..4).filter(|&i| !(round == 3 && i == 2)).collect();
+        if round == 4 {
+            let len = batched[0].len() - 2;
+            batched[0].rollback(len).expect("rollback");
+            alone[0].rollback(len).expect("rollback");
+        }
+        let mut steps: Vec<(&mut tine_runtime::Sequence, &[u32])> = Vec::new();
+        for (i, seq) in batched.iter_mut().enumerate() {
+            if active.contains(&i) {
+                steps.push((seq, &rows[i]));
+            }
+        }
+        let got = model.forward_many(&mut steps).expect("forward_many");
+        for (g, &i) in got.iter().zip(&active) {
+            let want = alone[i].forward_all(model, &rows[i]).expect("alone");
+            assert!(g.data.iter().zip(&want.data).all(|(a, b)| a.to_bits() == b.to_bits()) && g.data.len() == want.data.len(), "round {round}, sequence {i}");
+            assert_eq!(batched[i].len(), alone[i].len());
+            let last = &g.data[g.data.len() - g.vocab..];
+            next[i] = last.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1).then(b.0.cmp(&a.0))).expect("logits").0 as u32;
+        }
+    }
+    // A step that cannot run (past the vocabulary) changes no sequence.
+    let lens: Vec<usize> = batched.iter().map(|s| s.len()).collect();
+    let (a, b) = batched.split_at_mut(1);
+    let bad = [u32::MAX];
+    assert!(model.forward_many(&mut [(&mut a[0], &next[..1]), (&mut b[0], &bad[..])]).is_err());
+    assert_eq!(batched.iter().map(|s| s.len()).collect::<Vec<_>>(), lens);
+}
