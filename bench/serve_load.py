@@ -6,9 +6,15 @@ stall: one client streams a greedy generation while a second client sends a long
        each --ubatch-size given (a size >= the prompt is the old one-step prefill).
 load:  N concurrent connections against --parallel P (--max-queue Q): answers by status, errors,
        wall time, and the server's peak RSS (VmHWM) before and after.
+clients: aggregate generated tokens per second of C concurrent clients (each a /completion of
+       --n-predict greedy tokens with ignore_eos, its own prompt) against --parallel P, for each
+       C given, with the decode rows batched and (TINE_CPU_BATCH=0) stepped one slot at a time,
+       the two servers interleaved over --rounds rounds; every answer checked against the same
+       request alone.
 
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf stall --ubatch 4096,512,128
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf load --connections 1000
+    python3 bench/serve_load.py --tine target/release/tine --model M.gguf clients --clients 1,2,4,8
 """
 import argparse
 import http.client
@@ -31,10 +37,10 @@ def free_port():
 
 
 class Server:
-    def __init__(self, tine, model, args):
+    def __init__(self, tine, model, args, env=None):
         self.port = free_port()
         cmd = [tine, "serve", "-m", model, "--host", "127.0.0.1", "--port", str(self.port)] + args
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
         t0 = time.time()
         while True:
             try:
@@ -172,6 +178,47 @@ def load(a):
         srv.stop()
 
 
+PROMPTS = ["The history of the printing press", "Once upon a time", "The best way to learn a language", "Water boils at",
+           "In the beginning", "A recipe for bread:", "The capital cities of Europe", "Dear hiring manager,"]
+
+
+def clients(a):
+    counts = [int(c) for c in a.clients.split(",")]
+    servers = {"batched": Server(a.tine, a.model, ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)]),
+               "one slot a step": Server(a.tine, a.model, ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)], env=dict(os.environ, TINE_CPU_BATCH="0"))}
+    try:
+        body = lambda i: {"prompt": PROMPTS[i % len(PROMPTS)], "n_predict": a.n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+        # Each request alone, once, for the identity check.
+        alone = {i: json.loads(post(servers["batched"].port, "/completion", body(i))[1])["tokens"] for i in range(max(counts))}
+        rates = {(name, c): [] for name in servers for c in counts}
+        same = True
+        for r in range(a.rounds):
+            for c in counts:
+                for name, srv in servers.items():
+                    out = [None] * c
+                    def client(i):
+                        out[i] = json.loads(post(srv.port, "/completion", body(i))[1])
+                    ts = [threading.Thread(target=client, args=(i,)) for i in range(c)]
+                    t0 = time.time()
+                    for t in ts:
+                        t.start()
+                    for t in ts:
+                        t.join()
+                    wall = time.time() - t0
+                    rates[(name, c)].append(sum(len(o["tokens"]) for o in out) / wall)
+                    same &= all(o["tokens"] == alone[i] for i, o in enumerate(out))
+        print(f"model {a.model}; tine serve --parallel {a.parallel}; clients each /completion of {a.n_predict} greedy tokens (ignore_eos); median of {a.rounds} interleaved rounds")
+        print("| clients | " + " | ".join(f"{n} (tok/s)" for n in servers) + " | ratio |")
+        print("|---|" + "---|" * (len(servers) + 1))
+        for c in counts:
+            med = [statistics.median(rates[(n, c)]) for n in servers]
+            print(f"| {c} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[1]:.2f}x |")
+        print(f"every answer equal to the request alone: {same}")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tine", default="target/release/tine")
@@ -186,8 +233,13 @@ def main():
     l.add_argument("--parallel", type=int, default=4)
     l.add_argument("--max-queue", type=int, default=256)
     l.add_argument("--n-predict", type=int, default=8)
+    c = sub.add_parser("clients")
+    c.add_argument("--clients", default="1,2,4,8")
+    c.add_argument("--parallel", type=int, default=8)
+    c.add_argument("--n-predict", type=int, default=96)
+    c.add_argument("--rounds", type=int, default=2)
     a = p.parse_args()
-    {"stall": stall, "load": load}[a.cmd](a)
+    {"stall": stall, "load": load, "clients": clients}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -233,6 +233,9 @@ pub struct Generation {
     /// The best `(id, logit)` of the next row when the last decode read only those (see
     /// `top_k_only`).
     top: Option<Vec<(u32, f32)>>,
+    /// The token [`Generation::step_deferring`] left to feed: its logits come through
+    /// [`Generation::feed_logits`] (a forward batched with other sequences').
+    pending: Option<u32>,
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -302,6 +305,7 @@ impl Generation {
             recorded: Vec::new(),
             next: None,
             top: None,
+            pending: None,
         })
     }
 
@@ -377,7 +381,47 @@ impl Generation {
     /// [`Generation::step`] with the speculator given to [`Generation::start_with`]: where plain
     /// decoding feeds one token, a round drafts, verifies and decides several; they are then
     /// handed out one per step.
-    pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
+    pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
+        self.step_inner(model, seq, spec, false)
+    }
+
+    /// [`Generation::step_with`] that, where the step ends by feeding the emitted token to a
+    /// plain decode (no speculator, no decided tokens left), leaves that forward to the caller:
+    /// [`Generation::pending`] names the token, the caller appends it to `seq` with the forward
+    /// of its choice (`Model::forward_many`, with other sequences' rows) and hands the row to
+    /// [`Generation::feed_logits`]. The tokens drawn are the same as with `step_with`.
+    pub fn step_deferring(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
+        self.step_inner(model, seq, spec, true)
+    }
+
+    /// The token the last [`Generation::step_deferring`] left for the caller to feed.
+    pub fn pending(&self) -> Option<u32> {
+        self.pending
+    }
+
+    /// The logits row of the token [`Generation::pending`] named (fed to the sequence by the
+    /// caller), and the milliseconds that forward took (counted as generation time).
+    pub fn feed_logits(&mut self, row: Vec<f32>, ms: f64) {
+        debug_assert!(self.pending.is_some(), "a row fed with no token pending");
+        self.pending = None;
+        self.logits = row;
+        self.timings.predicted_ms += ms;
+    }
+
+    /// Runs the forward [`Generation::step_deferring`] left pending on `seq` alone (the batch it
+    /// was meant for failed, or there was none).
+    pub fn feed_alone(&mut self, model: &Model, seq: &mut Sequence) -> Result<(), GenerateError> {
+        let Some(token) = self.pending else { return Ok(()) };
+        let t0 = Instant::now();
+        let row = seq.decode(model, token)?;
+        self.feed_logits(row, t0.elapsed().as_secs_f64() * 1e3);
+        Ok(())
+    }
+
+    fn step_inner(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>, defer: bool) -> Result<StepEvent, GenerateError> {
+        if self.pending.is_some() {
+            return Err(GenerateError::Internal("a step before the pending token's logits were fed".into()));
+        }
         if let Some(stop) = self.finished {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
@@ -470,6 +514,10 @@ impl Generation {
                     let round = round?;
                     self.timings.draft.add(&round.stats());
                     self.decided.extend(round.tokens.into_iter().zip(round.rows));
+                } else if defer {
+                    // The caller feeds the token; the full row comes back (the draw reads it as
+                    // the argmax and top-k paths would: the same token).
+                    self.pending = Some(token);
                 } else if self.argmax_only() {
                     let banned = if self.req.ignore_eos { eog } else { &[][..] };
                     self.next = Some(seq.decode_argmax_banning(model, token, banned)?);

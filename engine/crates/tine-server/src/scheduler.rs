@@ -218,6 +218,27 @@ pub struct SlotView {
 #[error("the engine thread has stopped")]
 pub struct EngineGone;
 
+/// The batched decode forwards since start ([`Model::forward_many`] over the slots' rows).
+#[derive(Debug, Default)]
+pub struct BatchSizes {
+    /// Batched forwards, and the rows (slots) they carried in all.
+    pub steps: std::sync::atomic::AtomicU64,
+    pub rows: std::sync::atomic::AtomicU64,
+    /// The rows of the largest one.
+    pub max: AtomicUsize,
+    /// The rows of the last one.
+    pub last: AtomicUsize,
+}
+
+impl BatchSizes {
+    fn record(&self, rows: usize) {
+        self.steps.fetch_add(1, Ordering::Relaxed);
+        self.rows.fetch_add(rows as u64, Ordering::Relaxed);
+        self.max.fetch_max(rows, Ordering::Relaxed);
+        self.last.store(rows, Ordering::Relaxed);
+    }
+}
+
 /// A handle to the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
@@ -225,6 +246,7 @@ pub struct Scheduler {
     pub slots: usize,
     views: Arc<Mutex<Vec<SlotView>>>,
     pool: Arc<Mutex<PoolStats>>,
+    batches: Arc<BatchSizes>,
 }
 
 impl Scheduler {
@@ -234,9 +256,15 @@ impl Scheduler {
         let n_ctx = config.ctx_size.min(model.info.context_length).max(1);
         let views = Arc::new(Mutex::new((0..slots).map(|id| SlotView { id, n_ctx, id_task: -1, ..SlotView::default() }).collect()));
         let pool = Arc::new(Mutex::new(PoolStats::default()));
-        let (v, p) = (views.clone(), pool.clone());
-        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx, v, p)).expect("spawning the engine thread");
-        Scheduler { jobs: tx, slots, views, pool }
+        let batches = Arc::new(BatchSizes::default());
+        let (v, p, b) = (views.clone(), pool.clone(), batches.clone());
+        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx, v, p, b)).expect("spawning the engine thread");
+        Scheduler { jobs: tx, slots, views, pool, batches }
+    }
+
+    /// The batched decode forwards' figures since start.
+    pub fn batch_sizes(&self) -> &BatchSizes {
+        &self.batches
     }
 
     /// The shared prefixes' figures, as of the last admission.
@@ -531,8 +559,11 @@ fn release_prefix(slot: &mut Slot) {
     }
 }
 
-fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>) {
+fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>, batch_sizes: Arc<BatchSizes>) {
     let factory = config.spec.clone();
+    // Gemma 3 on the CPU: the active slots' decode rows run as one forward each step
+    // (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
+    let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
@@ -666,7 +697,9 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 continue;
             }
             let was_prefilling = a.gen.is_prefilling();
-            let stepped = guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()));
+            // Where the model batches, a plain decode's forward is left pending and run below
+            // with the other slots' (continuous batching).
+            let stepped = if batching { guarded(|| a.gen.step_deferring(&model, &mut slot.seq, slot.spec.as_mut())) } else { guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut())) };
             if was_prefilling && a.progress && stepped.is_ok() {
                 let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
             }
@@ -718,6 +751,78 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                     clear_injected(&mut slot.seq);
                     slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
                     publish(&views, i, slot, None);
+                }
+            }
+        }
+        if batching {
+            feed_pending(&model, factory.as_ref(), &mut slots, &views, &batch_sizes);
+        }
+    }
+}
+
+/// Runs the decode forwards the slots' steps left pending ([`Generation::step_deferring`]) as
+/// one `Model::forward_many` and hands each slot its row: each row is the bits the slot's own
+/// decode gives, so a request's tokens do not depend on what shares its steps. If the batch
+/// fails, each slot runs its forward alone, so that an error stays with the slot it belongs to.
+fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
+    let pending: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].active.as_ref().is_some_and(|a| a.gen.pending().is_some())).collect();
+    if pending.is_empty() {
+        return;
+    }
+    batch_sizes.record(pending.len());
+    let tokens: Vec<[u32; 1]> = pending.iter().map(|&i| [slots[i].active.as_ref().and_then(|a| a.gen.pending()).expect("pending")]).collect();
+    let t0 = std::time::Instant::now();
+    let rows = {
+        let mut steps: Vec<(&mut Sequence, &[u32])> = Vec::with_capacity(pending.len());
+        let mut rest = &mut slots[..];
+        let mut base = 0;
+        for (&i, t) in pending.iter().zip(&tokens) {
+            let (_, tail) = rest.split_at_mut(i - base);
+            let (slot, after) = tail.split_first_mut().expect("a pending slot");
+            steps.push((&mut slot.seq, &t[..]));
+            rest = after;
+            base = i + 1;
+        }
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.forward_many(&mut steps)))
+    };
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    match rows {
+        // A bug: the caches may hold part of the batch, so every slot in it starts afresh.
+        Err(_) => {
+            for &i in &pending {
+                let slot = &mut slots[i];
+                if let Some(a) = slot.active.as_ref() {
+                    let _ = a.events.send(Event::Error(GenerateError::Internal("a batched decode step panicked".into())));
+                }
+                reset_slot(model, factory, slot);
+                publish(views, i, slot, None);
+            }
+        }
+        Ok(Ok(rows)) => {
+            for (&i, row) in pending.iter().zip(rows) {
+                if let Some(a) = slots[i].active.as_mut() {
+                    a.gen.feed_logits(row.data, ms);
+                }
+            }
+        }
+        // Every sequence is as it was (the batch is atomic): each runs its forward alone.
+        Ok(Err(_)) => {
+            for &i in &pending {
+                let slot = &mut slots[i];
+                let Some(a) = slot.active.as_mut() else { continue };
+                match guarded(|| a.gen.feed_alone(model, &mut slot.seq)) {
+                    Ok(()) => {}
+                    Err((e, panicked)) => {
+                        let _ = a.events.send(Event::Error(e));
+                        if panicked {
+                            reset_slot(model, factory, slot);
+                        } else {
+                            slot.active = None;
+                            clear_injected(&mut slot.seq);
+                            slot.spec = new_speculator(model, factory, &slot.seq);
+                        }
+                        publish(views, i, slot, None);
+                    }
                 }
             }
         }

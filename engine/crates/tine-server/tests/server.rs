@@ -1479,3 +1479,41 @@ fn tool_parameters_with_refs_to_their_own_definitions_are_followed() {
         assert!(args["item"]["n"] == 1 || args["item"]["n"] == 2, "{v}");
     }
 }
+
+// Issue 51: with several slots on the CPU the decode rows of every active slot run as one
+// forward a step; each request's tokens stay those it gets alone (greedy, seeded, with
+// probabilities), and /metrics counts the batched forwards.
+#[test]
+fn batched_slots_answer_each_request_as_alone_and_metrics_show_the_batches() {
+    let srv = start_cfg(None, |c| {
+        *c = ServerConfig { spec: None, ..ServerConfig::new(8, 8 * 256) };
+        c.metrics = true;
+    });
+    let bodies: Vec<Value> = (0..8)
+        .map(|i| {
+            let prompt = ["hello world", "the world", "an hello", "in the hell", "world world", "hello", "the hell of the world", "an"][i];
+            match i % 3 {
+                0 => greedy(prompt, 12 + i as i64),
+                1 => json!({"prompt": prompt, "n_predict": 16, "temperature": 0.8, "seed": 40 + i, "cache_prompt": false, "return_tokens": true}),
+                _ => json!({"prompt": prompt, "n_predict": 9, "temperature": 0, "n_probs": 3, "cache_prompt": false, "return_tokens": true}),
+            }
+        })
+        .collect();
+    let alone: Vec<Value> = bodies.iter().map(|b| post(srv.addr, "/completion", b.clone()).1).collect();
+    let addr = srv.addr;
+    for round in 0..2 {
+        let handles: Vec<_> = bodies.iter().cloned().map(|b| std::thread::spawn(move || post(addr, "/completion", b).1)).collect();
+        for (i, h) in handles.into_iter().enumerate() {
+            let got = h.join().expect("client thread");
+            assert_eq!(got["tokens"], alone[i]["tokens"], "round {round}, request {i} under batching");
+            assert_eq!(got["content"], alone[i]["content"]);
+            assert_eq!(got["completion_probabilities"], alone[i]["completion_probabilities"], "request {i}'s probabilities");
+        }
+    }
+    let (_, text) = http(srv.addr, "GET", "/metrics", "");
+    let value =
+        |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
+    assert!(value("tine:batched_forwards_total") >= 1.0, "no batched forward:\n{text}");
+    assert!(value("tine:batch_rows_max") >= 2.0 && value("tine:batch_rows_max") <= 8.0);
+    assert!(value("tine:batched_rows_total") >= 2.0 * value("tine:batched_forwards_total") - 1.0 || value("tine:batch_rows_max") >= 2.0);
+}
