@@ -37,9 +37,9 @@ def free_port():
 
 
 class Server:
-    def __init__(self, tine, model, args, env=None):
+    def __init__(self, tine, model, args, env=None, cmd=None):
         self.port = free_port()
-        cmd = [tine, "serve", "-m", model, "--host", "127.0.0.1", "--port", str(self.port)] + args
+        cmd = (cmd or [tine, "serve"]) + ["-m", model, "--host", "127.0.0.1", "--port", str(self.port)] + args
         self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
         t0 = time.time()
         while True:
@@ -184,12 +184,14 @@ PROMPTS = ["The history of the printing press", "Once upon a time", "The best wa
 
 def clients(a):
     counts = [int(c) for c in a.clients.split(",")]
-    servers = {"batched": Server(a.tine, a.model, ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)]),
-               "one slot a step": Server(a.tine, a.model, ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)], env=dict(os.environ, TINE_CPU_BATCH="0"))}
+    args = ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)]
+    servers = {"tine batched": Server(a.tine, a.model, args), "tine one slot a step": Server(a.tine, a.model, args, env=dict(os.environ, TINE_CPU_BATCH="0"))}
+    if a.llama_server:
+        servers["llama-server"] = Server(None, a.model, args + ["-t", str(a.threads)], cmd=[a.llama_server])
     try:
         body = lambda i: {"prompt": PROMPTS[i % len(PROMPTS)], "n_predict": a.n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
         # Each request alone, once, for the identity check.
-        alone = {i: json.loads(post(servers["batched"].port, "/completion", body(i))[1])["tokens"] for i in range(max(counts))}
+        alone = {i: json.loads(post(servers["tine batched"].port, "/completion", body(i))[1])["tokens"] for i in range(max(counts))}
         rates = {(name, c): [] for name in servers for c in counts}
         same = True
         for r in range(a.rounds):
@@ -205,15 +207,18 @@ def clients(a):
                     for t in ts:
                         t.join()
                     wall = time.time() - t0
-                    rates[(name, c)].append(sum(len(o["tokens"]) for o in out) / wall)
-                    same &= all(o["tokens"] == alone[i] for i, o in enumerate(out))
+                    rates[(name, c)].append(sum(o.get("tokens_predicted") or len(o["tokens"]) for o in out) / wall)
+                    if name.startswith("tine"):
+                        same &= all(o["tokens"] == alone[i] for i, o in enumerate(out))
         print(f"model {a.model}; tine serve --parallel {a.parallel}; clients each /completion of {a.n_predict} greedy tokens (ignore_eos); median of {a.rounds} interleaved rounds")
-        print("| clients | " + " | ".join(f"{n} (tok/s)" for n in servers) + " | ratio |")
-        print("|---|" + "---|" * (len(servers) + 1))
+        names = list(servers)
+        ratios = [f"batched / {n}" for n in names[1:]]
+        print("| clients | " + " | ".join(f"{n} (tok/s)" for n in names) + " | " + " | ".join(ratios) + " |")
+        print("|---|" + "---|" * (len(names) + len(ratios)))
         for c in counts:
-            med = [statistics.median(rates[(n, c)]) for n in servers]
-            print(f"| {c} | " + " | ".join(f"{m:.1f}" for m in med) + f" | {med[0] / med[1]:.2f}x |")
-        print(f"every answer equal to the request alone: {same}")
+            med = [statistics.median(rates[(n, c)]) for n in names]
+            print(f"| {c} | " + " | ".join(f"{m:.1f}" for m in med) + " | " + " | ".join(f"{med[0] / m:.2f}x" for m in med[1:]) + " |")
+        print(f"every Tine answer equal to the request alone: {same}")
     finally:
         for srv in servers.values():
             srv.stop()
@@ -238,6 +243,8 @@ def main():
     c.add_argument("--parallel", type=int, default=8)
     c.add_argument("--n-predict", type=int, default=96)
     c.add_argument("--rounds", type=int, default=2)
+    c.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""), help="also llama.cpp's llama-server (-np P -t THREADS)")
+    c.add_argument("--threads", type=int, default=os.cpu_count())
     a = p.parse_args()
     {"stall": stall, "load": load, "clients": clients}[a.cmd](a)
 
