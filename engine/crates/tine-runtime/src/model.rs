@@ -414,15 +414,21 @@ impl Model {
 
     /// Appends `steps[i].1` to sequence `steps[i].0` for every `i` and returns each one's logits
     /// rows, bit for bit what [`Sequence::forward_all`] gives each alone (continuous batching).
-    /// Gemma 3 on the CPU runs them as one forward (every matrix read once for the rows of all;
-    /// [`Model::batches`]); otherwise they run one after another. Atomic as a whole: on an error
-    /// every sequence is as it was before the call.
+    /// Gemma 3 and Gemma 4 on the CPU run them as one forward (every matrix read once for the
+    /// rows of all; [`Model::batches`]); otherwise they run one after another. Atomic as a whole:
+    /// on an error every sequence is as it was before the call.
     pub fn forward_many(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
         for (seq, tokens) in steps.iter() {
             seq.check(self, tokens)?;
         }
+        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _)| seq.gpu.is_some()) {
+            return self.forward_each(steps);
+        }
+        if let Weights::Gemma4(w) = &self.weights {
+            return self.forward_many_gemma4(w, steps);
+        }
         let Weights::Gemma3(w) = &self.weights else { return self.forward_each(steps) };
-        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _)| seq.gpu.is_some() || !matches!(seq.cache, SeqCache::Gemma3(_))) {
+        if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma3(_))) {
             return self.forward_each(steps);
         }
         let ids = steps.iter().map(|(_, t)| Tensor::new(*t, &self.device)?.unsqueeze(0)).collect::<candle_core::Result<Vec<_>>>()?;
@@ -465,6 +471,46 @@ impl Model {
         Ok(logits)
     }
 
+    /// [`Model::forward_many`] over Gemma 4's `forward_batch` (which changes no cache on an error).
+    fn forward_many_gemma4(&self, w: &gemma4::ModelWeights, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
+        if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma4(_))) {
+            return self.forward_each(steps);
+        }
+        let ids = steps.iter().map(|(_, t)| Tensor::new(*t, &self.device)).collect::<candle_core::Result<Vec<_>>>()?;
+        let mut batch: Vec<(&Tensor, &mut gemma4::Cache)> = Vec::with_capacity(steps.len());
+        for ((seq, _), x) in steps.iter_mut().zip(&ids) {
+            let SeqCache::Gemma4(cache) = &mut seq.cache else { unreachable!("checked above") };
+            batch.push((x, cache));
+        }
+        let outs = w.forward_batch(&mut batch)?;
+        drop(batch);
+        let mut logits = Vec::with_capacity(outs.len());
+        let mut failed = None;
+        for ((seq, _), out) in steps.iter_mut().zip(outs) {
+            let rows = seq.injected().and_then(|()| Ok(Logits { vocab: out.logits.dim(1)?, data: out.logits.flatten_all()?.to_vec1::<f32>()? }));
+            match rows {
+                Ok(l) => logits.push(l),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(e) = failed {
+            for (seq, _) in steps.iter_mut() {
+                let len = seq.tokens.len();
+                if seq.cache.truncate(len).is_err() {
+                    seq.reset();
+                }
+            }
+            return Err(e);
+        }
+        for (seq, tokens) in steps.iter_mut() {
+            seq.tokens.extend_from_slice(tokens);
+        }
+        Ok(logits)
+    }
+
     /// [`Model::forward_many`] one sequence after another.
     fn forward_each(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
         let mut out = Vec::with_capacity(steps.len());
@@ -483,9 +529,10 @@ impl Model {
         Ok(out)
     }
 
-    /// Whether [`Model::forward_many`] runs its sequences as one forward (Gemma 3 on the CPU).
+    /// Whether [`Model::forward_many`] runs its sequences as one forward (Gemma 3 and Gemma 4 on
+    /// the CPU).
     pub fn batches(&self) -> bool {
-        self.device.is_cpu() && self.gpu.is_none() && matches!(self.weights, Weights::Gemma3(_))
+        self.device.is_cpu() && self.gpu.is_none() && matches!(self.weights, Weights::Gemma3(_) | Weights::Gemma4(_))
     }
 
     /// What runs the steps: `"tine-gpu"` (the GPU decode engine) or `"candle"`.

@@ -165,3 +165,33 @@ fn gemma4_sequences_share_a_prefix_and_keep_typed_caches_through_slot_files() {
     assert_eq!((back.len(), back.shared_len()), (40, 0));
     assert!(bits(&back.decode(m, 9).expect("decode"), &seq.decode(m, 9).expect("decode")), "restored f16 cache differs");
 }
+
+// Issue 51: several sequences' rows in one forward (Model::forward_many), each sequence's logits
+// the bits of its own forward_all, for every layout.
+#[test]
+fn gemma4_forward_many_gives_each_sequence_its_own_logits_bit_for_bit() {
+    for cfg in shapes() {
+        let fx = fixture(cfg);
+        let m = &fx.model;
+        assert!(m.batches());
+        let mut batched: Vec<_> = (0..3).map(|_| m.new_sequence(256)).collect();
+        let mut alone: Vec<_> = (0..3).map(|_| m.new_sequence(256)).collect();
+        let streams: Vec<Vec<u32>> = (0..3).map(|s| prompt(60).into_iter().map(|t| (t + 17 * s) % 256).collect()).collect();
+        let mut at = [0usize; 3];
+        for (round, rows) in [[7usize, 1, 3], [1, 1, 1], [4, 2, 1], [1, 9, 1]].iter().enumerate() {
+            if round == 2 {
+                batched[1].rollback(at[1] - 2).expect("rollback");
+                alone[1].rollback(at[1] - 2).expect("rollback");
+                at[1] -= 2;
+            }
+            let chunks: Vec<Vec<u32>> = (0..3).map(|s| streams[s][at[s]..at[s] + rows[s]].to_vec()).collect();
+            let mut steps: Vec<(&mut tine_runtime::Sequence, &[u32])> = batched.iter_mut().zip(&chunks).map(|(s, c)| (s, &c[..])).collect();
+            let got = m.forward_many(&mut steps).expect("forward_many");
+            for s in 0..3 {
+                let want = alone[s].forward_all(m, &chunks[s]).expect("alone");
+                assert!(bits(&got[s].data, &want.data), "round {round}, sequence {s}");
+                at[s] += rows[s];
+            }
+        }
+    }
+}
