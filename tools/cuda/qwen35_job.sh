@@ -155,6 +155,28 @@ print(f"tine tg128 (engine): {med('tg128', 'predicted_per_second')} tok/s; candl
 PY
   exit 0
 fi
+if [ "$mode" = gemma4-quick ]; then
+  # The shortest Gemma 4 check: the small shapes' model checks, one prompt's ids against the CPU
+  # path and the assistant against plain decoding, then the kernel table.
+  for shape in small-e2b small-dense; do
+    for f in "$shape" "$shape-assistant"; do
+      [ -s "$W/g4-$f-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$f" --out "$W/g4-$f-f16.gguf" >>"$W/models.log" 2>&1
+      [ -s "$W/g4-$f-q.gguf" ] || "$C" --quantize "$W/g4-$f-f16.gguf" "$W/g4-$f-q.gguf" >>"$W/models.log" 2>&1
+    done
+    M="$W/g4-$shape-q.gguf"
+    run "gemma4-$shape" 60 "$C" --no-table --gemma4 "$M" || true
+    base=(generate -m "$M" -p 'The history of the printing press begins' -n 32 --ignore-eos --temp 0)
+    cpu=$(timeout 30 "$T" "${base[@]}" --device cpu 2>/dev/null)
+    gpu=$(timeout 30 "$T" "${base[@]}" --device cuda 2>"$W/err-gpu")
+    grep -E "loaded|engine" "$W/err-gpu" | head -n 2 >>"$log"
+    [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  engine vs cpu: $shape" || { say "DIFF  engine vs cpu: $shape"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; tail -n 3 "$W/err-gpu" >>"$log"; }
+    got=$(timeout 30 "$T" "${base[@]}" --device cuda --spec-type draft-assistant --mtp-head "$W/g4-$shape-assistant-q.gguf" 2>"$W/err-spec")
+    acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+    [ -n "$got" ] && [ "$got" = "$gpu" ] && say "same  assistant vs plain: $shape ($acc)" || { say "DIFF  assistant vs plain: $shape"; tail -n 3 "$W/err-spec" >>"$log"; }
+  done
+  run kernels 300 "$C" || true
+  exit 0
+fi
 if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ]; then
   # gemma4-small: the table and the small shapes only (no llama.cpp build, no E2B shape).
   full=1
