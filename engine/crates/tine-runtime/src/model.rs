@@ -414,9 +414,9 @@ impl Model {
 
     /// Appends `steps[i].1` to sequence `steps[i].0` for every `i` and returns each one's logits
     /// rows, bit for bit what [`Sequence::forward_all`] gives each alone (continuous batching).
-    /// Gemma 3 and Gemma 4 on the CPU run them as one forward (every matrix read once for the
-    /// rows of all; [`Model::batches`]); otherwise they run one after another. Atomic as a whole:
-    /// on an error every sequence is as it was before the call.
+    /// On the CPU every family runs them as one forward (every matrix read once for the rows of
+    /// all; [`Model::batches`]); otherwise they run one after another. Atomic as a whole: on an
+    /// error every sequence is as it was before the call.
     pub fn forward_many(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
         for (seq, tokens) in steps.iter() {
             seq.check(self, tokens)?;
@@ -425,7 +425,24 @@ impl Model {
             return self.forward_each(steps);
         }
         if let Weights::Gemma4(w) = &self.weights {
-            return self.forward_many_gemma4(w, steps);
+            if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma4(_))) {
+                return self.forward_each(steps);
+            }
+            return self.forward_many_rows(steps, |ids, caches| {
+                let mut batch: Vec<(&Tensor, &mut gemma4::Cache)> = ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Gemma4(c) = c { c } else { unreachable!("checked above") })).collect();
+                Ok(w.forward_batch(&mut batch)?.into_iter().map(|o| o.logits).collect())
+            });
+        }
+        if let Weights::Qwen35(w) = &self.weights {
+            if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Qwen35(_))) {
+                return self.forward_each(steps);
+            }
+            // As `Sequence::forward_all` runs it: a verify batch, its row states kept.
+            return self.forward_many_rows(steps, |ids, caches| {
+                let mut batch: Vec<(&Tensor, &mut qwen35::Cache)> =
+                    ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Qwen35(r) = c { &mut r.cache } else { unreachable!("checked above") })).collect();
+                Ok(w.forward_batch(&mut batch, true)?.into_iter().map(|o| o.logits).collect())
+            });
         }
         let Weights::Gemma3(w) = &self.weights else { return self.forward_each(steps) };
         if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma3(_))) {
@@ -471,23 +488,15 @@ impl Model {
         Ok(logits)
     }
 
-    /// [`Model::forward_many`] over Gemma 4's `forward_batch` (which changes no cache on an error).
-    fn forward_many_gemma4(&self, w: &gemma4::ModelWeights, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
-        if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma4(_))) {
-            return self.forward_each(steps);
-        }
+    /// [`Model::forward_many`] over a family's `forward_batch` (`run`: the ids `(T_i,)` and the
+    /// caches to each sequence's logits `(T_i, vocab)`; it changes no cache on an error).
+    fn forward_many_rows(&self, steps: &mut [(&mut Sequence, &[u32])], run: impl FnOnce(&[Tensor], Vec<&mut SeqCache>) -> candle_core::Result<Vec<Tensor>>) -> Result<Vec<Logits>, StepError> {
         let ids = steps.iter().map(|(_, t)| Tensor::new(*t, &self.device)).collect::<candle_core::Result<Vec<_>>>()?;
-        let mut batch: Vec<(&Tensor, &mut gemma4::Cache)> = Vec::with_capacity(steps.len());
-        for ((seq, _), x) in steps.iter_mut().zip(&ids) {
-            let SeqCache::Gemma4(cache) = &mut seq.cache else { unreachable!("checked above") };
-            batch.push((x, cache));
-        }
-        let outs = w.forward_batch(&mut batch)?;
-        drop(batch);
+        let outs = run(&ids, steps.iter_mut().map(|(seq, _)| &mut seq.cache).collect())?;
         let mut logits = Vec::with_capacity(outs.len());
         let mut failed = None;
         for ((seq, _), out) in steps.iter_mut().zip(outs) {
-            let rows = seq.injected().and_then(|()| Ok(Logits { vocab: out.logits.dim(1)?, data: out.logits.flatten_all()?.to_vec1::<f32>()? }));
+            let rows = seq.injected().and_then(|()| Ok(Logits { vocab: out.dim(1)?, data: out.flatten_all()?.to_vec1::<f32>()? }));
             match rows {
                 Ok(l) => logits.push(l),
                 Err(e) => {
@@ -497,6 +506,8 @@ impl Model {
             }
         }
         if let Some(e) = failed {
+            // Every cache holds its new rows, no sequence's tokens do yet: cut the caches back
+            // (a recurrent state to the batch's first row state).
             for (seq, _) in steps.iter_mut() {
                 let len = seq.tokens.len();
                 if seq.cache.truncate(len).is_err() {
@@ -529,10 +540,10 @@ impl Model {
         Ok(out)
     }
 
-    /// Whether [`Model::forward_many`] runs its sequences as one forward (Gemma 3 and Gemma 4 on
-    /// the CPU).
+    /// Whether [`Model::forward_many`] runs its sequences as one forward (every family on the
+    /// CPU).
     pub fn batches(&self) -> bool {
-        self.device.is_cpu() && self.gpu.is_none() && matches!(self.weights, Weights::Gemma3(_) | Weights::Gemma4(_))
+        self.device.is_cpu() && self.gpu.is_none()
     }
 
     /// What runs the steps: `"tine-gpu"` (the GPU decode engine) or `"candle"`.

@@ -283,3 +283,39 @@ fn recurrent_sequences_do_not_share_a_prefix_and_say_so() {
     assert!(seq.share_prefix(4).is_err());
     assert_eq!((seq.len(), seq.shared_len()), (5, 0));
 }
+
+// Issue 51: several sequences' rows in one forward (Model::forward_many), each sequence's logits
+// and recurrent state those of its own forward_all, a rollback inside a batched verify included.
+#[test]
+fn qwen35_forward_many_gives_each_sequence_its_own_logits_and_state() {
+    for cfg in shapes() {
+        let fx = fixture(cfg);
+        let m = &fx.model;
+        assert!(m.batches());
+        let mut batched: Vec<Sequence> = (0..3).map(|_| m.new_sequence(256)).collect();
+        let mut alone: Vec<Sequence> = (0..3).map(|_| m.new_sequence(256)).collect();
+        let streams: Vec<Vec<u32>> = (0..3).map(|s| prompt(60).into_iter().map(|t| (t + 17 * s) % 256).collect()).collect();
+        let mut at = [0usize; 3];
+        for (round, rows) in [[7usize, 1, 3], [1, 1, 1], [4, 2, 1], [1, 5, 1]].iter().enumerate() {
+            let chunks: Vec<Vec<u32>> = (0..3).map(|s| streams[s][at[s]..at[s] + rows[s]].to_vec()).collect();
+            let mut steps: Vec<(&mut Sequence, &[u32])> = batched.iter_mut().zip(&chunks).map(|(s, c)| (s, &c[..])).collect();
+            let got = m.forward_many(&mut steps).expect("forward_many");
+            for s in 0..3 {
+                let want = alone[s].forward_all(m, &chunks[s]).expect("alone");
+                assert!(bits(&got[s].data, &want.data), "round {round}, sequence {s}");
+                at[s] += rows[s];
+            }
+            if round == 2 {
+                // Keep 2 of sequence 0's 4 verify rows: both go back to the same row state.
+                batched[0].rollback(at[0] - 2).expect("rollback inside the batch");
+                alone[0].rollback(at[0] - 2).expect("rollback inside the batch");
+                at[0] -= 2;
+            }
+        }
+        for s in 0..3 {
+            let a = batched[s].forward_all(m, &streams[s][at[s]..at[s] + 1]).expect("after");
+            let b = alone[s].forward_all(m, &streams[s][at[s]..at[s] + 1]).expect("after");
+            assert!(bits(&a.data, &b.data), "sequence {s}: the step after (the recurrent state)");
+        }
+    }
+}
