@@ -418,6 +418,37 @@ impl Model {
     /// all; [`Model::batches`]); otherwise they run one after another. Atomic as a whole: on an
     /// error every sequence is as it was before the call.
     pub fn forward_many(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
+        self.forward_rows(steps, true)
+    }
+
+    /// [`Sequence::decode`] for several sequences, one token each: each one's logits row, bit for
+    /// bit what its own `decode` gives, in one forward on the CPU ([`Model::forward_many`]'s; a
+    /// recurrent model keeps no row states, as `decode` keeps none). Atomic as a whole.
+    pub fn decode_many(&self, steps: &mut [(&mut Sequence, u32)]) -> Result<Vec<Vec<f32>>, StepError> {
+        if steps.len() < 2 || !self.batches() {
+            let mut out = Vec::with_capacity(steps.len());
+            for i in 0..steps.len() {
+                let (seq, token) = &mut steps[i];
+                match seq.decode(self, *token) {
+                    Ok(row) => out.push(row),
+                    Err(e) => {
+                        for (seq, _) in steps[..i].iter_mut() {
+                            seq.undo_append(1);
+                        }
+                        return Err(e);
+                    }
+                }
+            }
+            return Ok(out);
+        }
+        let tokens: Vec<[u32; 1]> = steps.iter().map(|(_, t)| [*t]).collect();
+        let mut rows: Vec<(&mut Sequence, &[u32])> = steps.iter_mut().zip(&tokens).map(|((s, _), t)| (&mut **s, &t[..])).collect();
+        Ok(self.forward_rows(&mut rows, false)?.into_iter().map(|l| l.data).collect())
+    }
+
+    /// [`Model::forward_many`], a recurrent model keeping its row states with `record` (as
+    /// `forward_all` does) or not (as `decode` does).
+    fn forward_rows(&self, steps: &mut [(&mut Sequence, &[u32])], record: bool) -> Result<Vec<Logits>, StepError> {
         for (seq, tokens) in steps.iter() {
             seq.check(self, tokens)?;
         }
@@ -437,11 +468,11 @@ impl Model {
             if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Qwen35(_))) {
                 return self.forward_each(steps);
             }
-            // As `Sequence::forward_all` runs it: a verify batch, its row states kept.
+            // With `record`, as `Sequence::forward_all` runs it: a verify batch, its row states kept.
             return self.forward_many_rows(steps, |ids, caches| {
                 let mut batch: Vec<(&Tensor, &mut qwen35::Cache)> =
                     ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Qwen35(r) = c { &mut r.cache } else { unreachable!("checked above") })).collect();
-                Ok(w.forward_batch(&mut batch, true)?.into_iter().map(|o| o.logits).collect())
+                Ok(w.forward_batch(&mut batch, record)?.into_iter().map(|o| o.logits).collect())
             });
         }
         let Weights::Gemma3(w) = &self.weights else { return self.forward_each(steps) };

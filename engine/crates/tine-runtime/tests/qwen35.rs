@@ -319,3 +319,26 @@ fn qwen35_forward_many_gives_each_sequence_its_own_logits_and_state() {
         }
     }
 }
+
+// The server's batched decode (Model::decode_many): each sequence's row is its own decode's, and
+// the sequences go on as they would alone.
+#[test]
+fn qwen35_decode_many_is_each_sequences_decode() {
+    let fx = fixture(shapes()[0].clone());
+    let m = &fx.model;
+    let mut batched: Vec<Sequence> = (0..3).map(|_| m.new_sequence(128)).collect();
+    let mut alone: Vec<Sequence> = (0..3).map(|_| m.new_sequence(128)).collect();
+    for s in 0..3 {
+        let p: Vec<u32> = prompt(5 + 3 * s).into_iter().map(|t| (t + 7 * s as u32) % 256).collect();
+        batched[s].prefill(m, &p).expect("prefill");
+        alone[s].prefill(m, &p).expect("prefill");
+    }
+    for step in 0..6u32 {
+        let mut steps: Vec<(&mut Sequence, u32)> = batched.iter_mut().enumerate().map(|(s, q)| (q, (step * 31 + s as u32 * 5) % 256)).collect();
+        let rows = m.decode_many(&mut steps).expect("decode_many");
+        for s in 0..3 {
+            let want = alone[s].decode(m, (step * 31 + s as u32 * 5) % 256).expect("decode");
+            assert!(bits(&rows[s], &want), "step {step}, sequence {s}");
+        }
+    }
+}

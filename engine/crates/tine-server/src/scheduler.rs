@@ -761,7 +761,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
 }
 
 /// Runs the decode forwards the slots' steps left pending ([`Generation::step_deferring`]) as
-/// one `Model::forward_many` and hands each slot its row: each row is the bits the slot's own
+/// one `Model::decode_many` and hands each slot its row: each row is the bits the slot's own
 /// decode gives, so a request's tokens do not depend on what shares its steps. If the batch
 /// fails, each slot runs its forward alone, so that an error stays with the slot it belongs to.
 fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
@@ -770,20 +770,20 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
         return;
     }
     batch_sizes.record(pending.len());
-    let tokens: Vec<[u32; 1]> = pending.iter().map(|&i| [slots[i].active.as_ref().and_then(|a| a.gen.pending()).expect("pending")]).collect();
     let t0 = std::time::Instant::now();
     let rows = {
-        let mut steps: Vec<(&mut Sequence, &[u32])> = Vec::with_capacity(pending.len());
+        let mut steps: Vec<(&mut Sequence, u32)> = Vec::with_capacity(pending.len());
         let mut rest = &mut slots[..];
         let mut base = 0;
-        for (&i, t) in pending.iter().zip(&tokens) {
+        for &i in &pending {
             let (_, tail) = rest.split_at_mut(i - base);
             let (slot, after) = tail.split_first_mut().expect("a pending slot");
-            steps.push((&mut slot.seq, &t[..]));
+            let token = slot.active.as_ref().and_then(|a| a.gen.pending()).expect("pending");
+            steps.push((&mut slot.seq, token));
             rest = after;
             base = i + 1;
         }
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.forward_many(&mut steps)))
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.decode_many(&mut steps)))
     };
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     match rows {
@@ -801,7 +801,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
         Ok(Ok(rows)) => {
             for (&i, row) in pending.iter().zip(rows) {
                 if let Some(a) = slots[i].active.as_mut() {
-                    a.gen.feed_logits(row.data, ms);
+                    a.gen.feed_logits(row, ms);
                 }
             }
         }
