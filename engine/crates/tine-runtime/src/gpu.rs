@@ -59,7 +59,7 @@ mod imp {
     pub struct GpuNextN(NextNCache);
     /// An assistant head on the engine, reading the sequences' KV caches.
     pub enum GpuAssistant {
-        Gemma3(AssistantGpu),
+        Gemma3(Box<AssistantGpu>),
         Gemma4(Box<Gemma4AssistantGpu>),
     }
 
@@ -258,7 +258,7 @@ mod imp {
         pub fn load_assistant(&self, path: &Path) -> Result<GpuAssistant, GpuError> {
             match self {
                 GpuTrunk::Gemma4(m) => Ok(GpuAssistant::Gemma4(Box::new(m.load_assistant(path)?))),
-                _ => Ok(GpuAssistant::Gemma3(self.gemma3("an assistant head")?.load_assistant(path)?)),
+                _ => Ok(GpuAssistant::Gemma3(Box::new(self.gemma3("an assistant head")?.load_assistant(path)?))),
             }
         }
         /// One draft step of `head` at `position` for `token`, reading `hidden` (`hidden` values)
