@@ -79,6 +79,8 @@ pub enum ApplyErrorKind {
     BinaryWithoutData,
     #[error("binary patch has no reverse hunk, so it cannot be reverse-applied")]
     BinaryNotReversible,
+    #[error("binary patch's two hunks disagree: the opposite hunk does not give back the file this one starts from")]
+    BinaryInconsistent,
 }
 
 /// Pending changes of one patch on top of a tree: `None` deletes.
@@ -277,6 +279,13 @@ fn transform(data: &[u8], fp: &FilePatch, reverse: bool) -> FileResult<Vec<u8>> 
             if let Some(id) = result_id {
                 if !blob_matches(&result, id) {
                     return Err((None, ApplyErrorKind::BinaryPostimage { expected: id.as_str().into(), found: git_blob_id(&result).into() }));
+                }
+            }
+            // The opposite hunk, a delta, must take the result back to this file (a literal one was
+            // compared above): otherwise a patch applied one way would not reverse-apply.
+            if let Some(BinaryHunk::Delta(d)) = old {
+                if crate::delta::apply(&result, d).ok().as_deref() != Some(data) {
+                    return Err((None, ApplyErrorKind::BinaryInconsistent));
                 }
             }
             Ok(result)

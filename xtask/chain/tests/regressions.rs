@@ -803,3 +803,18 @@ fn a_copy_onto_its_own_source_is_refused_as_git_refuses_it() {
         assert!(out.values().all(|e| e.as_ref().is_some_and(|e| e.data == b"a\nb\n")), "{out:?}");
     }
 }
+
+// Found by `cargo xtask fuzz --target patch_parse` (fuzz/corpus/patch_parse/binary-reverse-delta-disagrees.patch):
+// a binary patch whose forward hunk is a literal and whose reverse hunk is a delta made for
+// another file applied forward (only a literal opposite hunk was compared with the file) and then
+// could not be reverse-applied. The opposite delta must now take the result back to the file, in
+// either direction, or the patch is refused.
+#[test]
+fn a_binary_patch_whose_reverse_delta_does_not_undo_it_is_refused() {
+    // "" -> "\0x" forward; the reverse hunk is a delta for a 302-byte source.
+    let body = "GIT binary patch\nliteral 2\nJcmZRm0001b0C@la\n\ndelta 9\nQcmZ3-w1#Oy%EYu201}=A5&!@I\n\n";
+    let text = format!("diff --git a/f b/f\nindex e69de29bb2d1d6434b8b29ae775ad8c2e48c5391..718882ce3e4b770a94fed2050e5fb06aac7af37d 100644\n{body}");
+    let ps = patch::parse(text.as_bytes()).expect("parses");
+    let err = apply::plan(&one_file("f", b""), &ps, false).expect_err("forward refuses");
+    assert!(matches!(err.kind, ApplyErrorKind::BinaryInconsistent), "{err}");
+}
