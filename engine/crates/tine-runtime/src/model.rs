@@ -479,44 +479,13 @@ impl Model {
         if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma3(_))) {
             return self.forward_each(steps);
         }
-        let ids = steps.iter().map(|(_, t)| Tensor::new(*t, &self.device)?.unsqueeze(0)).collect::<candle_core::Result<Vec<_>>>()?;
-        let mut batch: Vec<(&Tensor, &mut candle_transformers::models::quantized_gemma3::Cache)> = Vec::with_capacity(steps.len());
-        for ((seq, _), x) in steps.iter_mut().zip(&ids) {
-            let SeqCache::Gemma3(cache) = &mut seq.cache else { unreachable!("checked above") };
-            batch.push((x, cache));
-        }
-        // On an error the patch puts every cache back.
-        let outs = w.forward_batch(&mut batch, false)?;
-        drop(batch);
-        let mut logits = Vec::with_capacity(outs.len());
-        let mut failed = None;
-        for ((seq, _), out) in steps.iter_mut().zip(outs) {
-            let rows = seq.injected().and_then(|()| {
-                let l = out.logits.squeeze(0)?;
-                Ok(Logits { vocab: l.dim(1)?, data: l.flatten_all()?.to_vec1::<f32>()? })
-            });
-            match rows {
-                Ok(l) => logits.push(l),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
-        if let Some(e) = failed {
-            // Every cache holds its new rows, no sequence's tokens do yet: cut the caches back.
-            for (seq, _) in steps.iter_mut() {
-                let len = seq.tokens.len();
-                if seq.cache.truncate(len).is_err() {
-                    seq.reset();
-                }
-            }
-            return Err(e);
-        }
-        for (seq, tokens) in steps.iter_mut() {
-            seq.tokens.extend_from_slice(tokens);
-        }
-        Ok(logits)
+        self.forward_many_rows(steps, |ids, caches| {
+            // Gemma 3's forward takes `(1, T)` ids and gives `(1, T, vocab)` logits.
+            let ids = ids.iter().map(|x| x.unsqueeze(0)).collect::<candle_core::Result<Vec<_>>>()?;
+            let mut batch: Vec<(&Tensor, &mut candle_transformers::models::quantized_gemma3::Cache)> =
+                ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Gemma3(c) = c { c } else { unreachable!("checked above") })).collect();
+            w.forward_batch(&mut batch, false)?.into_iter().map(|o| o.logits.squeeze(0)).collect()
+        })
     }
 
     /// [`Model::forward_many`] over a family's `forward_batch` (`run`: the ids `(T_i,)` and the
