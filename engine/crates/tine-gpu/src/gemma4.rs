@@ -381,6 +381,30 @@ impl Gemma4Gpu {
         (self.ptr(&self.b.qs) + r * k as u64, self.ptr(&self.b.qd) + r * kb * 4, self.ptr(&self.b.qsum) + r * kb * 4)
     }
 
+    /// The decode/prompt attention's arguments: the queries in `b.q`, `n_head` of them over the
+    /// `n_kv` heads of `kv` (a layer's cache in `cache`), the output as the activations' Q8 rows.
+    fn attn_args(&self, cache: &Gemma4Cache, kv: (DevPtr, DevPtr), window: usize, n_head: usize, n_kv: usize, step: DevPtr) -> AttnArgs {
+        let (b, act) = (&self.b, self.act(0, 0));
+        AttnArgs {
+            q: self.ptr(&b.q),
+            k_cache: kv.0,
+            v_cache: kv.1,
+            out: 0,
+            partials: self.ptr(&b.partials),
+            counters: self.ptr(&b.attn_counters),
+            step,
+            qs: act.0,
+            qd: act.1,
+            qsum: act.2,
+            ctx: cache.ctx_len as i32,
+            window: window as i32,
+            n_head: n_head as i32,
+            n_kv: n_kv as i32,
+            chunks_max: Kernels::attn_chunks_max(cache.ctx_len, window) as i32,
+            gate: 0,
+        }
+    }
+
     /// `norm_quant` over the step's rows into the Q8 planes: `mode` 0 (plain, `a`), 1 (`h +
     /// rmsnorm(a) · w_a`, times `res_scale` when it is not 0), 2 (the embedding row times
     /// `sqrt(hidden)`) or 4 (`gelu(a) · w_a`), the residual stream `b.h` written back in modes 1
@@ -503,24 +527,7 @@ impl Gemma4Gpu {
                 k.qk_norm_rope_kv(s, rows, &rope)?;
                 mark("qk_norm_rope_kv")?;
                 let window = if lc.sliding { c.window } else { 0 };
-                let at = AttnArgs {
-                    q: p(&b.q),
-                    k_cache: kc,
-                    v_cache: vc,
-                    out: 0,
-                    partials: p(&b.partials),
-                    counters: self.ptr(&b.attn_counters),
-                    step,
-                    qs: act.0,
-                    qd: act.1,
-                    qsum: act.2,
-                    ctx: cache.ctx_len as i32,
-                    window: window as i32,
-                    n_head: lc.n_head as i32,
-                    n_kv: n_kv as i32,
-                    chunks_max: Kernels::attn_chunks_max(cache.ctx_len, window) as i32,
-                    gate: 0,
-                };
+                let at = self.attn_args(cache, (kc, vc), window, lc.n_head, n_kv, step);
                 match prompt {
                     Some(_) => k.attention_prompt(s, rows, hd, &at)?,
                     None => k.attention(s, rows, hd, &at)?,

@@ -258,24 +258,7 @@ impl Gemma4Gpu {
                 k.qk_norm_rope_kv(s, 1, &rope)?;
                 let si = self.slot[bl.source].expect("a source layer owns K/V (checked at load)");
                 let window = if bl.sliding { head.window } else { 0 };
-                let at = AttnArgs {
-                    q: p(&b.q),
-                    k_cache: p(&cache.k[si]),
-                    v_cache: p(&cache.v[si]),
-                    out: 0,
-                    partials: p(&b.partials),
-                    counters: self.ptr(&b.attn_counters),
-                    step,
-                    qs: act.0,
-                    qd: act.1,
-                    qsum: act.2,
-                    ctx: cache.ctx_len as i32,
-                    window: window as i32,
-                    n_head: bl.n_head as i32,
-                    n_kv: c.layers[bl.source].n_kv as i32,
-                    chunks_max: Kernels::attn_chunks_max(cache.ctx_len, window) as i32,
-                    gate: 0,
-                };
+                let at = self.attn_args(cache, (p(&cache.k[si]), p(&cache.v[si])), window, bl.n_head, c.layers[bl.source].n_kv, step);
                 k.attention(s, 1, bl.head_dim, &at)?;
                 k.gemv(s, 1, qd, &[self.seg(&bl.o, &b.o, n)], act)?;
                 k.norm_quant(s, 1, &self.nq(step, None, p(&b.o), p(&bl.post_attn_norm), 1, n, p(&bl.ffn_norm), 0.0))?;
