@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use std::collections::VecDeque;
 
-use tine_runtime::{Model, Sequence, StepError, PREFILL_CHUNK};
+use tine_runtime::{Hidden, Logits, Model, Rows, Sequence, StepError, PREFILL_CHUNK};
 use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
 use tine_spec::{SpecError, SpecStats, Speculator};
 
@@ -233,9 +233,18 @@ pub struct Generation {
     /// The best `(id, logit)` of the next row when the last decode read only those (see
     /// `top_k_only`).
     top: Option<Vec<(u32, f32)>>,
-    /// The token [`Generation::step_deferring`] left to feed: its logits come through
-    /// [`Generation::feed_logits`] (a forward batched with other sequences').
-    pending: Option<u32>,
+    /// The rows [`Generation::step_deferring`] left to feed: their logits come through
+    /// [`Generation::feed_rows`] (a forward batched with other sequences').
+    pending: Option<Pending>,
+}
+
+/// What a deferred step left for the caller's forward.
+#[derive(Debug)]
+enum Pending {
+    /// The emitted token, fed as a decode.
+    Decode([u32; 1]),
+    /// A speculative round's verify batch (drafted, not yet fed).
+    Verify(tine_spec::Planned),
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -385,42 +394,74 @@ impl Generation {
         self.step_inner(model, seq, spec, false)
     }
 
-    /// [`Generation::step_with`] that, where the step ends by feeding the emitted token to a
-    /// plain decode (no speculator, no decided tokens left), leaves that forward to the caller:
-    /// [`Generation::pending`] names the token, the caller appends it to `seq` with the forward
-    /// of its choice (`Model::forward_many`, with other sequences' rows) and hands the row to
-    /// [`Generation::feed_logits`]. The tokens drawn are the same as with `step_with`.
+    /// [`Generation::step_with`] that leaves the forward the step ends with to the caller, where
+    /// it is a plain decode of the emitted token (no speculator, no decided tokens left) or a
+    /// speculative round's verify batch: [`Generation::pending_rows`] names the rows, the caller
+    /// appends them to `seq` with the forward of its choice (`Model::step_many`, with other
+    /// sequences' rows) and hands their logits to [`Generation::feed_rows`]. The tokens drawn are
+    /// the same as with `step_with`.
     pub fn step_deferring(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
         self.step_inner(model, seq, spec, true)
     }
 
-    /// The token the last [`Generation::step_deferring`] left for the caller to feed.
-    pub fn pending(&self) -> Option<u32> {
-        self.pending
+    /// The rows the last [`Generation::step_deferring`] left for the caller to feed, and how
+    /// (`tine_runtime::Rows`: a decode, or a verify batch wanting hidden states or not).
+    pub fn pending_rows(&self) -> Option<(&[u32], Rows)> {
+        match self.pending.as_ref()? {
+            Pending::Decode(token) => Some((&token[..], Rows::Decode)),
+            Pending::Verify(plan) => Some((plan.tokens(), plan.rows())),
+        }
     }
 
-    /// The logits row of the token [`Generation::pending`] named (fed to the sequence by the
-    /// caller), and the milliseconds that forward took (counted as generation time).
-    pub fn feed_logits(&mut self, row: Vec<f32>, ms: f64) {
-        debug_assert!(self.pending.is_some(), "a row fed with no token pending");
-        self.pending = None;
-        self.logits = row;
+    /// The logits (and hidden states, where [`Generation::pending_rows`] asked for them) of the
+    /// rows that `pending_rows` named, which the caller fed to `seq`, and the milliseconds that
+    /// forward took (counted as generation time). A verify batch's round is decided here (the
+    /// accepted drafts kept, the rest rolled back).
+    pub fn feed_rows(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, logits: Logits, hidden: Option<Hidden>, ms: f64) -> Result<(), GenerateError> {
+        let Some(pending) = self.pending.take() else {
+            return Err(GenerateError::Internal("rows fed with nothing pending".into()));
+        };
         self.timings.predicted_ms += ms;
+        match pending {
+            Pending::Decode(_) => {
+                self.logits = logits.data;
+                Ok(())
+            }
+            Pending::Verify(plan) => {
+                let Some(spec) = spec else {
+                    return Err(GenerateError::Internal("a verify batch fed without its speculator".into()));
+                };
+                let t0 = Instant::now();
+                let eog = model.end_of_generation_tokens();
+                let ids_only = self.rows_unread();
+                let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, ids_only, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
+                let round = spec.decide(plan, seq, &mut self.sampler, &mut filter, logits, hidden, ms);
+                // The grammar was marked when the round was planned.
+                if let Some(g) = filter.grammar.as_deref_mut() {
+                    g.rewind()?;
+                }
+                let round = round?;
+                self.timings.draft.add(&round.stats());
+                self.decided.extend(round.tokens.into_iter().zip(round.rows));
+                self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
+                Ok(())
+            }
+        }
     }
 
     /// Runs the forward [`Generation::step_deferring`] left pending on `seq` alone (the batch it
-    /// was meant for failed, or there was none).
-    pub fn feed_alone(&mut self, model: &Model, seq: &mut Sequence) -> Result<(), GenerateError> {
-        let Some(token) = self.pending else { return Ok(()) };
+    /// was meant for failed, or there was none) and feeds its rows.
+    pub fn feed_alone(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<(), GenerateError> {
+        let Some((tokens, rows)) = self.pending_rows() else { return Ok(()) };
+        let tokens = tokens.to_vec();
         let t0 = Instant::now();
-        let row = seq.decode(model, token)?;
-        self.feed_logits(row, t0.elapsed().as_secs_f64() * 1e3);
-        Ok(())
+        let (logits, hidden) = model.step_many(&mut [(&mut *seq, &tokens[..], rows)])?.pop().expect("one sequence's rows");
+        self.feed_rows(model, seq, spec, logits, hidden, t0.elapsed().as_secs_f64() * 1e3)
     }
 
     fn step_inner(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>, defer: bool) -> Result<StepEvent, GenerateError> {
         if self.pending.is_some() {
-            return Err(GenerateError::Internal("a step before the pending token's logits were fed".into()));
+            return Err(GenerateError::Internal("a step before the pending rows' logits were fed".into()));
         }
         if let Some(stop) = self.finished {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
@@ -507,17 +548,29 @@ impl Generation {
                     if let Some(g) = filter.grammar.as_deref_mut() {
                         g.mark();
                     }
-                    let round = spec.round(model, seq, token, &mut self.sampler, max_new, &mut filter);
-                    if let Some(g) = filter.grammar.as_deref_mut() {
-                        g.rewind()?;
+                    if defer {
+                        // The caller runs the verify batch; `feed_rows` decides the round (and
+                        // rewinds the grammar to the mark).
+                        let plan = spec.plan(model, seq, token, max_new, &mut filter);
+                        if plan.is_err() {
+                            if let Some(g) = filter.grammar.as_deref_mut() {
+                                g.rewind()?;
+                            }
+                        }
+                        self.pending = Some(Pending::Verify(plan?));
+                    } else {
+                        let round = spec.round(model, seq, token, &mut self.sampler, max_new, &mut filter);
+                        if let Some(g) = filter.grammar.as_deref_mut() {
+                            g.rewind()?;
+                        }
+                        let round = round?;
+                        self.timings.draft.add(&round.stats());
+                        self.decided.extend(round.tokens.into_iter().zip(round.rows));
                     }
-                    let round = round?;
-                    self.timings.draft.add(&round.stats());
-                    self.decided.extend(round.tokens.into_iter().zip(round.rows));
                 } else if defer {
                     // The caller feeds the token; the full row comes back (the draw reads it as
                     // the argmax and top-k paths would: the same token).
-                    self.pending = Some(token);
+                    self.pending = Some(Pending::Decode([token]));
                 } else if self.argmax_only() {
                     let banned = if self.req.ignore_eos { eog } else { &[][..] };
                     self.next = Some(seq.decode_argmax_banning(model, token, banned)?);

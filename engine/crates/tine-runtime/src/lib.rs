@@ -15,7 +15,9 @@ pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMP
 
 pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::slot_file::{fingerprint, SlotFileError, SlotImage, TypedLayer};
-pub use model::{Assistant, CacheTypeError, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, Sequence, SharedPrefix, StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK};
+pub use model::{
+    banned_argmax, Assistant, CacheTypeError, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, Rows, Sequence, SharedPrefix, StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK,
+};
 
 /// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to
 /// see the cause, not only that something failed.

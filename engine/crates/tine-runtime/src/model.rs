@@ -418,87 +418,102 @@ impl Model {
     /// all; [`Model::batches`]); otherwise they run one after another. Atomic as a whole: on an
     /// error every sequence is as it was before the call.
     pub fn forward_many(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
-        self.forward_rows(steps, true)
+        let mut rows: Vec<(&mut Sequence, &[u32], Rows)> = steps.iter_mut().map(|(s, t)| (&mut **s, *t, Rows::Verify { hidden: false })).collect();
+        Ok(self.step_many(&mut rows)?.into_iter().map(|(l, _)| l).collect())
     }
 
     /// [`Sequence::decode`] for several sequences, one token each: each one's logits row, bit for
-    /// bit what its own `decode` gives, in one forward on the CPU ([`Model::forward_many`]'s; a
-    /// recurrent model keeps no row states, as `decode` keeps none). Atomic as a whole.
+    /// bit what its own `decode` gives, in one forward on the CPU ([`Model::step_many`]). Atomic
+    /// as a whole.
     pub fn decode_many(&self, steps: &mut [(&mut Sequence, u32)]) -> Result<Vec<Vec<f32>>, StepError> {
-        if steps.len() < 2 || !self.batches() {
-            let mut out = Vec::with_capacity(steps.len());
-            for i in 0..steps.len() {
-                let (seq, token) = &mut steps[i];
-                match seq.decode(self, *token) {
-                    Ok(row) => out.push(row),
-                    Err(e) => {
-                        for (seq, _) in steps[..i].iter_mut() {
-                            seq.undo_append(1);
-                        }
-                        return Err(e);
-                    }
-                }
-            }
-            return Ok(out);
-        }
         let tokens: Vec<[u32; 1]> = steps.iter().map(|(_, t)| [*t]).collect();
-        let mut rows: Vec<(&mut Sequence, &[u32])> = steps.iter_mut().zip(&tokens).map(|((s, _), t)| (&mut **s, &t[..])).collect();
-        Ok(self.forward_rows(&mut rows, false)?.into_iter().map(|l| l.data).collect())
+        let mut rows: Vec<(&mut Sequence, &[u32], Rows)> = steps.iter_mut().zip(&tokens).map(|((s, _), t)| (&mut **s, &t[..], Rows::Decode)).collect();
+        Ok(self.step_many(&mut rows)?.into_iter().map(|(l, _)| l.data).collect())
     }
 
-    /// [`Model::forward_many`], a recurrent model keeping its row states with `record` (as
-    /// `forward_all` does) or not (as `decode` does).
-    fn forward_rows(&self, steps: &mut [(&mut Sequence, &[u32])], record: bool) -> Result<Vec<Logits>, StepError> {
-        for (seq, tokens) in steps.iter() {
+    /// One step of continuous batching: appends `steps[i].1` to sequence `steps[i].0` for every
+    /// `i`, each as its [`Rows`] kind says, and returns each one's logits (and hidden states where
+    /// asked), bit for bit what that sequence's own call gives alone: [`Sequence::decode`] for
+    /// [`Rows::Decode`], [`Sequence::forward_all`] or [`Sequence::forward_all_hidden`] for
+    /// [`Rows::Verify`]. On the CPU every family runs them as one forward (every matrix read once
+    /// for the rows of all; [`Model::batches`]); otherwise one after another. Atomic as a whole:
+    /// on an error every sequence is as it was before the call.
+    pub fn step_many(&self, steps: &mut [(&mut Sequence, &[u32], Rows)]) -> Result<Vec<(Logits, Option<Hidden>)>, StepError> {
+        for (seq, tokens, kind) in steps.iter() {
             seq.check(self, tokens)?;
-        }
-        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _)| seq.gpu.is_some()) {
-            return self.forward_each(steps);
-        }
-        if let Weights::Gemma4(w) = &self.weights {
-            if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma4(_))) {
-                return self.forward_each(steps);
+            if *kind == Rows::Decode && tokens.len() != 1 {
+                return Err(StepError::Candle(candle_core::Error::Msg(format!("a decode step of {} tokens (one is fed at a time)", tokens.len()))));
             }
-            return self.forward_many_rows(steps, |ids, caches| {
+        }
+        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _, _)| seq.gpu.is_some()) {
+            return self.step_each(steps);
+        }
+        let hidden: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Verify { hidden: true })).collect();
+        if let Weights::Gemma4(w) = &self.weights {
+            if steps.iter().any(|(seq, _, _)| !matches!(seq.cache, SeqCache::Gemma4(_))) {
+                return self.step_each(steps);
+            }
+            return self.forward_many_rows(steps, &hidden, |ids, caches| {
                 let mut batch: Vec<(&Tensor, &mut gemma4::Cache)> = ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Gemma4(c) = c { c } else { unreachable!("checked above") })).collect();
-                Ok(w.forward_batch(&mut batch)?.into_iter().map(|o| o.logits).collect())
+                Ok(w.forward_batch(&mut batch)?.into_iter().map(|o| (o.logits, Some(o.hidden))).collect())
             });
         }
         if let Weights::Qwen35(w) = &self.weights {
-            if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Qwen35(_))) {
-                return self.forward_each(steps);
+            if steps.iter().any(|(seq, _, _)| !matches!(seq.cache, SeqCache::Qwen35(_))) {
+                return self.step_each(steps);
             }
-            // With `record`, as `Sequence::forward_all` runs it: a verify batch, its row states kept.
-            return self.forward_many_rows(steps, |ids, caches| {
+            // A verify batch keeps its row states (as `Sequence::forward_all` runs it: a rollback
+            // to any row is exact), a decode row none (as `Sequence::decode`).
+            let record: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Verify { .. })).collect();
+            return self.forward_many_rows(steps, &hidden, |ids, caches| {
                 let mut batch: Vec<(&Tensor, &mut qwen35::Cache)> =
                     ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Qwen35(r) = c { &mut r.cache } else { unreachable!("checked above") })).collect();
-                Ok(w.forward_batch(&mut batch, record)?.into_iter().map(|o| o.logits).collect())
+                Ok(w.forward_batch(&mut batch, &record)?.into_iter().map(|o| (o.logits, Some(o.hidden))).collect())
             });
         }
-        let Weights::Gemma3(w) = &self.weights else { return self.forward_each(steps) };
-        if steps.iter().any(|(seq, _)| !matches!(seq.cache, SeqCache::Gemma3(_))) {
-            return self.forward_each(steps);
+        let Weights::Gemma3(w) = &self.weights else { return self.step_each(steps) };
+        if steps.iter().any(|(seq, _, _)| !matches!(seq.cache, SeqCache::Gemma3(_))) {
+            return self.step_each(steps);
         }
-        self.forward_many_rows(steps, |ids, caches| {
+        let with_hidden = hidden.iter().any(|&h| h);
+        self.forward_many_rows(steps, &hidden, |ids, caches| {
             // Gemma 3's forward takes `(1, T)` ids and gives `(1, T, vocab)` logits.
             let ids = ids.iter().map(|x| x.unsqueeze(0)).collect::<candle_core::Result<Vec<_>>>()?;
             let mut batch: Vec<(&Tensor, &mut candle_transformers::models::quantized_gemma3::Cache)> =
                 ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Gemma3(c) = c { c } else { unreachable!("checked above") })).collect();
-            w.forward_batch(&mut batch, false)?.into_iter().map(|o| o.logits.squeeze(0)).collect()
+            w.forward_batch(&mut batch, with_hidden)?.into_iter().map(|o| Ok((o.logits.squeeze(0)?, o.hidden.map(|h| h.squeeze(0)).transpose()?))).collect()
         })
     }
 
-    /// [`Model::forward_many`] over a family's `forward_batch` (`run`: the ids `(T_i,)` and the
-    /// caches to each sequence's logits `(T_i, vocab)`; it changes no cache on an error).
-    fn forward_many_rows(&self, steps: &mut [(&mut Sequence, &[u32])], run: impl FnOnce(&[Tensor], Vec<&mut SeqCache>) -> candle_core::Result<Vec<Tensor>>) -> Result<Vec<Logits>, StepError> {
-        let ids = steps.iter().map(|(_, t)| Tensor::new(*t, &self.device)).collect::<candle_core::Result<Vec<_>>>()?;
-        let outs = run(&ids, steps.iter_mut().map(|(seq, _)| &mut seq.cache).collect())?;
-        let mut logits = Vec::with_capacity(outs.len());
+    /// [`Model::step_many`] over a family's `forward_batch` (`run`: the ids `(T_i,)` and the
+    /// caches to each sequence's logits `(T_i, vocab)` and hidden states `(T_i, embedding)`; it
+    /// changes no cache on an error). `hidden[i]`: sequence `i`'s hidden states are returned.
+    fn forward_many_rows(
+        &self,
+        steps: &mut [(&mut Sequence, &[u32], Rows)],
+        hidden: &[bool],
+        run: impl FnOnce(&[Tensor], Vec<&mut SeqCache>) -> candle_core::Result<Vec<(Tensor, Option<Tensor>)>>,
+    ) -> Result<Vec<(Logits, Option<Hidden>)>, StepError> {
+        let ids = steps.iter().map(|(_, t, _)| Tensor::new(*t, &self.device)).collect::<candle_core::Result<Vec<_>>>()?;
+        let outs = run(&ids, steps.iter_mut().map(|(seq, _, _)| &mut seq.cache).collect())?;
+        let mut rows = Vec::with_capacity(outs.len());
         let mut failed = None;
-        for ((seq, _), out) in steps.iter_mut().zip(outs) {
-            let rows = seq.injected().and_then(|()| Ok(Logits { vocab: out.dim(1)?, data: out.flatten_all()?.to_vec1::<f32>()? }));
-            match rows {
-                Ok(l) => logits.push(l),
+        for (((seq, _, kind), (logits, h)), &keep) in steps.iter_mut().zip(outs).zip(hidden) {
+            let row = seq.injected().and_then(|()| {
+                let data = match kind {
+                    // A decode gives the last row alone (of one, here).
+                    Rows::Decode => logits.narrow(0, logits.dim(0)? - 1, 1)?,
+                    Rows::Verify { .. } => logits,
+                };
+                let h = match (keep, h) {
+                    (true, Some(h)) => Some(Hidden(h)),
+                    (true, None) => return Err(StepError::Candle(candle_core::Error::Msg("the batch's forward gave no hidden states".into()))),
+                    (false, _) => None,
+                };
+                Ok((Logits { vocab: data.dim(1)?, data: data.flatten_all()?.to_vec1::<f32>()? }, h))
+            });
+            match row {
+                Ok(r) => rows.push(r),
                 Err(e) => {
                     failed = Some(e);
                     break;
@@ -508,7 +523,7 @@ impl Model {
         if let Some(e) = failed {
             // Every cache holds its new rows, no sequence's tokens do yet: cut the caches back
             // (a recurrent state to the batch's first row state).
-            for (seq, _) in steps.iter_mut() {
+            for (seq, _, _) in steps.iter_mut() {
                 let len = seq.tokens.len();
                 if seq.cache.truncate(len).is_err() {
                     seq.reset();
@@ -516,21 +531,25 @@ impl Model {
             }
             return Err(e);
         }
-        for (seq, tokens) in steps.iter_mut() {
+        for (seq, tokens, _) in steps.iter_mut() {
             seq.tokens.extend_from_slice(tokens);
         }
-        Ok(logits)
+        Ok(rows)
     }
 
-    /// [`Model::forward_many`] one sequence after another.
-    fn forward_each(&self, steps: &mut [(&mut Sequence, &[u32])]) -> Result<Vec<Logits>, StepError> {
+    /// [`Model::step_many`] one sequence after another.
+    fn step_each(&self, steps: &mut [(&mut Sequence, &[u32], Rows)]) -> Result<Vec<(Logits, Option<Hidden>)>, StepError> {
         let mut out = Vec::with_capacity(steps.len());
         for i in 0..steps.len() {
-            let (seq, tokens) = &mut steps[i];
-            match seq.forward_all(self, tokens) {
-                Ok(l) => out.push(l),
+            let (seq, tokens, kind) = &mut steps[i];
+            let row = match *kind {
+                Rows::Decode => seq.decode(self, tokens[0]).map(|data| (Logits { vocab: data.len(), data }, None)),
+                Rows::Verify { hidden } => seq.forward_batch(self, tokens, hidden),
+            };
+            match row {
+                Ok(r) => out.push(r),
                 Err(e) => {
-                    for (seq, tokens) in steps[..i].iter_mut() {
+                    for (seq, tokens, _) in steps[..i].iter_mut() {
                         seq.undo_append(tokens.len());
                     }
                     return Err(e);
@@ -722,7 +741,7 @@ impl Model {
 
 /// The largest value of `row` with the ids in `banned` passed over, the lowest id on ties: greedy
 /// sampling's pick from the row with `banned` at -inf.
-fn banned_argmax(row: &[f32], banned: &[u32]) -> u32 {
+pub fn banned_argmax(row: &[f32], banned: &[u32]) -> u32 {
     let mut best: Option<usize> = None;
     for (i, &v) in row.iter().enumerate() {
         if banned.contains(&(i as u32)) {
@@ -1292,6 +1311,18 @@ impl SharedPrefix {
     pub fn copied(&self) -> usize {
         self.copied
     }
+}
+
+/// What a sequence's rows in [`Model::step_many`] are, and so what they give back and keep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rows {
+    /// One token, as [`Sequence::decode`] feeds it: its logits row; a recurrent model keeps no
+    /// row states.
+    Decode,
+    /// A verify batch, as [`Sequence::forward_all`] feeds it (with `hidden`, as
+    /// [`Sequence::forward_all_hidden`]): every row's logits (and hidden state), a recurrent
+    /// model's row states kept so that a rollback to any row is exact.
+    Verify { hidden: bool },
 }
 
 /// Hidden states of consecutive positions, `(positions, embedding_length)`: what the model's

@@ -342,3 +342,14 @@ fn qwen35_decode_many_is_each_sequences_decode() {
         }
     }
 }
+
+// Issue 51: decode rows and verify batches (hidden states or not) of several sequences in one
+// `Model::step_many`, each the bits of its own call, rollbacks inside the verify batches included.
+#[test]
+fn qwen35_step_many_mixes_decode_and_verify_rows_bit_for_bit() {
+    for cfg in shapes() {
+        let fx = fixture(cfg);
+        let streams: [Vec<u32>; 3] = std::array::from_fn(|s| prompt(60).into_iter().map(|t| (t + 17 * s as u32) % 256).collect());
+        crate::common::step_many_matches_each_alone(&fx.model, &streams);
+    }
+}

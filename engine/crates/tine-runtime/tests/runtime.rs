@@ -117,6 +117,8 @@ fn a_corrupt_or_foreign_gguf_is_a_clear_error() {
 
 use std::sync::OnceLock;
 
+mod common;
+
 fn real_model() -> &'static Model {
     static MODEL: OnceLock<Model> = OnceLock::new();
     MODEL.get_or_init(|| {
@@ -649,4 +651,14 @@ fn forward_many_gives_each_sequence_its_own_logits_bit_for_bit() {
     let bad = [u32::MAX];
     assert!(model.forward_many(&mut [(&mut a[0], &next[..1]), (&mut b[0], &bad[..])]).is_err());
     assert_eq!(batched.iter().map(|s| s.len()).collect::<Vec<_>>(), lens);
+}
+
+// Issue 51: decode rows and verify batches (hidden states or not) of several sequences of the
+// default model in one `Model::step_many`, each the bits of its own call.
+#[test]
+fn step_many_mixes_decode_and_verify_rows_bit_for_bit() {
+    let model = real_model();
+    let streams: [Vec<u32>; 3] =
+        ["The history of the printing press begins in", "Once upon a time, in a small village", "fn main() { let x = 1; println!"].map(|p| model.tokenizer.encode(&p.repeat(3), true, false));
+    common::step_many_matches_each_alone(model, &streams);
 }

@@ -47,13 +47,7 @@ pub(crate) async fn metrics_text(State(st): State<Shared>) -> Result<Response, A
     }
     let views = st.scheduler.slot_views();
     let busy = views.iter().filter(|v| v.is_processing).count();
-    let b = st.scheduler.batch_sizes();
-    let batches = (
-        b.steps.load(std::sync::atomic::Ordering::Relaxed),
-        b.rows.load(std::sync::atomic::Ordering::Relaxed),
-        b.max.load(std::sync::atomic::Ordering::Relaxed),
-        b.last.load(std::sync::atomic::Ordering::Relaxed),
-    );
+    let batches = st.scheduler.batch_sizes().snapshot();
     let load = metrics::Load { slots: views.len(), busy, queued: st.admission.in_flight().saturating_sub(busy), pool: st.scheduler.pool_stats(), batches };
     // llama-server's header: when this process started, so a scraper can tell a restart.
     let started = axum::http::HeaderValue::from(st.started);

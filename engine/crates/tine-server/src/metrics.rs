@@ -29,8 +29,8 @@ pub struct Load {
     pub queued: usize,
     /// The prompt prefixes shared between slots.
     pub pool: crate::prefix_pool::PoolStats,
-    /// Batched decode forwards: (forwards, rows in all, rows of the largest, rows of the last).
-    pub batches: (u64, u64, usize, usize),
+    /// The batched forwards over the slots' pending rows.
+    pub batches: crate::scheduler::BatchCounts,
 }
 
 impl Metrics {
@@ -62,8 +62,8 @@ impl Metrics {
         let rate = |n: u64, us: u64| if us > 0 { n as f64 * 1e6 / us as f64 } else { 0.0 };
         let accept = if g(&self.draft_tokens) > 0 { g(&self.draft_accepted) as f64 / g(&self.draft_tokens) as f64 } else { 0.0 };
         let p = &load.pool;
-        let (b_steps, b_rows, b_max, b_last) = load.batches;
-        let rows: [(&str, &str, &str, String); 25] = [
+        let b = load.batches;
+        let rows: [(&str, &str, &str, String); 27] = [
             ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens evaluated (not reused from a slot's cache).", g(&self.prompt_tokens).to_string()),
             ("llamacpp:prompt_seconds_total", "counter", "Time spent evaluating prompts.", (g(&self.prompt_us) as f64 / 1e6).to_string()),
             ("llamacpp:tokens_predicted_total", "counter", "Tokens generated.", g(&self.predicted_tokens).to_string()),
@@ -85,10 +85,12 @@ impl Metrics {
             ("tine:draft_tokens_total", "counter", "Tokens drafted by speculative decoding.", g(&self.draft_tokens).to_string()),
             ("tine:draft_tokens_accepted_total", "counter", "Drafted tokens the target kept.", g(&self.draft_accepted).to_string()),
             ("tine:draft_acceptance_ratio", "gauge", "Accepted over drafted tokens, since start.", accept.to_string()),
-            ("tine:batched_forwards_total", "counter", "Decode forwards run for several slots at once (continuous batching).", b_steps.to_string()),
-            ("tine:batched_rows_total", "counter", "Slot rows those forwards carried.", b_rows.to_string()),
-            ("tine:batch_rows_max", "gauge", "Rows of the largest batched forward.", b_max.to_string()),
-            ("tine:batch_rows_last", "gauge", "Rows of the last batched forward.", b_last.to_string()),
+            ("tine:batched_forwards_total", "counter", "Forwards run over the pending rows of the slots, all at once (continuous batching).", b.steps.to_string()),
+            ("tine:batched_slots_total", "counter", "Slots those forwards carried.", b.slots.to_string()),
+            ("tine:batched_rows_total", "counter", "Token rows those forwards carried (a decode is one; a verify batch its pending token and drafts).", b.rows.to_string()),
+            ("tine:batch_rows_max", "gauge", "Token rows of the largest batched forward.", b.max.to_string()),
+            ("tine:batch_rows_last", "gauge", "Token rows of the last batched forward.", b.last.to_string()),
+            ("tine:batch_slots_last", "gauge", "Slots of the last batched forward.", b.last_slots.to_string()),
         ];
         let mut out = String::new();
         for (name, kind, help, value) in rows {

@@ -16,7 +16,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, Generation, StopType, Timings, TokenProb, ValidRequest};
-use tine_runtime::{Model, Sequence, SlotFileError, SlotImage, StepError};
+use tine_runtime::{Model, Rows, Sequence, SlotFileError, SlotImage, StepError};
 use tine_spec::{SpecFactory, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -218,25 +218,54 @@ pub struct SlotView {
 #[error("the engine thread has stopped")]
 pub struct EngineGone;
 
-/// The batched decode forwards since start ([`Model::forward_many`] over the slots' rows).
+/// The batched forwards since start ([`Model::step_many`] over the slots' pending rows: decode
+/// rows and verify batches).
 #[derive(Debug, Default)]
 pub struct BatchSizes {
-    /// Batched forwards, and the rows (slots) they carried in all.
+    /// Batched forwards, the slots they carried in all, and the token rows (a verify batch
+    /// counts its pending token and its drafts).
     pub steps: std::sync::atomic::AtomicU64,
+    pub slots: std::sync::atomic::AtomicU64,
     pub rows: std::sync::atomic::AtomicU64,
-    /// The rows of the largest one.
+    /// The token rows of the largest one.
     pub max: AtomicUsize,
-    /// The rows of the last one.
+    /// The token rows and the slots of the last one.
     pub last: AtomicUsize,
+    pub last_slots: AtomicUsize,
 }
 
 impl BatchSizes {
-    fn record(&self, rows: usize) {
+    fn record(&self, slots: usize, rows: usize) {
         self.steps.fetch_add(1, Ordering::Relaxed);
+        self.slots.fetch_add(slots as u64, Ordering::Relaxed);
         self.rows.fetch_add(rows as u64, Ordering::Relaxed);
         self.max.fetch_max(rows, Ordering::Relaxed);
         self.last.store(rows, Ordering::Relaxed);
+        self.last_slots.store(slots, Ordering::Relaxed);
     }
+
+    /// The counters now (each read on its own: a scrape may straddle a step).
+    pub fn snapshot(&self) -> BatchCounts {
+        BatchCounts {
+            steps: self.steps.load(Ordering::Relaxed),
+            slots: self.slots.load(Ordering::Relaxed),
+            rows: self.rows.load(Ordering::Relaxed),
+            max: self.max.load(Ordering::Relaxed),
+            last: self.last.load(Ordering::Relaxed),
+            last_slots: self.last_slots.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// [`BatchSizes`] read at one moment.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct BatchCounts {
+    pub steps: u64,
+    pub slots: u64,
+    pub rows: u64,
+    pub max: usize,
+    pub last: usize,
+    pub last_slots: usize,
 }
 
 /// A handle to the engine thread.
@@ -561,8 +590,8 @@ fn release_prefix(slot: &mut Slot) {
 
 fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>, batch_sizes: Arc<BatchSizes>) {
     let factory = config.spec.clone();
-    // Gemma 3 on the CPU: the active slots' decode rows run as one forward each step
-    // (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
+    // On the CPU the active slots' decode rows and verify batches run as one forward each step,
+    // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
@@ -760,49 +789,52 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
     }
 }
 
-/// Runs the decode forwards the slots' steps left pending ([`Generation::step_deferring`]) as
-/// one `Model::decode_many` and hands each slot its row: each row is the bits the slot's own
-/// decode gives, so a request's tokens do not depend on what shares its steps. If the batch
-/// fails, each slot runs its forward alone, so that an error stays with the slot it belongs to.
+/// Runs the forwards the slots' steps left pending ([`Generation::step_deferring`]: decode rows
+/// and speculative verify batches) as one `Model::step_many` and hands each slot its rows: each
+/// slot's rows are the bits its own forward gives, so a request's tokens do not depend on what
+/// shares its steps. If the batch fails, each slot runs its forward alone, so that an error stays
+/// with the slot it belongs to.
 fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
-    let pending: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].active.as_ref().is_some_and(|a| a.gen.pending().is_some())).collect();
+    let pending: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].active.as_ref().is_some_and(|a| a.gen.pending_rows().is_some())).collect();
     if pending.is_empty() {
         return;
     }
-    batch_sizes.record(pending.len());
     let t0 = std::time::Instant::now();
-    let rows = {
-        let mut steps: Vec<(&mut Sequence, u32)> = Vec::with_capacity(pending.len());
+    let (rows, outs) = {
+        let mut steps: Vec<(&mut Sequence, &[u32], Rows)> = Vec::with_capacity(pending.len());
         let mut rest = &mut slots[..];
         let mut base = 0;
         for &i in &pending {
             let (_, tail) = rest.split_at_mut(i - base);
             let (slot, after) = tail.split_first_mut().expect("a pending slot");
-            let token = slot.active.as_ref().and_then(|a| a.gen.pending()).expect("pending");
-            steps.push((&mut slot.seq, token));
+            let (tokens, kind) = slot.active.as_ref().and_then(|a| a.gen.pending_rows()).expect("pending");
+            steps.push((&mut slot.seq, tokens, kind));
             rest = after;
             base = i + 1;
         }
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.decode_many(&mut steps)))
+        let rows: usize = steps.iter().map(|(_, t, _)| t.len()).sum();
+        (rows, std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many(&mut steps))))
     };
+    batch_sizes.record(pending.len(), rows);
     let ms = t0.elapsed().as_secs_f64() * 1e3;
-    match rows {
+    match outs {
         // A bug: the caches may hold part of the batch, so every slot in it starts afresh.
         Err(_) => {
             for &i in &pending {
                 let slot = &mut slots[i];
                 if let Some(a) = slot.active.as_ref() {
-                    let _ = a.events.send(Event::Error(GenerateError::Internal("a batched decode step panicked".into())));
+                    let _ = a.events.send(Event::Error(GenerateError::Internal("a batched step panicked".into())));
                 }
                 reset_slot(model, factory, slot);
                 publish(views, i, slot, None);
             }
         }
-        Ok(Ok(rows)) => {
-            for (&i, row) in pending.iter().zip(rows) {
-                if let Some(a) = slots[i].active.as_mut() {
-                    a.gen.feed_logits(row, ms);
-                }
+        Ok(Ok(outs)) => {
+            for (&i, (logits, hidden)) in pending.iter().zip(outs) {
+                let slot = &mut slots[i];
+                let Some(a) = slot.active.as_mut() else { continue };
+                let fed = guarded(|| a.gen.feed_rows(model, &mut slot.seq, slot.spec.as_mut(), logits, hidden, ms));
+                settle(model, factory, slots, views, i, fed);
             }
         }
         // Every sequence is as it was (the batch is atomic): each runs its forward alone.
@@ -810,23 +842,29 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
             for &i in &pending {
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
-                match guarded(|| a.gen.feed_alone(model, &mut slot.seq)) {
-                    Ok(()) => {}
-                    Err((e, panicked)) => {
-                        let _ = a.events.send(Event::Error(e));
-                        if panicked {
-                            reset_slot(model, factory, slot);
-                        } else {
-                            slot.active = None;
-                            clear_injected(&mut slot.seq);
-                            slot.spec = new_speculator(model, factory, &slot.seq);
-                        }
-                        publish(views, i, slot, None);
-                    }
-                }
+                let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
+                settle(model, factory, slots, views, i, fed);
             }
         }
     }
+}
+
+/// After slot `i`'s pending rows were fed: an error ends its request (a panic resets the slot;
+/// otherwise the sequence is as before the step, and the drafter starts over).
+fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, i: usize, fed: Result<(), (GenerateError, bool)>) {
+    let Err((e, panicked)) = fed else { return };
+    let slot = &mut slots[i];
+    if let Some(a) = slot.active.as_ref() {
+        let _ = a.events.send(Event::Error(e));
+    }
+    if panicked {
+        reset_slot(model, factory, slot);
+    } else {
+        slot.active = None;
+        clear_injected(&mut slot.seq);
+        slot.spec = new_speculator(model, factory, &slot.seq);
+    }
+    publish(views, i, slot, None);
 }
 
 #[cfg(test)]

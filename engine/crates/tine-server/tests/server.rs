@@ -1517,3 +1517,68 @@ fn batched_slots_answer_each_request_as_alone_and_metrics_show_the_batches() {
     assert!(value("tine:batch_rows_max") >= 2.0 && value("tine:batch_rows_max") <= 8.0);
     assert!(value("tine:batched_rows_total") >= 2.0 * value("tine:batched_forwards_total") - 1.0 || value("tine:batch_rows_max") >= 2.0);
 }
+
+// Issue 51: with speculation on, every slot's verify batch runs in the same forward as the other
+// slots' rows; 8 concurrent mixed requests (greedy, seeded, with probabilities, a grammar, drafting
+// off, different lengths, and a long prompt arriving mid-way) each get the tokens they get alone,
+// for every spec type, and /metrics shows verify rows in the batched forwards.
+#[test]
+fn batched_speculative_slots_answer_each_request_as_alone_for_every_spec_type() {
+    let prompts = ["hello world hello world", "the world the world", "an hello an hello", "in the hell", "world world world", "hello", "the hell of the world", "an an an"];
+    let bodies: Vec<Value> = (0..8)
+        .map(|i| {
+            let prompt = prompts[i];
+            let mut b = match i % 4 {
+                0 => greedy(prompt, 12 + i as i64),
+                1 => json!({"prompt": prompt, "n_predict": 16, "temperature": 0.8, "seed": 40 + i, "cache_prompt": false, "return_tokens": true}),
+                2 => json!({"prompt": prompt, "n_predict": 9, "temperature": 0, "n_probs": 3, "cache_prompt": false, "return_tokens": true}),
+                _ => json!({"prompt": prompt, "n_predict": 14, "temperature": 0.5, "top_k": 5, "seed": 3, "return_tokens": true}),
+            };
+            b["ignore_eos"] = json!(true);
+            if i == 5 {
+                b["speculative.n_max"] = json!(0);
+            }
+            if i == 6 {
+                b["grammar"] = json!("root ::= (\"hello\" | \" world\" | \" the\")+");
+            }
+            b
+        })
+        .collect();
+    let long = json!({"prompt": "hello world the hell ".repeat(160), "n_predict": 10, "temperature": 0, "ignore_eos": true, "return_tokens": true});
+    // Plain decoding, one slot (no batching, no drafts): what every request's tokens must be.
+    let plain = start_model(TinyGemma3 { nextn: true, context: 8192, ..TinyGemma3::default() }, None, |c| *c = ServerConfig { spec: None, ..ServerConfig::new(1, 1024) });
+    let want: Vec<Value> = bodies.iter().chain([&long]).map(|b| post(plain.addr, "/completion", b.clone()).1["tokens"].clone()).collect();
+    for kind in tine_spec::SpecType::ALL {
+        let srv = start_cfg(Some(kind), |c| {
+            *c = ServerConfig { spec: None, ..ServerConfig::new(9, 1024) };
+            c.metrics = true;
+        });
+        let alone: Vec<Value> = bodies.iter().map(|b| post(srv.addr, "/completion", b.clone()).1).collect();
+        let long_alone = post(srv.addr, "/completion", long.clone()).1;
+        for (i, a) in alone.iter().chain([&long_alone]).enumerate() {
+            assert_eq!(a["tokens"], want[i], "{kind}, request {i} alone against plain decoding");
+        }
+        let addr = srv.addr;
+        let handles: Vec<_> = bodies.iter().cloned().map(|b| std::thread::spawn(move || post(addr, "/completion", b))).collect();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let late = {
+            let long = long.clone();
+            std::thread::spawn(move || post(addr, "/completion", long))
+        };
+        for (i, h) in handles.into_iter().enumerate() {
+            let (status, got) = h.join().expect("client thread");
+            assert_eq!(status, 200, "{kind}, request {i}: {got}");
+            assert_eq!(got["tokens"], alone[i]["tokens"], "{kind}, request {i} under batching");
+            assert_eq!(got["content"], alone[i]["content"], "{kind}, request {i}");
+            assert_eq!(got["completion_probabilities"], alone[i]["completion_probabilities"], "{kind}, request {i}'s probabilities");
+        }
+        let (status, got) = late.join().expect("client thread");
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(got["tokens"], long_alone["tokens"], "{kind}: the long prompt that arrived mid-way");
+        let (_, text) = http(srv.addr, "GET", "/metrics", "");
+        let value =
+            |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
+        assert!(value("tine:draft_tokens_total") > 0.0, "{kind}: nothing drafted:\n{text}");
+        assert!(value("tine:batched_rows_total") > value("tine:batched_slots_total"), "{kind}: no verify batch went through the batched forwards:\n{text}");
+    }
+}

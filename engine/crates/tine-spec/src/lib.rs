@@ -21,7 +21,7 @@ pub mod equivalence;
 
 use std::str::FromStr;
 
-use tine_runtime::{Hidden, Model, Sequence, StepError};
+use tine_runtime::{Hidden, Logits, Model, Sequence, StepError};
 use tine_sampling::Sampler;
 
 pub use drafters::{AssistantDrafter, ChainDrafter, DraftModelDrafter, MtpDrafter, NgramDrafter};
@@ -213,6 +213,8 @@ pub enum SpecError {
     NoNextN(SpecType),
     #[error("preparing a verify row failed")]
     Filter(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("a verify of {planned} rows planned at length {at} was decided over {rows} rows at length {len}")]
+    Unplanned { planned: usize, at: usize, rows: usize, len: usize },
 }
 
 /// Edits the target's logit rows before each decision of a round, exactly as plain decoding
@@ -362,6 +364,35 @@ impl Round {
     }
 }
 
+/// A round drafted by [`Speculator::plan`], waiting for its verify forward.
+#[derive(Debug)]
+pub struct Planned {
+    /// The target's length when the round began.
+    n: usize,
+    /// The pending token, then the drafts.
+    batch: Vec<u32>,
+    drafts: Vec<u32>,
+    /// Whether the drafter was asked for drafts (its hidden states then restart at `n`).
+    consulted: bool,
+    draft_ms: f64,
+    wants_hidden: bool,
+}
+
+impl Planned {
+    /// The verify batch to feed: the pending token, then the drafts.
+    pub fn tokens(&self) -> &[u32] {
+        &self.batch
+    }
+    /// How to feed it (the drafter reads the hidden states of a verify, or not).
+    pub fn rows(&self) -> tine_runtime::Rows {
+        tine_runtime::Rows::Verify { hidden: self.wants_hidden }
+    }
+    /// Tokens drafted.
+    pub fn drafted(&self) -> usize {
+        self.drafts.len()
+    }
+}
+
 /// A drafter plus the driver state of one sequence.
 pub struct Speculator {
     drafter: Box<dyn Drafter>,
@@ -445,7 +476,46 @@ impl Speculator {
     ///
     /// `filter` edits each logit row before a decision (for example to ban end-of-generation
     /// tokens), exactly as plain decoding edits its logits, and may cut the draft first.
+    ///
+    /// The same round in two halves, the verify forward run by the caller in between (with other
+    /// sequences' rows: continuous batching): [`Speculator::plan`], then [`Speculator::decide`].
     pub fn round(&mut self, model: &Model, seq: &mut Sequence, pending: u32, sampler: &mut Sampler, max_new: usize, filter: &mut dyn RowFilter) -> Result<Round, SpecError> {
+        let plan = self.plan(model, seq, pending, max_new, filter)?;
+        let t_verify = std::time::Instant::now();
+        // Decisions over rows nobody reads: greedy ones from the target's ids alone; sampled ones
+        // with top-k from each row's k best (on the GPU engine, where the rows stay).
+        let batch = &plan.batch;
+        let quick = match filter.ids_only() {
+            Some(banned) if sampler.params().is_plain_argmax() => Some(if plan.wants_hidden {
+                let (ids, h) = seq.forward_all_argmax_hidden(model, batch, &banned).map_err(SpecError::Verify)?;
+                (Decisions::Ids(ids), Some(h))
+            } else {
+                (Decisions::Ids(seq.forward_all_argmax(model, batch, &banned).map_err(SpecError::Verify)?), None)
+            }),
+            Some(banned) => match sampler.params().top_k_only(usize::MAX) {
+                Some(k) => seq.forward_all_top_k(model, batch, &banned, k, plan.wants_hidden).map_err(SpecError::Verify)?.map(|(top, h)| (Decisions::TopK(top), h)),
+                None => None,
+            },
+            None => None,
+        };
+        if let Some((decisions, hidden)) = quick {
+            let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
+            return self.conclude(plan, seq, sampler, decisions, hidden, verify_ms);
+        }
+        let (logits, hidden) = if plan.wants_hidden {
+            let (l, h) = seq.forward_all_hidden(model, batch).map_err(SpecError::Verify)?;
+            (l, Some(h))
+        } else {
+            (seq.forward_all(model, batch).map_err(SpecError::Verify)?, None)
+        };
+        let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
+        self.decide(plan, seq, sampler, filter, logits, hidden, verify_ms)
+    }
+
+    /// The first half of [`Speculator::round`]: drafts, and returns the verify batch the caller
+    /// feeds to `seq` ([`Planned::tokens`], as [`Planned::rows`] says: `Model::step_many`),
+    /// before [`Speculator::decide`] reads its rows. Changes nothing in `seq`.
+    pub fn plan(&mut self, model: &Model, seq: &Sequence, pending: u32, max_new: usize, filter: &mut dyn RowFilter) -> Result<Planned, SpecError> {
         let n = seq.len();
         // Plain decoding stops once the sequence is one short of the context, so the last row
         // it ever computes is at position `context - 2`: a round must not decide past it.
@@ -478,61 +548,33 @@ impl Speculator {
         if self.params.n_max == 0 {
             self.hidden = None;
         }
-        let t_verify = std::time::Instant::now();
         let wants_hidden = self.drafter.needs_hidden() && self.params.n_max > 0;
-        // Decisions over rows nobody reads: greedy ones from the target's ids alone; sampled ones
-        // with top-k from each row's k best (on the GPU engine, where the rows stay).
-        let quick = match filter.ids_only() {
-            Some(banned) if sampler.params().is_plain_argmax() => Some(if wants_hidden {
-                let (ids, h) = seq.forward_all_argmax_hidden(model, &batch, &banned).map_err(SpecError::Verify)?;
-                (Decisions::Ids(ids), Some(h))
-            } else {
-                (Decisions::Ids(seq.forward_all_argmax(model, &batch, &banned).map_err(SpecError::Verify)?), None)
-            }),
-            Some(banned) => match sampler.params().top_k_only(usize::MAX) {
-                Some(k) => seq.forward_all_top_k(model, &batch, &banned, k, wants_hidden).map_err(SpecError::Verify)?.map(|(top, h)| (Decisions::TopK(top), h)),
-                None => None,
-            },
-            None => None,
-        };
-        if let Some((decisions, hidden)) = quick {
-            let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
-            let mut tokens = Vec::with_capacity(drafts.len() + 1);
-            let mut accepted = 0;
-            // Drafts are kept while they equal the target's token, drawn as plain decoding draws
-            // it (below); the first other token is decided.
-            for i in 0..batch.len() {
-                let t = match &decisions {
-                    Decisions::Ids(ids) => ids[i],
-                    Decisions::TopK(top) => sampler.sample_top_k(top[i].clone()),
-                };
-                tokens.push(t);
-                if drafts.get(i) != Some(&t) {
-                    break;
-                }
-                accepted += 1;
-            }
-            seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
-            self.keep_hidden(hidden, consulted, n, accepted)?;
-            self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
-            let round = Round { rows: vec![Vec::new(); tokens.len()], tokens, drafted: drafts.len(), accepted };
-            self.stats.add(&round.stats());
-            return Ok(round);
-        }
-        let (logits, hidden) = if wants_hidden {
-            let (l, h) = seq.forward_all_hidden(model, &batch).map_err(SpecError::Verify)?;
-            (l, Some(h))
-        } else {
-            (seq.forward_all(model, &batch).map_err(SpecError::Verify)?, None)
-        };
-        let verify_ms = t_verify.elapsed().as_secs_f64() * 1e3;
+        Ok(Planned { n, batch, drafts, consulted, draft_ms, wants_hidden })
+    }
 
+    /// The second half of [`Speculator::round`]: `seq` holds the planned batch (fed by the
+    /// caller, [`Planned::rows`]'s way) and `logits` (and `hidden`, when the plan wanted them)
+    /// are its rows; keeps the accepted prefix and decides the next token, as `round` does.
+    /// `verify_ms`: what the forward cost (the adaptive depth's measurement).
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide(&mut self, plan: Planned, seq: &mut Sequence, sampler: &mut Sampler, filter: &mut dyn RowFilter, logits: Logits, hidden: Option<Hidden>, verify_ms: f64) -> Result<Round, SpecError> {
+        let n = plan.n;
+        if seq.len() != n + plan.batch.len() || logits.positions() != plan.batch.len() || plan.wants_hidden != hidden.is_some() {
+            return Err(SpecError::Unplanned { planned: plan.batch.len(), at: n, rows: logits.positions(), len: seq.len() });
+        }
+        // Where nobody reads the rows a greedy round decides from each row's id as the verify
+        // forward's argmax would give it (what `round` asks the target for).
+        if let Some(banned) = filter.ids_only().filter(|_| sampler.params().is_plain_argmax()) {
+            let ids = (0..logits.positions()).map(|i| tine_runtime::banned_argmax(logits.row(i), &banned)).collect();
+            return self.conclude(plan, seq, sampler, Decisions::Ids(ids), hidden, verify_ms);
+        }
+        let drafts = &plan.drafts;
         let mut tokens = Vec::with_capacity(drafts.len() + 1);
         let mut rows = Vec::with_capacity(drafts.len() + 1);
         let mut accepted = 0;
         for i in 0..=drafts.len() {
             let mut row = logits.row(i).to_vec();
-            filter.prepare(i, &drafts, &mut row).map_err(SpecError::Filter)?;
+            filter.prepare(i, drafts, &mut row).map_err(SpecError::Filter)?;
             // The history a plain decode would have at this position.
             let history = &seq.tokens()[..n + 1 + i];
             // The target's token, drawn exactly as plain decoding draws it at this position
@@ -555,9 +597,35 @@ impl Speculator {
             }
         }
         seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
-        self.keep_hidden(hidden, consulted, n, accepted)?;
-        self.policy.record(batch.len(), verify_ms, drafts.len(), draft_ms, accepted);
+        self.keep_hidden(hidden, plan.consulted, n, accepted)?;
+        self.policy.record(plan.batch.len(), verify_ms, drafts.len(), plan.draft_ms, accepted);
         let round = Round { tokens, rows, drafted: drafts.len(), accepted };
+        self.stats.add(&round.stats());
+        Ok(round)
+    }
+
+    /// A round decided from each row's id or top-k alone ([`Round::rows`] empty).
+    fn conclude(&mut self, plan: Planned, seq: &mut Sequence, sampler: &mut Sampler, decisions: Decisions, hidden: Option<Hidden>, verify_ms: f64) -> Result<Round, SpecError> {
+        let (n, drafts) = (plan.n, &plan.drafts);
+        let mut tokens = Vec::with_capacity(drafts.len() + 1);
+        let mut accepted = 0;
+        // Drafts are kept while they equal the target's token, drawn as plain decoding draws
+        // it (`decide`); the first other token is decided.
+        for i in 0..plan.batch.len() {
+            let t = match &decisions {
+                Decisions::Ids(ids) => ids[i],
+                Decisions::TopK(top) => sampler.sample_top_k(top[i].clone()),
+            };
+            tokens.push(t);
+            if drafts.get(i) != Some(&t) {
+                break;
+            }
+            accepted += 1;
+        }
+        seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
+        self.keep_hidden(hidden, plan.consulted, n, accepted)?;
+        self.policy.record(plan.batch.len(), verify_ms, drafts.len(), plan.draft_ms, accepted);
+        let round = Round { rows: vec![Vec::new(); tokens.len()], tokens, drafted: drafts.len(), accepted };
         self.stats.add(&round.stats());
         Ok(round)
     }
