@@ -414,10 +414,13 @@ impl Generation {
     }
 
     /// The logits (and hidden states, where [`Generation::pending_rows`] asked for them) of the
-    /// rows that `pending_rows` named, which the caller fed to `seq`, and the milliseconds that
-    /// forward took (counted as generation time). A verify batch's round is decided here (the
-    /// accepted drafts kept, the rest rolled back).
-    pub fn feed_rows(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, logits: Logits, hidden: Option<Hidden>, ms: f64) -> Result<(), GenerateError> {
+    /// rows that `pending_rows` named, which the caller fed to `seq`, the milliseconds that
+    /// forward took (counted as generation time) and what its rows cost (`cost_ms`: `ms` when it
+    /// ran alone; in a batch, what the caller attributes to them). A verify batch's round is
+    /// decided here (the accepted drafts kept, the rest rolled back); the adaptive depth reads
+    /// `cost_ms` as its verify's cost.
+    #[allow(clippy::too_many_arguments)]
+    pub fn feed_rows(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, logits: Logits, hidden: Option<Hidden>, ms: f64, cost_ms: f64) -> Result<(), GenerateError> {
         let Some(pending) = self.pending.take() else {
             return Err(GenerateError::Internal("rows fed with nothing pending".into()));
         };
@@ -435,7 +438,7 @@ impl Generation {
                 let eog = model.end_of_generation_tokens();
                 let ids_only = self.rows_unread();
                 let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, ids_only, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
-                let round = spec.decide(plan, seq, &mut self.sampler, &mut filter, logits, hidden, ms);
+                let round = spec.decide(plan, seq, &mut self.sampler, &mut filter, logits, hidden, cost_ms);
                 // The grammar was marked when the round was planned.
                 if let Some(g) = filter.grammar.as_deref_mut() {
                     g.rewind()?;
@@ -456,7 +459,8 @@ impl Generation {
         let tokens = tokens.to_vec();
         let t0 = Instant::now();
         let (logits, hidden) = model.step_many(&mut [(&mut *seq, &tokens[..], rows)])?.pop().expect("one sequence's rows");
-        self.feed_rows(model, seq, spec, logits, hidden, t0.elapsed().as_secs_f64() * 1e3)
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        self.feed_rows(model, seq, spec, logits, hidden, ms, ms)
     }
 
     fn step_inner(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>, defer: bool) -> Result<StepEvent, GenerateError> {

@@ -593,6 +593,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
     // On the CPU the active slots' decode rows and verify batches run as one forward each step,
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
+    let mut step_cost = StepCost::default();
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
@@ -784,7 +785,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             }
         }
         if batching {
-            feed_pending(&model, factory.as_ref(), &mut slots, &views, &batch_sizes);
+            feed_pending(&model, factory.as_ref(), &mut slots, &views, &batch_sizes, &mut step_cost);
         }
     }
 }
@@ -794,13 +795,13 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
 /// slot's rows are the bits its own forward gives, so a request's tokens do not depend on what
 /// shares its steps. If the batch fails, each slot runs its forward alone, so that an error stays
 /// with the slot it belongs to.
-fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
+fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes, cost: &mut StepCost) {
     let pending: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].active.as_ref().is_some_and(|a| a.gen.pending_rows().is_some())).collect();
     if pending.is_empty() {
         return;
     }
     let t0 = std::time::Instant::now();
-    let (rows, outs) = {
+    let (rows, share, outs) = {
         let mut steps: Vec<(&mut Sequence, &[u32], Rows)> = Vec::with_capacity(pending.len());
         let mut rest = &mut slots[..];
         let mut base = 0;
@@ -813,10 +814,12 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
             base = i + 1;
         }
         let rows: usize = steps.iter().map(|(_, t, _)| t.len()).sum();
-        (rows, std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many(&mut steps))))
+        let share: Vec<usize> = steps.iter().map(|(_, t, _)| t.len()).collect();
+        (rows, share, std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many(&mut steps))))
     };
     batch_sizes.record(pending.len(), rows);
     let ms = t0.elapsed().as_secs_f64() * 1e3;
+    cost.record(rows, ms);
     match outs {
         // A bug: the caches may hold part of the batch, so every slot in it starts afresh.
         Err(_) => {
@@ -830,10 +833,11 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
             }
         }
         Ok(Ok(outs)) => {
-            for (&i, (logits, hidden)) in pending.iter().zip(outs) {
+            for ((&i, (logits, hidden)), r) in pending.iter().zip(outs).zip(share) {
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
-                let fed = guarded(|| a.gen.feed_rows(model, &mut slot.seq, slot.spec.as_mut(), logits, hidden, ms));
+                let c = cost.of(r, rows, pending.len(), ms);
+                let fed = guarded(|| a.gen.feed_rows(model, &mut slot.seq, slot.spec.as_mut(), logits, hidden, ms, c));
                 settle(model, factory, slots, views, i, fed);
             }
         }
@@ -845,6 +849,56 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
                 settle(model, factory, slots, views, i, fed);
             }
+        }
+    }
+}
+
+/// What a batched step costs as a function of its rows, `T(R) = a + b R`, fitted by least
+/// squares over the recent steps (weights decaying by [`StepCost::DECAY`] a step): `a` is the
+/// part every step pays (the weight reads), `b` what each row adds (its arithmetic). A slot's
+/// rows are charged `a / S + b r` (S slots in the step, r rows of its own), which is what the
+/// adaptive draft depth reads as its verify's cost: while the step is bound by weight reads a
+/// draft row is nearly free, once it is bound by arithmetic a draft row costs a decode row.
+#[derive(Debug, Default)]
+struct StepCost {
+    // Decayed sums: weight, R, T, R², R·T.
+    w: f64,
+    r: f64,
+    t: f64,
+    rr: f64,
+    rt: f64,
+}
+
+impl StepCost {
+    const DECAY: f64 = 0.98;
+
+    fn record(&mut self, rows: usize, ms: f64) {
+        let r = rows as f64;
+        let d = Self::DECAY;
+        self.w = self.w * d + 1.0;
+        self.r = self.r * d + r;
+        self.t = self.t * d + ms;
+        self.rr = self.rr * d + r * r;
+        self.rt = self.rt * d + r * ms;
+    }
+
+    /// `(a, b)`, or `None` while the steps seen had (nearly) one row count.
+    fn fit(&self) -> Option<(f64, f64)> {
+        let var = self.w * self.rr - self.r * self.r;
+        if self.w < 2.0 || var <= 1e-6 * self.w * self.w {
+            return None;
+        }
+        let b = ((self.w * self.rt - self.r * self.t) / var).max(0.0);
+        let a = ((self.t - b * self.r) / self.w).max(0.0);
+        Some((a, b))
+    }
+
+    /// The cost charged to `r` of a step's `rows` rows over `slots` slots, which took `ms`
+    /// (its rows' share of `ms` until the fit has seen the row count vary).
+    fn of(&self, r: usize, rows: usize, slots: usize, ms: f64) -> f64 {
+        match self.fit() {
+            Some((a, b)) => a / slots.max(1) as f64 + b * r as f64,
+            None => ms * r as f64 / rows.max(1) as f64,
         }
     }
 }
@@ -870,6 +924,31 @@ fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot],
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The step-cost fit recovers `a + b R` from steps of several row counts and charges a slot
+    /// its share of `a` plus its own rows' `b`; before the row count varies it splits the step.
+    #[test]
+    fn step_cost_fits_fixed_and_per_row_parts_and_charges_a_slot_its_rows() {
+        let mut c = StepCost::default();
+        c.record(4, 40.0);
+        assert_eq!(c.of(1, 4, 4, 40.0), 10.0, "one row count seen: the rows' share");
+        for (i, rows) in [4usize, 8, 12, 5, 16, 9, 4, 20].iter().cycle().take(60).enumerate() {
+            let noise = if i % 2 == 0 { 0.01 } else { -0.01 };
+            c.record(*rows, 30.0 + 2.5 * *rows as f64 + noise);
+        }
+        let (a, b) = c.fit().expect("row counts varied");
+        assert!((a - 30.0).abs() < 0.5 && (b - 2.5).abs() < 0.05, "a {a}, b {b}");
+        // A slot verifying 4 rows in a step of 8 slots: an eighth of the fixed part plus 4 rows.
+        let got = c.of(4, 11, 8, 57.5);
+        assert!((got - (a / 8.0 + 4.0 * b)).abs() < 1e-9 && (got - 13.75).abs() < 0.2, "{got}");
+        // A step bound by weight reads (no per-row cost) charges only the shared part.
+        let mut flat = StepCost::default();
+        for rows in [2usize, 6, 3, 9, 2, 6] {
+            flat.record(rows, 25.0);
+        }
+        let (a, b) = flat.fit().expect("varied");
+        assert!((a - 25.0).abs() < 1e-6 && b.abs() < 1e-9, "a {a}, b {b}");
+    }
 
     /// Issue 30: a panic inside a request's step (a broken invariant) becomes that request's
     /// internal error; the engine thread does not unwind.
