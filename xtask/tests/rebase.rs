@@ -879,3 +879,26 @@ fn a_conflict_without_markers_needs_a_change_or_an_explicit_accept_before_contin
     assert_eq!(fx.live()["blob.bin"].data, [0, 1, 2, 0, 4], "the patch's side, as the stop wrote it");
     fx.assert_sound();
 }
+
+/// Issue 51: Tine's Gemma 3 is a file of its own (0004 creates `quantized_gemma3_tine.rs`, which
+/// models/mod.rs compiles under candle's module name); candle's `quantized_gemma3.rs` carries
+/// 0002's upstream fix alone, so a base bump meets no other hunk of ours there.
+#[test]
+fn only_0002_edits_candles_gemma3_file_and_0004_gives_tines_gemma3_its_own() {
+    let p = xtask::project();
+    let reg = registry::load(&p.registry_path()).expect("registry");
+    let patches = patchchain::chain::load_patches(&p, &reg).expect("patches");
+    let candle = "candle-transformers/src/models/quantized_gemma3.rs";
+    let tine = "candle-transformers/src/models/quantized_gemma3_tine.rs";
+    let mut created_by = Vec::new();
+    for lp in &patches {
+        for f in &lp.parsed.files {
+            let edits_candles = f.old_path.as_deref() == Some(candle) || f.new_path.as_deref() == Some(candle);
+            assert!(!edits_candles || lp.entry.id == "0002", "patch {} edits candle's {candle}: Tine's Gemma 3 is {tine}", lp.entry.id);
+            if f.op == patchchain::patch::Op::Create && f.new_path.as_deref() == Some(tine) {
+                created_by.push(lp.entry.id.clone());
+            }
+        }
+    }
+    assert_eq!(created_by, ["0004"], "{tine} is created once, by 0004");
+}
