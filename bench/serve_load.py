@@ -8,9 +8,10 @@ load:  N concurrent connections against --parallel P (--max-queue Q): answers by
        wall time, and the server's peak RSS (VmHWM) before and after.
 clients: aggregate generated tokens per second of C concurrent clients (each a /completion of
        --n-predict greedy tokens with ignore_eos, its own prompt) against --parallel P, for each
-       C given, with the decode rows batched and (TINE_CPU_BATCH=0) stepped one slot at a time,
-       the two servers interleaved over --rounds rounds; every answer checked against the same
-       request alone.
+       C given, with the slots' rows (decode rows, verify batches) batched and (TINE_CPU_BATCH=0)
+       stepped one slot at a time (--tine-args for both, e.g. a spec type), and llama-server with
+       --llama-server, interleaved over --rounds rounds; each request's wall time (p50, p90,
+       max) and the draft counts; every answer checked against the same request alone.
 
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf stall --ubatch 4096,512,128
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf load --connections 1000
@@ -185,21 +186,28 @@ PROMPTS = ["The history of the printing press", "Once upon a time", "The best wa
 def clients(a):
     counts = [int(c) for c in a.clients.split(",")]
     args = ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)]
-    servers = {"tine batched": Server(a.tine, a.model, args), "tine one slot a step": Server(a.tine, a.model, args, env=dict(os.environ, TINE_CPU_BATCH="0"))}
+    targs = args + a.tine_args.split()
+    servers = {"tine batched": Server(a.tine, a.model, targs), "tine one slot a step": Server(a.tine, a.model, targs, env=dict(os.environ, TINE_CPU_BATCH="0"))}
     if a.llama_server:
-        servers["llama-server"] = Server(None, a.model, args + ["-t", str(a.threads)], cmd=[a.llama_server])
+        servers["llama-server"] = Server(None, a.llama_model or a.model, args + ["-t", str(a.threads)] + a.llama_args.split(), cmd=[a.llama_server])
     try:
         body = lambda i: {"prompt": PROMPTS[i % len(PROMPTS)], "n_predict": a.n_predict, "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
         # Each request alone, once, for the identity check.
         alone = {i: json.loads(post(servers["tine batched"].port, "/completion", body(i))[1])["tokens"] for i in range(max(counts))}
         rates = {(name, c): [] for name in servers for c in counts}
+        # Each request's wall time (admission to answer), over every round.
+        waits = {(name, c): [] for name in servers for c in counts}
+        drafted = {name: [0, 0] for name in servers}
         same = True
         for r in range(a.rounds):
             for c in counts:
                 for name, srv in servers.items():
                     out = [None] * c
+                    took = [0.0] * c
                     def client(i):
+                        t = time.time()
                         out[i] = json.loads(post(srv.port, "/completion", body(i))[1])
+                        took[i] = time.time() - t
                     ts = [threading.Thread(target=client, args=(i,)) for i in range(c)]
                     t0 = time.time()
                     for t in ts:
@@ -208,9 +216,18 @@ def clients(a):
                         t.join()
                     wall = time.time() - t0
                     rates[(name, c)].append(sum(o.get("tokens_predicted") or len(o["tokens"]) for o in out) / wall)
+                    waits[(name, c)].extend(took)
+                    for o in out:
+                        t = o.get("timings") or {}
+                        drafted[name][0] += t.get("draft_n") or 0
+                        drafted[name][1] += t.get("draft_n_accepted") or 0
                     if name.startswith("tine"):
                         same &= all(o["tokens"] == alone[i] for i, o in enumerate(out))
-        print(f"model {a.model}; tine serve --parallel {a.parallel}; clients each /completion of {a.n_predict} greedy tokens (ignore_eos); median of {a.rounds} interleaved rounds")
+        extra = f" {a.tine_args}" if a.tine_args else ""
+        lextra = f" {a.llama_args}" if a.llama_args else ""
+        print(f"model {a.model}; tine serve --parallel {a.parallel}{extra}; clients each /completion of {a.n_predict} greedy tokens (ignore_eos); median of {a.rounds} interleaved rounds")
+        if a.llama_server:
+            print(f"llama-server -np {a.parallel} -t {a.threads}{lextra} on {a.llama_model or a.model}")
         names = list(servers)
         ratios = [f"batched / {n}" for n in names[1:]]
         print("| clients | " + " | ".join(f"{n} (tok/s)" for n in names) + " | " + " | ".join(ratios) + " |")
@@ -218,6 +235,17 @@ def clients(a):
         for c in counts:
             med = [statistics.median(rates[(n, c)]) for n in names]
             print(f"| {c} | " + " | ".join(f"{m:.1f}" for m in med) + " | " + " | ".join(f"{med[0] / m:.2f}x" for m in med[1:]) + " |")
+        # Request latency: each request's wall time, p50 / p90 / max over every round.
+        def pct(xs, q):
+            xs = sorted(xs)
+            return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+        print("\n| clients | " + " | ".join(f"{n} request s (p50 / p90 / max)" for n in names) + " |")
+        print("|---|" + "---|" * len(names))
+        for c in counts:
+            print(f"| {c} | " + " | ".join(f"{pct(waits[(n, c)], 0.5):.2f} / {pct(waits[(n, c)], 0.9):.2f} / {max(waits[(n, c)]):.2f}" for n in names) + " |")
+        for n in names:
+            if drafted[n][0]:
+                print(f"{n}: drafted {drafted[n][0]}, accepted {drafted[n][1]} ({100 * drafted[n][1] / drafted[n][0]:.1f}%)")
         print(f"every Tine answer equal to the request alone: {same}")
     finally:
         for srv in servers.values():
@@ -245,6 +273,9 @@ def main():
     c.add_argument("--rounds", type=int, default=2)
     c.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER", ""), help="also llama.cpp's llama-server (-np P -t THREADS)")
     c.add_argument("--threads", type=int, default=os.cpu_count())
+    c.add_argument("--tine-args", default="", help="more flags for both tine servers, e.g. '--spec-type draft-mtp'")
+    c.add_argument("--llama-args", default="", help="more flags for llama-server, e.g. '--spec-type ngram-simple'")
+    c.add_argument("--llama-model", default="", help="llama-server's GGUF, when not --model")
     a = p.parse_args()
     {"stall": stall, "load": load, "clients": clients}[a.cmd](a)
 

@@ -707,7 +707,15 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             release_prefix(slot);
             publish(&views, i, slot, Some(clock as i64 - 1));
         }
-        // One step for every active slot.
+        // One step for every active slot. In a batched step a speculating slot's draft depth
+        // weighs what its rows add to the step (`StepCost`), not what they cost alone.
+        let stepping = slots.iter().filter(|s| s.active.is_some()).count();
+        let fitted = if batching { step_cost.fit() } else { None };
+        for slot in slots.iter_mut() {
+            if let Some(spec) = slot.spec.as_mut() {
+                spec.policy.set_step_cost(fitted.map(|(a, b)| (a / stepping.max(1) as f64, b)));
+            }
+        }
         for i in 0..slots.len() {
             // A draft model catches up on the prompt at its first round: start it on a prefix
             // another slot's draft model holds (that one's first round came before this one's).

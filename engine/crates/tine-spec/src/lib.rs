@@ -113,6 +113,10 @@ pub struct Policy {
     kept: f64,
     rounds: u64,
     idle: u32,
+    /// What a verify of `r` rows costs this sequence, `fixed + per_row * r` ms, where the caller
+    /// knows it better than this sequence's own timings (a step shared with other sequences:
+    /// [`Policy::set_step_cost`]).
+    step_cost: Option<(f64, f64)>,
 }
 
 impl Policy {
@@ -131,7 +135,19 @@ impl Policy {
         (self.kept + 1.0) / (self.judged + 2.0)
     }
 
+    /// Sets (or with `None` clears) the cost of a verify of `r` rows as `fixed + per_row * r` ms,
+    /// in place of this sequence's own timings per row count. For a batched step, whose cost
+    /// the caller fits over every sequence's rows: the timings of one sequence would keep what
+    /// its row counts cost when it ran alone long after the batch grew (a depth it no longer
+    /// tries is never timed again).
+    pub fn set_step_cost(&mut self, cost: Option<(f64, f64)>) {
+        self.step_cost = cost;
+    }
+
     fn cost(&self, rows: usize) -> Option<f64> {
+        if let Some((fixed, per_row)) = self.step_cost {
+            return Some(fixed + per_row * rows as f64);
+        }
         if let Some(Some(t)) = self.verify_ms.get(rows) {
             return Some(*t);
         }

@@ -201,6 +201,31 @@ fn the_adaptive_depth_drafts_where_it_pays_and_stops_where_it_does_not() {
     assert_eq!(Policy::default().depth(0), 0);
 }
 
+/// Issue 51: in a batched step the caller's cost model replaces the sequence's own timings. They
+/// say a verify row is nearly free (what it cost alone, bound by weight reads); in a batch bound
+/// by arithmetic each row costs what a decode row adds, and drafts with a middling acceptance
+/// stop; back alone (the model cleared) they pay again.
+#[test]
+fn the_adaptive_depth_follows_the_batched_steps_cost_model_over_stale_timings() {
+    use tine_spec::Policy;
+    let mut p = Policy::default();
+    for _ in 0..8 {
+        p.record(1, 10.0, 0, 0.0, 0);
+        p.record(4, 11.0, 3, 0.6, 2);
+    }
+    assert_eq!(p.depth(3), 3, "alone: rows nearly free, accept rate {}", p.accept_rate());
+    // Eight slots: a step costs 11 ms fixed plus 2.4 ms a row, this slot's share of the fixed part
+    // an eighth.
+    p.set_step_cost(Some((11.0 / 8.0, 2.4)));
+    let depths: Vec<usize> = (0..Policy::PROBE_EVERY - 1).map(|_| p.depth(3)).collect();
+    assert!(depths.iter().all(|&d| d == 0), "batched: {depths:?}");
+    // A fixed part large against the rows (a step still bound by weight reads): drafting pays.
+    p.set_step_cost(Some((10.0, 0.3)));
+    assert_eq!(p.depth(3), 3);
+    p.set_step_cost(None);
+    assert_eq!(p.depth(3), 3, "alone again: its own timings");
+}
+
 #[test]
 fn drafting_with_the_target_itself_accepts_every_token() {
     let fx = fixture();
