@@ -10,8 +10,9 @@ clients: aggregate generated tokens per second of C concurrent clients (each a /
        --n-predict greedy tokens with ignore_eos, its own prompt) against --parallel P, for each
        C given, with the slots' rows (decode rows, verify batches) batched and (TINE_CPU_BATCH=0)
        stepped one slot at a time (--tine-args for both, e.g. a spec type), and llama-server with
-       --llama-server, interleaved over --rounds rounds; each request's wall time (p50, p90,
-       max) and the draft counts; every answer checked against the same request alone.
+       --llama-server, interleaved over --rounds rounds; the requests stream: each request's
+       wall time (p50, p90, max), first-token time and inter-token gaps (p50, p99), and the draft
+       counts; every answer checked against the same request alone.
 
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf stall --ubatch 4096,512,128
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf load --connections 1000
@@ -80,6 +81,30 @@ def post(port, path, body, timeout=600):
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def stream_post(port, body, timeout=600):
+    """A streamed /completion: (token ids, seconds from the request to each event that carried
+    tokens, the final event)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.time()
+    c.request("POST", "/completion", json.dumps(dict(body, stream=True)), {"Content-Type": "application/json"})
+    r = c.getresponse()
+    tokens, times, final = [], [], {}
+    for raw in r:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data: "):
+            continue
+        ev = json.loads(line[6:])
+        got = ev.get("tokens") or []
+        if got:
+            tokens.extend(got)
+            times.append(time.time() - t0)
+        if ev.get("stop"):
+            final = ev
+            break
+    c.close()
+    return tokens, times, final
 
 
 def stall(a):
@@ -195,8 +220,11 @@ def clients(a):
         # Each request alone, once, for the identity check.
         alone = {i: json.loads(post(servers["tine batched"].port, "/completion", body(i))[1])["tokens"] for i in range(max(counts))}
         rates = {(name, c): [] for name in servers for c in counts}
-        # Each request's wall time (admission to answer), over every round.
+        # Each request's wall time (admission to answer), first-token time and the gaps between
+        # the events that carried tokens, over every round (the requests stream).
         waits = {(name, c): [] for name in servers for c in counts}
+        firsts = {(name, c): [] for name in servers for c in counts}
+        gaps = {(name, c): [] for name in servers for c in counts}
         drafted = {name: [0, 0] for name in servers}
         same = True
         for r in range(a.rounds):
@@ -206,8 +234,9 @@ def clients(a):
                     took = [0.0] * c
                     def client(i):
                         t = time.time()
-                        out[i] = json.loads(post(srv.port, "/completion", body(i))[1])
+                        tokens, times, final = stream_post(srv.port, body(i))
                         took[i] = time.time() - t
+                        out[i] = dict(final, tokens=tokens, times=times)
                     ts = [threading.Thread(target=client, args=(i,)) for i in range(c)]
                     t0 = time.time()
                     for t in ts:
@@ -215,8 +244,13 @@ def clients(a):
                     for t in ts:
                         t.join()
                     wall = time.time() - t0
-                    rates[(name, c)].append(sum(o.get("tokens_predicted") or len(o["tokens"]) for o in out) / wall)
+                    rates[(name, c)].append(sum(len(o["tokens"]) for o in out) / wall)
                     waits[(name, c)].extend(took)
+                    for o in out:
+                        ts = o["times"]
+                        if ts:
+                            firsts[(name, c)].append(ts[0])
+                            gaps[(name, c)].extend(b - a for a, b in zip(ts, ts[1:]))
                     for o in out:
                         t = o.get("timings") or {}
                         drafted[name][0] += t.get("draft_n") or 0
@@ -235,14 +269,19 @@ def clients(a):
         for c in counts:
             med = [statistics.median(rates[(n, c)]) for n in names]
             print(f"| {c} | " + " | ".join(f"{m:.1f}" for m in med) + " | " + " | ".join(f"{med[0] / m:.2f}x" for m in med[1:]) + " |")
-        # Request latency: each request's wall time, p50 / p90 / max over every round.
-        def pct(xs, q):
-            xs = sorted(xs)
-            return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+        # Latency over every round: each request's wall time (p50 / p90 / max), its first token
+        # (p50 / p99), the gaps between streamed tokens (p50 / p99; speculation streams a
+        # round's tokens together, so its gaps are 0 or a round).
         print("\n| clients | " + " | ".join(f"{n} request s (p50 / p90 / max)" for n in names) + " |")
         print("|---|" + "---|" * len(names))
         for c in counts:
             print(f"| {c} | " + " | ".join(f"{pct(waits[(n, c)], 0.5):.2f} / {pct(waits[(n, c)], 0.9):.2f} / {max(waits[(n, c)]):.2f}" for n in names) + " |")
+        print("\n| clients | " + " | ".join(f"{n} first token ms (p50 / p99)" for n in names) + " | " + " | ".join(f"{n} inter-token ms (p50 / p99)" for n in names) + " |")
+        print("|---|" + "---|" * (2 * len(names)))
+        for c in counts:
+            ft = [f"{1e3 * pct(firsts[(n, c)], 0.5):.0f} / {1e3 * pct(firsts[(n, c)], 0.99):.0f}" if firsts[(n, c)] else "-" for n in names]
+            it = [f"{1e3 * pct(gaps[(n, c)], 0.5):.1f} / {1e3 * pct(gaps[(n, c)], 0.99):.1f}" if gaps[(n, c)] else "-" for n in names]
+            print(f"| {c} | " + " | ".join(ft + it) + " |")
         for n in names:
             if drafted[n][0]:
                 print(f"{n}: drafted {drafted[n][0]}, accepted {drafted[n][1]} ({100 * drafted[n][1] / drafted[n][0]:.1f}%)")

@@ -146,7 +146,7 @@ struct ServeArgs {
     /// Do not allow credentials (cookies, Authorization) in CORS requests.
     #[arg(long = "no-cors-credentials")]
     no_cors_credentials: bool,
-    /// Prompt tokens evaluated per engine step: a long prompt stalls the other slots for one such chunk at most.
+    /// Prompt tokens evaluated per engine step, over all slots (one chunk at least; the prefilling slots take turns): prompts stall the decoding slots for one such chunk at most.
     #[arg(long = "ubatch-size", default_value_t = tine_runtime::PREFILL_CHUNK)]
     ubatch: usize,
     /// MiB of KV the prompt prefixes shared between slots may hold (llama-server's flag; -1: no

@@ -323,6 +323,12 @@ impl Generation {
         self.prefill_at.is_some()
     }
 
+    /// The prompt tokens the next step evaluates (`None` once the prompt is in).
+    pub fn next_chunk_len(&self) -> Option<usize> {
+        let at = self.prefill_at?;
+        Some((at + self.chunk).min(self.req.prompt.len()) - at)
+    }
+
     /// Evaluates the next chunk of the prompt (a no-op once the prompt is in). Atomic: on
     /// error the sequence holds what it held before this chunk.
     pub fn prefill_step(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<(), GenerateError> {

@@ -16,7 +16,7 @@ pub struct ServerConfig {
     pub body_timeout: Duration,
     /// Requests waiting for a slot beyond the busy ones; more are refused with 503.
     pub max_queue: usize,
-    /// Prompt tokens evaluated per engine step (`--ubatch-size`).
+    /// Prompt tokens evaluated per engine step, over all slots (`--ubatch-size`).
     pub ubatch: usize,
     /// What a request gets for the fields it leaves out (`--temp`, `--n-predict`, ...).
     pub defaults: tine_api::Defaults,

@@ -1,10 +1,12 @@
-//! The engine thread: N slots, one [`Sequence`] each, stepped round-robin.
+//! The engine thread: N slots, one [`Sequence`] each, stepped together (continuous batching).
 //!
 //! Invariant: only this thread touches the model and the sequences. Requests arrive over a
 //! channel; each step's output goes back over the request's own channel. A client that goes
 //! away frees its slot at the next step; an error in one request ends only that request.
 //! Invariant: one step of one slot is one prefill chunk (`ubatch` prompt tokens) or one decode
-//! step, so a long prompt never stalls the other slots for more than one chunk.
+//! step, and the chunks of all slots in one step of the engine total at most `ubatch` prompt
+//! tokens (at least one chunk; the prefilling slots take turns, [`prompt_turns`]), so prompts
+//! never stall the decoding slots for more than one chunk.
 //! Invariant: a failed step leaves the slot's sequence as it was (the runtime's steps are
 //! atomic), so the slot keeps its cached prefix; only the drafter state is rebuilt.
 //! Invariant: at most `slots + max_queue` requests are admitted at once ([`Admission`]); each
@@ -594,6 +596,8 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
     let mut step_cost = StepCost::default();
+    // The slot whose prompt chunk goes first in the next step (`prompt_turns`).
+    let mut prompt_next = 0usize;
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
@@ -710,6 +714,10 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         // One step for every active slot. In a batched step a speculating slot's draft depth
         // weighs what its rows add to the step (`StepCost`), not what they cost alone.
         let stepping = slots.iter().filter(|s| s.active.is_some()).count();
+        // The prompt chunks of this step: at most `ubatch` tokens in all, the slots taking turns.
+        let chunks: Vec<Option<usize>> = slots.iter().map(|s| s.active.as_ref().and_then(|a| a.gen.next_chunk_len())).collect();
+        let (may_prefill, next) = prompt_turns(&chunks, prompt_next, config.ubatch);
+        prompt_next = next;
         let fitted = if batching { step_cost.fit() } else { None };
         for slot in slots.iter_mut() {
             if let Some(spec) = slot.spec.as_mut() {
@@ -735,6 +743,9 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 continue;
             }
             let was_prefilling = a.gen.is_prefilling();
+            if was_prefilling && !may_prefill[i] {
+                continue; // its chunk waits for a step with room
+            }
             // Where the model batches, a plain decode's forward is left pending and run below
             // with the other slots' (continuous batching).
             let stepped = if batching { guarded(|| a.gen.step_deferring(&model, &mut slot.seq, slot.spec.as_mut())) } else { guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut())) };
@@ -861,6 +872,29 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
     }
 }
 
+/// Which slots evaluate a prompt chunk in this step: `chunks[i]` is slot `i`'s next chunk (its
+/// length), `None` where it is not prefilling. The slots take turns from `start` on (round
+/// robin, so a short prompt is not stuck behind a long one), as many as fit `budget` prompt
+/// tokens, the first always (a chunk larger than the budget still runs, alone). Returns the
+/// flags and where the next step starts: after the last slot that had its turn.
+fn prompt_turns(chunks: &[Option<usize>], start: usize, budget: usize) -> (Vec<bool>, usize) {
+    let n = chunks.len();
+    let mut may = vec![false; n];
+    let mut used = 0usize;
+    let mut next = start;
+    for k in 0..n {
+        let i = (start + k) % n;
+        let Some(len) = chunks[i] else { continue };
+        if used > 0 && used + len > budget {
+            continue;
+        }
+        may[i] = true;
+        used += len;
+        next = (i + 1) % n;
+    }
+    (may, next)
+}
+
 /// What a batched step costs as a function of its rows, `T(R) = a + b R`, fitted by least
 /// squares over the recent steps (weights decaying by [`StepCost::DECAY`] a step): `a` is the
 /// part every step pays (the weight reads), `b` what each row adds (its arithmetic). A slot's
@@ -932,6 +966,24 @@ fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot],
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The prompt chunks of a step total at most the budget (the first always runs), and the
+    /// prefilling slots take turns: a short prompt is not stuck behind a long one.
+    #[test]
+    fn prompt_chunks_share_a_step_budget_and_take_turns() {
+        // Slot 0 a long prompt (512-token chunks), slot 2 a short one, slot 1 decoding.
+        let chunks = [Some(512), None, Some(10), None];
+        let (may, next) = prompt_turns(&chunks, 0, 512);
+        assert_eq!((may, next), (vec![true, false, false, false], 1));
+        let (may, next) = prompt_turns(&chunks, next, 512);
+        assert_eq!((may, next), (vec![false, false, true, false], 3), "the short prompt's turn");
+        // Small chunks share one step; the turn wraps around.
+        let (may, next) = prompt_turns(&[Some(100), Some(200), None, Some(300)], 3, 512);
+        assert_eq!((may, next), (vec![true, false, false, true], 1));
+        // A chunk over the budget runs alone; nothing prefilling, nothing runs.
+        assert_eq!(prompt_turns(&[Some(900), Some(5)], 0, 512), (vec![true, false], 1));
+        assert_eq!(prompt_turns(&[None, None], 1, 512), (vec![false, false], 1));
+    }
 
     /// The step-cost fit recovers `a + b R` from steps of several row counts and charges a slot
     /// its share of `a` plus its own rows' `b`; before the row count varies it splits the step.
