@@ -236,6 +236,8 @@ pub struct Generation {
     /// The rows [`Generation::step_deferring`] left to feed: their logits come through
     /// [`Generation::feed_rows`] (a forward batched with other sequences').
     pending: Option<Pending>,
+    /// Whether the last step ran a forward of the target itself (not one left pending).
+    forwarded: bool,
 }
 
 /// What a deferred step left for the caller's forward.
@@ -315,6 +317,7 @@ impl Generation {
             next: None,
             top: None,
             pending: None,
+            forwarded: false,
         })
     }
 
@@ -469,7 +472,15 @@ impl Generation {
         self.feed_rows(model, seq, spec, logits, hidden, ms, ms)
     }
 
+    /// Whether the last step ran a forward of the target itself (a prompt chunk, a decode, a
+    /// speculative round's verify; not a token a round had already decided, nor the rows
+    /// [`Generation::step_deferring`] left to the caller).
+    pub fn forwarded(&self) -> bool {
+        self.forwarded
+    }
+
     fn step_inner(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>, defer: bool) -> Result<StepEvent, GenerateError> {
+        self.forwarded = false;
         if self.pending.is_some() {
             return Err(GenerateError::Internal("a step before the pending rows' logits were fed".into()));
         }
@@ -477,6 +488,7 @@ impl Generation {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
         if self.is_prefilling() {
+            self.forwarded = true;
             self.prefill_step(model, seq, spec)?;
             return Ok(StepEvent::default());
         }
@@ -545,6 +557,7 @@ impl Generation {
                 self.finish(StopType::Limit, Some(token), prob)
             } else {
                 if self.decided.is_empty() && seq.len() + 1 >= seq.context() {
+                    self.forwarded = true;
                     shift(model, seq, spec.as_deref_mut(), keep, self.chunk)?;
                     self.timings.shifts += 1;
                 }
@@ -569,6 +582,7 @@ impl Generation {
                         }
                         self.pending = Some(Pending::Verify(plan?));
                     } else {
+                        self.forwarded = true;
                         let round = spec.round(model, seq, token, &mut self.sampler, max_new, &mut filter);
                         if let Some(g) = filter.grammar.as_deref_mut() {
                             g.rewind()?;
@@ -582,9 +596,11 @@ impl Generation {
                     // the argmax and top-k paths would: the same token).
                     self.pending = Some(Pending::Decode([token]));
                 } else if self.argmax_only() {
+                    self.forwarded = true;
                     let banned = if self.req.ignore_eos { eog } else { &[][..] };
                     self.next = Some(seq.decode_argmax_banning(model, token, banned)?);
                 } else {
+                    self.forwarded = true;
                     let banned = if self.req.ignore_eos { eog } else { &[][..] };
                     // A draw with top-k reads only the k best logits: on the GPU engine only
                     // those cross to the host (None elsewhere: the row).

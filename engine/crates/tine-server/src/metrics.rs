@@ -20,6 +20,10 @@ pub struct Metrics {
     draft_tokens: AtomicU64,
     draft_accepted: AtomicU64,
     draft_verify_steps: AtomicU64,
+    /// Rounds that kept draft position `i` (llama-server's per-position acceptance).
+    accepted_per_pos: [AtomicU64; tine_spec::MAX_DRAFT],
+    /// The longest sequence a request ended with (prompt and generated tokens).
+    n_tokens_max: AtomicU64,
 }
 
 /// What the scheduler holds right now.
@@ -45,6 +49,10 @@ impl Metrics {
         self.draft_tokens.fetch_add(t.draft.draft_n as u64, Ordering::Relaxed);
         self.draft_accepted.fetch_add(t.draft.draft_n_accepted as u64, Ordering::Relaxed);
         self.draft_verify_steps.fetch_add(t.draft.draft_verify_steps as u64, Ordering::Relaxed);
+        for (a, &n) in self.accepted_per_pos.iter().zip(&t.draft.accepted_per_pos) {
+            a.fetch_add(n as u64, Ordering::Relaxed);
+        }
+        self.n_tokens_max.fetch_max((s.prompt_tokens + s.tokens.len()) as u64, Ordering::Relaxed);
     }
 
     pub fn failed(&self) {
@@ -63,13 +71,21 @@ impl Metrics {
         let accept = if g(&self.draft_tokens) > 0 { g(&self.draft_accepted) as f64 / g(&self.draft_tokens) as f64 } else { 0.0 };
         let p = &load.pool;
         let b = load.batches;
-        let rows: [(&str, &str, &str, String); 27] = [
+        let per_decode = if b.forwards > 0 { b.forward_slots as f64 / b.forwards as f64 } else { 0.0 };
+        let rows: [(&str, &str, &str, String); 34] = [
             ("llamacpp:prompt_tokens_total", "counter", "Prompt tokens evaluated (not reused from a slot's cache).", g(&self.prompt_tokens).to_string()),
             ("llamacpp:prompt_seconds_total", "counter", "Time spent evaluating prompts.", (g(&self.prompt_us) as f64 / 1e6).to_string()),
             ("llamacpp:tokens_predicted_total", "counter", "Tokens generated.", g(&self.predicted_tokens).to_string()),
             ("llamacpp:tokens_predicted_seconds_total", "counter", "Time spent generating.", (g(&self.predicted_us) as f64 / 1e6).to_string()),
             ("llamacpp:prompt_tokens_seconds", "gauge", "Average prompt throughput in tokens/s.", rate(g(&self.prompt_tokens), g(&self.prompt_us)).to_string()),
             ("llamacpp:predicted_tokens_seconds", "gauge", "Average generation throughput in tokens/s.", rate(g(&self.predicted_tokens), g(&self.predicted_us)).to_string()),
+            ("llamacpp:prompt_tokens_cached_total", "counter", "Prompt tokens reused from the cache.", g(&self.cached_tokens).to_string()),
+            ("llamacpp:n_decode_total", "counter", "Forwards of the target model (a batched step is one), excluding the drafters'.", b.forwards.to_string()),
+            ("llamacpp:n_tokens_max", "counter", "Largest sequence a request ended with (prompt + generation).", g(&self.n_tokens_max).to_string()),
+            ("llamacpp:spec_decode_num_draft_tokens_total", "counter", "Speculative: draft tokens generated.", g(&self.draft_tokens).to_string()),
+            ("llamacpp:spec_decode_num_accepted_tokens_total", "counter", "Speculative: draft tokens the target kept.", g(&self.draft_accepted).to_string()),
+            ("llamacpp:spec_decode_num_drafts_total", "counter", "Speculative: verify steps that carried drafts.", g(&self.draft_verify_steps).to_string()),
+            ("llamacpp:n_busy_slots_per_decode", "gauge", "Average slots per forward of the target model.", per_decode.to_string()),
             ("llamacpp:requests_processing", "gauge", "Requests in a slot.", load.busy.to_string()),
             ("llamacpp:requests_deferred", "gauge", "Requests waiting for a slot.", load.queued.to_string()),
             ("tine:slots", "gauge", "Slots.", load.slots.to_string()),
@@ -95,6 +111,15 @@ impl Metrics {
         let mut out = String::new();
         for (name, kind, help, value) in rows {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+        }
+        // One series per draft position, up to the last one ever kept (as llama-server labels them).
+        let per_pos: Vec<u64> = self.accepted_per_pos.iter().map(g).collect();
+        if let Some(last) = per_pos.iter().rposition(|&n| n > 0) {
+            let name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total";
+            let _ = writeln!(out, "# HELP {name} Accepted tokens per draft position.\n# TYPE {name} counter");
+            for (i, n) in per_pos[..=last].iter().enumerate() {
+                let _ = writeln!(out, "{name}{{position=\"{i}\"}} {n}");
+            }
         }
         let _ = writeln!(
             out,

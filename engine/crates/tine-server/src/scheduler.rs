@@ -234,6 +234,11 @@ pub struct BatchSizes {
     /// The token rows and the slots of the last one.
     pub last: AtomicUsize,
     pub last_slots: AtomicUsize,
+    /// Every forward of the target model, batched or not (prompt chunks, decodes, verifies; not
+    /// the drafters'), and the slots they carried: llama-server's `n_decode_total` and busy slots
+    /// per decode.
+    pub forwards: std::sync::atomic::AtomicU64,
+    pub forward_slots: std::sync::atomic::AtomicU64,
 }
 
 impl BatchSizes {
@@ -246,6 +251,12 @@ impl BatchSizes {
         self.last_slots.store(slots, Ordering::Relaxed);
     }
 
+    /// A forward of the target over `slots` slots' rows.
+    fn forward(&self, slots: usize) {
+        self.forwards.fetch_add(1, Ordering::Relaxed);
+        self.forward_slots.fetch_add(slots as u64, Ordering::Relaxed);
+    }
+
     /// The counters now (each read on its own: a scrape may straddle a step).
     pub fn snapshot(&self) -> BatchCounts {
         BatchCounts {
@@ -255,6 +266,8 @@ impl BatchSizes {
             max: self.max.load(Ordering::Relaxed),
             last: self.last.load(Ordering::Relaxed),
             last_slots: self.last_slots.load(Ordering::Relaxed),
+            forwards: self.forwards.load(Ordering::Relaxed),
+            forward_slots: self.forward_slots.load(Ordering::Relaxed),
         }
     }
 }
@@ -268,6 +281,8 @@ pub struct BatchCounts {
     pub max: usize,
     pub last: usize,
     pub last_slots: usize,
+    pub forwards: u64,
+    pub forward_slots: u64,
 }
 
 /// A handle to the engine thread.
@@ -749,6 +764,9 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             // Where the model batches, a plain decode's forward is left pending and run below
             // with the other slots' (continuous batching).
             let stepped = if batching { guarded(|| a.gen.step_deferring(&model, &mut slot.seq, slot.spec.as_mut())) } else { guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut())) };
+            if a.gen.forwarded() {
+                batch_sizes.forward(1);
+            }
             if was_prefilling && a.progress && stepped.is_ok() {
                 let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
             }
@@ -837,6 +855,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
         (rows, share, std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many(&mut steps))))
     };
     batch_sizes.record(pending.len(), rows);
+    batch_sizes.forward(pending.len());
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     cost.record(rows, ms);
     match outs {
@@ -865,6 +884,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
             for &i in &pending {
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
+                batch_sizes.forward(1);
                 let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
                 settle(model, factory, slots, views, i, fed);
             }

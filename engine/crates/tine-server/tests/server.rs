@@ -545,8 +545,27 @@ fn metrics_are_prometheus_text_behind_the_flag_and_count_requests() {
     assert_eq!(value("tine:requests_finished_total"), 2.0);
     assert!(value("llamacpp:prompt_tokens_total") >= 1.0 && value("tine:prompt_tokens_cached_total") >= 1.0);
     assert_eq!(value("llamacpp:requests_processing"), 0.0);
+    // Issue 52: llama-server's names beside Tine's. Each request: a prompt chunk and 3 decodes
+    // (the 4th token ends it), one slot a forward.
+    assert_eq!(value("llamacpp:n_decode_total"), 8.0);
+    assert_eq!(value("llamacpp:n_busy_slots_per_decode"), 1.0);
+    assert_eq!(value("llamacpp:prompt_tokens_cached_total"), value("tine:prompt_tokens_cached_total"));
+    assert!(value("llamacpp:n_tokens_max") >= 5.0);
+    assert_eq!(value("llamacpp:spec_decode_num_draft_tokens_total"), 0.0);
+    assert_prometheus(&text);
+}
+
+/// Every sample line of `text` is `name{labels} value` as Prometheus reads it.
+fn assert_prometheus(text: &str) {
     for l in text.lines().filter(|l| !l.starts_with('#')) {
-        let (name, v) = l.split_once(' ').expect("name value");
+        let (name, v) = l.rsplit_once(' ').expect("name value");
+        let name = match name.split_once('{') {
+            Some((n, labels)) => {
+                assert!(labels.ends_with('}') && labels.contains("=\""), "bad labels: {l}");
+                n
+            }
+            None => name,
+        };
         assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') && v.parse::<f64>().is_ok(), "not Prometheus text: {l}");
     }
 }
@@ -1580,5 +1599,20 @@ fn batched_speculative_slots_answer_each_request_as_alone_for_every_spec_type() 
             |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
         assert!(value("tine:draft_tokens_total") > 0.0, "{kind}: nothing drafted:\n{text}");
         assert!(value("tine:batched_rows_total") > value("tine:batched_slots_total"), "{kind}: no verify batch went through the batched forwards:\n{text}");
+        // llama-server's speculative counters, and more than one slot a forward.
+        assert_eq!(value("llamacpp:spec_decode_num_draft_tokens_total"), value("tine:draft_tokens_total"));
+        assert_eq!(value("llamacpp:spec_decode_num_accepted_tokens_total"), value("tine:draft_tokens_accepted_total"));
+        // Per draft position: position 0 kept at most once a verify step, and the positions sum to
+        // the accepted tokens.
+        let per_pos: Vec<f64> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position=\""))
+            .map(|l| l.split_once("} ").expect("a sample").1.parse().expect("a number"))
+            .collect();
+        assert_eq!(per_pos.iter().sum::<f64>(), value("llamacpp:spec_decode_num_accepted_tokens_total"), "{kind}:\n{text}");
+        assert!(per_pos.first().is_none_or(|&p| p <= value("llamacpp:spec_decode_num_drafts_total")), "{kind}:\n{text}");
+        assert!(per_pos.windows(2).all(|w| w[0] >= w[1]), "{kind}: a later position kept more often:\n{text}");
+        assert!(value("llamacpp:n_busy_slots_per_decode") > 1.0, "{kind}:\n{text}");
+        assert_prometheus(&text);
     }
 }

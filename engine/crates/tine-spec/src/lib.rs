@@ -338,6 +338,9 @@ pub struct SpecStats {
     pub draft_n_accepted: usize,
     /// Verify forwards that carried at least one draft.
     pub draft_verify_steps: usize,
+    /// `accepted_per_pos[i]`: rounds whose draft position `i` was kept (llama-server's
+    /// `spec_decode_num_accepted_tokens_per_pos_total`).
+    pub accepted_per_pos: [usize; MAX_DRAFT],
 }
 
 impl SpecStats {
@@ -360,6 +363,9 @@ impl SpecStats {
         self.draft_n += o.draft_n;
         self.draft_n_accepted += o.draft_n_accepted;
         self.draft_verify_steps += o.draft_verify_steps;
+        for (a, b) in self.accepted_per_pos.iter_mut().zip(&o.accepted_per_pos) {
+            *a += b;
+        }
     }
 }
 
@@ -376,7 +382,9 @@ pub struct Round {
 impl Round {
     /// This round's share of the draft statistics.
     pub fn stats(&self) -> SpecStats {
-        SpecStats { draft_n: self.drafted, draft_n_accepted: self.accepted, draft_verify_steps: usize::from(self.drafted > 0) }
+        let mut accepted_per_pos = [0; MAX_DRAFT];
+        accepted_per_pos.iter_mut().take(self.accepted).for_each(|a| *a = 1);
+        SpecStats { draft_n: self.drafted, draft_n_accepted: self.accepted, draft_verify_steps: usize::from(self.drafted > 0), accepted_per_pos }
     }
 }
 
