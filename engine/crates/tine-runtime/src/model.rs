@@ -445,17 +445,20 @@ impl Model {
                 return Err(StepError::Candle(candle_core::Error::Msg(format!("a decode step of {} tokens (one is fed at a time)", tokens.len()))));
             }
         }
-        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _, _)| seq.gpu.is_some()) {
+        let lone_prefill = steps.iter().any(|(_, t, k)| matches!(k, Rows::Prefill { .. }) && !self.batches_prefill(t.len()));
+        if !self.batches() || steps.len() < 2 || lone_prefill || steps.iter().any(|(seq, _, _)| seq.gpu.is_some()) {
             return self.step_each(steps);
         }
-        let hidden: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Verify { hidden: true })).collect();
+        let hidden: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Verify { hidden: true } | Rows::Prefill { hidden: true })).collect();
+        // A prompt chunk's head runs on its last row alone, as its prefill's does.
+        let last: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Prefill { .. })).collect();
         if let Weights::Gemma4(w) = &self.weights {
             if steps.iter().any(|(seq, _, _)| !matches!(seq.cache, SeqCache::Gemma4(_))) {
                 return self.step_each(steps);
             }
             return self.forward_many_rows(steps, &hidden, |ids, caches| {
                 let mut batch: Vec<(&Tensor, &mut gemma4::Cache)> = ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Gemma4(c) = c { c } else { unreachable!("checked above") })).collect();
-                Ok(w.forward_batch(&mut batch)?.into_iter().map(|o| (o.logits, Some(o.hidden))).collect())
+                Ok(w.forward_batch(&mut batch, &last)?.into_iter().map(|o| (o.logits, Some(o.hidden))).collect())
             });
         }
         if let Weights::Qwen35(w) = &self.weights {
@@ -468,7 +471,7 @@ impl Model {
             return self.forward_many_rows(steps, &hidden, |ids, caches| {
                 let mut batch: Vec<(&Tensor, &mut qwen35::Cache)> =
                     ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Qwen35(r) = c { &mut r.cache } else { unreachable!("checked above") })).collect();
-                Ok(w.forward_batch(&mut batch, &record)?.into_iter().map(|o| (o.logits, Some(o.hidden))).collect())
+                Ok(w.forward_batch(&mut batch, &record, &last)?.into_iter().map(|o| (o.logits, Some(o.hidden))).collect())
             });
         }
         let Weights::Gemma3(w) = &self.weights else { return self.step_each(steps) };
@@ -481,7 +484,7 @@ impl Model {
             let ids = ids.iter().map(|x| x.unsqueeze(0)).collect::<candle_core::Result<Vec<_>>>()?;
             let mut batch: Vec<(&Tensor, &mut candle_transformers::models::quantized_gemma3::Cache)> =
                 ids.iter().zip(caches).map(|(x, c)| (x, if let SeqCache::Gemma3(c) = c { c } else { unreachable!("checked above") })).collect();
-            w.forward_batch(&mut batch, with_hidden)?.into_iter().map(|o| Ok((o.logits.squeeze(0)?, o.hidden.map(|h| h.squeeze(0)).transpose()?))).collect()
+            w.forward_batch(&mut batch, with_hidden, &last)?.into_iter().map(|o| Ok((o.logits.squeeze(0)?, o.hidden.map(|h| h.squeeze(0)).transpose()?))).collect()
         })
     }
 
@@ -501,8 +504,8 @@ impl Model {
         for (((seq, _, kind), (logits, h)), &keep) in steps.iter_mut().zip(outs).zip(hidden) {
             let row = seq.injected().and_then(|()| {
                 let data = match kind {
-                    // A decode gives the last row alone (of one, here).
-                    Rows::Decode => logits.narrow(0, logits.dim(0)? - 1, 1)?,
+                    // A decode and a prompt chunk give the last row alone (the only one computed).
+                    Rows::Decode | Rows::Prefill { .. } => logits.narrow(0, logits.dim(0)? - 1, 1)?,
                     Rows::Verify { .. } => logits,
                 };
                 let h = match (keep, h) {
@@ -545,6 +548,8 @@ impl Model {
             let row = match *kind {
                 Rows::Decode => seq.decode(self, tokens[0]).map(|data| (Logits { vocab: data.len(), data }, None)),
                 Rows::Verify { hidden } => seq.forward_batch(self, tokens, hidden),
+                Rows::Prefill { hidden: false } => seq.prefill(self, tokens).map(|data| (Logits { vocab: data.len(), data }, None)),
+                Rows::Prefill { hidden: true } => seq.prefill_hidden(self, tokens).map(|(data, h)| (Logits { vocab: data.len(), data }, Some(h))),
             };
             match row {
                 Ok(r) => out.push(r),
@@ -557,6 +562,14 @@ impl Model {
             }
         }
         Ok(out)
+    }
+
+    /// Whether a prompt chunk of `n` tokens joins [`Model::step_many`]'s batched forward
+    /// ([`Rows::Prefill`]): where the model batches, for a chunk its prefill runs as one forward
+    /// (at most [`PREFILL_CHUNK`] tokens) of a model without recurrent state (a recurrent model's
+    /// prefill keeps a state before its last token, a forward of its own).
+    pub fn batches_prefill(&self, n: usize) -> bool {
+        self.batches() && !self.is_recurrent() && n <= PREFILL_CHUNK
     }
 
     /// Whether [`Model::forward_many`] runs its sequences as one forward (every family on the
@@ -1323,6 +1336,10 @@ pub enum Rows {
     /// [`Sequence::forward_all_hidden`]): every row's logits (and hidden state), a recurrent
     /// model's row states kept so that a rollback to any row is exact.
     Verify { hidden: bool },
+    /// A prompt chunk, as [`Sequence::prefill`] feeds it (with `hidden`, as
+    /// [`Sequence::prefill_hidden`]): the last row's logits (and every row's hidden state). It
+    /// joins a batched forward where [`Model::batches_prefill`] says so, else runs alone.
+    Prefill { hidden: bool },
 }
 
 /// Hidden states of consecutive positions, `(positions, embedding_length)`: what the model's

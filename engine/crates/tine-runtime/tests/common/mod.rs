@@ -10,22 +10,27 @@ fn hidden_bits(h: &Hidden) -> Vec<f32> {
     h.to_vec().expect("f32 rows").concat()
 }
 
-/// Issue 51: `Model::step_many` over three sequences mixing decode rows, verify batches with and
-/// without hidden states and a sequence sitting a round out, rolled back inside their verify
+/// Issue 51: `Model::step_many` over three sequences mixing prompt chunks, decode rows, verify
+/// batches with and without hidden states and a sequence sitting a round out, rolled back inside their verify
 /// batches (where a recurrent model keeps row states), gives each sequence the bits of its own
 /// `decode` / `forward_all` / `forward_all_hidden`, and leaves each where its own calls would:
 /// the step after every round and after the last are compared too.
 pub fn step_many_matches_each_alone(m: &Model, streams: &[Vec<u32>; 3]) {
-    use Rows::{Decode, Verify};
+    use Rows::{Decode, Prefill, Verify};
     let h = Verify { hidden: true };
     let v = Verify { hidden: false };
-    // Per round, each sequence's (rows, kind) or none, and how many rows of a verify to drop.
-    let rounds: [[(usize, Option<Rows>, usize); 3]; 5] = [
-        [(7, Some(v), 0), (1, Some(Decode), 0), (3, Some(h), 0)],
+    let p = Prefill { hidden: false };
+    let ph = Prefill { hidden: true };
+    // Per round, each sequence's (rows, kind) or none, and how many rows of a verify to drop:
+    // prompt chunks (with and without hidden states), decode rows, verify batches.
+    let rounds: [[(usize, Option<Rows>, usize); 3]; 7] = [
+        [(7, Some(p), 0), (1, Some(Decode), 0), (3, Some(ph), 0)],
         [(1, Some(Decode), 0), (1, Some(Decode), 0), (1, Some(Decode), 0)],
         [(4, Some(h), 2), (1, Some(Decode), 0), (2, Some(v), 1)],
         [(1, Some(Decode), 0), (0, None, 0), (5, Some(h), 3)],
         [(1, Some(Decode), 0), (3, Some(v), 0), (1, Some(Decode), 0)],
+        [(9, Some(ph), 0), (2, Some(h), 1), (6, Some(p), 0)],
+        [(1, Some(Decode), 0), (5, Some(p), 0), (1, Some(Decode), 0)],
     ];
     let mut batched: Vec<Sequence> = (0..3).map(|_| m.new_sequence(256)).collect();
     let mut alone: Vec<Sequence> = (0..3).map(|_| m.new_sequence(256)).collect();
@@ -52,6 +57,14 @@ pub fn step_many_matches_each_alone(m: &Model, streams: &[Vec<u32>; 3]) {
                 Verify { hidden: true } => {
                     let (l, h) = alone[s].forward_all_hidden(m, &chunks[s]).expect("forward_all_hidden alone");
                     (l, Some(h))
+                }
+                Prefill { hidden: false } => {
+                    let row = alone[s].prefill(m, &chunks[s]).expect("prefill alone");
+                    (Logits { vocab: row.len(), data: row }, None)
+                }
+                Prefill { hidden: true } => {
+                    let (row, h) = alone[s].prefill_hidden(m, &chunks[s]).expect("prefill_hidden alone");
+                    (Logits { vocab: row.len(), data: row }, Some(h))
                 }
             };
             assert!(same(&logits.data, &want.data) && logits.vocab == want.vocab, "round {r}, sequence {s}: logits");
