@@ -247,6 +247,9 @@ enum Pending {
     Decode([u32; 1]),
     /// A speculative round's verify batch (drafted, not yet fed).
     Verify(tine_spec::Planned),
+    /// The prompt chunk `at..end`, to be fed at position `start` (with hidden states for the
+    /// drafter where `hidden`).
+    Prefill { at: usize, end: usize, start: usize, hidden: bool },
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -419,6 +422,7 @@ impl Generation {
         match self.pending.as_ref()? {
             Pending::Decode(token) => Some((&token[..], Rows::Decode)),
             Pending::Verify(plan) => Some((plan.tokens(), plan.rows())),
+            Pending::Prefill { at, end, hidden, .. } => Some((&self.req.prompt[*at..*end], Rows::Prefill { hidden: *hidden })),
         }
     }
 
@@ -433,13 +437,28 @@ impl Generation {
         let Some(pending) = self.pending.take() else {
             return Err(GenerateError::Internal("rows fed with nothing pending".into()));
         };
-        self.timings.predicted_ms += ms;
         match pending {
             Pending::Decode(_) => {
+                self.timings.predicted_ms += ms;
                 self.logits = logits.data;
                 Ok(())
             }
+            Pending::Prefill { at, end, start, .. } => {
+                if let (Some(spec), Some(h)) = (spec, hidden) {
+                    spec.keep_prefill_hidden(seq, start, h)?;
+                }
+                self.timings.prompt_ms += ms;
+                self.timings.prompt_n += end - at;
+                if end == self.req.prompt.len() {
+                    self.logits = logits.data;
+                    self.prefill_at = None;
+                } else {
+                    self.prefill_at = Some(end);
+                }
+                Ok(())
+            }
             Pending::Verify(plan) => {
+                self.timings.predicted_ms += ms;
                 let Some(spec) = spec else {
                     return Err(GenerateError::Internal("a verify batch fed without its speculator".into()));
                 };
@@ -487,7 +506,18 @@ impl Generation {
         if let Some(stop) = self.finished {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
-        if self.is_prefilling() {
+        if let Some(at) = self.prefill_at {
+            let end = (at + self.chunk).min(self.req.prompt.len());
+            if defer && model.batches_prefill(end - at) {
+                // The caller feeds the chunk with other sequences' rows; `feed_rows` takes it in.
+                let first = at == self.timings.cached_n;
+                let hidden = spec.as_deref().is_some_and(|s| matches!(s.prefill_rows(), Rows::Prefill { hidden: true }));
+                if let Some(spec) = spec {
+                    spec.begin_prefill_chunk(seq, first);
+                }
+                self.pending = Some(Pending::Prefill { at, end, start: seq.len(), hidden });
+                return Ok(StepEvent::default());
+            }
             self.forwarded = true;
             self.prefill_step(model, seq, spec)?;
             return Ok(StepEvent::default());

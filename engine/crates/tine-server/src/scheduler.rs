@@ -767,7 +767,8 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             if a.gen.forwarded() {
                 batch_sizes.forward(1);
             }
-            if was_prefilling && a.progress && stepped.is_ok() {
+            // A prompt chunk left to the batched forward reports its progress once fed.
+            if was_prefilling && a.progress && stepped.is_ok() && a.gen.pending_rows().is_none() {
                 let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
             }
             if let Err((e, true)) = stepped {
@@ -875,7 +876,11 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
                 let c = cost.of(r, rows, pending.len(), ms);
+                let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_rows(model, &mut slot.seq, slot.spec.as_mut(), logits, hidden, ms, c));
+                if prefilling && a.progress && fed.is_ok() {
+                    let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
+                }
                 settle(model, factory, slots, views, i, fed);
             }
         }
@@ -885,7 +890,11 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
                 batch_sizes.forward(1);
+                let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
+                if prefilling && a.progress && fed.is_ok() {
+                    let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
+                }
                 settle(model, factory, slots, views, i, fed);
             }
         }

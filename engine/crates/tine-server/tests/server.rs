@@ -1533,8 +1533,10 @@ fn batched_slots_answer_each_request_as_alone_and_metrics_show_the_batches() {
     let value =
         |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
     assert!(value("tine:batched_forwards_total") >= 1.0, "no batched forward:\n{text}");
-    assert!(value("tine:batch_rows_max") >= 2.0 && value("tine:batch_rows_max") <= 8.0);
-    assert!(value("tine:batched_rows_total") >= 2.0 * value("tine:batched_forwards_total") - 1.0 || value("tine:batch_rows_max") >= 2.0);
+    // Token rows count prompt chunks' rows too; at most 8 slots a forward.
+    assert!(value("tine:batch_rows_max") >= 2.0);
+    assert!(value("tine:batched_slots_total") <= 8.0 * value("tine:batched_forwards_total"));
+    assert!(value("tine:batched_rows_total") > value("tine:batched_slots_total"), "no prompt chunk went through the batched forwards:\n{text}");
 }
 
 // Issue 51: with speculation on, every slot's verify batch runs in the same forward as the other

@@ -468,28 +468,48 @@ impl Speculator {
     /// One chunk of a prefill: `first` starts a new request's prompt; later chunks continue
     /// it (the hidden states of all chunks are kept together). Atomic like the target's steps.
     pub fn prefill_chunk(&mut self, model: &Model, seq: &mut Sequence, tokens: &[u32], first: bool) -> Result<Vec<f32>, StepError> {
-        if first {
-            self.hidden_start = seq.len();
-            self.hidden = None;
-        }
+        self.begin_prefill_chunk(seq, first);
         if self.drafter.needs_hidden() {
             let start = seq.len();
             let (logits, hidden) = seq.prefill_hidden(model, tokens)?;
-            let joined = match &self.hidden {
-                Some(old) => old.concat(&hidden).inspect_err(|_| {
-                    // A recurrent state on the GPU engine may not return to `start` after a long
-                    // chunk: then the sequence starts over, so that its tokens stay its state's.
-                    if seq.rollback(start).is_err() {
-                        seq.reset();
-                    }
-                })?,
-                None => hidden,
-            };
-            self.hidden = Some(joined);
+            self.keep_prefill_hidden(seq, start, hidden)?;
             Ok(logits)
         } else {
             seq.prefill(model, tokens)
         }
+    }
+
+    /// [`Speculator::prefill_chunk`] in halves around the caller's forward (a prompt chunk in a
+    /// batched step): this first, then the chunk fed as [`Speculator::prefill_rows`] says, then
+    /// [`Speculator::keep_prefill_hidden`] with its hidden states where it gave them.
+    pub fn begin_prefill_chunk(&mut self, seq: &Sequence, first: bool) {
+        if first {
+            self.hidden_start = seq.len();
+            self.hidden = None;
+        }
+    }
+
+    /// How a prompt chunk is fed: with its hidden states where the drafter reads them.
+    pub fn prefill_rows(&self) -> tine_runtime::Rows {
+        tine_runtime::Rows::Prefill { hidden: self.drafter.needs_hidden() }
+    }
+
+    /// Keeps the hidden states of a prompt chunk fed at position `start` of `seq` after the
+    /// earlier chunks'. If they cannot join (a gap), `seq` goes back to `start`, or starts over
+    /// where it cannot, so that its tokens stay what its drafter saw.
+    pub fn keep_prefill_hidden(&mut self, seq: &mut Sequence, start: usize, hidden: Hidden) -> Result<(), StepError> {
+        let joined = match &self.hidden {
+            Some(old) => old.concat(&hidden).inspect_err(|_| {
+                // A recurrent state on the GPU engine may not return to `start` after a long
+                // chunk: then the sequence starts over, so that its tokens stay its state's.
+                if seq.rollback(start).is_err() {
+                    seq.reset();
+                }
+            })?,
+            None => hidden,
+        };
+        self.hidden = Some(joined);
+        Ok(())
     }
 
     /// One round at the point where plain decoding would feed `pending`: draft up to
