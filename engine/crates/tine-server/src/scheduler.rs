@@ -761,9 +761,14 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             if was_prefilling && !may_prefill[i] {
                 continue; // its chunk waits for a step with room
             }
-            // Where the model batches, a plain decode's forward is left pending and run below
-            // with the other slots' (continuous batching).
-            let stepped = if batching { guarded(|| a.gen.step_deferring(&model, &mut slot.seq, slot.spec.as_mut())) } else { guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut())) };
+            // Where the model batches and another slot steps too, the step's forward is left
+            // pending and run below with the other slots' (continuous batching); a slot alone
+            // steps as without batching (its decode reads only the argmax, not the row).
+            let stepped = if batching && stepping > 1 {
+                guarded(|| a.gen.step_deferring(&model, &mut slot.seq, slot.spec.as_mut()))
+            } else {
+                guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()))
+            };
             if a.gen.forwarded() {
                 batch_sizes.forward(1);
             }
