@@ -229,7 +229,13 @@ def clients(a):
         same = True
         for r in range(a.rounds):
             for c in counts:
-                for name, srv in servers.items():
+                # The servers' order turns each round, and each starts after a pause: a server
+                # whose threads still spin after its run (llama.cpp's pool polls for a while) takes
+                # no cores from the next one's first requests.
+                names_now = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
+                for name in names_now:
+                    srv = servers[name]
+                    time.sleep(1.0)
                     out = [None] * c
                     took = [0.0] * c
                     def client(i):
