@@ -883,10 +883,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 let c = cost.of(r, rows, pending.len(), ms);
                 let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_rows(model, &mut slot.seq, slot.spec.as_mut(), logits, hidden, ms, c));
-                if prefilling && a.progress && fed.is_ok() {
-                    let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
-                }
-                settle(model, factory, slots, views, i, fed);
+                settle(model, factory, slots, views, i, prefilling, fed);
             }
         }
         // Every sequence is as it was (the batch is atomic): each runs its forward alone.
@@ -897,10 +894,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 batch_sizes.forward(1);
                 let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
-                if prefilling && a.progress && fed.is_ok() {
-                    let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
-                }
-                settle(model, factory, slots, views, i, fed);
+                settle(model, factory, slots, views, i, prefilling, fed);
             }
         }
     }
@@ -979,11 +973,18 @@ impl StepCost {
     }
 }
 
-/// After slot `i`'s pending rows were fed: an error ends its request (a panic resets the slot;
-/// otherwise the sequence is as before the step, and the drafter starts over).
-fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, i: usize, fed: Result<(), (GenerateError, bool)>) {
-    let Err((e, panicked)) = fed else { return };
+/// After slot `i`'s pending rows were fed: a prompt chunk (`prefilling`) reports its progress to
+/// a client that asked; an error ends its request (a panic resets the slot; otherwise the
+/// sequence is as before the step, and the drafter starts over).
+#[allow(clippy::too_many_arguments)]
+fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, i: usize, prefilling: bool, fed: Result<(), (GenerateError, bool)>) {
     let slot = &mut slots[i];
+    let Err((e, panicked)) = fed else {
+        if let Some(a) = slot.active.as_ref().filter(|a| prefilling && a.progress) {
+            let _ = a.events.send(Event::Progress(Progress::of(&a.gen)));
+        }
+        return;
+    };
     if let Some(a) = slot.active.as_ref() {
         let _ = a.events.send(Event::Error(e));
     }

@@ -640,17 +640,12 @@ impl Speculator {
                 }
             }
         }
-        seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
-        self.keep_hidden(hidden, plan.consulted, n, accepted)?;
-        self.policy.record(plan.batch.len(), verify_ms, drafts.len(), plan.draft_ms, accepted);
-        let round = Round { tokens, rows, drafted: drafts.len(), accepted };
-        self.stats.add(&round.stats());
-        Ok(round)
+        self.commit(&plan, seq, Round { tokens, rows, drafted: drafts.len(), accepted }, hidden, verify_ms)
     }
 
     /// A round decided from each row's id or top-k alone ([`Round::rows`] empty).
     fn conclude(&mut self, plan: Planned, seq: &mut Sequence, sampler: &mut Sampler, decisions: Decisions, hidden: Option<Hidden>, verify_ms: f64) -> Result<Round, SpecError> {
-        let (n, drafts) = (plan.n, &plan.drafts);
+        let drafts = &plan.drafts;
         let mut tokens = Vec::with_capacity(drafts.len() + 1);
         let mut accepted = 0;
         // Drafts are kept while they equal the target's token, drawn as plain decoding draws
@@ -666,10 +661,17 @@ impl Speculator {
             }
             accepted += 1;
         }
+        let rows = vec![Vec::new(); tokens.len()];
+        self.commit(&plan, seq, Round { tokens, rows, drafted: drafts.len(), accepted }, hidden, verify_ms)
+    }
+
+    /// The end of every round: the target keeps the pending token and the accepted drafts, the
+    /// drafter the hidden states of those positions, the policy and the statistics the round.
+    fn commit(&mut self, plan: &Planned, seq: &mut Sequence, round: Round, hidden: Option<Hidden>, verify_ms: f64) -> Result<Round, SpecError> {
+        let (n, accepted) = (plan.n, round.accepted);
         seq.rollback(n + 1 + accepted).map_err(SpecError::Verify)?;
         self.keep_hidden(hidden, plan.consulted, n, accepted)?;
-        self.policy.record(plan.batch.len(), verify_ms, drafts.len(), plan.draft_ms, accepted);
-        let round = Round { rows: vec![Vec::new(); tokens.len()], tokens, drafted: drafts.len(), accepted };
+        self.policy.record(plan.batch.len(), verify_ms, round.drafted, plan.draft_ms, accepted);
         self.stats.add(&round.stats());
         Ok(round)
     }
