@@ -210,6 +210,9 @@ pub struct Generation {
     logits: Vec<f32>,
     /// The next prompt position to evaluate, while the prompt is not all in.
     prefill_at: Option<usize>,
+    /// The prompt chunk `start..end` that batched steps are feeding piece by piece
+    /// (`tine_runtime::prompt_pieces`), while some of its pieces remain.
+    split: Option<(usize, usize)>,
     /// Prompt tokens per prefill step.
     chunk: usize,
     generated: Vec<u32>,
@@ -247,9 +250,10 @@ enum Pending {
     Decode([u32; 1]),
     /// A speculative round's verify batch (drafted, not yet fed).
     Verify(tine_spec::Planned),
-    /// The prompt chunk `at..end`, to be fed at position `start` (with hidden states for the
-    /// drafter where `hidden`).
-    Prefill { at: usize, end: usize, start: usize, hidden: bool },
+    /// The piece `at..end` of the prompt chunk `chunk`, to be fed at position `start` (with
+    /// hidden states for the drafter where `hidden`; a recurrent state checkpointed after it
+    /// where `checkpoint`).
+    Prefill { at: usize, end: usize, start: usize, hidden: bool, checkpoint: bool, chunk: (usize, usize) },
 }
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
@@ -305,6 +309,7 @@ impl Generation {
             stops,
             logits: Vec::new(),
             prefill_at: Some(keep),
+            split: None,
             chunk: chunk.max(1),
             generated: Vec::new(),
             bytes: Vec::new(),
@@ -329,16 +334,57 @@ impl Generation {
         self.prefill_at.is_some()
     }
 
-    /// The prompt tokens the next step evaluates (`None` once the prompt is in).
-    pub fn next_chunk_len(&self) -> Option<usize> {
+    /// The prompt tokens the next step evaluates (`None` once the prompt is in): where `model`
+    /// batches, the next piece of the chunk ([`Generation::step_deferring`] feeds one piece a
+    /// step), else the chunk.
+    pub fn next_chunk_len(&self, model: &Model) -> Option<usize> {
         let at = self.prefill_at?;
-        Some((at + self.chunk).min(self.req.prompt.len()) - at)
+        if model.batches() {
+            let (_, end, _) = self.next_piece(model, at);
+            return Some(end - at);
+        }
+        Some(self.chunk_at(at).1 - at)
+    }
+
+    /// The prompt chunk position `at` is in: the one batched steps are feeding, else the next
+    /// `chunk` tokens.
+    fn chunk_at(&self, at: usize) -> (usize, usize) {
+        match self.split {
+            Some(c) => c,
+            None => (at, (at + self.chunk).min(self.req.prompt.len())),
+        }
+    }
+
+    /// The piece of the prompt from `at` as `model`'s prefill of its chunk runs it: the chunk,
+    /// the piece's end, and whether a recurrent state keeps a checkpoint after it.
+    fn next_piece(&self, model: &Model, at: usize) -> ((usize, usize), usize, bool) {
+        let chunk = self.chunk_at(at);
+        let piece = model.prompt_pieces(chunk.1 - chunk.0).into_iter().find(|p| chunk.0 + p.start == at);
+        // `at` starts a piece: the chunk started there, or an earlier piece ended there.
+        let p = piece.expect("a prompt chunk is fed piece by piece from its start");
+        (chunk, at + p.len, p.checkpoint)
+    }
+
+    /// Leaves the next piece of the prompt at `at` pending for the caller's forward.
+    fn defer_piece(&mut self, model: &Model, seq: &Sequence, spec: Option<&mut Speculator>, at: usize) {
+        let (chunk, end, checkpoint) = self.next_piece(model, at);
+        let first = at == self.timings.cached_n;
+        let hidden = spec.as_deref().is_some_and(Speculator::prefill_wants_hidden);
+        if let Some(spec) = spec {
+            spec.begin_prefill_chunk(seq, first);
+        }
+        self.pending = Some(Pending::Prefill { at, end, start: seq.len(), hidden, checkpoint, chunk });
     }
 
     /// Evaluates the next chunk of the prompt (a no-op once the prompt is in). Atomic: on
     /// error the sequence holds what it held before this chunk.
-    pub fn prefill_step(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<(), GenerateError> {
+    pub fn prefill_step(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>) -> Result<(), GenerateError> {
         let Some(at) = self.prefill_at else { return Ok(()) };
+        if self.split.is_some() {
+            // The rest of a chunk that batched steps fed in part: its next piece, alone.
+            self.defer_piece(model, seq, spec.as_deref_mut(), at);
+            return self.feed_alone(model, seq, spec);
+        }
         let keep = self.timings.cached_n;
         let end = (at + self.chunk).min(self.req.prompt.len());
         let tokens = &self.req.prompt[at..end];
@@ -422,7 +468,7 @@ impl Generation {
         match self.pending.as_ref()? {
             Pending::Decode(token) => Some((&token[..], Rows::Decode)),
             Pending::Verify(plan) => Some((plan.tokens(), plan.rows())),
-            Pending::Prefill { at, end, hidden, .. } => Some((&self.req.prompt[*at..*end], Rows::Prefill { hidden: *hidden })),
+            Pending::Prefill { at, end, hidden, checkpoint, .. } => Some((&self.req.prompt[*at..*end], Rows::Prefill { hidden: *hidden, checkpoint: *checkpoint })),
         }
     }
 
@@ -443,12 +489,13 @@ impl Generation {
                 self.logits = logits.data;
                 Ok(())
             }
-            Pending::Prefill { at, end, start, .. } => {
+            Pending::Prefill { at, end, start, chunk, .. } => {
                 if let (Some(spec), Some(h)) = (spec, hidden) {
                     spec.keep_prefill_hidden(seq, start, h)?;
                 }
                 self.timings.prompt_ms += ms;
                 self.timings.prompt_n += end - at;
+                self.split = (end < chunk.1).then_some(chunk);
                 if end == self.req.prompt.len() {
                     self.logits = logits.data;
                     self.prefill_at = None;
@@ -507,15 +554,11 @@ impl Generation {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
         if let Some(at) = self.prefill_at {
-            let end = (at + self.chunk).min(self.req.prompt.len());
-            if defer && model.batches_prefill(end - at) {
-                // The caller feeds the chunk with other sequences' rows; `feed_rows` takes it in.
-                let first = at == self.timings.cached_n;
-                let hidden = spec.as_deref().is_some_and(|s| matches!(s.prefill_rows(), Rows::Prefill { hidden: true }));
-                if let Some(spec) = spec {
-                    spec.begin_prefill_chunk(seq, first);
-                }
-                self.pending = Some(Pending::Prefill { at, end, start: seq.len(), hidden });
+            if defer && model.batches() {
+                // The caller feeds the chunk's next piece (the whole chunk, unless it is longer
+                // than a prefill's forward or the model is recurrent) with other sequences' rows;
+                // `feed_rows` takes it in.
+                self.defer_piece(model, seq, spec, at);
                 return Ok(StepEvent::default());
             }
             self.forwarded = true;

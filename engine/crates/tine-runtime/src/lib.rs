@@ -14,9 +14,11 @@ mod tokenizer;
 pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 
 pub use graft::{graft_nextn, GraftError, Grafted};
+pub use model::prompt_pieces;
 pub use model::slot_file::{fingerprint, SlotFileError, SlotImage, TypedLayer};
 pub use model::{
-    banned_argmax, Assistant, CacheTypeError, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, Rows, Sequence, SharedPrefix, StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK,
+    banned_argmax, Assistant, CacheTypeError, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, PromptPiece, Rows, Sequence, SharedPrefix, StepError, MAX_GPU_CONTEXT,
+    PREFILL_CHUNK,
 };
 
 /// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to

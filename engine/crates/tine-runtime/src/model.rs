@@ -435,7 +435,8 @@ impl Model {
     /// `i`, each as its [`Rows`] kind says, and returns each one's logits (and hidden states where
     /// asked), bit for bit what that sequence's own call gives alone: [`Sequence::decode`] for
     /// [`Rows::Decode`], [`Sequence::forward_all`] or [`Sequence::forward_all_hidden`] for
-    /// [`Rows::Verify`]. On the CPU every family runs them as one forward (every matrix read once
+    /// [`Rows::Verify`], [`Sequence::prefill_piece`] for [`Rows::Prefill`] (at most
+    /// [`PREFILL_CHUNK`] tokens). On the CPU every family runs them as one forward (every matrix read once
     /// for the rows of all; [`Model::batches`]); otherwise one after another. Atomic as a whole:
     /// on an error every sequence is as it was before the call.
     pub fn step_many(&self, steps: &mut [(&mut Sequence, &[u32], Rows)]) -> Result<Vec<(Logits, Option<Hidden>)>, StepError> {
@@ -445,11 +446,13 @@ impl Model {
                 return Err(StepError::Candle(candle_core::Error::Msg(format!("a decode step of {} tokens (one is fed at a time)", tokens.len()))));
             }
         }
-        let lone_prefill = steps.iter().any(|(_, t, k)| matches!(k, Rows::Prefill { .. }) && !self.batches_prefill(t.len()));
-        if !self.batches() || steps.len() < 2 || lone_prefill || steps.iter().any(|(seq, _, _)| seq.gpu.is_some()) {
+        if let Some((_, t, _)) = steps.iter().find(|(_, t, k)| matches!(k, Rows::Prefill { .. }) && t.len() > PREFILL_CHUNK) {
+            return Err(StepError::Candle(candle_core::Error::Msg(format!("a prompt piece of {} tokens (at most {PREFILL_CHUNK})", t.len()))));
+        }
+        if !self.batches() || steps.len() < 2 || steps.iter().any(|(seq, _, _)| seq.gpu.is_some()) {
             return self.step_each(steps);
         }
-        let hidden: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Verify { hidden: true } | Rows::Prefill { hidden: true })).collect();
+        let hidden: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Verify { hidden: true } | Rows::Prefill { hidden: true, .. })).collect();
         // A prompt chunk's head runs on its last row alone, as its prefill's does.
         let last: Vec<bool> = steps.iter().map(|(_, _, k)| matches!(k, Rows::Prefill { .. })).collect();
         if let Weights::Gemma4(w) = &self.weights {
@@ -534,8 +537,11 @@ impl Model {
             }
             return Err(e);
         }
-        for (seq, tokens, _) in steps.iter_mut() {
+        for (seq, tokens, kind) in steps.iter_mut() {
             seq.tokens.extend_from_slice(tokens);
+            if matches!(kind, Rows::Prefill { checkpoint: true, .. }) {
+                seq.cache.checkpoint();
+            }
         }
         Ok(rows)
     }
@@ -548,8 +554,7 @@ impl Model {
             let row = match *kind {
                 Rows::Decode => seq.decode(self, tokens[0]).map(|data| (Logits { vocab: data.len(), data }, None)),
                 Rows::Verify { hidden } => seq.forward_batch(self, tokens, hidden),
-                Rows::Prefill { hidden: false } => seq.prefill(self, tokens).map(|data| (Logits { vocab: data.len(), data }, None)),
-                Rows::Prefill { hidden: true } => seq.prefill_hidden(self, tokens).map(|(data, h)| (Logits { vocab: data.len(), data }, Some(h))),
+                Rows::Prefill { hidden, checkpoint } => seq.prefill_piece(self, tokens, hidden, checkpoint),
             };
             match row {
                 Ok(r) => out.push(r),
@@ -564,12 +569,9 @@ impl Model {
         Ok(out)
     }
 
-    /// Whether a prompt chunk of `n` tokens joins [`Model::step_many`]'s batched forward
-    /// ([`Rows::Prefill`]): where the model batches, for a chunk its prefill runs as one forward
-    /// (at most [`PREFILL_CHUNK`] tokens) of a model without recurrent state (a recurrent model's
-    /// prefill keeps a state before its last token, a forward of its own).
-    pub fn batches_prefill(&self, n: usize) -> bool {
-        self.batches() && !self.is_recurrent() && n <= PREFILL_CHUNK
+    /// The forwards a prefill of `n` tokens runs as on this model ([`prompt_pieces`]).
+    pub fn prompt_pieces(&self, n: usize) -> Vec<PromptPiece> {
+        prompt_pieces(n, self.is_recurrent())
     }
 
     /// Whether [`Model::forward_many`] runs its sequences as one forward (every family on the
@@ -805,12 +807,35 @@ pub struct Sequence {
     on_cpu: bool,
 }
 
-/// The pieces a prompt runs in: chunks of [`PREFILL_CHUNK`]; on a recurrent model the last token
-/// alone, so that the state before it can be kept as a checkpoint.
-fn prompt_pieces<'t>(model: &Model, tokens: &'t [u32]) -> Vec<&'t [u32]> {
-    let split = if model.is_recurrent() && tokens.len() > 1 { tokens.len() - 1 } else { tokens.len() };
-    let (head, tail) = tokens.split_at(split);
-    head.chunks(PREFILL_CHUNK).chain(tail.chunks(PREFILL_CHUNK)).collect()
+/// One forward of a prompt as [`Sequence::prefill`] runs it: `len` tokens from `start` (of the
+/// prefilled tokens), and whether a recurrent state keeps a checkpoint after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PromptPiece {
+    pub start: usize,
+    pub len: usize,
+    pub checkpoint: bool,
+}
+
+/// The forwards a prefill of `n` tokens runs as (on a model that is `recurrent` or not):
+/// chunks of at most [`PREFILL_CHUNK`]; on a recurrent model the last token alone, and a
+/// checkpoint of the state after each of the last two positions (a next request sharing the
+/// prompt keeps at most all of it but its last token, and a NextN drafter one position less).
+/// Feeding these pieces one by one ([`Rows::Prefill`]) leaves a sequence exactly as
+/// [`Sequence::prefill`] of the `n` tokens does.
+pub fn prompt_pieces(n: usize, recurrent: bool) -> Vec<PromptPiece> {
+    let split = if recurrent && n > 1 { n - 1 } else { n };
+    let mut out = Vec::with_capacity(n.div_ceil(PREFILL_CHUNK) + 1);
+    let mut start = 0;
+    for (from, to) in [(0, split), (split, n)] {
+        while start < to {
+            let len = (to - start).min(PREFILL_CHUNK);
+            let end = start + len;
+            debug_assert!(start >= from);
+            out.push(PromptPiece { start, len, checkpoint: recurrent && n > 1 && end + 1 >= n });
+            start = end;
+        }
+    }
+    out
 }
 
 /// The longest context a sequence on the GPU engine holds (the engine sizes its attention
@@ -938,15 +963,6 @@ impl Sequence {
         out
     }
 
-    /// After a piece of a prompt of `n` tokens ending at `end`: a recurrent state keeps
-    /// checkpoints at the prompt's last two positions (a next request sharing the prompt keeps
-    /// at most all of it but its last token, and a NextN drafter one position less).
-    fn checkpoint_prompt_end(&mut self, n: usize, end: usize) {
-        if n > 1 && self.tokens.len() + 1 >= end {
-            self.cache.checkpoint();
-        }
-    }
-
     /// Appends `tokens` (in chunks of [`PREFILL_CHUNK`]) and returns the last position's logits.
     /// Atomic: on error nothing was appended.
     pub fn prefill(&mut self, model: &Model, tokens: &[u32]) -> Result<Vec<f32>, StepError> {
@@ -956,10 +972,8 @@ impl Sequence {
             if model.gpu.is_some() && seq.gpu.is_some() {
                 return Ok(seq.gpu_prefill(model, tokens, false)?.0);
             }
-            let end = seq.tokens.len() + tokens.len();
-            for chunk in prompt_pieces(model, tokens) {
-                last = seq.forward_chunk(model, chunk)?.squeeze(0)?.to_vec1::<f32>()?;
-                seq.checkpoint_prompt_end(tokens.len(), end);
+            for piece in prompt_pieces(tokens.len(), model.is_recurrent()) {
+                last = seq.forward_piece(model, &tokens[piece.start..piece.start + piece.len], piece.checkpoint)?;
             }
             Ok(last)
         })
@@ -1070,6 +1084,66 @@ impl Sequence {
 
     /// One forward over `chunk`, inside an atomic step: appends it and returns the logits of its
     /// last position, `(1, vocab)`.
+    /// One piece of a prompt ([`prompt_pieces`]) on the CPU or candle's path: its last row's
+    /// logits; with `checkpoint` a recurrent state keeps a checkpoint after it. Not atomic.
+    fn forward_piece(&mut self, model: &Model, tokens: &[u32], checkpoint: bool) -> Result<Vec<f32>, StepError> {
+        let last = self.forward_chunk(model, tokens)?.squeeze(0)?.to_vec1::<f32>()?;
+        if checkpoint {
+            self.cache.checkpoint();
+        }
+        Ok(last)
+    }
+
+    /// [`Sequence::forward_piece`] that also returns every row's hidden state.
+    fn forward_piece_hidden(&mut self, model: &Model, tokens: &[u32], checkpoint: bool) -> Result<Tensor, StepError> {
+        let hidden = match (&model.weights, &mut self.cache) {
+            (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_hidden(&Tensor::new(tokens, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
+            (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward_hidden(&Tensor::new(tokens, &model.device)?, &mut r.cache)?,
+            (Weights::Gemma4(w), SeqCache::Gemma4(cache)) => w.forward_hidden(&Tensor::new(tokens, &model.device)?, cache)?,
+            _ => unreachable!("a sequence's cache is made by its model"),
+        };
+        self.injected()?;
+        self.tokens.extend_from_slice(tokens);
+        if checkpoint {
+            self.cache.checkpoint();
+        }
+        Ok(hidden)
+    }
+
+    /// The logits of the last of `hidden`'s rows.
+    fn project_last(model: &Model, hidden: &Tensor) -> Result<Vec<f32>, StepError> {
+        let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
+        let logits = match &model.weights {
+            Weights::Gemma3(w) => w.project(&last)?,
+            Weights::Qwen35(w) => w.project(&last)?,
+            Weights::Gemma4(w) => w.project(&last)?,
+        };
+        Ok(logits.squeeze(0)?.to_vec1::<f32>()?)
+    }
+
+    /// Appends one piece of a prompt ([`prompt_pieces`]) in one forward and returns its last
+    /// row's logits (and with `hidden` every row's hidden state): [`Rows::Prefill`] alone.
+    /// Atomic.
+    pub fn prefill_piece(&mut self, model: &Model, tokens: &[u32], hidden: bool, checkpoint: bool) -> Result<(Logits, Option<Hidden>), StepError> {
+        self.check(model, tokens)?;
+        if tokens.len() > PREFILL_CHUNK {
+            return Err(StepError::Candle(candle_core::Error::Msg(format!("a prompt piece of {} tokens (at most {PREFILL_CHUNK})", tokens.len()))));
+        }
+        if self.on_gpu_engine() {
+            return Err(StepError::NotOnGpuEngine("prompt pieces"));
+        }
+        self.atomic(|seq| {
+            if hidden {
+                let h = seq.forward_piece_hidden(model, tokens, checkpoint)?;
+                let data = Self::project_last(model, &h)?;
+                Ok((Logits { vocab: data.len(), data }, Some(Hidden(h))))
+            } else {
+                let data = seq.forward_piece(model, tokens, checkpoint)?;
+                Ok((Logits { vocab: data.len(), data }, None))
+            }
+        })
+    }
+
     fn forward_chunk(&mut self, model: &Model, chunk: &[u32]) -> Result<Tensor, StepError> {
         let logits = match (&model.weights, &mut self.cache) {
             (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_with_cache(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?,
@@ -1336,10 +1410,12 @@ pub enum Rows {
     /// [`Sequence::forward_all_hidden`]): every row's logits (and hidden state), a recurrent
     /// model's row states kept so that a rollback to any row is exact.
     Verify { hidden: bool },
-    /// A prompt chunk, as [`Sequence::prefill`] feeds it (with `hidden`, as
-    /// [`Sequence::prefill_hidden`]): the last row's logits (and every row's hidden state). It
-    /// joins a batched forward where [`Model::batches_prefill`] says so, else runs alone.
-    Prefill { hidden: bool },
+    /// One piece of a prompt ([`prompt_pieces`]: at most [`PREFILL_CHUNK`] tokens), as
+    /// [`Sequence::prefill_piece`] feeds it: the last row's logits (and with `hidden` every row's
+    /// hidden state); with `checkpoint` a recurrent state keeps a checkpoint after it. The pieces
+    /// of a prompt fed in order leave the sequence as [`Sequence::prefill`] (or
+    /// [`Sequence::prefill_hidden`]) of the whole does, bit for bit.
+    Prefill { hidden: bool, checkpoint: bool },
 }
 
 /// Hidden states of consecutive positions, `(positions, embedding_length)`: what the model's
@@ -1378,26 +1454,11 @@ impl Sequence {
                 return Ok((row, Hidden(Tensor::from_vec(states, (tokens.len(), model.info.embedding_length), &Device::Cpu)?)));
             }
             let mut hidden = Vec::new();
-            let end = seq.tokens.len() + tokens.len();
-            for chunk in prompt_pieces(model, tokens) {
-                hidden.push(match (&model.weights, &mut seq.cache) {
-                    (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
-                    (Weights::Qwen35(w), SeqCache::Qwen35(r)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, &mut r.cache)?,
-                    (Weights::Gemma4(w), SeqCache::Gemma4(cache)) => w.forward_hidden(&Tensor::new(chunk, &model.device)?, cache)?,
-                    _ => unreachable!("a sequence's cache is made by its model"),
-                });
-                seq.injected()?;
-                seq.tokens.extend_from_slice(chunk);
-                seq.checkpoint_prompt_end(tokens.len(), end);
+            for piece in prompt_pieces(tokens.len(), model.is_recurrent()) {
+                hidden.push(seq.forward_piece_hidden(model, &tokens[piece.start..piece.start + piece.len], piece.checkpoint)?);
             }
             let hidden = Tensor::cat(&hidden, 0)?;
-            let last = hidden.narrow(0, hidden.dim(0)? - 1, 1)?;
-            let logits = match &model.weights {
-                Weights::Gemma3(w) => w.project(&last)?,
-                Weights::Qwen35(w) => w.project(&last)?,
-                Weights::Gemma4(w) => w.project(&last)?,
-            };
-            let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
+            let logits = Self::project_last(model, &hidden)?;
             Ok((logits, Hidden(hidden)))
         })
     }
@@ -1412,7 +1473,8 @@ impl Sequence {
         self.check(model, tokens)?;
         self.atomic(|seq| {
             let mut rows = Vec::with_capacity(tokens.len());
-            for chunk in prompt_pieces(model, tokens) {
+            for piece in prompt_pieces(tokens.len(), model.is_recurrent()) {
+                let chunk = &tokens[piece.start..piece.start + piece.len];
                 let states = match (&model.weights, &mut seq.cache) {
                     (Weights::Gemma3(w), SeqCache::Gemma3(cache)) => w.forward_embeddings(&Tensor::new(chunk, &model.device)?.unsqueeze(0)?, cache)?.squeeze(0)?,
                     // These two return their hidden states after the output norm already.

@@ -730,7 +730,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         // weighs what its rows add to the step (`StepCost`), not what they cost alone.
         let stepping = slots.iter().filter(|s| s.active.is_some()).count();
         // The prompt chunks of this step: at most `ubatch` tokens in all, the slots taking turns.
-        let chunks: Vec<Option<usize>> = slots.iter().map(|s| s.active.as_ref().and_then(|a| a.gen.next_chunk_len())).collect();
+        let chunks: Vec<Option<usize>> = slots.iter().map(|s| s.active.as_ref().and_then(|a| a.gen.next_chunk_len(&model))).collect();
         let (may_prefill, next) = prompt_turns(&chunks, prompt_next, config.ubatch);
         prompt_next = next;
         let fitted = if batching { step_cost.fit() } else { None };

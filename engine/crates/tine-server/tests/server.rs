@@ -32,16 +32,29 @@ fn start_cfg(spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerCon
 }
 
 fn start_model(cfg: TinyGemma3, spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig)) -> Server {
+    start_file(
+        |path| {
+            cfg.write(path);
+            // An assistant head and a draft model beside it, for the spec types that need them.
+            let dir = path.parent().expect("in the test's directory");
+            tine_test_support::TinyAssistant::default().write(&cfg, &dir.join("assistant.gguf"));
+            TinyGemma3 { seed: 99, n_layer: 2, context: 8192, ..TinyGemma3::default() }.write(&dir.join("draft.gguf"));
+        },
+        spec,
+        edit,
+    )
+}
+
+/// A server over the GGUF `write` puts at the path it is given (an assistant head and a draft
+/// model, where the spec type reads them, beside it as `assistant.gguf` and `draft.gguf`).
+fn start_file(write: impl FnOnce(&std::path::Path), spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig)) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
-    cfg.write(&path);
-    // An assistant head and a draft model beside it, for the spec types that need them.
+    write(&path);
     let (head, draft) = (dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
-    tine_test_support::TinyAssistant::default().write(&cfg, &head);
-    TinyGemma3 { seed: 99, n_layer: 2, context: 8192, ..TinyGemma3::default() }.write(&draft);
     let model = Arc::new(Model::load(&path).expect("fixture loads"));
     let spec = spec.map(|kind| {
-        let config = tine_spec::SpecConfig { ngram_min: 1, mtp_head: Some(head), draft_model: Some(draft), ..tine_spec::SpecConfig::new(kind) };
+        let config = tine_spec::SpecConfig { ngram_min: 1, mtp_head: head.exists().then_some(head), draft_model: draft.exists().then_some(draft), ..tine_spec::SpecConfig::new(kind) };
         Arc::new(tine_spec::SpecFactory::load(config, &model).expect("speculative setup"))
     });
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
@@ -1537,6 +1550,65 @@ fn batched_slots_answer_each_request_as_alone_and_metrics_show_the_batches() {
     assert!(value("tine:batch_rows_max") >= 2.0);
     assert!(value("tine:batched_slots_total") <= 8.0 * value("tine:batched_forwards_total"));
     assert!(value("tine:batched_rows_total") > value("tine:batched_slots_total"), "no prompt chunk went through the batched forwards:\n{text}");
+}
+
+// Issue 51: on Qwen3.5/3.6 (a recurrent model) prompt chunks join the batched forward too, as the
+// pieces its prefill runs them in (all but the last token, then the last token, the state kept
+// between them): 6 concurrent requests with prompts of several chunks each get the tokens plain
+// decoding on one slot gives, with speculation off, NextN drafts and n-gram drafts.
+#[test]
+fn qwen35_batched_prompt_pieces_answer_each_request_as_alone() {
+    use tine_test_support::qwen35_fixture::{TinyQwen35, TOKENIZER_VOCAB};
+    let cfg = TinyQwen35 { nextn: true, vocab: TOKENIZER_VOCAB, tokenizer: true, ..TinyQwen35::default() };
+    let serve = |spec: Option<tine_spec::SpecType>, parallel: usize| {
+        let cfg = cfg.clone();
+        start_file(
+            move |path| {
+                cfg.write(path);
+            },
+            spec,
+            |c| {
+                *c = ServerConfig { spec: None, ..ServerConfig::new(parallel, parallel * 512) };
+                c.ubatch = 24;
+                c.metrics = true;
+            },
+        )
+    };
+    let bodies: Vec<Value> = (0..6)
+        .map(|i| {
+            let prompt = ["a b c d ", "the quick brown fox ", "x", "lorem ipsum dolor sit amet ", "0123456789", "hello there "][i].repeat([3, 4, 1, 5, 9, 2][i]);
+            let mut b = match i % 3 {
+                0 => greedy(&prompt, 10 + i as i64),
+                1 => json!({"prompt": prompt, "n_predict": 12, "temperature": 0.8, "seed": 7 + i, "return_tokens": true}),
+                _ => json!({"prompt": prompt, "n_predict": 9, "temperature": 0, "n_probs": 2, "return_tokens": true}),
+            };
+            b["cache_prompt"] = json!(false);
+            b["ignore_eos"] = json!(true);
+            b
+        })
+        .collect();
+    let plain = serve(None, 1);
+    let want: Vec<Value> = bodies.iter().map(|b| post(plain.addr, "/completion", b.clone()).1).collect();
+    for spec in [None, Some(tine_spec::SpecType::DraftMtp), Some(tine_spec::SpecType::Ngram)] {
+        let srv = serve(spec, 6);
+        let addr = srv.addr;
+        for round in 0..2 {
+            let handles: Vec<_> = bodies.iter().cloned().map(|b| std::thread::spawn(move || post(addr, "/completion", b))).collect();
+            for (i, h) in handles.into_iter().enumerate() {
+                let (status, got) = h.join().expect("client thread");
+                assert_eq!(status, 200, "{spec:?}, request {i}: {got}");
+                assert_eq!(got["tokens"], want[i]["tokens"], "{spec:?}, round {round}, request {i} under batching");
+                if spec.is_none() {
+                    assert_eq!(got["completion_probabilities"], want[i]["completion_probabilities"], "request {i}'s probabilities");
+                }
+            }
+        }
+        let (_, text) = http(srv.addr, "GET", "/metrics", "");
+        let value =
+            |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
+        assert!(value("tine:batched_forwards_total") >= 1.0, "{spec:?}: no batched forward:\n{text}");
+        assert!(value("tine:batched_rows_total") > value("tine:batched_slots_total"), "{spec:?}: no prompt piece went through the batched forwards:\n{text}");
+    }
 }
 
 // Issue 51: with speculation on, every slot's verify batch runs in the same forward as the other

@@ -480,7 +480,8 @@ impl Speculator {
     }
 
     /// [`Speculator::prefill_chunk`] in halves around the caller's forward (a prompt chunk in a
-    /// batched step): this first, then the chunk fed as [`Speculator::prefill_rows`] says, then
+    /// batched step): this first, then the chunk fed (its pieces, `tine_runtime::Rows::Prefill`,
+    /// with hidden states where [`Speculator::prefill_wants_hidden`] says so), then
     /// [`Speculator::keep_prefill_hidden`] with its hidden states where it gave them.
     pub fn begin_prefill_chunk(&mut self, seq: &Sequence, first: bool) {
         if first {
@@ -489,9 +490,9 @@ impl Speculator {
         }
     }
 
-    /// How a prompt chunk is fed: with its hidden states where the drafter reads them.
-    pub fn prefill_rows(&self) -> tine_runtime::Rows {
-        tine_runtime::Rows::Prefill { hidden: self.drafter.needs_hidden() }
+    /// Whether a prompt chunk is fed with its hidden states (the drafter reads them).
+    pub fn prefill_wants_hidden(&self) -> bool {
+        self.drafter.needs_hidden()
     }
 
     /// Keeps the hidden states of a prompt chunk fed at position `start` of `seq` after the
