@@ -126,7 +126,14 @@ struct ServeArgs {
     _jinja: bool,
     #[command(flatten)]
     defaults: ServeSampling,
-    /// Require `Authorization: Bearer KEY` on every endpoint but /health (comma-separated keys; repeatable).
+    /// Serve no chat page at `/` (llama-server's flag; the API is unchanged).
+    #[arg(long = "no-webui", conflicts_with = "path")]
+    no_webui: bool,
+    /// Serve the files of this directory as the web page instead of the built-in chat page
+    /// (`DIR/index.html` at `/`; llama-server's flag).
+    #[arg(long = "path", value_name = "DIR")]
+    path: Option<std::path::PathBuf>,
+    /// Require `Authorization: Bearer KEY` on every endpoint but /health and the chat page's files (comma-separated keys; repeatable).
     #[arg(long = "api-key", value_name = "KEY", value_delimiter = ',')]
     api_key: Vec<String>,
     /// Read API keys from a file, one per line (added to --api-key).
@@ -772,9 +779,20 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.api_key_file.is_some() && api_keys.is_empty() {
         anyhow::bail!("--api-key-file holds no key");
     }
+    let webui = match (&a.path, a.no_webui) {
+        (Some(dir), _) => {
+            if !dir.is_dir() {
+                anyhow::bail!("--path {}: not a directory", dir.display());
+            }
+            tine_server::webui::WebUi::Dir(dir.clone())
+        }
+        (None, true) => tine_server::webui::WebUi::Off,
+        (None, false) => tine_server::webui::WebUi::Builtin,
+    };
     let config = tine_server::ServerConfig {
         spec,
         api_keys,
+        webui,
         ubatch: a.ubatch.max(1),
         max_queue: a.max_queue,
         max_body_bytes: a.max_body_bytes,
@@ -802,7 +820,8 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         None => String::new(),
     };
     let auth_note = if config.api_keys.is_empty() { "" } else { ", API key required" };
-    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each{spec_note}{auth_note})", config.parallel);
+    let page_note = if config.webui == tine_server::webui::WebUi::Off { "" } else { "; chat page at /" };
+    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each{spec_note}{auth_note}){page_note}", config.parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(tine_server::serve(model, config, addr)).with_context(|| format!("serving on {addr}"))?;
     Ok(())

@@ -1,4 +1,5 @@
-//! `--api-key`: llama-server's bearer-token check, in front of every endpoint but `/health`.
+//! `--api-key`: llama-server's bearer-token check, in front of every endpoint but `/health` and
+//! the chat page's files (the page asks for the key and sends it with its requests).
 
 use axum::extract::{Request, State};
 use axum::http::{header, Method};
@@ -64,8 +65,16 @@ fn presented(req: &Request) -> Option<&[u8]> {
     h.get("x-api-key").map(|v| v.as_bytes().trim_ascii())
 }
 
-pub async fn require_key(State(keys): State<ApiKeys>, req: Request, next: Next) -> Response {
-    if keys.is_empty() || PUBLIC.contains(&req.uri().path()) || req.method() == Method::OPTIONS {
+/// What [`require_key`] checks: the keys, and the chat page whose files are public.
+#[derive(Clone, Debug)]
+pub struct Gate {
+    pub keys: ApiKeys,
+    pub ui: crate::webui::WebUi,
+}
+
+pub async fn require_key(State(Gate { keys, ui }): State<Gate>, req: Request, next: Next) -> Response {
+    let page = matches!(*req.method(), Method::GET | Method::HEAD) && ui.serves(req.uri().path());
+    if keys.is_empty() || PUBLIC.contains(&req.uri().path()) || req.method() == Method::OPTIONS || page {
         return next.run(req).await;
     }
     match presented(&req) {

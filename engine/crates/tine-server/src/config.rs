@@ -47,6 +47,9 @@ pub struct ServerConfig {
     pub chat_template_kwargs: serde_json::Map<String, Value>,
     /// `--reasoning-format`: where a reply's `<think>` text goes unless a request says.
     pub reasoning_format: tine_api::ReasoningFormat,
+    /// The chat page at `/`: built in (the default), a directory's files (`--path`), or none
+    /// (`--no-webui`).
+    pub webui: crate::webui::WebUi,
     /// Failure injection for tests (see [`scheduler::EngineConfig::fault`]); only with the
     /// `failure-injection` feature.
     #[cfg(feature = "failure-injection")]
@@ -76,6 +79,7 @@ impl ServerConfig {
             embeddings: None,
             chat_template_kwargs: serde_json::Map::new(),
             reasoning_format: tine_api::ReasoningFormat::Deepseek,
+            webui: crate::webui::WebUi::Builtin,
             #[cfg(feature = "failure-injection")]
             fault: None,
         }

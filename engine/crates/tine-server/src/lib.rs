@@ -16,6 +16,7 @@ pub mod error;
 pub mod metrics;
 pub mod prefix_pool;
 pub mod scheduler;
+pub mod webui;
 
 mod anthropic;
 mod config;
@@ -91,9 +92,9 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
     let scheduler = Scheduler::start(model.clone(), engine);
     let admission = Admission::new(config.parallel.max(1) + config.max_queue);
     let model_id = config.alias.clone().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
-    let keys = config.api_keys.clone();
+    let gate = auth::Gate { keys: config.api_keys.clone(), ui: config.webui.clone() };
     let cors = Arc::new(config.cors.clone());
-    if cors.origins == cors::CorsOrigins::Any && keys.is_empty() {
+    if cors.origins == cors::CorsOrigins::Any && gate.keys.is_empty() {
         eprintln!("warning: --cors-origins '*' without --api-key: any web page a browser here opens can use this server");
     }
     let template = ChatTemplate::for_model(&model, config.chat_template.clone());
@@ -148,7 +149,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
-        .layer(axum::middleware::from_fn_with_state(keys, auth::require_key))
+        .layer(axum::middleware::from_fn_with_state(gate, auth::require_key))
         // Outermost: preflights need no key, and a 401 still carries the CORS headers.
         .layer(axum::middleware::from_fn_with_state(cors, cors::cors))
 }
@@ -163,8 +164,12 @@ async fn not_served(what: &'static str) -> ApiError {
     ApiError::new(StatusCode::NOT_IMPLEMENTED, format!("this server does not serve {what} yet"))
 }
 
-async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "no such endpoint")
+/// The chat page's files (`webui`), else a 404.
+async fn not_found(State(st): State<Shared>, req: axum::extract::Request) -> Response {
+    match webui::serve(&st.config.webui, &req) {
+        Some(page) => page,
+        None => ApiError::new(StatusCode::NOT_FOUND, "no such endpoint").into_response(),
+    }
 }
 
 async fn method_not_allowed() -> ApiError {

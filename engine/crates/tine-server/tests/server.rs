@@ -1690,3 +1690,66 @@ fn batched_speculative_slots_answer_each_request_as_alone_for_every_spec_type() 
         assert_prometheus(&text);
     }
 }
+
+/// The full answer to a GET: (status, lower-cased head, body).
+fn get_raw(addr: SocketAddr, path: &str, extra: &str) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\n{extra}Connection: close\r\n\r\n").expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").expect("HTTP response");
+    let status = head.split(' ').nth(1).and_then(|c| c.parse().ok()).expect("status");
+    (status, head.to_ascii_lowercase(), body.to_owned())
+}
+
+// Issue 52: the chat page at `/` and its files, served without the API key (a browser opening
+// the page cannot send one; the page asks for it) while the API still needs it; a CSP that lets
+// the page run only its own scripts; `--no-webui` turns it off, `--path` serves a directory
+// instead and never a file outside it.
+#[test]
+fn the_chat_page_is_served_at_the_root_without_the_key_and_the_api_still_needs_it() {
+    let srv = start_cfg(None, |c| c.api_keys = tine_server::ApiKeys::new(["k".to_owned()]));
+    let (s, head, body) = get_raw(srv.addr, "/", "");
+    assert_eq!(s, 200, "{head}");
+    assert!(head.contains("content-type: text/html; charset=utf-8") && head.contains("content-security-policy: default-src 'self'; script-src 'self'"), "{head}");
+    assert!(body.contains("<title>Tine</title>") && body.contains("webui/app.js"), "{body}");
+    for (path, marker) in [("/webui/app.js", "chat/completions"), ("/webui/vendor/marked.umd.js", "marked"), ("/webui/vendor/purify.min.js", "DOMPurify")] {
+        let (s, head, body) = get_raw(srv.addr, path, "");
+        assert_eq!(s, 200, "{path}: {head}");
+        assert!(head.contains("content-type: text/javascript") && body.contains(marker), "{path}");
+    }
+    // The API behind the page still needs the key; a POST to `/` is not the page.
+    assert_eq!(get_raw(srv.addr, "/v1/models", "").0, 401);
+    assert_eq!(get_raw(srv.addr, "/v1/models", "Authorization: Bearer k\r\n").0, 200);
+    assert_eq!(http(srv.addr, "POST", "/", "{}").0, 401);
+    assert_eq!(get_raw(srv.addr, "/webui/missing.js", "Authorization: Bearer k\r\n").0, 404);
+
+    let off = start_cfg(None, |c| c.webui = tine_server::webui::WebUi::Off);
+    let (s, _, body) = get_raw(off.addr, "/", "");
+    assert_eq!(s, 404);
+    assert!(serde_json::from_str::<Value>(&body).expect("a JSON error")["error"]["message"].is_string(), "{body}");
+    assert_eq!(get_raw(off.addr, "/webui/app.js", "").0, 404);
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join("index.html"), "<p>mine</p>").expect("write");
+    std::fs::write(dir.path().join("style.css"), "p{}").expect("write");
+    let outside = dir.path().parent().expect("a parent").join(format!("tine-secret-{}", std::process::id()));
+    std::fs::write(&outside, "secret").expect("write");
+    let dir_path = dir.path().to_owned();
+    let own = start_cfg(None, move |c| {
+        c.webui = tine_server::webui::WebUi::Dir(dir_path);
+        c.api_keys = tine_server::ApiKeys::new(["k".to_owned()]);
+    });
+    let (s, _, body) = get_raw(own.addr, "/", "");
+    assert_eq!((s, body.as_str()), (200, "<p>mine</p>"));
+    let (s, head, _) = get_raw(own.addr, "/style.css", "");
+    assert!(s == 200 && head.contains("content-type: text/css"), "{head}");
+    let name = outside.file_name().expect("a name").to_str().expect("utf-8");
+    for bad in [format!("/../{name}"), format!("/%2e%2e/{name}"), "/webui/app.js".to_owned()] {
+        let (s, _, body) = get_raw(own.addr, &bad, "");
+        assert!(s == 401 || s == 404 || s == 400, "{bad}: {s}");
+        assert!(!body.contains("secret"), "{bad}");
+    }
+    let _ = std::fs::remove_file(outside);
+}
