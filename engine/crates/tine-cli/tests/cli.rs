@@ -400,3 +400,22 @@ fn device_flag_runs_on_the_cpu_and_names_a_missing_cuda_build() {
         assert!(!ok && err.contains("built without CUDA"), "{err}");
     }
 }
+
+/// Issue 52: docs/server.md names every flag `tine serve --help` lists, and carries the help text
+/// itself as the binary prints it (so the page cannot drift from the code).
+#[test]
+fn every_serve_flag_is_on_the_server_page() {
+    let out = Command::new(env!("CARGO_BIN_EXE_tine")).args(["serve", "--help"]).output().expect("tine serve --help");
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).expect("utf-8 help");
+    let page_path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../docs/server.md");
+    let page = std::fs::read_to_string(&page_path).expect("docs/server.md");
+    // The option lines (`  -m, --model <MODEL>`, `      --metrics`), not their descriptions.
+    let flags: Vec<&str> = help.lines().map(str::trim_start).filter(|l| l.starts_with('-')).filter_map(|l| l.split([' ', ',', '<']).find(|w| w.starts_with("--"))).filter(|f| *f != "--help").collect();
+    assert!(flags.len() > 40 && flags.contains(&"--parallel") && flags.contains(&"--no-webui"), "{flags:?}");
+    // Named as a whole word: `--keep` is not found inside `--keep-alive`.
+    let named = |f: &str| page.match_indices(f).any(|(i, _)| !page[i + f.len()..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '-' || c == '_'));
+    let missing: Vec<&&str> = flags.iter().filter(|f| !named(f)).collect();
+    assert!(missing.is_empty(), "docs/server.md does not name {missing:?}");
+    assert!(page.contains(help.trim_end()), "docs/server.md's copy of `tine serve --help` differs from the binary's: paste it again (the block under \"Every flag\")");
+}
