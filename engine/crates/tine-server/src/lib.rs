@@ -157,7 +157,33 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
 /// Serves until the process ends.
 pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    axum::serve(listener, router(model, config)).await
+    serve_on(listener, router(model, config)).await
+}
+
+/// Serves `app` on `listener` until the process ends, over HTTP/1.1 with response header names
+/// in canonical case (`Content-Type`, `Access-Control-Allow-Origin`), as llama-server sends them:
+/// some clients read headers case-sensitively. A connection that fails ends alone; a failed
+/// accept (out of file descriptors, say) is retried after a pause.
+pub async fn serve_on(listener: tokio::net::TcpListener, app: Router) -> std::io::Result<()> {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // A connection reset before it was accepted concerns that client alone.
+                if !matches!(e.kind(), std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::ConnectionRefused) {
+                    eprintln!("tine serve: accept failed ({e}); retrying");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new().title_case_headers(true).serve_connection(hyper_util::rt::TokioIo::new(stream), service).with_upgrades();
+            let _ = conn.await;
+        });
+    }
 }
 
 async fn not_served(what: &'static str) -> ApiError {

@@ -64,7 +64,7 @@ fn start_file(write: impl FnOnce(&std::path::Path), spec: Option<tine_spec::Spec
     edit(&mut config);
     config.spec = spec;
     let app = tine_server::router(model, config);
-    rt.spawn(async move { axum::serve(listener, app).await.expect("serve") });
+    rt.spawn(async move { tine_server::serve_on(listener, app).await.expect("serve") });
     Server { addr, _dir: dir, _rt: rt }
 }
 
@@ -1752,4 +1752,21 @@ fn the_chat_page_is_served_at_the_root_without_the_key_and_the_api_still_needs_i
         assert!(!body.contains("secret"), "{bad}");
     }
     let _ = std::fs::remove_file(outside);
+}
+
+// Issue 52: response header names in canonical case, as llama-server sends them (some clients
+// read them case-sensitively): `Content-Type`, `Access-Control-Allow-Origin`, `Content-Length`.
+#[test]
+fn response_header_names_are_in_canonical_case() {
+    let srv = start(1, 128);
+    let mut s = TcpStream::connect(srv.addr).expect("connect");
+    write!(s, "GET /health HTTP/1.1\r\nHost: x\r\nOrigin: http://localhost:3000\r\nConnection: close\r\n\r\n").expect("send");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read");
+    let text = String::from_utf8_lossy(&raw);
+    let head = text.split_once("\r\n\r\n").expect("HTTP response").0;
+    for name in ["Content-Type: application/json", "Content-Length: ", "Access-Control-Allow-Origin: http://localhost:3000"] {
+        assert!(head.lines().any(|l| l.starts_with(name)), "no `{name}` header line in:\n{head}");
+    }
+    assert!(!head.lines().skip(1).any(|l| l.starts_with(|c: char| c.is_ascii_lowercase())), "a header name in lower case:\n{head}");
 }
