@@ -88,7 +88,8 @@ struct ServeArgs {
     #[arg(long = "chat-template-kwargs", value_name = "JSON")]
     chat_template_kwargs: Option<String>,
     /// Thinking in chats: `on` or `off` set the template's `enable_thinking`; `auto` (the
-    /// default) leaves it to the template.
+    /// default) renders it true unless --chat-template-kwargs or the request says otherwise, as
+    /// llama-server does.
     #[arg(long = "reasoning", alias = "rea", value_name = "on|off|auto", default_value = "auto")]
     reasoning: String,
     /// Where a reply's `<think>` text goes: `deepseek` (or `auto`, the default) returns it as

@@ -167,8 +167,11 @@ pub(crate) fn validate_many(st: &AppState, prompts: Vec<Vec<u32>>, l: &tine_api:
 }
 
 /// The chat prompt as tokens: the template's text (`ChatTemplate::prompt`, as the CLI renders it).
+/// The template's variables: `enable_thinking` true (llama-server's default, `--reasoning auto`),
+/// under the server's `--chat-template-kwargs`, under the request's own.
 pub(crate) fn chat_prompt(st: &AppState, p: &tine_api::ChatPrompt) -> Result<(String, Vec<u32>), ApiError> {
-    let mut kwargs = st.config.chat_template_kwargs.clone();
+    let mut kwargs = serde_json::Map::from_iter([("enable_thinking".to_owned(), Value::Bool(true))]);
+    kwargs.extend(st.config.chat_template_kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
     kwargs.extend(p.kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
     st.template.prompt_with(&st.model, &p.messages, p.tools.as_ref(), p.add_generation_prompt, p.prefill.as_deref(), Some(&kwargs)).map_err(|e| match e {
         // The server's own template is broken: not the client's fault.

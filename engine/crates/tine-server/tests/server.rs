@@ -1770,3 +1770,21 @@ fn response_header_names_are_in_canonical_case() {
     }
     assert!(!head.lines().skip(1).any(|l| l.starts_with(|c: char| c.is_ascii_lowercase())), "a header name in lower case:\n{head}");
 }
+
+// Issue 52: with `--reasoning auto` (the default) templates render with `enable_thinking` true,
+// as llama-server renders them, under the server's `--chat-template-kwargs` and the request's.
+#[test]
+fn templates_render_with_enable_thinking_true_unless_told_otherwise() {
+    const OPEN_IF_THINKING: &str = "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n{%- if enable_thinking %}<think>{% endif %}";
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let prompt = |srv: &Server, body: Value| post(srv.addr, "/apply-template", body).1["prompt"].as_str().expect("prompt").to_owned();
+    let auto = start_model(TinyGemma3 { chat_template: Some(OPEN_IF_THINKING.into()), context: 8192, ..TinyGemma3::default() }, None, |c| c.ctx_size = 1024);
+    assert!(prompt(&auto, json!({"messages": msgs})).ends_with("assistant<think>"));
+    assert!(prompt(&auto, json!({"messages": msgs, "chat_template_kwargs": {"enable_thinking": false}})).ends_with("assistant"));
+    let off = start_model(TinyGemma3 { chat_template: Some(OPEN_IF_THINKING.into()), context: 8192, ..TinyGemma3::default() }, None, |c| {
+        c.ctx_size = 1024;
+        c.chat_template_kwargs = serde_json::from_value(json!({"enable_thinking": false})).expect("a map");
+    });
+    assert!(prompt(&off, json!({"messages": msgs})).ends_with("assistant"));
+    assert!(prompt(&off, json!({"messages": msgs, "chat_template_kwargs": {"enable_thinking": true}})).ends_with("assistant<think>"));
+}
