@@ -154,6 +154,10 @@ struct ServeArgs {
     /// Do not allow credentials (cookies, Authorization) in CORS requests.
     #[arg(long = "no-cors-credentials")]
     no_cors_credentials: bool,
+    /// Logical batch size (llama-server's `-b`): how many tokens of the prefix and suffix around
+    /// the cursor /infill keeps (3:1). Prompts are evaluated in --ubatch-size chunks
+    #[arg(long = "batch-size", short = 'b', value_name = "N", default_value_t = tine_server::DEFAULT_BATCH)]
+    batch: usize,
     /// Prompt tokens evaluated per engine step, over all slots (one chunk at least; the prefilling slots take turns): prompts stall the decoding slots for one such chunk at most.
     #[arg(long = "ubatch-size", default_value_t = tine_runtime::PREFILL_CHUNK)]
     ubatch: usize,
@@ -795,6 +799,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         api_keys,
         webui,
         ubatch: a.ubatch.max(1),
+        batch: a.batch.max(4),
         max_queue: a.max_queue,
         max_body_bytes: a.max_body_bytes,
         defaults,

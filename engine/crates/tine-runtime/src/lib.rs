@@ -57,4 +57,4 @@ pub fn default_model_path() -> std::path::PathBuf {
 pub use candle_core::quantized::spm_tokenizer::TokenType;
 /// candle's device type, so callers need not depend on candle to hold one.
 pub use candle_core::Device;
-pub use tokenizer::{BpeTokenizer, Tokenizer};
+pub use tokenizer::{BpeTokenizer, FimTokens, Tokenizer};

@@ -136,6 +136,8 @@ pub struct ModelInfo {
     /// `<arch>.pooling_type` (llama.cpp's numbering: 0 none, 1 mean, 2 cls, 3 last, 4 rank),
     /// when the GGUF sets it: an embedding model's own pooling.
     pub pooling_type: Option<u32>,
+    /// The vocabulary's fill-in-the-middle tokens (`/infill`).
+    pub fim: crate::tokenizer::FimTokens,
 }
 
 /// A model's weights, by architecture.
@@ -375,6 +377,7 @@ impl Model {
             tail_hash,
             chat_template: ct.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()).cloned(),
             pooling_type: md_u32(&ct, &format!("{arch}.pooling_type")).map(|v| v as u32),
+            fim: crate::tokenizer::FimTokens::from_gguf(&ct, &tokenizer),
         };
         let device = device.clone();
         let weights = match arch.as_str() {

@@ -117,6 +117,11 @@ impl Tokenizer {
         matches!(self.token_type(id), Some(TokenType::Control))
     }
 
+    /// Whether `encode` with `add_special` puts BOS first (llama.cpp's `add_bos`).
+    pub fn adds_bos(&self) -> bool {
+        self.bos_token().is_some() && self.encode("", true, false).first() == self.bos_token().as_ref()
+    }
+
     /// Token ids of `text`. `add_special` adds BOS/EOS as the metadata asks; `parse_special`
     /// lets special tokens written in the text become their ids.
     pub fn encode(&self, text: &str, add_special: bool, parse_special: bool) -> Vec<u32> {
@@ -176,6 +181,50 @@ fn token_type(n: u32) -> TokenType {
         5 => TokenType::Unused,
         6 => TokenType::Byte,
         _ => TokenType::Normal,
+    }
+}
+
+/// The fill-in-the-middle tokens of a vocabulary, as llama.cpp finds them: the GGUF's
+/// `tokenizer.ggml.fim_{pre,suf,mid,pad,rep,sep}_token_id` (and the older
+/// `prefix`/`suffix`/`middle_token_id`), else a token written as one of the texts llama.cpp
+/// looks for (`<|fim_prefix|>` for Qwen, `<fim_prefix>` for Granite, `▁<PRE>` for CodeLlama, ...).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FimTokens {
+    pub pre: Option<u32>,
+    pub suf: Option<u32>,
+    pub mid: Option<u32>,
+    pub pad: Option<u32>,
+    pub rep: Option<u32>,
+    pub sep: Option<u32>,
+}
+
+impl FimTokens {
+    /// The FIM tokens of the vocabulary `tok` read from `ct`. An id past the vocabulary is
+    /// ignored (llama.cpp disables it).
+    pub fn from_gguf(ct: &gguf_file::Content, tok: &Tokenizer) -> FimTokens {
+        let n = tok.vocab_size() as u32;
+        let id = |keys: &[&str]| keys.iter().find_map(|k| ct.metadata.get(*k).and_then(|v| v.to_u32().ok().or_else(|| v.to_i32().ok().and_then(|i| u32::try_from(i).ok())))).filter(|&i| i < n);
+        let text = |texts: &[&str]| texts.iter().find_map(|t| tok.token_id(t));
+        let k = |name: &str| format!("tokenizer.ggml.{name}_token_id");
+        FimTokens {
+            pre: id(&[&k("fim_pre"), &k("prefix")]).or_else(|| text(&["<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>", "<|prefix|>"])),
+            suf: id(&[&k("fim_suf"), &k("suffix")]).or_else(|| text(&["<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>"])),
+            mid: id(&[&k("fim_mid"), &k("middle")]).or_else(|| text(&["<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>", "<|middle|>"])),
+            pad: id(&[&k("fim_pad")]).or_else(|| text(&["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"])),
+            rep: id(&[&k("fim_rep")]).or_else(|| text(&["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"])),
+            sep: id(&[&k("fim_sep")]).or_else(|| text(&["<|file_sep|>"])),
+        }
+    }
+
+    /// What a model lacks for `/infill`, in llama-server's words (empty: it can fill in).
+    pub fn missing(&self) -> String {
+        let mut err = String::new();
+        for (t, what) in [(self.pre, "prefix"), (self.suf, "suffix"), (self.mid, "middle")] {
+            if t.is_none() {
+                err.push_str(&format!("{what} token is missing. "));
+            }
+        }
+        err
     }
 }
 

@@ -18,6 +18,9 @@ pub struct ServerConfig {
     pub max_queue: usize,
     /// Prompt tokens evaluated per engine step, over all slots (`--ubatch-size`).
     pub ubatch: usize,
+    /// `-b/--batch-size`, llama-server's logical batch: how much of the prefix and suffix
+    /// `/infill` keeps around the cursor (3:1).
+    pub batch: usize,
     /// What a request gets for the fields it leaves out (`--temp`, `--n-predict`, ...).
     pub defaults: tine_api::Defaults,
     /// `--alias`: the model id in `/v1/models` and responses (default: the file name).
@@ -67,6 +70,7 @@ impl ServerConfig {
             body_timeout: Duration::from_secs(60),
             max_queue: DEFAULT_MAX_QUEUE,
             ubatch: tine_runtime::PREFILL_CHUNK,
+            batch: DEFAULT_BATCH,
             defaults: tine_api::Defaults::default(),
             alias: None,
             slots_endpoint: true,
@@ -85,6 +89,9 @@ impl ServerConfig {
         }
     }
 }
+
+/// `-b/--batch-size`'s default (llama-server's).
+pub const DEFAULT_BATCH: usize = 2048;
 
 /// 16 MiB: a full 128k-token prompt as JSON text fits several times over.
 pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;

@@ -38,6 +38,10 @@ impl ApiError {
             ..ApiError::bad(format!("the request exceeds the available context size: the prompt has {n_prompt} tokens, the context holds {n_ctx}"))
         }
     }
+    /// The same error, naming the request field at fault.
+    pub fn param(self, name: &str) -> ApiError {
+        ApiError { param: Some(name.to_owned()), ..self }
+    }
     pub fn bad(message: impl Into<String>) -> ApiError {
         ApiError::new(StatusCode::BAD_REQUEST, message)
     }

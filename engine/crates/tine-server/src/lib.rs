@@ -22,6 +22,7 @@ mod anthropic;
 mod config;
 mod edge;
 mod embeddings;
+mod infill;
 mod llama;
 mod openai;
 mod reply;
@@ -50,7 +51,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 pub use auth::ApiKeys;
-pub use config::{ServerConfig, DEFAULT_CACHE_RAM_MIB, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE};
+pub use config::{ServerConfig, DEFAULT_BATCH, DEFAULT_CACHE_RAM_MIB, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE};
 use edge::*;
 pub use error::ApiError;
 use llama::*;
@@ -139,7 +140,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/responses/input_tokens", post(responses::input_tokens))
         .route("/responses/input_tokens", post(responses::input_tokens))
         // llama-server's endpoints Tine does not serve: 501 naming what is missing, not 404.
-        .route("/infill", post(|| not_served("/infill (fill-in-the-middle)")))
+        .route("/infill", post(infill::infill))
         .route("/rerank", post(|| not_served("/rerank (a reranking model's scores)")))
         .route("/reranking", post(|| not_served("/rerank (a reranking model's scores)")))
         .route("/v1/rerank", post(|| not_served("/rerank (a reranking model's scores)")))

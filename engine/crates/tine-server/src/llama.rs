@@ -137,6 +137,11 @@ pub(crate) fn only_fields(v: Value, fields: &[String]) -> Value {
 
 pub(crate) async fn completion(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let req = completion_body(&st, body).await?;
+    completion_run(st, req).await
+}
+
+/// `/completion` for a request whose body was read and checked.
+pub(crate) async fn completion_run(st: Shared, req: tine_api::CompletionRequest) -> Result<Response, ApiError> {
     let (vs, prompt_texts) = prepare(&st, move |st| {
         let prompts = prompt_tokens(st, req.prompts)?;
         let vs = validate_many(st, prompts, &req.limits, req.n)?;

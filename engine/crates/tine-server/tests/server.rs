@@ -217,7 +217,7 @@ fn bad_requests_get_a_400_with_an_error_body_and_the_server_keeps_serving() {
     let (status, _) = http(srv.addr, "GET", "/nope", "");
     assert_eq!(status, 404);
     // Issue 32: llama-server's endpoints Tine does not serve answer 501 naming themselves.
-    for path in ["/infill", "/rerank", "/v1/embeddings", "/embedding"] {
+    for path in ["/rerank", "/v1/embeddings", "/embedding"] {
         let (status, text) = http(srv.addr, "POST", path, "{}");
         assert_eq!(status, 501, "{path}: {text}");
         let v: Value = serde_json::from_str(&text).expect("error body is JSON");
@@ -1787,4 +1787,78 @@ fn templates_render_with_enable_thinking_true_unless_told_otherwise() {
     });
     assert!(prompt(&off, json!({"messages": msgs})).ends_with("assistant"));
     assert!(prompt(&off, json!({"messages": msgs, "chat_template_kwargs": {"enable_thinking": true}})).ends_with("assistant<think>"));
+}
+
+// Issue 52: `/infill` builds llama-server's repo-level FIM prompt (`format_prompt_infill`: the
+// extra files behind `<|file_sep|>`, BOS, the prefix's last 3/4 of `-b`, the prompt, the
+// suffix's first `b/4 - 2 - prompt` tokens, the middle token) for a vocabulary with FIM tokens
+// (found by metadata id, the file separator by its text), answers as `/completion` with that
+// prompt would, refuses bad fields with a 400 naming them, and a model without FIM tokens gets
+// llama-server's 501.
+#[test]
+fn infill_builds_llama_servers_fim_prompt_and_a_model_without_fim_tokens_gets_a_501() {
+    let plain = start(1, 256);
+    let (s, v) = post(plain.addr, "/infill", json!({"input_prefix": "hello", "input_suffix": "world"}));
+    assert_eq!(s, 501, "{v}");
+    assert_eq!(v["error"]["message"], "Infill is not supported by this model: prefix token is missing. suffix token is missing. middle token is missing.");
+    assert_eq!(v["error"]["type"], "not_supported_error");
+
+    let cfg = TinyGemma3 { fim: true, context: 8192, ..TinyGemma3::default() };
+    let dir = tempfile::tempdir().expect("tempdir");
+    cfg.write(&dir.path().join("fim.gguf"));
+    let model = Model::load(&dir.path().join("fim.gguf")).expect("the FIM fixture loads");
+    let tok = &model.tokenizer;
+    let base = (tine_test_support::CONTROL.len() + 256 + tine_test_support::PIECES.len()) as u32;
+    let (pre, suf, mid, sep) = (base, base + 1, base + 2, base + 3);
+    assert_eq!(model.info.fim, tine_runtime::FimTokens { pre: Some(pre), suf: Some(suf), mid: Some(mid), pad: None, rep: None, sep: Some(sep) });
+    let srv = start_model(cfg, None, |c| {
+        c.ctx_size = 1024;
+        c.batch = 16;
+    });
+    let (prefix, suffix) = ("hello hello hello hello world the world and in the hell an the world is here", " in the hell the hello");
+    let body = json!({"input_prefix": prefix, "input_suffix": suffix, "input_extra": [{"filename": "a.txt", "text": "the world"}], "n_predict": 6, "temperature": 0, "return_tokens": true});
+    let (s, got) = post(srv.addr, "/infill", body.clone());
+    assert_eq!(s, 200, "{got}");
+    // The prompt llama-server builds: extra context, BOS, prefix tail (3 * 16 / 4 = 12 tokens),
+    // the suffix head (16 / 4 - 2 = 2 tokens), the middle token.
+    let (p, q) = (tok.encode(prefix, false, false), tok.encode(suffix, false, false));
+    assert!(p.len() > 12 && q.len() > 2, "the fixture's texts must be cut: {} and {} tokens", p.len(), q.len());
+    let mut want = vec![sep];
+    want.extend(tok.encode("a.txt\n", false, false));
+    want.extend(tok.encode("the world", false, false));
+    want.push(sep);
+    want.extend(tok.encode("filename\n", false, false));
+    want.extend([2, pre]);
+    want.extend(&p[p.len() - 12..]);
+    want.push(suf);
+    want.extend(&q[..2]);
+    want.push(mid);
+    assert_eq!(got["prompt"], json!(tok.decode(&want, true)), "{got}");
+    assert_eq!(got["tokens_evaluated"], json!(want.len()), "{got}");
+    // The same tokens through /completion give the same answer.
+    let (_, same) = post(srv.addr, "/completion", json!({"prompt": want, "n_predict": 6, "temperature": 0, "return_tokens": true}));
+    assert_eq!((got["tokens"].clone(), got["content"].clone()), (same["tokens"].clone(), same["content"].clone()));
+    assert_eq!(got["tokens"].as_array().map(Vec::len), Some(6), "{got}");
+    // A `prompt` goes after the prefix and shortens the suffix (16 / 4 - 2 - its tokens).
+    for extra in ["t", "the"] {
+        let ids = tok.encode(extra, false, true);
+        let keep = 2usize.saturating_sub(ids.len());
+        let (_, with_prompt) = post(srv.addr, "/infill", json!({"input_prefix": prefix, "input_suffix": suffix, "prompt": extra, "n_predict": 1}));
+        let text = with_prompt["prompt"].as_str().expect("prompt text");
+        assert!(text.ends_with(&format!("{}{}<|fim_suffix|>{}<|fim_middle|>", tok.decode(&p[p.len() - 12..], true), tok.decode(&ids, true), tok.decode(&q[..keep], true))), "{extra}: {text}");
+    }
+    // Fields llama-server refuses, each a 400 naming the field.
+    for (bad, field) in [
+        (json!({"input_prefix": "a"}), "input_suffix"),
+        (json!({"input_suffix": "a"}), "input_prefix"),
+        (json!({"input_prefix": 3, "input_suffix": "a"}), "input_prefix"),
+        (json!({"input_prefix": "a", "input_suffix": "b", "input_extra": {"text": "x"}}), "input_extra"),
+        (json!({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"filename": "f"}]}), "input_extra"),
+        (json!({"input_prefix": "a", "input_suffix": "b", "input_extra": [{"text": "x", "filename": 1}]}), "input_extra"),
+        (json!({"input_prefix": "a", "input_suffix": "b", "prompt": ["x"]}), "prompt"),
+        (json!({"input_prefix": ["a", 99999999], "input_suffix": "b"}), "input_prefix"),
+    ] {
+        let (s, v) = post(srv.addr, "/infill", bad.clone());
+        assert_eq!((s, v["error"]["param"].as_str()), (400, Some(field)), "{bad}: {v}");
+    }
 }

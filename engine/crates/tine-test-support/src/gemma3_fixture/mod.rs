@@ -37,11 +37,18 @@ pub struct TinyGemma3 {
     pub nextn: bool,
     /// `tokenizer.chat_template`, if any.
     pub chat_template: Option<String>,
+    /// Append the control tokens of [`FIM`] to the vocabulary (fill-in-the-middle, `/infill`):
+    /// prefix, suffix and middle named by `tokenizer.ggml.fim_{pre,suf,mid}_token_id`, the file
+    /// separator by its text alone (as llama.cpp also finds them).
+    pub fim: bool,
 }
+
+/// The fill-in-the-middle tokens a `fim` fixture appends, in this order.
+pub const FIM: [&str; 4] = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|file_sep|>"];
 
 impl Default for TinyGemma3 {
     fn default() -> Self {
-        TinyGemma3 { n_embd: 32, n_head: 4, n_kv_head: 1, head_dim: 16, n_ff: 64, n_layer: 6, window: 4, context: 256, seed: 7, q8_embedding: false, nextn: false, chat_template: None }
+        TinyGemma3 { n_embd: 32, n_head: 4, n_kv_head: 1, head_dim: 16, n_ff: 64, n_layer: 6, window: 4, context: 256, seed: 7, q8_embedding: false, nextn: false, chat_template: None, fim: false }
     }
 }
 
@@ -112,7 +119,10 @@ impl TinyGemma3 {
     pub fn write_to<W: Write + Seek>(&self, w: &mut W) -> Weights {
         let dev = Device::Cpu;
         let mut rng = Rng(self.seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
-        let tokens = vocab();
+        let mut tokens = vocab();
+        if self.fim {
+            tokens.extend(FIM.iter().map(|t| t.to_string()));
+        }
         let n_vocab = tokens.len();
         let (d, hd) = (self.n_embd, self.head_dim);
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -169,6 +179,10 @@ impl TinyGemma3 {
         for t in types.iter_mut().skip(CONTROL.len()).take(256) {
             *t = 6;
         }
+        let fim_base = CONTROL.len() + 256 + PIECES.len();
+        for t in types.iter_mut().skip(fim_base) {
+            *t = 3;
+        }
         for (i, piece) in PIECES.iter().enumerate() {
             // Longer pieces score higher, so merges build them; ties broken by position.
             scores[CONTROL.len() + 256 + i] = piece.chars().count() as f32 * 10.0 - i as f32 * 0.01;
@@ -200,6 +214,11 @@ impl TinyGemma3 {
             ("tokenizer.ggml.add_space_prefix", V::Bool(false)),
         ];
         let mut md = md;
+        if self.fim {
+            md.push(("tokenizer.ggml.fim_pre_token_id", u(fim_base)));
+            md.push(("tokenizer.ggml.fim_suf_token_id", u(fim_base + 1)));
+            md.push(("tokenizer.ggml.fim_mid_token_id", u(fim_base + 2)));
+        }
         if let Some(t) = &self.chat_template {
             md.push(("tokenizer.chat_template", V::String(t.clone())));
         }
@@ -414,6 +433,7 @@ impl Weights {
             q8_embedding: true,
             nextn: false,
             chat_template: None,
+            fim: false,
         };
         let embd = get("token_embd.weight");
         let vocab = embd.len() / cfg.n_embd;
