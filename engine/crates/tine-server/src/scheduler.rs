@@ -56,7 +56,7 @@ pub struct Progress {
 impl Progress {
     fn of(g: &Generation) -> Progress {
         let t = g.timings();
-        Progress { total: g.request().prompt.len(), cache: t.cached_n, processed: t.prompt_n, time_ms: t.prompt_ms }
+        Progress { total: g.request().prompt.len(), cache: t.cached_n, processed: t.cached_n + t.prompt_n, time_ms: t.prompt_ms }
     }
 }
 

@@ -1434,26 +1434,35 @@ fn template_kwargs_reach_the_template_and_reasoning_comes_back_apart() {
 }
 
 /// Issue 32: llama-server's `return_progress`: a stream carries `prompt_progress` chunks while
-/// the prompt is evaluated (one at the start, one per prompt chunk), `processed` rising to the
-/// tokens not reused from the cache, before the first token; without it, none.
+/// the prompt is evaluated (one at the start, one per prompt chunk), `processed` counting the
+/// tokens reused from the cache too (issue 52, as llama-server counts them: `cache` at the start,
+/// `total` at the end), before the first token; without it, none.
 #[test]
 fn return_progress_streams_the_prompts_evaluation() {
     let srv = start_cfg(None, |c| *c = ServerConfig { ubatch: 8, ..ServerConfig::new(1, 512) });
     let prompt = "hello world the world ".repeat(8);
+    let chat = json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "temperature": 0, "stream": true, "return_progress": true});
+    let mut cached = 0;
     for (path, body) in [
         ("/completion", json!({"prompt": prompt, "n_predict": 3, "temperature": 0, "stream": true, "return_progress": true, "cache_prompt": false})),
-        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": 3, "temperature": 0, "stream": true, "return_progress": true})),
+        ("/v1/chat/completions", chat.clone()),
+        // The same chat again: its prompt but the last token comes from the cache.
+        ("/v1/chat/completions", chat),
     ] {
         let (s, text) = http(srv.addr, "POST", path, &body.to_string());
         assert_eq!(s, 200, "{text}");
         let chunks: Vec<Value> = sse_data(&text).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("chunk")).collect();
         let progress: Vec<&Value> = chunks.iter().filter_map(|c| c.get("prompt_progress")).collect();
-        assert!(progress.len() >= 3, "{path}: a start and several chunks of 8: {text}");
+        let fresh = progress.first().is_some_and(|p| p["cache"] == 0);
+        assert!(progress.len() >= if fresh { 3 } else { 2 }, "{path}: a start and a report per chunk of 8: {text}");
         let processed: Vec<u64> = progress.iter().map(|p| p["processed"].as_u64().expect("processed")).collect();
-        assert_eq!(processed[0], 0, "{path}");
+        let cache = progress[0]["cache"].as_u64().expect("cache");
+        assert_eq!(processed[0], cache, "{path}: {progress:?}");
         assert!(processed.windows(2).all(|w| w[0] < w[1]), "{path}: {processed:?}");
         let last = progress.last().expect("progress");
-        assert_eq!(last["processed"].as_u64().expect("n") + last["cache"].as_u64().expect("n"), last["total"].as_u64().expect("n"), "{path}: {last}");
+        assert_eq!(last["processed"], last["total"], "{path}: {last}");
+        assert!(progress.iter().all(|p| p["cache"] == json!(cache) && p["time_ms"].is_number()), "{path}: {progress:?}");
+        cached = cache;
         let first_token = chunks.iter().position(|c| c["content"].as_str().is_some_and(|t| !t.is_empty()) || c["choices"][0]["delta"]["content"].is_string());
         let last_progress = chunks.iter().rposition(|c| c.get("prompt_progress").is_some());
         assert!(last_progress < first_token || first_token.is_none(), "{path}: progress comes before the tokens");
@@ -1462,6 +1471,7 @@ fn return_progress_streams_the_prompts_evaluation() {
         let (_, text) = http(srv.addr, "POST", path, &quiet.to_string());
         assert!(!text.contains("prompt_progress"), "{path}: {text}");
     }
+    assert!(cached > 0, "the second chat reused nothing");
 }
 
 /// Issue 31: what request routers ask of a worker: `/server_info` and `/model_info` (and their
