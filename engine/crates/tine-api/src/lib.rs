@@ -43,10 +43,12 @@ pub fn decode<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RequestE
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-#[serde(expecting = "`prompt` as a string, a list of token ids, or a list of prompts (strings or lists of token ids)")]
+#[serde(expecting = "`prompt` as a string, a list of token ids, a `{\"prompt_string\": ...}` object, or a list of prompts (strings, lists of token ids or such objects)")]
 pub enum PromptInput {
     Text(String),
     Tokens(Vec<i64>),
+    /// llama-server's prompt object.
+    Object(PromptObject),
     /// Several prompts in one request (OpenAI's list of strings, llama-server's list of token
     /// lists): one result each.
     Many(Vec<OnePrompt>),
@@ -54,10 +56,36 @@ pub enum PromptInput {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-#[serde(expecting = "a prompt as a string or a list of token ids")]
+#[serde(expecting = "a prompt as a string, a list of token ids or a `{\"prompt_string\": ...}` object")]
 pub enum OnePrompt {
     Text(String),
     Tokens(Vec<i64>),
+    Object(PromptObject),
+}
+
+/// llama-server's JSON prompt object: `{"prompt_string": TEXT, "multimodal_data": [...]}`
+/// (a JSON object only: serde would read a struct from a list too). Multimodal data is refused
+/// (Tine's models read text only).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(transparent)]
+pub struct PromptObject(serde_json::Map<String, serde_json::Value>);
+
+impl PromptObject {
+    fn into_prompt(self) -> Result<Prompt, RequestError> {
+        let text = match self.0.get("prompt_string") {
+            Some(serde_json::Value::String(t)) => t.clone(),
+            _ => return Err(RequestError::on("prompt", "a prompt object needs `prompt_string`, a string")),
+        };
+        let empty = match self.0.get("multimodal_data") {
+            None | Some(serde_json::Value::Null) => true,
+            Some(serde_json::Value::Array(a)) => a.is_empty(),
+            Some(_) => false,
+        };
+        if !empty {
+            return Err(RequestError::on("prompt", "`multimodal_data` is not supported: this server's models read text only"));
+        }
+        Ok(Prompt::Text(text))
+    }
 }
 
 /// The prompt, before tokenization.
@@ -71,23 +99,25 @@ pub enum Prompt {
 pub const MAX_CHOICES: usize = 16;
 
 impl PromptInput {
-    /// Every prompt it holds, unchecked.
-    fn flatten(self) -> Vec<Prompt> {
+    /// Every prompt it holds (a prompt object's multimodal data refused).
+    fn flatten(self) -> Result<Vec<Prompt>, RequestError> {
         match self {
-            PromptInput::Text(t) => vec![Prompt::Text(t)],
-            PromptInput::Tokens(ids) => vec![Prompt::Tokens(ids)],
+            PromptInput::Text(t) => Ok(vec![Prompt::Text(t)]),
+            PromptInput::Tokens(ids) => Ok(vec![Prompt::Tokens(ids)]),
+            PromptInput::Object(o) => Ok(vec![o.into_prompt()?]),
             PromptInput::Many(v) => v
                 .into_iter()
                 .map(|p| match p {
-                    OnePrompt::Text(t) => Prompt::Text(t),
-                    OnePrompt::Tokens(ids) => Prompt::Tokens(ids),
+                    OnePrompt::Text(t) => Ok(Prompt::Text(t)),
+                    OnePrompt::Tokens(ids) => Ok(Prompt::Tokens(ids)),
+                    OnePrompt::Object(o) => o.into_prompt(),
                 })
                 .collect(),
         }
     }
 
     pub fn into_prompts(self) -> Result<Vec<Prompt>, RequestError> {
-        let v = self.flatten();
+        let v = self.flatten()?;
         if v.is_empty() {
             return Err(RequestError::on("prompt", "`prompt` is an empty list"));
         }
@@ -135,6 +165,10 @@ pub struct GenFields {
     /// prompt is evaluated.
     #[serde(default)]
     pub return_progress: bool,
+    /// llama-server's `verbose`: a chat answer carries `__verbose`, the `/completion`-style
+    /// result (the rendered prompt included).
+    #[serde(default)]
+    pub verbose: bool,
     #[serde(default)]
     pub ignore_eos: bool,
     #[serde(default)]
@@ -315,6 +349,8 @@ pub struct Limits {
     pub timings_per_token: bool,
     /// `return_progress`.
     pub return_progress: bool,
+    /// `verbose`.
+    pub verbose: bool,
     pub return_tokens: bool,
     /// `post_sampling_probs`.
     pub post_sampling_probs: bool,
@@ -428,6 +464,7 @@ impl GenFields {
             include_usage: self.stream_options.as_ref().is_some_and(|o| o.include_usage),
             timings_per_token: self.timings_per_token,
             return_progress: self.return_progress,
+            verbose: self.verbose,
             id_slot: match self.id_slot {
                 None | Some(-1) => None,
                 Some(n) if n >= 0 => Some(n as usize),
@@ -644,7 +681,7 @@ pub fn check_embeddings(body: &[u8]) -> Result<EmbeddingRequest, RequestError> {
         (None, Some(c)) => ("content", c),
         (None, None) => return Err(RequestError::on("input", "`input` is required")),
     };
-    let prompts = input.flatten();
+    let prompts = input.flatten().map_err(|e| RequestError { param: Some(field.into()), ..e })?;
     if prompts.is_empty() {
         return Err(RequestError::on(field, format!("`{field}` is an empty list")));
     }
@@ -779,6 +816,14 @@ pub enum ReasoningFormat {
 }
 
 impl ReasoningFormat {
+    /// llama-server's name of the format.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReasoningFormat::None => "none",
+            ReasoningFormat::Deepseek => "deepseek",
+        }
+    }
+
     /// `none`, `deepseek`, or `auto` (which is `deepseek`, as in llama-server).
     pub fn from_name(name: &str) -> Option<ReasoningFormat> {
         match name {

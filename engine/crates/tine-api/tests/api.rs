@@ -14,7 +14,7 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         (Endpoint::Completion, r#"{"prompt": ["a", [1]]}"#, Ok("completion prompt 1+1")),
         (Endpoint::Completion, r#"{"prompt": []}"#, Ok("completion prompt 0")), // the server refuses an empty prompt
         (Endpoint::Completion, r#"{"prompt": [[1], [400]]}"#, Err("token id 400 is outside")),
-        (Endpoint::Completion, r#"{"prompt": [["a"]]}"#, Err("`prompt` as a string, a list of token ids, or a list of prompts")),
+        (Endpoint::Completion, r#"{"prompt": [["a"]]}"#, Err("`prompt` as a string, a list of token ids, a `{\"prompt_string\": ...}` object, or a list of prompts")),
         (Endpoint::Completion, r#"{"n_predict": 3}"#, Err("`prompt` is required")),
         (Endpoint::Completion, r#"{"prompt": [1, 400]}"#, Err("token id 400 is outside the vocabulary (0..300)")),
         (Endpoint::Completion, r#"{"prompt": "hi", "n": 17}"#, Err("n must lie in 1..=16, got n = 17")),
@@ -38,6 +38,12 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         (Endpoint::Completion, r#"{"prompt": "x", "logprobs": -1}"#, Err("logprobs must lie in 0..=100")),
         (Endpoint::Completion, r#"{"prompt": "x", "logprobs": "yes"}"#, Err("`logprobs` as a boolean or a count")),
         (Endpoint::Chat, r#"{}"#, Err("missing field `messages`")),
+        // Issue 52: llama-server's prompt object, alone or in a list; a list of strings stays a list.
+        (Endpoint::Completion, r#"{"prompt": {"prompt_string": "abc"}}"#, Ok("completion prompt 3")),
+        (Endpoint::Completion, r#"{"prompt": [{"prompt_string": "a"}, "bc"]}"#, Ok("completion prompt 1+2")),
+        (Endpoint::Completion, r#"{"prompt": {"prompt_string": "a", "multimodal_data": ["aGk="]}}"#, Err("`multimodal_data` is not supported")),
+        (Endpoint::Completion, r#"{"prompt": {"text": "a"}}"#, Err("needs `prompt_string`")),
+        (Endpoint::Completion, r#"{"prompt": [["a", "b"]]}"#, Err("or a list of prompts")),
         (Endpoint::Tokenize, r#"{"content": "abc"}"#, Ok("tokenize 3 bytes")),
         (Endpoint::Detokenize, r#"{"tokens": [-1]}"#, Err("token id -1 is outside")),
     ];

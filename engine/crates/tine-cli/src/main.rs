@@ -73,9 +73,13 @@ struct ServeArgs {
     /// --ctx-size is split between them, as llama-server does (also `-np`).
     #[arg(long = "parallel", alias = "np", default_value_t = 1)]
     parallel: usize,
-    /// The model's id in /v1/models and in responses (default: the GGUF's file name).
+    /// The model's id in /v1/models and in responses (default: the GGUF's file name); a
+    /// comma-separated list gives several names, the id being the first in alphabetical order
     #[arg(short = 'a', long = "alias")]
     alias: Option<String>,
+    /// Comma-separated labels /v1/models lists for the model (llama-server's flag)
+    #[arg(long = "tags", value_name = "TAGS", value_delimiter = ',')]
+    tags: Vec<String>,
     /// Turn /slots off (it answers 501).
     #[arg(long = "no-slots")]
     no_slots: bool,
@@ -804,6 +808,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: a.max_body_bytes,
         defaults,
         alias: a.alias.clone(),
+        tags: a.tags.iter().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()).collect(),
         slots_endpoint: !a.no_slots,
         metrics: a.metrics,
         context_shift: a.context_shift && !a.no_context_shift,

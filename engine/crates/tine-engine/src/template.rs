@@ -149,8 +149,11 @@ impl ChatTemplate {
     }
 
     /// `--chat-template NAME|FILE|TEMPLATE`: `gemma`, one of llama.cpp's names in [`NAMED`], a
-    /// Jinja file, or the Jinja template itself (llama-server takes it inline too).
+    /// Jinja file, or the Jinja template itself (llama-server takes it inline too): Jinja
+    /// syntax (`{{`, `{%`), or text that is neither a file nor a name or path (it holds
+    /// whitespace or other characters than `A-Za-z0-9._/-`), such as a template of constant text.
     pub fn named(spec: &str) -> Result<ChatTemplate, TemplateError> {
+        let name_like = !spec.is_empty() && spec.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '/' | '-'));
         let t = match spec {
             "gemma" | "gemma3" => ChatTemplate::Gemma,
             name if NAMED.iter().any(|(n, _)| *n == name) => {
@@ -158,6 +161,7 @@ impl ChatTemplate {
                 ChatTemplate::Jinja { name: name.into(), source: source.into() }
             }
             inline if inline.contains("{%") || inline.contains("{{") => ChatTemplate::Jinja { name: "inline (--chat-template)".into(), source: inline.into() },
+            inline if !name_like && !std::path::Path::new(inline).is_file() => ChatTemplate::Jinja { name: "inline (--chat-template)".into(), source: inline.into() },
             path => {
                 let source = std::fs::read_to_string(path).map_err(|e| {
                     let names: Vec<&str> = std::iter::once("gemma").chain(NAMED.iter().map(|(n, _)| *n)).collect();

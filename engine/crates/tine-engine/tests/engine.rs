@@ -220,6 +220,12 @@ mod templates {
             inline.render(&RenderInput { messages: &messages[..2], tools: None, add_generation_prompt: false, bos_token: "", eos_token: "", extra: None }).expect("renders"),
             "[system]Be brief.[user] Hi "
         );
+        // Issue 52: text without Jinja syntax that is neither a file nor name-like is a template.
+        let constant = ChatTemplate::named("You are a bot.\n<turn>").expect("an inline template without Jinja syntax");
+        assert_eq!(
+            constant.render(&RenderInput { messages: &messages[..2], tools: None, add_generation_prompt: false, bos_token: "", eos_token: "", extra: None }).expect("renders"),
+            "You are a bot.\n<turn>"
+        );
         let err = ChatTemplate::named("command-r-nonexistent").expect_err("neither a name nor a file");
         assert!(err.to_string().contains("llama3") && err.to_string().contains("mistral-v7"), "{err}");
     }

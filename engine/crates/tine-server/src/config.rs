@@ -23,8 +23,11 @@ pub struct ServerConfig {
     pub batch: usize,
     /// What a request gets for the fields it leaves out (`--temp`, `--n-predict`, ...).
     pub defaults: tine_api::Defaults,
-    /// `--alias`: the model id in `/v1/models` and responses (default: the file name).
+    /// `--alias`: the model id in `/v1/models` and responses (default: the file name); a
+    /// comma-separated list names several, the id the first in alphabetical order.
     pub alias: Option<String>,
+    /// `--tags`: labels `/v1/models` lists for the model.
+    pub tags: Vec<String>,
     /// `/slots` answers (llama-server's default; `--no-slots` turns it off).
     pub slots_endpoint: bool,
     /// `/metrics` answers (`--metrics`, off by default as in llama-server).
@@ -73,6 +76,7 @@ impl ServerConfig {
             batch: DEFAULT_BATCH,
             defaults: tine_api::Defaults::default(),
             alias: None,
+            tags: Vec::new(),
             slots_endpoint: true,
             metrics: false,
             chat_template: None,

@@ -53,6 +53,8 @@ pub(crate) struct Validated {
     pub(crate) slot: Option<usize>,
     /// `timings_per_token`: every streamed chunk carries the timings so far.
     pub(crate) timings_per_token: bool,
+    /// `verbose`: a chat answer carries `__verbose`.
+    pub(crate) verbose: bool,
     /// `return_progress`: a stream carries the prompt's evaluation progress.
     pub(crate) return_progress: bool,
     pub(crate) return_tokens: bool,
@@ -108,6 +110,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
         include_usage: l.include_usage,
         slot: l.id_slot,
         timings_per_token: l.timings_per_token,
+        verbose: l.verbose,
         return_progress: l.return_progress,
         return_tokens: l.return_tokens,
         n_probs: l.n_probs,

@@ -66,6 +66,8 @@ struct AppState {
     admission: Admission,
     config: ServerConfig,
     model_id: String,
+    /// `--alias`'s names, in alphabetical order (`model_id` is the first, when there are any).
+    aliases: Vec<String>,
     metrics: metrics::Metrics,
     template: ChatTemplate,
     /// The vocabulary's token trie for constrained decoding, built on first use (about a
@@ -92,7 +94,10 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
     };
     let scheduler = Scheduler::start(model.clone(), engine);
     let admission = Admission::new(config.parallel.max(1) + config.max_queue);
-    let model_id = config.alias.clone().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
+    // `--alias a,b,c`: every alias listed, the id the first in alphabetical order (llama-server's).
+    let aliases: Vec<String> =
+        config.alias.iter().flat_map(|a| a.split(',')).map(str::trim).filter(|a| !a.is_empty()).map(str::to_owned).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+    let model_id = aliases.first().cloned().unwrap_or_else(|| model.info.path.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| model.info.name.clone()));
     let gate = auth::Gate { keys: config.api_keys.clone(), ui: config.webui.clone() };
     let cors = Arc::new(config.cors.clone());
     if cors.origins == cors::CorsOrigins::Any && gate.keys.is_empty() {
@@ -105,6 +110,7 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         admission,
         config,
         model_id,
+        aliases,
         metrics: metrics::Metrics::default(),
         template,
         grammars: std::sync::OnceLock::new(),
@@ -127,6 +133,8 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         .route("/v1/completions", post(oai_completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/chat/completions", post(chat_completions))
+        .route("/chat/completions/input_tokens", post(openai::chat_input_tokens))
+        .route("/v1/chat/completions/input_tokens", post(openai::chat_input_tokens))
         .route("/apply-template", post(apply_template))
         .route("/server_info", get(router::server_info))
         .route("/get_server_info", get(router::server_info))

@@ -149,7 +149,7 @@ pub(crate) async fn completion_run(st: Shared, req: tine_api::CompletionRequest)
         Ok((vs, texts))
     })
     .await?;
-    let settings: Vec<Value> = vs.iter().map(|v| generation_settings(&st, &v.request, v.stream)).collect();
+    let settings: Vec<Value> = vs.iter().map(|v| generation_settings(&st, v)).collect();
     let single = vs.len() == 1;
     let (stream, return_tokens, n_probs, per_token) = (vs[0].stream, vs[0].return_tokens, vs[0].n_probs, vs[0].timings_per_token);
     let (post, fields) = (vs[0].request.post_sampling_probs, vs[0].response_fields.clone());
@@ -206,17 +206,38 @@ pub(crate) async fn completion_run(st: Shared, req: tine_api::CompletionRequest)
     Ok(Json(if single { out.remove(0) } else { Value::Array(out) }).into_response())
 }
 
-/// llama-server's `generation_settings`: what the request ran with (its fields, else the
-/// server's defaults); the seed is filled in from the summary (a random one when none was given).
-pub(crate) fn generation_settings(st: &AppState, r: &GenerateRequest, stream: bool) -> Value {
+/// llama-server's `generation_settings`: every field its `task_params::to_json` writes, with
+/// what this request ran with where Tine has the setting, and llama.cpp's value for "off" where
+/// it has not (dynamic temperature, XTC, typical-p, DRY, mirostat, adaptive-p, top-n-sigma:
+/// samplers Tine does not run). `logit_bias` as llama-server lists it, `{"bias", "token"}` with
+/// `null` for -inf, the end-of-generation tokens banned by `ignore_eos` included. The seed is
+/// filled in from the summary (a random one when none was given).
+pub(crate) fn generation_settings(st: &AppState, req: &Validated) -> Value {
+    let (r, stream): (&GenerateRequest, bool) = (&req.request, req.stream);
     let p = &r.sampling;
+    let mut bias: Vec<Value> = r.logit_bias.iter().map(|&(t, b)| json!({"bias": if b.is_finite() { json!(b) } else { Value::Null }, "token": t})).collect();
+    if r.ignore_eos {
+        bias.extend(st.model.end_of_generation_tokens().iter().map(|&t| json!({"bias": null, "token": t})));
+    }
     let mut v = json!({
-        "n_ctx": st.config.ctx_size, "n_predict": r.n_predict, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p,
+        "n_ctx": st.config.ctx_size, "seed": p.seed, "temperature": p.temperature, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0,
+        "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1, "typical_p": 1.0,
         "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty, "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
-        "stop": r.stop, "n_keep": r.n_keep, "ignore_eos": r.ignore_eos, "stream": stream, "n_probs": r.n_probs, "cache_prompt": r.cache_prompt,
-        "logit_bias": r.logit_bias.iter().map(|&(t, b)| json!([t, if b.is_finite() { json!(b) } else { json!(false) }])).collect::<Vec<_>>(),
-        "context_shift": r.context_shift,
+        "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64, "dry_sequence_breakers": ["\n", ":", "\"", "*"],
+        "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "adaptive_target": -1.0, "adaptive_decay": 0.9,
     });
+    let rest = json!({
+        "stop": r.stop, "max_tokens": r.n_predict, "n_predict": r.n_predict, "n_keep": r.n_keep, "n_discard": 0, "ignore_eos": r.ignore_eos, "stream": stream,
+        "logit_bias": bias, "n_probs": r.n_probs, "min_keep": 0, "grammar": "", "grammar_lazy": false, "grammar_triggers": [], "preserved_tokens": [],
+        "chat_format": "Content-only", "reasoning_format": st.config.reasoning_format.name(), "reasoning_in_content": false, "generation_prompt": "",
+        "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+        "speculative.types": st.config.spec.as_ref().map_or_else(|| "none".to_owned(), |f| f.config.label()),
+        "timings_per_token": req.timings_per_token, "post_sampling_probs": r.post_sampling_probs, "backend_sampling": false, "lora": [],
+        "cache_prompt": r.cache_prompt, "context_shift": r.context_shift,
+    });
+    if let (Some(v), Value::Object(rest)) = (v.as_object_mut(), rest) {
+        v.extend(rest);
+    }
     if let Some(f) = &st.config.spec {
         let d = r.speculative.unwrap_or(f.config.params);
         v["speculative.n_max"] = json!(d.n_max);

@@ -8,7 +8,7 @@ pub(crate) async fn models(State(st): State<Shared>) -> Json<Value> {
     Json(json!({
         "object": "list",
         "data": [{
-            "id": st.model_id, "object": "model", "created": 0, "owned_by": "tine",
+            "id": st.model_id, "object": "model", "created": 0, "owned_by": "tine", "aliases": st.aliases, "tags": st.config.tags,
             "meta": {"n_vocab": i.vocab_size, "n_ctx_train": i.context_length, "n_embd": i.embedding_length, "size": i.file_size, "architecture": i.architecture}
         }]
     }))
@@ -199,6 +199,8 @@ pub(crate) struct ChatRun {
     pub(crate) format: ReplyFormat,
     pub(crate) vs: Vec<Validated>,
     pub(crate) rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>,
+    /// The rendered prompt (`__verbose`).
+    pub(crate) prompt_text: String,
 }
 
 /// Renders, validates and submits a checked chat request (every chat dialect's way in).
@@ -221,19 +223,28 @@ pub(crate) async fn start_chat(st: &Shared, req: tine_api::ChatRequest) -> Resul
     let returns_reasoning = req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek
         && !schema_bound
         && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
-    let (vs, forced_open) = prepare(st, move |st| {
+    let (vs, forced_open, prompt_text) = prepare(st, move |st| {
         let (text, prompt) = chat_prompt(st, &req.prompt)?;
-        Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, tine_engine::reasoning::forced_open(&text)))
+        let open = tine_engine::reasoning::forced_open(&text);
+        Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, open, text))
     })
     .await?;
     let rxs = submit_all(st, &vs)?;
-    Ok(ChatRun { format: ReplyFormat { reasoning: returns_reasoning.then_some(forced_open), tools: tool_syntax }, vs, rxs })
+    Ok(ChatRun { format: ReplyFormat { reasoning: returns_reasoning.then_some(forced_open), tools: tool_syntax }, vs, rxs, prompt_text })
+}
+
+/// llama-server's `/chat/completions/input_tokens`: the tokens a chat body's prompt renders to.
+pub(crate) async fn chat_input_tokens(State(st): State<Shared>, body: Body) -> Result<Json<Value>, ApiError> {
+    let req = chat_body(&st, body).await?;
+    let (_, ids) = prepare(&st, move |st| chat_prompt(st, &req.prompt)).await?;
+    Ok(Json(json!({"input_tokens": ids.len()})))
 }
 
 pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let req = chat_body(&st, body).await?;
-    let ChatRun { format, vs, rxs } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, rxs, prompt_text } = start_chat(&st, req).await?;
     let (stream, logprobs, include_usage, per_token) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage, vs[0].timings_per_token);
+    let verbose = vs[0].verbose.then(|| generation_settings(&st, &vs[0]));
     let id = format!("chatcmpl-{}", now());
     let created = now();
     let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": choices});
@@ -323,10 +334,15 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
             json!({"index": i, "message": message, "logprobs": lp, "finish_reason": finish})
         })
         .collect();
-    Ok(Json(json!({
+    let mut answer = json!({
         "id": id, "object": "chat.completion", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(),
         "choices": choices,
         "usage": usage_of(results.iter().map(|r| &r.0)), "timings": timings_json(&results[0].0.timings),
-    }))
-    .into_response())
+    });
+    // llama-server's `verbose`: the first result as `/completion` gives it, the prompt rendered.
+    if let Some(settings) = verbose {
+        let s = &results[0].0;
+        answer["__verbose"] = final_completion_json(&st, s, &s.text, Vec::new(), true, &prompt_text, &settings);
+    }
+    Ok(Json(answer).into_response())
 }

@@ -1872,3 +1872,77 @@ fn infill_builds_llama_servers_fim_prompt_and_a_model_without_fim_tokens_gets_a_
         assert_eq!((s, v["error"]["param"].as_str()), (400, Some(field)), "{bad}: {v}");
     }
 }
+
+// Issue 52: llama-server's remaining fields, as its own suite asks for them: `verbose` puts the
+// `/completion`-style result (the rendered prompt) under `__verbose`; `/chat/completions/input_tokens`
+// counts a chat's prompt; `--alias a,b,c` lists every alias and takes the first in alphabetical
+// order as the id, with `--tags`; a `{"prompt_string": ...}` prompt object (multimodal data
+// refused); `generation_settings` with llama-server's fields, `ignore_eos` listing the
+// end-of-generation biases as `{"bias": null, "token"}`.
+#[test]
+fn llama_servers_verbose_input_tokens_aliases_prompt_objects_and_generation_settings() {
+    let srv = start_cfg(None, |c| {
+        c.alias = Some("tinyllama-2,fim,code".into());
+        c.tags = vec!["chat".into(), "small".into()];
+    });
+    let msgs = json!([{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]);
+    for verbose in [true, false] {
+        let (s, v) = post(srv.addr, "/chat/completions", json!({"messages": msgs, "max_tokens": 2, "verbose": verbose}));
+        assert_eq!(s, 200, "{v}");
+        if verbose {
+            let (_, applied) = post(srv.addr, "/apply-template", json!({"messages": msgs}));
+            assert_eq!(v["__verbose"]["prompt"], applied["prompt"], "{v}");
+            assert!(v["__verbose"]["prompt"].as_str().is_some_and(|p| p.contains("Book")), "{v}");
+            assert_eq!(v["__verbose"]["content"], v["choices"][0]["message"]["content"], "{v}");
+            assert_eq!(v["__verbose"]["tokens_predicted"], 2, "{v}");
+        } else {
+            assert!(v.get("__verbose").is_none(), "{v}");
+        }
+    }
+    for path in ["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"] {
+        let (s, v) = post(srv.addr, path, json!({"messages": msgs}));
+        let (_, tok) = post(srv.addr, "/apply-template", json!({"messages": msgs}));
+        let (_, ids) = post(srv.addr, "/tokenize", json!({"content": tok["prompt"], "add_special": false, "parse_special": true}));
+        assert_eq!((s, v["input_tokens"].as_u64()), (200, Some(ids["tokens"].as_array().expect("tokens").len() as u64)), "{path}: {v}");
+    }
+    let (_, m) = http(srv.addr, "GET", "/v1/models", "");
+    let m: Value = serde_json::from_str(&m).expect("json");
+    assert_eq!((m["data"][0]["id"].as_str(), m["data"][0]["aliases"].clone(), m["data"][0]["tags"].clone()), (Some("code"), json!(["code", "fim", "tinyllama-2"]), json!(["chat", "small"])), "{m}");
+    let (_, c) = post(srv.addr, "/completion", json!({"prompt": "hello", "n_predict": 1}));
+    assert_eq!(c["model"], "code");
+    // A prompt object is its text.
+    let (_, a) = post(srv.addr, "/completion", greedy("hello world", 4));
+    let mut obj = greedy("", 4);
+    obj["prompt"] = json!({"prompt_string": "hello world"});
+    let (s, b) = post(srv.addr, "/completion", obj);
+    assert_eq!((s, b["tokens"].clone()), (200, a["tokens"].clone()), "{b}");
+    let (s, v) = post(srv.addr, "/completion", json!({"prompt": [{"prompt_string": "hi", "multimodal_data": ["aGk="]}], "n_predict": 1}));
+    assert_eq!((s, v["error"]["param"].as_str()), (400, Some("prompt")), "{v}");
+    // generation_settings: llama-server's fields, and ignore_eos's biases.
+    let (_, g) = post(srv.addr, "/completion", json!({"prompt": "hello", "n_predict": 2, "ignore_eos": true, "logit_bias": [[7, 1.5]]}));
+    let gs = &g["generation_settings"];
+    for key in [
+        "adaptive_target",
+        "adaptive_decay",
+        "dynatemp_range",
+        "top_n_sigma",
+        "xtc_probability",
+        "typical_p",
+        "dry_multiplier",
+        "mirostat",
+        "max_tokens",
+        "n_discard",
+        "min_keep",
+        "samplers",
+        "speculative.types",
+        "reasoning_format",
+        "lora",
+    ] {
+        assert!(gs.get(key).is_some(), "generation_settings lacks {key}: {gs}");
+    }
+    let bias = gs["logit_bias"].as_array().expect("logit_bias");
+    assert!(bias.contains(&json!({"bias": 1.5, "token": 7})), "{gs}");
+    assert!(bias.iter().any(|b| b["bias"].is_null() && b["token"] == 1), "ignore_eos bans <eos> (1): {gs}");
+    let (_, g) = post(srv.addr, "/completion", json!({"prompt": "hello", "n_predict": 2}));
+    assert_eq!(g["generation_settings"]["logit_bias"], json!([]), "{g}");
+}
