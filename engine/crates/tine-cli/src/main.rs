@@ -65,8 +65,10 @@ struct GraftArgs {
 struct ServeArgs {
     #[command(flatten)]
     model: ModelArgs,
-    #[arg(long, default_value = "127.0.0.1")]
-    host: String,
+    /// Addresses to listen on at --port: IPv4 or IPv6 addresses or host names, comma-separated or
+    /// repeated (each is served)
+    #[arg(long, default_value = "127.0.0.1", value_delimiter = ',')]
+    host: Vec<String>,
     #[arg(long, default_value_t = 8080)]
     port: u16,
     /// Slots: requests served concurrently, each with its own KV cache (and reused prompt prefix);
@@ -735,6 +737,7 @@ fn tokenize(a: TokenizeArgs) -> anyhow::Result<()> {
 
 fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // Flags first: a bad one should not wait for the model to load.
+    let addrs = listen_addrs(&a.host, a.port)?;
     let defaults = a.defaults.defaults()?;
     let chat_template = a.chat_template.as_deref().map(tine_engine::template::ChatTemplate::named).transpose().context("--chat-template")?;
     let cache_ram = match a.cache_ram {
@@ -777,7 +780,6 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if ctx < 2 {
         anyhow::bail!("--ctx-size {} split over {parallel} slots leaves {ctx} tokens per slot", a.model.ctx_size);
     }
-    let addr: std::net::SocketAddr = format!("{}:{}", a.host, a.port).parse().with_context(|| format!("bad --host/--port {}:{}", a.host, a.port))?;
     let spec = a.spec.load(&model)?.map(std::sync::Arc::new);
     let mut keys = a.api_key.clone();
     if let Some(f) = &a.api_key_file {
@@ -832,10 +834,32 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     };
     let auth_note = if config.api_keys.is_empty() { "" } else { ", API key required" };
     let page_note = if config.webui == tine_server::webui::WebUi::Off { "" } else { "; chat page at /" };
-    eprintln!("tine serve: http://{addr} ({} slot(s), context {ctx} tokens each{spec_note}{auth_note}){page_note}", config.parallel);
+    let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
+    eprintln!("tine serve: {} ({} slot(s), context {ctx} tokens each{spec_note}{auth_note}){page_note}", urls.join(", "), config.parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(tine_server::serve(model, config, addr)).with_context(|| format!("serving on {addr}"))?;
+    rt.block_on(tine_server::serve_all(model, config, &addrs)).with_context(|| format!("serving on {}", urls.join(", ")))?;
     Ok(())
+}
+
+/// `--host`'s addresses at `port`: an IP address (IPv6 with or without brackets) or a name,
+/// resolved to its first address.
+fn listen_addrs(hosts: &[String], port: u16) -> anyhow::Result<Vec<std::net::SocketAddr>> {
+    use std::net::ToSocketAddrs;
+    let mut out = Vec::with_capacity(hosts.len());
+    for h in hosts.iter().map(|h| h.trim()).filter(|h| !h.is_empty()) {
+        let bare = h.strip_prefix('[').and_then(|x| x.strip_suffix(']')).unwrap_or(h);
+        let addr = match bare.parse::<std::net::IpAddr>() {
+            Ok(ip) => std::net::SocketAddr::new(ip, port),
+            Err(_) => {
+                (bare, port).to_socket_addrs().with_context(|| format!("--host {h}: not an address, and it does not resolve"))?.next().with_context(|| format!("--host {h}: resolves to no address"))?
+            }
+        };
+        if !out.contains(&addr) {
+            out.push(addr);
+        }
+    }
+    anyhow::ensure!(!out.is_empty(), "--host names no address");
+    Ok(out)
 }
 
 /// llama.cpp spells some long options with one dash (`-md`, `-ngld`, `-ctk`); clap takes them as long.

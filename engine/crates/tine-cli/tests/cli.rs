@@ -286,12 +286,25 @@ fn gemma4_generates_with_draft_models_ngram_and_its_assistant_losslessly_and_ser
 fn serve_flags_reach_the_server_and_bad_ones_fail_before_the_model_loads() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (target, _, _) = fixtures(dir.path());
-    for (flag, value, needle) in [("--temp", "nan", "temperature must be a finite number"), ("--chat-template", "/no/such/template.jinja", "--chat-template")] {
+    for (flag, value, needle) in
+        [("--temp", "nan", "temperature must be a finite number"), ("--chat-template", "/no/such/template.jinja", "--chat-template"), ("--host", "no-such-host.invalid", "--host no-such-host.invalid")]
+    {
         let (ok, _, err) = tine(&["serve", "-m", "/no/such/model.gguf", flag, value]);
         assert!(!ok && err.contains(needle), "{flag} {value}: {err}");
     }
-    let served = Served::start(&target, &["-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics", "--context-shift", "--keep", "-1"]);
+    // Issue 52: several --host addresses, each served by the same server.
+    let served =
+        Served::start(&target, &["-c", "512", "-np", "2", "-n", "3", "--alias", "tiny", "--chat-template", "chatml", "--metrics", "--context-shift", "--keep", "-1", "--host", "127.0.0.1,127.0.0.2"]);
     let get = |method: &str, path: &str, body: &str| served.request(method, path, body);
+    let other = {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.2", served.port)).expect("the second --host address is served");
+        write!(s, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("send");
+        let mut out = String::new();
+        s.read_to_string(&mut out).expect("read");
+        out
+    };
+    assert!(other.starts_with("HTTP/1.1 200"), "{other}");
     let props = get("GET", "/props", "").expect("props");
     let applied = get("POST", "/apply-template", r#"{"messages": [{"role": "user", "content": "hi"}]}"#).expect("apply-template");
     let done = get("POST", "/completion", r#"{"prompt": "hello"}"#).expect("completion");

@@ -165,8 +165,26 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
 
 /// Serves until the process ends.
 pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    serve_on(listener, router(model, config)).await
+    serve_all(model, config, &[addr]).await
+}
+
+/// Serves one server (one set of slots) on every address of `addrs` until the process ends.
+/// Every address is bound before anything is served: one that cannot be is the error.
+pub async fn serve_all(model: Arc<Model>, config: ServerConfig, addrs: &[SocketAddr]) -> std::io::Result<()> {
+    let mut listeners = Vec::with_capacity(addrs.len());
+    for addr in addrs {
+        let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))?;
+        listeners.push(l);
+    }
+    let app = router(model, config);
+    let mut served = tokio::task::JoinSet::new();
+    for l in listeners {
+        served.spawn(serve_on(l, app.clone()));
+    }
+    while let Some(done) = served.join_next().await {
+        done.map_err(std::io::Error::other)??;
+    }
+    Ok(())
 }
 
 /// Serves `app` on `listener` until the process ends, over HTTP/1.1 with response header names
