@@ -164,7 +164,7 @@ struct ServeArgs {
     /// the cursor /infill keeps (3:1). Prompts are evaluated in --ubatch-size chunks
     #[arg(long = "batch-size", short = 'b', value_name = "N", default_value_t = tine_server::DEFAULT_BATCH)]
     batch: usize,
-    /// Prompt tokens evaluated per engine step, over all slots (one chunk at least; the prefilling slots take turns): prompts stall the decoding slots for one such chunk at most.
+    /// Prompt tokens evaluated per engine step, over all slots (one chunk at least; the prefilling slots take turns): prompts stall the decoding slots for one such chunk at most. At most --batch-size, as llama.cpp clamps it.
     #[arg(long = "ubatch-size", default_value_t = tine_runtime::PREFILL_CHUNK)]
     ubatch: usize,
     /// MiB of KV the prompt prefixes shared between slots may hold (llama-server's flag; -1: no

@@ -87,7 +87,8 @@ pub fn router(model: Arc<Model>, config: ServerConfig) -> Router {
         slots: config.parallel.max(1),
         ctx_size: config.ctx_size,
         spec: config.spec.clone(),
-        ubatch: config.ubatch.max(1),
+        // llama.cpp clamps the physical batch to the logical one (`-ub` <= `-b`).
+        ubatch: config.ubatch.min(config.batch).max(1),
         #[cfg(feature = "failure-injection")]
         fault: config.fault.clone(),
         cache_ram: config.cache_ram,

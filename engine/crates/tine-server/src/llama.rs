@@ -169,7 +169,13 @@ pub(crate) async fn completion_run(st: Shared, req: tine_api::CompletionRequest)
                     }
                     j
                 }
-                Event::Progress(p) => json!({"content": "", "tokens": [], "stop": false, "prompt_progress": progress_json(&p)}),
+                Event::Progress(p) => {
+                    let mut j = json!({"content": "", "tokens": [], "stop": false, "prompt_progress": progress_json(&p)});
+                    if per_token {
+                        j["timings"] = timings_json(&p.timings);
+                    }
+                    j
+                }
                 Event::Done(s) => {
                     log_request(&st2, &s);
                     only_fields(final_completion_json(&st2, &s, "", Vec::new(), false, &prompt_texts[i], &settings[i]), &fields)

@@ -284,6 +284,9 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
                 Event::Progress(p) => {
                     let mut c = chunk(json!([{"index": i, "delta": {}, "logprobs": null, "finish_reason": null}]));
                     c["prompt_progress"] = progress_json(&p);
+                    if per_token {
+                        c["timings"] = timings_json(&p.timings);
+                    }
                     vec![sse_json(c)]
                 }
                 Event::Done(s) => {

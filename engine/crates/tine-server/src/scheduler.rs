@@ -51,12 +51,14 @@ pub struct Progress {
     pub cache: usize,
     pub processed: usize,
     pub time_ms: f64,
+    /// The request's timings so far (a stream with `timings_per_token` carries them).
+    pub timings: Timings,
 }
 
 impl Progress {
     fn of(g: &Generation) -> Progress {
         let t = g.timings();
-        Progress { total: g.request().prompt.len(), cache: t.cached_n, processed: t.cached_n + t.prompt_n, time_ms: t.prompt_ms }
+        Progress { total: g.request().prompt.len(), cache: t.cached_n, processed: t.cached_n + t.prompt_n, time_ms: t.prompt_ms, timings: t }
     }
 }
 

@@ -1472,6 +1472,17 @@ fn return_progress_streams_the_prompts_evaluation() {
         assert!(!text.contains("prompt_progress"), "{path}: {text}");
     }
     assert!(cached > 0, "the second chat reused nothing");
+    // Issue 52: `-b` bounds the chunks as llama.cpp clamps `-ub` to it, and with
+    // `timings_per_token` every progress chunk carries the timings so far.
+    let srv = start_cfg(None, |c| *c = ServerConfig { batch: 8, ..ServerConfig::new(1, 512) });
+    let body = json!({"prompt": prompt, "n_predict": 2, "stream": true, "return_progress": true, "timings_per_token": true, "cache_prompt": false});
+    let (_, text) = http(srv.addr, "POST", "/completion", &body.to_string());
+    let chunks: Vec<Value> = sse_data(&text).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).expect("chunk")).collect();
+    let progress: Vec<&Value> = chunks.iter().filter(|c| c.get("prompt_progress").is_some()).collect();
+    assert!(progress.len() > 3, "chunks of 8 under -b 8: {text}");
+    assert_eq!(progress[0]["timings"]["prompt_n"], 0, "{text}");
+    let ns: Vec<u64> = progress.iter().map(|c| c["timings"]["prompt_n"].as_u64().expect("timings on every progress chunk")).collect();
+    assert!(ns.windows(2).all(|w| w[0] < w[1]), "{ns:?}");
 }
 
 /// Issue 31: what request routers ask of a worker: `/server_info` and `/model_info` (and their
