@@ -3,7 +3,7 @@
 the `llama-cpp-python` sdist on PyPI) run against `tine serve`.
 
     python3 tools/llama_server_suite.py [--tine target/release/tine] [--model GGUF]
-        [--files test_basic.py,test_completion.py,...] [--out docs/evaluations/llama-server-suite.md]
+        [--files test_basic.py,test_completion.py,...] [--out docs/evaluations/llama-server-suite/report.md]
 
 The suite starts `llama-server` with its own flags and models from a model hub; here it starts
 a shim instead (`LLAMA_SERVER_BIN_PATH`), which runs `tine serve` on one GGUF (default: the
@@ -36,7 +36,7 @@ PACKAGES = ["pytest==8.3.5", "pytest-timeout==2.3.1", "requests==2.32.3", "wget=
 WITH_VALUE = {"--port", "--temp", "--seed", "--host", "--cors-origins", "--batch-size", "--ubatch-size", "--pooling", "--alias", "--tags", "--ctx-size", "--parallel", "-ctk", "-ctv",
               "--n-predict", "--slot-save-path", "--spec-type", "--api-key", "--spec-draft-n-max", "--spec-draft-n-min", "--reasoning-format", "--reasoning", "--chat-template",
               "--chat-template-file", "--cache-ram"}
-ALONE = {"--metrics", "--no-slots", "--context-shift", "--jinja"}
+ALONE = {"--metrics", "--no-slots", "--context-shift", "--jinja", "--verbose"}
 RENAMED = {"--embedding": "--embeddings", "--no-ui": "--no-webui"}
 # llama-server flags Tine does not take, and whether they carry a value.
 DROPPED_WITH_VALUE = {"--hf-repo", "--hf-file", "--model", "--model-url", "--model-draft", "--threads", "--n-gpu-layers", "-fa", "--grp-attn-n", "--grp-attn-w", "--lora", "--spec-synth-len",
@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--model", default=str(Path(os.environ.get("TINE_CACHE_DIR", Path.home() / ".cache" / "tine")) / "models" / "gemma-3-270m-q4_k_m.gguf"))
     ap.add_argument("--files", default="test_basic.py,test_chat_completion.py,test_completion.py,test_ctx_shift.py,test_infill.py,test_metrics.py,test_security.py,test_slot_save.py,"
                                         "test_speculative.py,test_template.py,test_tokenize.py,test_embedding.py,test_ignore_eos.py")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "evaluations" / "llama-server-suite.md"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "evaluations" / "llama-server-suite" / "report.md"))
     ap.add_argument("-k", default=None, help="pytest's -k, to run some tests only")
     a = ap.parse_args()
     tests = suite_dir()

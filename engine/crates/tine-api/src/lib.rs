@@ -52,15 +52,26 @@ pub enum PromptInput {
     /// Several prompts in one request (OpenAI's list of strings, llama-server's list of token
     /// lists): one result each.
     Many(Vec<OnePrompt>),
+    /// One prompt of token ids and texts (llama.cpp's `tokenize_mixed`).
+    Mixed(Vec<PromptPart>),
+}
+
+/// A piece of a mixed prompt: a token id, or a text to tokenize.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum PromptPart {
+    Id(i64),
+    Text(String),
 }
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-#[serde(expecting = "a prompt as a string, a list of token ids or a `{\"prompt_string\": ...}` object")]
+#[serde(expecting = "a prompt as a string, a list of token ids (and strings) or a `{\"prompt_string\": ...}` object")]
 pub enum OnePrompt {
     Text(String),
     Tokens(Vec<i64>),
     Object(PromptObject),
+    Mixed(Vec<PromptPart>),
 }
 
 /// llama-server's JSON prompt object: `{"prompt_string": TEXT, "multimodal_data": [...]}`
@@ -93,6 +104,9 @@ impl PromptObject {
 pub enum Prompt {
     Text(String),
     Tokens(Vec<i64>),
+    /// Token ids and texts in one prompt: the texts tokenized in place (BOS only where the
+    /// first part is a text, as llama.cpp's `tokenize_mixed` adds it).
+    Mixed(Vec<PromptPart>),
 }
 
 /// Most results one request may ask for (prompts times `n`).
@@ -105,12 +119,14 @@ impl PromptInput {
             PromptInput::Text(t) => Ok(vec![Prompt::Text(t)]),
             PromptInput::Tokens(ids) => Ok(vec![Prompt::Tokens(ids)]),
             PromptInput::Object(o) => Ok(vec![o.into_prompt()?]),
+            PromptInput::Mixed(parts) => Ok(vec![Prompt::Mixed(parts)]),
             PromptInput::Many(v) => v
                 .into_iter()
                 .map(|p| match p {
                     OnePrompt::Text(t) => Ok(Prompt::Text(t)),
                     OnePrompt::Tokens(ids) => Ok(Prompt::Tokens(ids)),
                     OnePrompt::Object(o) => o.into_prompt(),
+                    OnePrompt::Mixed(parts) => Ok(Prompt::Mixed(parts)),
                 })
                 .collect(),
         }
@@ -978,6 +994,7 @@ pub fn decode_any(endpoint: Endpoint, body: &[u8], vocab: usize) -> Result<Strin
                 sizes.push(match p {
                     Prompt::Text(t) => t.len(),
                     Prompt::Tokens(ids) => check_ids(ids, vocab)?.len(),
+                    Prompt::Mixed(parts) => parts.len(),
                 });
             }
             let sizes: Vec<String> = sizes.iter().map(|n| n.to_string()).collect();

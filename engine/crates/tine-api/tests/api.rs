@@ -14,7 +14,8 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         (Endpoint::Completion, r#"{"prompt": ["a", [1]]}"#, Ok("completion prompt 1+1")),
         (Endpoint::Completion, r#"{"prompt": []}"#, Ok("completion prompt 0")), // the server refuses an empty prompt
         (Endpoint::Completion, r#"{"prompt": [[1], [400]]}"#, Err("token id 400 is outside")),
-        (Endpoint::Completion, r#"{"prompt": [["a"]]}"#, Err("`prompt` as a string, a list of token ids, a `{\"prompt_string\": ...}` object, or a list of prompts")),
+        (Endpoint::Completion, r#"{"prompt": [["a"]]}"#, Ok("completion prompt 1")),
+        (Endpoint::Completion, r#"{"prompt": [[{"a": 1}]]}"#, Err("`prompt` as a string, a list of token ids, a `{\"prompt_string\": ...}` object, or a list of prompts")),
         (Endpoint::Completion, r#"{"n_predict": 3}"#, Err("`prompt` is required")),
         (Endpoint::Completion, r#"{"prompt": [1, 400]}"#, Err("token id 400 is outside the vocabulary (0..300)")),
         (Endpoint::Completion, r#"{"prompt": "hi", "n": 17}"#, Err("n must lie in 1..=16, got n = 17")),
@@ -43,7 +44,11 @@ fn bodies_are_accepted_or_refused_with_a_message_naming_the_field() {
         (Endpoint::Completion, r#"{"prompt": [{"prompt_string": "a"}, "bc"]}"#, Ok("completion prompt 1+2")),
         (Endpoint::Completion, r#"{"prompt": {"prompt_string": "a", "multimodal_data": ["aGk="]}}"#, Err("`multimodal_data` is not supported")),
         (Endpoint::Completion, r#"{"prompt": {"text": "a"}}"#, Err("needs `prompt_string`")),
-        (Endpoint::Completion, r#"{"prompt": [["a", "b"]]}"#, Err("or a list of prompts")),
+        // A list mixing ids and strings is one prompt (llama.cpp's `tokenize_mixed`), also inside a list.
+        (Endpoint::Completion, r#"{"prompt": [1, 2, "abc", 3]}"#, Ok("completion prompt 4")),
+        (Endpoint::Completion, r#"{"prompt": [[1, "abc"], "de"]}"#, Ok("completion prompt 2+2")),
+        (Endpoint::Completion, r#"{"prompt": [["a", "b"]]}"#, Ok("completion prompt 2")),
+        (Endpoint::Completion, r#"{"prompt": [1, {"x": 1}]}"#, Err("or a list of prompts")),
         (Endpoint::Tokenize, r#"{"content": "abc"}"#, Ok("tokenize 3 bytes")),
         (Endpoint::Detokenize, r#"{"tokens": [-1]}"#, Err("token id -1 is outside")),
     ];

@@ -79,6 +79,10 @@ struct ServeArgs {
     /// comma-separated list gives several names, the id being the first in alphabetical order
     #[arg(short = 'a', long = "alias")]
     alias: Option<String>,
+    /// Every chat answer carries `__verbose` (the result as /completion gives it, with the
+    /// rendered prompt), as a request's `verbose` asks (llama-server's debug output)
+    #[arg(long = "verbose")]
+    verbose: bool,
     /// Comma-separated labels /v1/models lists for the model (llama-server's flag)
     #[arg(long = "tags", value_name = "TAGS", value_delimiter = ',')]
     tags: Vec<String>,
@@ -810,6 +814,7 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
         max_body_bytes: a.max_body_bytes,
         defaults,
         alias: a.alias.clone(),
+        verbose: a.verbose,
         tags: a.tags.iter().map(|t| t.trim().to_owned()).filter(|t| !t.is_empty()).collect(),
         slots_endpoint: !a.no_slots,
         metrics: a.metrics,

@@ -28,6 +28,8 @@ pub struct ServerConfig {
     pub alias: Option<String>,
     /// `--tags`: labels `/v1/models` lists for the model.
     pub tags: Vec<String>,
+    /// `--verbose`: every chat answer carries `__verbose`, as a request's `verbose` asks.
+    pub verbose: bool,
     /// `/slots` answers (llama-server's default; `--no-slots` turns it off).
     pub slots_endpoint: bool,
     /// `/metrics` answers (`--metrics`, off by default as in llama-server).
@@ -77,6 +79,7 @@ impl ServerConfig {
             defaults: tine_api::Defaults::default(),
             alias: None,
             tags: Vec::new(),
+            verbose: false,
             slots_endpoint: true,
             metrics: false,
             chat_template: None,

@@ -152,6 +152,17 @@ pub(crate) fn prompt_tokens(st: &AppState, prompts: Vec<Prompt>) -> Result<Vec<V
         .map(|p| match p {
             Prompt::Text(t) => Ok(st.model.tokenizer.encode(&t, true, true)),
             Prompt::Tokens(ids) => checked_ids(st, &ids),
+            // llama.cpp's `tokenize_mixed`: BOS only before a first part that is a text.
+            Prompt::Mixed(parts) => {
+                let mut out = Vec::new();
+                for (i, part) in parts.into_iter().enumerate() {
+                    match part {
+                        tine_api::PromptPart::Id(id) => out.extend(checked_ids(st, &[id])?),
+                        tine_api::PromptPart::Text(t) => out.extend(st.model.tokenizer.encode(&t, i == 0, true)),
+                    }
+                }
+                Ok(out)
+            }
         })
         .collect()
 }

@@ -244,7 +244,7 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
     let req = chat_body(&st, body).await?;
     let ChatRun { format, vs, rxs, prompt_text } = start_chat(&st, req).await?;
     let (stream, logprobs, include_usage, per_token) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage, vs[0].timings_per_token);
-    let verbose = vs[0].verbose.then(|| generation_settings(&st, &vs[0]));
+    let verbose = (vs[0].verbose || st.config.verbose).then(|| generation_settings(&st, &vs[0]));
     let id = format!("chatcmpl-{}", now());
     let created = now();
     let chunk = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": st.model_id, "system_fingerprint": fingerprint(), "choices": choices});

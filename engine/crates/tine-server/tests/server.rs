@@ -1910,6 +1910,9 @@ fn llama_servers_verbose_input_tokens_aliases_prompt_objects_and_generation_sett
             assert!(v.get("__verbose").is_none(), "{v}");
         }
     }
+    let loud = start_cfg(None, |c| c.verbose = true);
+    let (_, v) = post(loud.addr, "/chat/completions", json!({"messages": msgs, "max_tokens": 2}));
+    assert!(v["__verbose"]["prompt"].as_str().is_some_and(|p| p.contains("Book")), "--verbose: {v}");
     for path in ["/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"] {
         let (s, v) = post(srv.addr, path, json!({"messages": msgs}));
         let (_, tok) = post(srv.addr, "/apply-template", json!({"messages": msgs}));
@@ -1927,6 +1930,11 @@ fn llama_servers_verbose_input_tokens_aliases_prompt_objects_and_generation_sett
     obj["prompt"] = json!({"prompt_string": "hello world"});
     let (s, b) = post(srv.addr, "/completion", obj);
     assert_eq!((s, b["tokens"].clone()), (200, a["tokens"].clone()), "{b}");
+    // Ids and texts in one prompt (llama.cpp's `tokenize_mixed`): BOS then the text is the text.
+    let mut mixed = greedy("", 4);
+    mixed["prompt"] = json!([2, "hello world"]);
+    let (s, b) = post(srv.addr, "/completion", mixed);
+    assert_eq!((s, b["tokens"].clone(), b["tokens_evaluated"].clone()), (200, a["tokens"].clone(), a["tokens_evaluated"].clone()), "{b}");
     let (s, v) = post(srv.addr, "/completion", json!({"prompt": [{"prompt_string": "hi", "multimodal_data": ["aGk="]}], "n_predict": 1}));
     assert_eq!((s, v["error"]["param"].as_str()), (400, Some("prompt")), "{v}");
     // generation_settings: llama-server's fields, and ignore_eos's biases.
