@@ -69,7 +69,7 @@ fn tool_use(c: &ToolCall, id: String) -> Value {
 
 async fn run(st: Shared, body: Body) -> Result<Response, ApiError> {
     let req = chat_request(&st, body).await?;
-    let ChatRun { format, vs, mut rxs, .. } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, mut rxs } = start_chat(&st, req).await?;
     let id = fresh_id("msg_");
     let rx = rxs.pop().expect("an Anthropic request has one answer");
     if !vs[0].stream {

@@ -199,8 +199,6 @@ pub(crate) struct ChatRun {
     pub(crate) format: ReplyFormat,
     pub(crate) vs: Vec<Validated>,
     pub(crate) rxs: Vec<tokio::sync::mpsc::UnboundedReceiver<Event>>,
-    /// The rendered prompt (`__verbose`).
-    pub(crate) prompt_text: String,
 }
 
 /// Renders, validates and submits a checked chat request (every chat dialect's way in).
@@ -223,14 +221,13 @@ pub(crate) async fn start_chat(st: &Shared, req: tine_api::ChatRequest) -> Resul
     let returns_reasoning = req.reasoning.unwrap_or(st.config.reasoning_format) == tine_api::ReasoningFormat::Deepseek
         && !schema_bound
         && st.template.source().is_some_and(|s| s.contains(tine_engine::reasoning::THINK_OPEN));
-    let (vs, forced_open, prompt_text) = prepare(st, move |st| {
+    let (vs, forced_open) = prepare(st, move |st| {
         let (text, prompt) = chat_prompt(st, &req.prompt)?;
-        let open = tine_engine::reasoning::forced_open(&text);
-        Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, open, text))
+        Ok((validate_many(st, vec![prompt], &req.limits, req.n)?, tine_engine::reasoning::forced_open(&text)))
     })
     .await?;
     let rxs = submit_all(st, &vs)?;
-    Ok(ChatRun { format: ReplyFormat { reasoning: returns_reasoning.then_some(forced_open), tools: tool_syntax }, vs, rxs, prompt_text })
+    Ok(ChatRun { format: ReplyFormat { reasoning: returns_reasoning.then_some(forced_open), tools: tool_syntax }, vs, rxs })
 }
 
 /// llama-server's `/chat/completions/input_tokens`: the tokens a chat body's prompt renders to.
@@ -242,7 +239,7 @@ pub(crate) async fn chat_input_tokens(State(st): State<Shared>, body: Body) -> R
 
 pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let req = chat_body(&st, body).await?;
-    let ChatRun { format, vs, rxs, prompt_text } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, rxs } = start_chat(&st, req).await?;
     let (stream, logprobs, include_usage, per_token) = (vs[0].stream, vs[0].logprobs, vs[0].include_usage, vs[0].timings_per_token);
     let verbose = (vs[0].verbose || st.config.verbose).then(|| generation_settings(&st, &vs[0]));
     let id = format!("chatcmpl-{}", now());
@@ -342,10 +339,12 @@ pub(crate) async fn chat_completions(State(st): State<Shared>, body: Body) -> Re
         "choices": choices,
         "usage": usage_of(results.iter().map(|r| &r.0)), "timings": timings_json(&results[0].0.timings),
     });
-    // llama-server's `verbose`: the first result as `/completion` gives it, the prompt rendered.
+    // llama-server's `verbose`: the first result as `/completion` gives it.
     if let Some(settings) = verbose {
         let s = &results[0].0;
-        answer["__verbose"] = final_completion_json(&st, s, &s.text, Vec::new(), true, &prompt_text, &settings);
+        // The prompt as `/completion` reports it: its tokens detokenized (BOS included).
+        let prompt = st.model.tokenizer.decode(&vs[0].request.prompt, true);
+        answer["__verbose"] = final_completion_json(&st, s, &s.text, Vec::new(), true, &prompt, &settings);
     }
     Ok(Json(answer).into_response())
 }

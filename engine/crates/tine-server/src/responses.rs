@@ -64,7 +64,7 @@ fn call_item(id: &str, call_id: &str, c: &ToolCall, status: &str, arguments: &st
 
 pub(crate) async fn create(State(st): State<Shared>, body: Body) -> Result<Response, ApiError> {
     let (req, echo) = chat_request(&st, body).await?;
-    let ChatRun { format, vs, mut rxs, .. } = start_chat(&st, req).await?;
+    let ChatRun { format, vs, mut rxs } = start_chat(&st, req).await?;
     let (id, created) = (fresh_id("resp_"), now());
     let rx = rxs.pop().expect("a Responses request has one answer");
     if !vs[0].stream {
