@@ -335,18 +335,12 @@ fn the_official_openai_and_anthropic_clients_get_what_they_ask_for() {
         "{%- if tools %}<|im_start|>system\nCall a tool as <tool_call>{...}</tool_call>: {{ tools | tojson }}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
     )
     .expect("write template");
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-        .args(["serve", "-m", model.to_str().expect("utf-8"), "--port", &port.to_string(), "-c", "4096", "-np", "2", "--alias", "tiny", "--api-key", "sk-test"])
-        .args(["--chat-template", template.to_str().expect("utf-8"), "--spec-type", "ngram", "--embeddings", "--pooling", "mean"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start tine serve");
-    let t0 = std::time::Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    let template = template.to_str().expect("utf-8");
+    let served = Served::start(
+        model.to_str().expect("utf-8"),
+        &["-c", "4096", "-np", "2", "--alias", "tiny", "--api-key", "sk-test", "--chat-template", template, "--spec-type", "ngram", "--embeddings", "--pooling", "mean"],
+    );
+    let port = served.port;
     let mut failed = Vec::new();
     for script in ["openai_client.py", "anthropic_client.py"] {
         let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
@@ -356,8 +350,7 @@ fn the_official_openai_and_anthropic_clients_get_what_they_ask_for() {
             failed.push(script);
         }
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(served);
     assert!(failed.is_empty(), "client checks failed in {failed:?} (report above)");
 }
 
@@ -376,21 +369,11 @@ fn the_chat_page_works_in_a_real_browser() {
     assert!(model.exists(), "the default model is not at {} (cargo xtask fetch-model)", model.display());
     let dir = tempfile::tempdir().expect("tempdir");
     let shot = std::env::var("TINE_WEBUI_SCREENSHOT").map(std::path::PathBuf::from).unwrap_or_else(|_| dir.path().join("webui.png"));
-    let port = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port").local_addr().expect("addr").port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tine"))
-        .args(["serve", "-m", model.to_str().expect("utf-8"), "--port", &port.to_string(), "-c", "2048", "--api-key", "sk-page", "--spec-type", "ngram"])
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .expect("start tine serve");
-    let t0 = std::time::Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t0.elapsed().as_secs() < 60, "tine serve did not come up");
-        std::thread::sleep(std::time::Duration::from_millis(100));
-    }
+    let served = Served::start(model.to_str().expect("utf-8"), &["-c", "2048", "--api-key", "sk-page", "--spec-type", "ngram"]);
+    let port = served.port;
     let script = format!("{}/tests/webui_page.py", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(&python).args([&script, &format!("http://127.0.0.1:{port}"), "sk-page", shot.to_str().expect("utf-8")]).output().expect("run the browser test");
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(served);
     println!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the chat page failed in the browser (report above)");
     assert!(shot.metadata().is_ok_and(|m| m.len() > 10_000), "no screenshot at {}", shot.display());

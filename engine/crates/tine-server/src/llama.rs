@@ -97,7 +97,9 @@ pub(crate) fn timings_json(t: &Timings) -> Value {
 
 /// llama-server's `prompt_progress` object.
 pub(crate) fn progress_json(p: &scheduler::Progress) -> Value {
-    json!({"total": p.total, "cache": p.cache, "processed": p.processed, "time_ms": p.time_ms})
+    // `processed` counts the cached tokens too, as llama-server counts them.
+    let t = &p.timings;
+    json!({"total": p.total, "cache": t.cached_n, "processed": t.cached_n + t.prompt_n, "time_ms": t.prompt_ms})
 }
 
 /// One token's `completion_probabilities` entry: log-probabilities (`logprob`,

@@ -43,22 +43,18 @@ pub enum Event {
     Error(GenerateError),
 }
 
-/// llama-server's `prompt_progress`: the prompt's tokens, those reused from the cache, those
-/// evaluated so far, and the time spent on them.
+/// llama-server's `prompt_progress`: the prompt's tokens and the request's timings so far (the
+/// tokens reused from the cache, those evaluated, the time spent on them; a stream with
+/// `timings_per_token` carries them whole).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Progress {
     pub total: usize,
-    pub cache: usize,
-    pub processed: usize,
-    pub time_ms: f64,
-    /// The request's timings so far (a stream with `timings_per_token` carries them).
     pub timings: Timings,
 }
 
 impl Progress {
     fn of(g: &Generation) -> Progress {
-        let t = g.timings();
-        Progress { total: g.request().prompt.len(), cache: t.cached_n, processed: t.cached_n + t.prompt_n, time_ms: t.prompt_ms, timings: t }
+        Progress { total: g.request().prompt.len(), timings: g.timings() }
     }
 }
 
