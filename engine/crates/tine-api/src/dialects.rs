@@ -54,6 +54,7 @@ const LLAMA_EXTRAS: &[&str] = &[
     "speculative.n_max",
     "speculative.n_min",
     "speculative.p_min",
+    "speculative.type",
 ];
 
 /// Sets a chat template variable (`chat_template_kwargs`), unless the client set it itself.

@@ -205,6 +205,10 @@ pub struct GenFields {
     pub spec_n_min: Option<usize>,
     #[serde(rename = "speculative.p_min")]
     pub spec_p_min: Option<f32>,
+    /// llama-server's `speculative.type`: `none`, a drafter type or `ngram,TYPE` (checked
+    /// against what the server serves, at the server's edge).
+    #[serde(rename = "speculative.type")]
+    pub spec_type: Option<String>,
     /// OpenAI's choices per prompt; choice `i` samples with `seed + i`.
     pub n: Option<i64>,
     /// OpenAI's log-probabilities: a count of alternatives (completions) or `true` (chat, with
@@ -384,6 +388,8 @@ pub struct Limits {
     /// `speculative.n_max`, `.n_min`, `.p_min`: per-request draft settings (each `None` keeps
     /// the server's).
     pub draft: DraftOverride,
+    /// `speculative.type`: the drafter (`None` keeps the server's).
+    pub spec_type: Option<String>,
 }
 
 /// A request's own draft settings, each over the server's when given.
@@ -497,6 +503,7 @@ impl GenFields {
                 n => return Err(RequestError::on("n_keep", format!("n_keep must be -1 (the whole prompt) or >= 0, got {n}"))),
             },
             draft: DraftOverride { n_max: self.spec_n_max, n_min: self.spec_n_min, p_min: self.spec_p_min },
+            spec_type: self.spec_type.clone(),
         })
     }
 

@@ -7,7 +7,7 @@ the API key KEY and drafts with n-gram speculation.
 Checks, as a user would see them: the page asks for the key and says so when a wrong one is
 given; a message gets a reply whose text arrives in pieces while it streams; the reply shows
 its tokens per second and the drafted/accepted counts, with accepted drafts marked; a reply can
-be stopped; a reload finds the conversation; the server's errors show in words. Exits non-zero
+be stopped; the speculation menu lists the server's drafters and off drafts nothing; a reload finds the conversation; the server's errors show in words. Exits non-zero
 with the reason on the first failure.
 """
 
@@ -89,6 +89,24 @@ with sync_playwright() as p:
     if last_reply(page).locator(".draft").count() == 0:
         sys.exit(f"no accepted draft marked ({stats!r})")
 
+    # The speculation menu lists what this server offers a request (`/props`): its own drafter,
+    # off, and n-grams; off drafts nothing.
+    page.click("#settings summary")
+    options = page.locator("#speculation option").all_inner_texts()
+    if options != ["as the server runs (ngram)", "off", "ngram"]:
+        sys.exit(f"the speculation menu offers {options}")
+    page.select_option("#speculation", "none")
+    page.click("#settings summary")
+    send(page, "Count from one to twenty in words, separated by commas: one, two, three, four, five, six, seven,")
+    expect(page.locator("#send")).to_have_text("Stop", timeout=TIMEOUT)
+    expect(page.locator("#send")).to_have_text("Send", timeout=TIMEOUT)
+    stats = last_reply(page).locator(".stats").inner_text()
+    if "tokens/s" not in stats or "drafted" in stats:
+        sys.exit(f"a reply with speculation off: {stats!r}")
+    page.click("#settings summary")
+    page.select_option("#speculation", "server")
+    page.click("#settings summary")
+
     # A reply can be stopped.
     page.click("#settings summary")
     page.fill("#max-tokens", "2000")
@@ -104,7 +122,7 @@ with sync_playwright() as p:
     page.reload()
     expect(page.locator("#conversations li")).to_have_count(1, timeout=TIMEOUT)
     expect(page.locator("#conversations li").first).to_contain_text("Count from one")
-    expect(page.locator(".msg.user")).to_have_count(2, timeout=TIMEOUT)
+    expect(page.locator(".msg.user")).to_have_count(3, timeout=TIMEOUT)
     expect(page.locator(".msg.assistant").first.locator(".body")).to_have_text(final, timeout=TIMEOUT)
 
     # The server's errors show in words: a request over the context is refused with its reason.
@@ -148,7 +166,7 @@ with sync_playwright() as p:
 
     # The picture for the README: the first conversation.
     page.locator("#conversations li button.open").nth(1).click()
-    expect(page.locator(".msg.user")).to_have_count(2)
+    expect(page.locator(".msg.user")).to_have_count(3)
     page.screenshot(path=SHOT)
     if errors:
         sys.exit(f"script errors on the page: {errors}")

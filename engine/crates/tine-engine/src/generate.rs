@@ -32,6 +32,9 @@ pub struct GenerateRequest {
     pub cache_prompt: bool,
     /// Per-request draft settings (the speculator's own when `None`).
     pub speculative: Option<tine_spec::DraftParams>,
+    /// The drafter this request speculates with (the server's when `None`); the caller that
+    /// owns the speculators reads it.
+    pub drafter: Option<tine_spec::SpecChoice>,
     /// Added to a token's logit before every decision (`-inf` bans it), as llama.cpp's
     /// `logit_bias` sampler does.
     pub logit_bias: Vec<(u32, f32)>,
@@ -56,6 +59,7 @@ impl GenerateRequest {
             post_sampling_probs: false,
             cache_prompt: true,
             speculative: None,
+            drafter: None,
             logit_bias: Vec::new(),
             grammar: None,
             context_shift: false,

@@ -65,6 +65,21 @@ pub(crate) struct Validated {
     pub(crate) logprobs: Option<usize>,
 }
 
+/// `speculative.type`, read against what this server serves (400 naming what it offers).
+fn spec_choice(drafting: &crate::scheduler::Drafting, model: &tine_runtime::Model, text: &str) -> Result<tine_spec::SpecChoice, ApiError> {
+    let offers = || drafting.offers.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(", ");
+    let bad = |msg: String| ApiError { param: Some("speculative.type".into()), ..ApiError::bad(msg) };
+    let choice: tine_spec::SpecChoice = text.parse().map_err(|e| bad(format!("speculative.type: {e}; this server offers {} (and ngram,TYPE chains)", offers())))?;
+    if !drafting.factory.serves(choice, model) {
+        let why = match choice.spec_type() {
+            Some(tine_spec::SpecType::DraftMtp) => "this model has no NextN head",
+            _ => "its weights are loaded at start-up (--spec-type with --mtp-head or -md)",
+        };
+        return Err(bad(format!("speculative.type `{choice}`: {why}; this server offers {}", offers())));
+    }
+    Ok(choice)
+}
+
 /// Validates one result's request: tine-api's model-free checks are done ([`tine_api::Limits`]);
 /// here what needs the model (bias texts, a grammar compiled against the vocabulary), then the
 /// engine's own [`GenerateRequest::validate`] against the context size, once. `choice` is the
@@ -77,9 +92,11 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
     if let Some(seed) = l.sampling.seed.as_mut() {
         *seed = seed.wrapping_add(choice as u64);
     }
-    let speculative = match &st.config.spec {
-        Some(f) if !l.draft.is_empty() => {
-            let (d, o) = (f.config.params, l.draft);
+    let drafting = &st.scheduler.drafting;
+    let drafter = l.spec_type.as_deref().map(|t| spec_choice(drafting, &st.model, t)).transpose()?;
+    let speculative = match drafting.choice(drafter) {
+        tine_spec::SpecChoice::On { .. } if !l.draft.is_empty() => {
+            let (d, o) = (drafting.factory.config.params, l.draft);
             let p = tine_spec::DraftParams { n_max: o.n_max.unwrap_or(d.n_max), n_min: o.n_min.unwrap_or(d.n_min), p_min: o.p_min.unwrap_or(d.p_min), adaptive: d.adaptive };
             p.check().map_err(|e| ApiError::bad(format!("speculative: {e}")))?;
             Some(p)
@@ -90,6 +107,7 @@ pub(crate) fn validate(st: &AppState, prompt: Vec<u32>, l: &tine_api::Limits, ch
     let grammar = l.constraint.as_ref().map(|(field, c)| compile_constraint(st, field, c)).transpose()?;
     let request = GenerateRequest {
         speculative,
+        drafter,
         prompt,
         n_predict: l.n_predict,
         sampling: l.sampling,

@@ -301,12 +301,12 @@ fn log_request(st: &AppState, s: &Summary) {
         t.predicted_per_second(),
         s.stop_type.as_str()
     );
-    if let Some(f) = &st.config.spec {
+    if s.drafter != tine_spec::SpecChoice::Off {
         let d = t.draft;
         eprintln!(
             "slot {} | draft {}: {} drafted, {} accepted ({:.1}%), {} verify steps, {:.2} tokens per step",
             s.slot,
-            f.config.label(),
+            s.drafter,
             d.draft_n,
             d.draft_n_accepted,
             d.accept_rate() * 100.0,

@@ -23,6 +23,10 @@ pub(crate) fn default_settings(st: &AppState) -> Value {
 }
 
 pub(crate) async fn props(State(st): State<Shared>) -> Json<Value> {
+    let d = &st.scheduler.drafting;
+    let p = d.factory.config.params;
+    // `type`: every request's default; `types`: what a request may choose (`speculative.type`).
+    let speculative = json!({"type": d.default.to_string(), "types": d.offers.iter().map(|c| c.to_string()).collect::<Vec<_>>(), "n_max": p.n_max, "n_min": p.n_min, "p_min": p.p_min});
     Json(json!({
         "default_generation_settings": default_settings(&st),
         "total_slots": st.scheduler.slots,
@@ -35,9 +39,7 @@ pub(crate) async fn props(State(st): State<Shared>) -> Json<Value> {
         "bos_token": st.model.tokenizer.bos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "eos_token": st.model.tokenizer.eos_token().and_then(|b| st.model.tokenizer.token_text(b)).unwrap_or(""),
         "build_info": env!("TINE_BUILD_INFO"),
-        "speculative": st.config.spec.as_ref().map(|f| json!({
-            "type": f.config.label(), "n_max": f.config.params.n_max, "n_min": f.config.params.n_min, "p_min": f.config.params.p_min,
-        })),
+        "speculative": speculative,
     }))
 }
 
@@ -239,15 +241,15 @@ pub(crate) fn generation_settings(st: &AppState, req: &Validated) -> Value {
         "logit_bias": bias, "n_probs": r.n_probs, "min_keep": 0, "grammar": "", "grammar_lazy": false, "grammar_triggers": [], "preserved_tokens": [],
         "chat_format": "Content-only", "reasoning_format": st.config.reasoning_format.name(), "reasoning_in_content": false, "generation_prompt": "",
         "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
-        "speculative.types": st.config.spec.as_ref().map_or_else(|| "none".to_owned(), |f| f.config.label()),
+        "speculative.types": st.scheduler.drafting.choice(r.drafter).to_string(),
         "timings_per_token": req.timings_per_token, "post_sampling_probs": r.post_sampling_probs, "backend_sampling": false, "lora": [],
         "cache_prompt": r.cache_prompt, "context_shift": r.context_shift,
     });
     if let (Some(v), Value::Object(rest)) = (v.as_object_mut(), rest) {
         v.extend(rest);
     }
-    if let Some(f) = &st.config.spec {
-        let d = r.speculative.unwrap_or(f.config.params);
+    if st.scheduler.drafting.choice(r.drafter) != tine_spec::SpecChoice::Off {
+        let d = r.speculative.unwrap_or(st.scheduler.drafting.factory.config.params);
         v["speculative.n_max"] = json!(d.n_max);
         v["speculative.n_min"] = json!(d.n_min);
         v["speculative.p_min"] = json!(d.p_min);

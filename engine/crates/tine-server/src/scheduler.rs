@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, Generation, StopType, Timings, TokenProb, ValidRequest};
 use tine_runtime::{Model, Rows, Sequence, SlotFileError, SlotImage, StepError};
-use tine_spec::{SpecFactory, Speculator};
+use tine_spec::{SpecChoice, SpecConfig, SpecFactory, SpecType, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::prefix_pool::{Node, PoolStats, PrefixPool, Shared, MIN_NEW_PREFIX};
@@ -71,6 +71,8 @@ pub struct Summary {
     pub seed: u64,
     /// Generation stopped because the context was full (not at `n_predict`).
     pub truncated: bool,
+    /// What it drafted with.
+    pub drafter: SpecChoice,
 }
 
 /// What a slot action does (llama-server's `/slots/{id}?action=`).
@@ -178,6 +180,8 @@ struct Slot {
     nextn_prefix: Option<Arc<Node>>,
     /// This slot's drafter state (speculative decoding on).
     spec: Option<Speculator>,
+    /// What `spec` drafts with (a request choosing another gets a fresh one).
+    choice: SpecChoice,
     active: Option<Active>,
     last_used: u64,
 }
@@ -283,11 +287,44 @@ pub struct BatchCounts {
     pub forward_slots: u64,
 }
 
+/// The drafters a server's requests choose among (`speculative.type`): the one `--spec-type`
+/// loaded at start-up, every request's default, and those that need nothing loaded (n-grams,
+/// and NextN where the target carries its head) on any server.
+#[derive(Clone, Debug)]
+pub struct Drafting {
+    pub factory: Arc<SpecFactory>,
+    /// `none` on a server started without `--spec-type`.
+    pub default: SpecChoice,
+    /// Every choice a request may make, `none` and the default first.
+    pub offers: Vec<SpecChoice>,
+}
+
+impl Drafting {
+    pub fn new(spec: Option<Arc<SpecFactory>>, model: &Model) -> Drafting {
+        let (factory, default) = match spec {
+            Some(f) => {
+                let d = f.default_choice();
+                (f, d)
+            }
+            None => (Arc::new(SpecFactory::load(SpecConfig::new(SpecType::Ngram), model).expect("n-grams of the default sizes load nothing")), SpecChoice::Off),
+        };
+        let offers = factory.offers(model);
+        Drafting { factory, default, offers }
+    }
+
+    /// The choice a request makes (its own or the server's).
+    pub fn choice(&self, asked: Option<SpecChoice>) -> SpecChoice {
+        asked.unwrap_or(self.default)
+    }
+}
+
 /// A handle to the engine thread.
 #[derive(Clone)]
 pub struct Scheduler {
     jobs: mpsc::Sender<Msg>,
     pub slots: usize,
+    /// What requests draft with (`speculative.type`).
+    pub drafting: Arc<Drafting>,
     views: Arc<Mutex<Vec<SlotView>>>,
     pool: Arc<Mutex<PoolStats>>,
     batches: Arc<BatchSizes>,
@@ -301,9 +338,10 @@ impl Scheduler {
         let views = Arc::new(Mutex::new((0..slots).map(|id| SlotView { id, n_ctx, id_task: -1, ..SlotView::default() }).collect()));
         let pool = Arc::new(Mutex::new(PoolStats::default()));
         let batches = Arc::new(BatchSizes::default());
-        let (v, p, b) = (views.clone(), pool.clone(), batches.clone());
-        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, rx, v, p, b)).expect("spawning the engine thread");
-        Scheduler { jobs: tx, slots, views, pool, batches }
+        let drafting = Arc::new(Drafting::new(config.spec.clone(), &model));
+        let (v, p, b, d) = (views.clone(), pool.clone(), batches.clone(), drafting.clone());
+        std::thread::Builder::new().name("tine-engine".into()).spawn(move || run(model, config, d, rx, v, p, b)).expect("spawning the engine thread");
+        Scheduler { jobs: tx, slots, drafting, views, pool, batches }
     }
 
     /// The batched decode forwards' figures since start.
@@ -336,12 +374,13 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
-/// A slot's drafter. The factory was checked against this model when the server started, so
-/// this fails only when a drafter's state cannot be made (memory, a device); the slot then
-/// decodes without speculation (the same output, since speculation is lossless) and says so.
-fn new_speculator(model: &Model, factory: Option<&Arc<SpecFactory>>, seq: &Sequence) -> Option<Speculator> {
-    match factory?.speculator(model, seq.context()) {
-        Ok(spec) => Some(spec),
+/// A slot's drafter for `choice` (the edge checked the factory serves it). The factory was
+/// checked against this model when the server started, so this fails only when a drafter's
+/// state cannot be made (memory, a device); the slot then decodes without speculation (the same
+/// output, since speculation is lossless) and says so.
+fn new_speculator(model: &Model, drafting: &Drafting, choice: SpecChoice, seq: &Sequence) -> Option<Speculator> {
+    match drafting.factory.speculator_for(choice, model, seq.context()) {
+        Ok(spec) => spec,
         Err(e) => {
             eprintln!("warning: a slot's drafter could not be made ({}); the slot decodes without speculation", tine_engine::error_chain(&e));
             None
@@ -372,14 +411,14 @@ fn clear_injected(seq: &mut Sequence) {
 
 /// A slot after a panic: its state may be anything, so it forgets every position and its
 /// prefix, and gets a new drafter.
-fn reset_slot(model: &Model, factory: Option<&Arc<SpecFactory>>, slot: &mut Slot) {
+fn reset_slot(model: &Model, drafting: &Drafting, slot: &mut Slot) {
     slot.active = None;
     slot.prefix = None;
     slot.draft_prefix = None;
     slot.nextn_prefix = None;
     slot.seq.reset();
     clear_injected(&mut slot.seq);
-    slot.spec = new_speculator(model, factory, &slot.seq);
+    slot.spec = new_speculator(model, drafting, slot.choice, &slot.seq);
 }
 
 fn publish(views: &Mutex<Vec<SlotView>>, i: usize, slot: &Slot, task: Option<i64>) {
@@ -395,7 +434,7 @@ fn publish(views: &Mutex<Vec<SlotView>>, i: usize, slot: &Slot, task: Option<i64
 }
 
 /// A slot action, on an idle slot only (a request's tokens are not a consistent state to save).
-fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], id: usize, action: SlotAction) -> Result<SlotOutcome, SlotError> {
+fn slot_action(model: &Model, drafting: &Drafting, slots: &mut [Slot], id: usize, action: SlotAction) -> Result<SlotOutcome, SlotError> {
     let n = slots.len();
     let slot = slots.get_mut(id).ok_or(SlotError::NoSuchSlot { id, slots: n })?;
     if slot.active.is_some() {
@@ -408,7 +447,7 @@ fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [S
             // The drafter's per-position state described the old tokens (a failed restore on the
             // GPU engine may have emptied the sequence).
             if restored.is_ok() || slot.seq.is_empty() {
-                slot.spec = new_speculator(model, factory, &slot.seq);
+                slot.spec = new_speculator(model, drafting, slot.choice, &slot.seq);
             }
             restored.map_err(SlotError::File)?;
             Ok(SlotOutcome::Restored { n_restored: slot.seq.len() })
@@ -416,7 +455,7 @@ fn slot_action(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [S
         SlotAction::Erase => {
             let n_erased = slot.seq.len();
             slot.seq.reset();
-            slot.spec = new_speculator(model, factory, &slot.seq);
+            slot.spec = new_speculator(model, drafting, slot.choice, &slot.seq);
             Ok(SlotOutcome::Erased { n_erased })
         }
     }
@@ -603,8 +642,7 @@ fn release_prefix(slot: &mut Slot) {
     }
 }
 
-fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>, batch_sizes: Arc<BatchSizes>) {
-    let factory = config.spec.clone();
+fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>, batch_sizes: Arc<BatchSizes>) {
     // On the CPU the active slots' decode rows and verify batches run as one forward each step,
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
@@ -614,16 +652,18 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
     let mut slots: Vec<Slot> = (0..config.slots.max(1))
         .map(|_| {
             let seq = model.new_sequence(config.ctx_size);
-            Slot { spec: new_speculator(&model, factory.as_ref(), &seq), seq, prefix: None, draft_prefix: None, nextn_prefix: None, active: None, last_used: 0 }
+            Slot { spec: new_speculator(&model, &drafting, drafting.default, &seq), choice: drafting.default, seq, prefix: None, draft_prefix: None, nextn_prefix: None, active: None, last_used: 0 }
         })
         .collect();
     let sharing = config.cache_ram != Some(0) && slots.len() > 1;
-    // A NextN drafter's entries bound what a slot can reuse of the target's positions.
-    let nextn = slots.iter_mut().any(|s| s.spec.as_mut().is_some_and(|p| p.nextn_share().is_some()));
+    // A NextN drafter's entries bound what a slot can reuse of the target's positions (whether
+    // this model's NextN drafter shares them: asked of a drafter of one position).
+    let nextn = drafting.offers.contains(&SpecChoice::of(SpecType::DraftMtp))
+        && drafting.factory.speculator_for(SpecChoice::of(SpecType::DraftMtp), &model, 1).ok().flatten().is_some_and(|mut p| p.nextn_share().is_some());
     // One budget for the pools, the target's, a draft model's and a NextN head's, split in
     // proportion to what a position takes in each (a prefix is usually in all of them).
     let bpp = model.kv_bytes_per_position().unwrap_or(0);
-    let draft_bpp = factory.as_ref().and_then(|f| f.draft_model()).and_then(|m| m.kv_bytes_per_position()).unwrap_or(0);
+    let draft_bpp = drafting.factory.draft_model().and_then(|m| m.kv_bytes_per_position()).unwrap_or(0);
     let nextn_bpp = if nextn { model.nextn_kv_bytes_per_position().unwrap_or(0) } else { 0 };
     let total = bpp + draft_bpp + nextn_bpp;
     let share = |of: usize| config.cache_ram.map(|b| if of == 0 { 0 } else { (b as u128 * of as u128 / total as u128) as usize });
@@ -651,7 +691,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         }
         // Slot actions before admissions: they see the slots as the last step left them.
         for cmd in commands {
-            let out = slot_action(&model, factory.as_ref(), &mut slots, cmd.id, cmd.action);
+            let out = slot_action(&model, &drafting, &mut slots, cmd.id, cmd.action);
             if let Some(slot) = slots.get_mut(cmd.id) {
                 release_prefix(slot);
                 publish(&views, cmd.id, slot, None);
@@ -666,7 +706,10 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
         let mut k = 0;
         while k < queue.len() && slots.iter().any(|s| s.active.is_none()) {
             let job = &queue[k];
-            if sharing && job.request.cache_prompt && awaits_prefix(&mut slots, &pool, &nextn_pool, &job.request.prompt, nextn) {
+            if sharing
+                && job.request.cache_prompt
+                && awaits_prefix(&mut slots, &pool, &nextn_pool, &job.request.prompt, nextn && drafting.choice(job.request.drafter).spec_type() == Some(SpecType::DraftMtp))
+            {
                 k += 1;
                 continue;
             }
@@ -690,9 +733,17 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             clock += 1;
             let slot = &mut slots[i];
             slot.last_used = clock;
-            if let (Some(spec), Some(f)) = (slot.spec.as_mut(), factory.as_ref()) {
+            let choice = drafting.choice(job.request.drafter);
+            if slot.choice != choice {
+                // Another drafter: its state starts empty (and shares no prefix yet).
+                slot.choice = choice;
+                slot.draft_prefix = None;
+                slot.nextn_prefix = None;
+                slot.spec = new_speculator(&model, &drafting, choice, &slot.seq);
+            }
+            if let Some(spec) = slot.spec.as_mut() {
                 // The server's draft settings unless the request brings its own.
-                spec.params = f.config.params;
+                spec.params = drafting.factory.config.params;
             }
             if sharing && job.request.cache_prompt {
                 // A NextN head's entries first: the target keeps no more than they cover.
@@ -717,7 +768,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                 Err((e, panicked)) => {
                     let _ = job.events.send(Event::Error(e));
                     if panicked {
-                        reset_slot(&model, factory.as_ref(), slot);
+                        reset_slot(&model, &drafting, slot);
                     }
                 }
             }
@@ -776,7 +827,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
             }
             if let Err((e, true)) = stepped {
                 let _ = a.events.send(Event::Error(e));
-                reset_slot(&model, factory.as_ref(), slot);
+                reset_slot(&model, &drafting, slot);
                 publish(&views, i, slot, None);
                 continue;
             }
@@ -796,6 +847,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                     if let Some(stop) = ev.stop {
                         let g = &a.gen;
                         let summary = Summary {
+                            drafter: slot.choice,
                             slot: i,
                             text: g.text().to_owned(),
                             tokens: g.tokens().to_vec(),
@@ -820,13 +872,13 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
                     // The sequence is as before the failed step (steps are atomic) and keeps
                     // its prefix; the drafter's own state may be mid-round, so it starts over.
                     clear_injected(&mut slot.seq);
-                    slot.spec = new_speculator(&model, factory.as_ref(), &slot.seq);
+                    slot.spec = new_speculator(&model, &drafting, slot.choice, &slot.seq);
                     publish(&views, i, slot, None);
                 }
             }
         }
         if batching {
-            feed_pending(&model, factory.as_ref(), &mut slots, &views, &batch_sizes, &mut step_cost);
+            feed_pending(&model, &drafting, &mut slots, &views, &batch_sizes, &mut step_cost);
         }
     }
 }
@@ -836,7 +888,7 @@ fn run(model: Arc<Model>, config: EngineConfig, rx: mpsc::Receiver<Msg>, views: 
 /// slot's rows are the bits its own forward gives, so a request's tokens do not depend on what
 /// shares its steps. If the batch fails, each slot runs its forward alone, so that an error stays
 /// with the slot it belongs to.
-fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes, cost: &mut StepCost) {
+fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes, cost: &mut StepCost) {
     let pending: Vec<usize> = (0..slots.len()).filter(|&i| slots[i].active.as_ref().is_some_and(|a| a.gen.pending_rows().is_some())).collect();
     if pending.is_empty() {
         return;
@@ -870,7 +922,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 if let Some(a) = slot.active.as_ref() {
                     let _ = a.events.send(Event::Error(GenerateError::Internal("a batched step panicked".into())));
                 }
-                reset_slot(model, factory, slot);
+                reset_slot(model, drafting, slot);
                 publish(views, i, slot, None);
             }
         }
@@ -881,7 +933,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 let c = cost.of(r, rows, pending.len(), ms);
                 let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_rows(model, &mut slot.seq, slot.spec.as_mut(), logits, hidden, ms, c));
-                settle(model, factory, slots, views, i, prefilling, fed);
+                settle(model, drafting, slots, views, i, prefilling, fed);
             }
         }
         // Every sequence is as it was (the batch is atomic): each runs its forward alone.
@@ -892,7 +944,7 @@ fn feed_pending(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [
                 batch_sizes.forward(1);
                 let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
-                settle(model, factory, slots, views, i, prefilling, fed);
+                settle(model, drafting, slots, views, i, prefilling, fed);
             }
         }
     }
@@ -975,7 +1027,7 @@ impl StepCost {
 /// a client that asked; an error ends its request (a panic resets the slot; otherwise the
 /// sequence is as before the step, and the drafter starts over).
 #[allow(clippy::too_many_arguments)]
-fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, i: usize, prefilling: bool, fed: Result<(), (GenerateError, bool)>) {
+fn settle(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, i: usize, prefilling: bool, fed: Result<(), (GenerateError, bool)>) {
     let slot = &mut slots[i];
     let Err((e, panicked)) = fed else {
         if let Some(a) = slot.active.as_ref().filter(|a| prefilling && a.progress) {
@@ -987,11 +1039,11 @@ fn settle(model: &Model, factory: Option<&Arc<SpecFactory>>, slots: &mut [Slot],
         let _ = a.events.send(Event::Error(e));
     }
     if panicked {
-        reset_slot(model, factory, slot);
+        reset_slot(model, drafting, slot);
     } else {
         slot.active = None;
         clear_injected(&mut slot.seq);
-        slot.spec = new_speculator(model, factory, &slot.seq);
+        slot.spec = new_speculator(model, drafting, slot.choice, &slot.seq);
     }
     publish(views, i, slot, None);
 }

@@ -7,7 +7,7 @@ pub(crate) async fn slots(State(st): State<Shared>) -> Result<Json<Value>, ApiEr
     if !st.config.slots_endpoint {
         return Err(ApiError::new(StatusCode::NOT_IMPLEMENTED, "This server does not support slots endpoint. Start it without `--no-slots`"));
     }
-    let spec = st.config.spec.is_some();
+    let spec = st.scheduler.drafting.default != tine_spec::SpecChoice::Off;
     Ok(Json(Value::Array(
         st.scheduler
             .slot_views()

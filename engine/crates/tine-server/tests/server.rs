@@ -372,6 +372,65 @@ fn speculative_slots_answer_like_plain_ones_and_report_draft_timings() {
 }
 
 #[test]
+fn a_request_chooses_its_drafter_and_every_choice_answers_like_plain_decoding() {
+    let plain = start(1, 256);
+    let body = json!({"prompt": "hello world hello world", "n_predict": 24, "temperature": 0, "ignore_eos": true});
+    let (_, want) = post(plain.addr, "/completion", body.clone());
+    let with = |t: &str| {
+        let mut b = body.clone();
+        b["speculative.type"] = json!(t);
+        b
+    };
+    let check = |server: &Server, t: &str, (status, got): (u16, Value)| {
+        assert_eq!(status, 200, "{t}: {got}");
+        assert_eq!(got["content"], want["content"], "{t}: output differs from plain decoding");
+        let steps = got["timings"]["draft_verify_steps"].as_u64().unwrap_or(0);
+        assert_eq!(steps > 0, t != "none", "{t}: {}", got["timings"]);
+        assert_eq!(got["generation_settings"]["speculative.types"], json!(t), "{t}");
+        let _ = server;
+    };
+    // Started without --spec-type: n-grams, and NextN (this model carries a head), on request.
+    let bare = start_model(TinyGemma3 { nextn: true, context: 8192, ..TinyGemma3::default() }, None, |c| *c = ServerConfig::new(2, 256));
+    let (_, props) = http(bare.addr, "GET", "/props", "");
+    let props: Value = serde_json::from_str(&props).expect("json");
+    assert_eq!(props["speculative"]["type"], json!("none"));
+    assert_eq!(props["speculative"]["types"], json!(["none", "ngram", "draft-mtp"]));
+    let (_, got) = post(bare.addr, "/completion", body.clone());
+    check(&bare, "none", (200, got));
+    // One slot after another switches drafters; two slots at once run different ones.
+    for t in ["ngram", "draft-mtp", "none", "draft-mtp", "ngram,draft-mtp"] {
+        check(&bare, t, post(bare.addr, "/completion", with(t)));
+    }
+    let (a, b) = std::thread::scope(|s| {
+        let h = s.spawn(|| post(bare.addr, "/completion", with("ngram")));
+        let b = post(bare.addr, "/completion", with("draft-mtp"));
+        (h.join().expect("client thread"), b)
+    });
+    check(&bare, "ngram", a);
+    check(&bare, "draft-mtp", b);
+    // What needs weights loaded at start-up, and names that are no drafter, are 400s naming the
+    // field and what the server offers; the server keeps serving.
+    for bad in ["draft", "draft-assistant", "eagle", "draft-mtp,ngram"] {
+        let (status, err) = post(bare.addr, "/completion", with(bad));
+        assert_eq!(status, 400, "{bad}: {err}");
+        let msg = err["error"]["message"].as_str().expect("message");
+        assert!(msg.contains("speculative.type") && msg.contains("ngram, draft-mtp"), "{bad}: {msg}");
+    }
+    // Started with an assistant head (behind n-grams): its chain is the default, the head alone,
+    // NextN, n-grams and none are choices; the draft model is not.
+    let served = start_cfg(Some(tine_spec::SpecType::DraftAssistant), |c| *c = ServerConfig { spec: None, ..ServerConfig::new(2, 256) });
+    let (_, props) = http(served.addr, "GET", "/props", "");
+    let props: Value = serde_json::from_str(&props).expect("json");
+    assert_eq!(props["speculative"]["type"], json!("draft-assistant"));
+    assert_eq!(props["speculative"]["types"], json!(["none", "draft-assistant", "draft-mtp", "ngram"]));
+    for t in ["draft-mtp", "none", "ngram", "draft-assistant", "ngram,draft-assistant"] {
+        check(&served, t, post(served.addr, "/completion", with(t)));
+    }
+    let (status, _) = post(served.addr, "/completion", with("draft"));
+    assert_eq!(status, 400);
+}
+
+#[test]
 fn a_bad_speculative_override_is_a_400_with_a_json_error() {
     let server = start_with(1, 256, Some(tine_spec::SpecType::Ngram));
     for bad in [json!({"prompt": "hi", "speculative.p_min": 2.0}), json!({"prompt": "hi", "speculative.n_max": 99})] {

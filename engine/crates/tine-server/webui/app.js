@@ -311,6 +311,34 @@ async function loadModel() {
   }
 }
 
+// The drafters this server offers a request (`/props`' speculative.types), after "as the server
+// runs" (its --spec-type, named); the choice kept in this browser is restored once they are known.
+let draftersLoaded = false;
+async function loadDrafters() {
+  if (draftersLoaded) return;
+  try {
+    const res = await fetchWithKey("props", { method: "GET" });
+    if (!res.ok) return;
+    const spec = (await res.json()).speculative;
+    if (!spec || !Array.isArray(spec.types)) return;
+    const select = $("speculation");
+    select.replaceChildren();
+    const add = (value, text) => {
+      const o = document.createElement("option");
+      o.value = value;
+      o.textContent = text;
+      select.append(o);
+    };
+    add("server", `as the server runs (${spec.type === "none" ? "off" : spec.type})`);
+    for (const t of spec.types) add(t, t === "none" ? "off" : t);
+    const kept = load(SETTINGS, {}).speculation;
+    if (kept && [...select.options].some((o) => o.value === kept)) select.value = kept;
+    draftersLoaded = true;
+  } catch (e) {
+    // The page works without the list: the server's own drafter.
+  }
+}
+
 // ---- a reply -------------------------------------------------------------------------------------
 
 async function send(text) {
@@ -329,8 +357,10 @@ async function send(text) {
     temperature: s.temperature,
     max_tokens: s.maxTokens,
   };
-  if (s.speculation === "off") body["speculative.n_max"] = 0;
-  else if (s.nMax) body["speculative.n_max"] = s.nMax;
+  // "off" is what a page kept from before the server named its drafters.
+  if (s.speculation === "off" || s.speculation === "none") body["speculative.type"] = "none";
+  else if (s.speculation && s.speculation !== "server") body["speculative.type"] = s.speculation;
+  if (s.nMax && body["speculative.type"] !== "none") body["speculative.n_max"] = s.nMax;
   const controller = new AbortController();
   running = { controller, conv: c, msg };
   renderAll();
@@ -373,6 +403,7 @@ async function send(text) {
   try {
     const res = await fetchWithKey("v1/chat/completions", { method: "POST", body: JSON.stringify(body), signal: controller.signal });
     if (!res.ok) throw new Error(await errorText(res));
+    loadDrafters();
     const reader = res.body.getReader();
     const dec = new TextDecoder();
     let buf = "";
@@ -448,4 +479,4 @@ for (const id of ["temperature", "max-tokens", "speculation", "n-max"]) $(id).on
 
 restoreSettings();
 renderAll();
-loadModel();
+loadModel().then(loadDrafters);

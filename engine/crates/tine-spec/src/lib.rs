@@ -76,6 +76,59 @@ impl FromStr for SpecType {
     }
 }
 
+/// What one request drafts with (`speculative.type`, llama-server's field for it): nothing, or
+/// a [`SpecType`], optionally behind n-gram proposals (`ngram,TYPE`, as `--spec-type` spells a
+/// chain).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecChoice {
+    Off,
+    On { spec_type: SpecType, ngram_first: bool },
+}
+
+impl SpecChoice {
+    /// Plain `spec_type`.
+    pub fn of(spec_type: SpecType) -> SpecChoice {
+        SpecChoice::On { spec_type, ngram_first: false }
+    }
+
+    /// The drafter type, `None` when off.
+    pub fn spec_type(self) -> Option<SpecType> {
+        match self {
+            SpecChoice::Off => None,
+            SpecChoice::On { spec_type, .. } => Some(spec_type),
+        }
+    }
+}
+
+impl std::fmt::Display for SpecChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SpecChoice::Off => f.write_str("none"),
+            SpecChoice::On { spec_type, ngram_first: true } => write!(f, "ngram,{spec_type}"),
+            SpecChoice::On { spec_type, ngram_first: false } => write!(f, "{spec_type}"),
+        }
+    }
+}
+
+impl FromStr for SpecChoice {
+    type Err = UnknownSpecType;
+    /// `none` (or `off`), a type, or `ngram,TYPE`; llama.cpp's names for the types too.
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let s = s.trim();
+        if s == "none" || s == "off" {
+            return Ok(SpecChoice::Off);
+        }
+        match s.split_once(',') {
+            Some((first, rest)) => match (first.trim().parse()?, rest.trim().parse()?) {
+                (SpecType::Ngram, SpecType::Ngram) => Ok(SpecChoice::of(SpecType::Ngram)),
+                (SpecType::Ngram, spec_type) => Ok(SpecChoice::On { spec_type, ngram_first: true }),
+                _ => Err(UnknownSpecType(s.to_owned())),
+            },
+            None => Ok(SpecChoice::of(s.parse()?)),
+        }
+    }
+}
+
 /// How much to draft (`--spec-draft-n-max`, `--spec-draft-n-min`, `--spec-draft-p-min`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DraftParams {
@@ -227,6 +280,8 @@ pub enum SpecError {
     VocabMismatch { draft: usize, target: usize },
     #[error("{0} needs a target with a NextN head (`nextn_predict_layers` in its GGUF); this one has none")]
     NoNextN(SpecType),
+    #[error("{0} needs what this server did not load at start-up (start it with --spec-type {0})")]
+    NotLoaded(SpecType),
     #[error("preparing a verify row failed")]
     Filter(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("a verify of {planned} rows planned at length {at} was decided over {rows} rows at length {len}")]
@@ -804,7 +859,8 @@ impl SpecFactory {
     /// Loads what `config` needs and checks it fits `target`.
     pub fn load(config: SpecConfig, target: &Model) -> Result<SpecFactory, SetupError> {
         config.params.check()?;
-        if config.ngram_first && (config.ngram_min == 0 || config.ngram_min > config.ngram_max) {
+        // Every server offers n-gram drafting per request (`speculative.type`).
+        if config.ngram_min == 0 || config.ngram_min > config.ngram_max {
             return Err(SetupError::NgramSizes(config.ngram_min, config.ngram_max));
         }
         let (mut assistant, mut draft) = (None, None);
@@ -850,24 +906,57 @@ impl SpecFactory {
         Ok(SpecFactory { config, assistant, draft })
     }
 
+    /// What this server's requests draft with when they do not choose (`--spec-type`).
+    pub fn default_choice(&self) -> SpecChoice {
+        SpecChoice::On { spec_type: self.config.spec_type, ngram_first: self.config.ngram_first && self.config.spec_type != SpecType::Ngram }
+    }
+
+    /// Whether a request may draft with `choice` here: what was loaded at start-up (an assistant
+    /// head, a draft model), and what needs nothing loaded (n-grams; NextN where the target
+    /// carries its head).
+    pub fn serves(&self, choice: SpecChoice, target: &Model) -> bool {
+        match choice.spec_type() {
+            None | Some(SpecType::Ngram) => true,
+            Some(SpecType::DraftMtp) => target.has_nextn(),
+            Some(SpecType::DraftAssistant) => self.assistant.is_some(),
+            Some(SpecType::Draft) => self.draft.is_some(),
+        }
+    }
+
+    /// Every choice [`SpecFactory::serves`] (chains aside), the default first after `none`.
+    pub fn offers(&self, target: &Model) -> Vec<SpecChoice> {
+        let mut all = vec![SpecChoice::Off, self.default_choice()];
+        for t in SpecType::ALL {
+            let c = SpecChoice::of(t);
+            if self.serves(c, target) && !all.contains(&c) {
+                all.push(c);
+            }
+        }
+        all
+    }
+
+    /// A fresh speculator for `choice` ([`SpecFactory::serves`] must hold), `None` when off.
+    pub fn speculator_for(&self, choice: SpecChoice, target: &Model, context: usize) -> Result<Option<Speculator>, SpecError> {
+        let SpecChoice::On { spec_type, ngram_first } = choice else { return Ok(None) };
+        let ngram = NgramDrafter { n_min: self.config.ngram_min, n_max: self.config.ngram_max };
+        let drafter: Box<dyn Drafter> = match spec_type {
+            SpecType::DraftMtp => Box::new(MtpDrafter::new(target, context)?),
+            SpecType::DraftAssistant => Box::new(AssistantDrafter::new(self.assistant.clone().ok_or(SpecError::NotLoaded(spec_type))?)),
+            SpecType::Draft => Box::new(DraftModelDrafter::new(self.draft.clone().ok_or(SpecError::NotLoaded(spec_type))?, target, context)?),
+            SpecType::Ngram => Box::new(ngram.clone()),
+        };
+        let drafter = if ngram_first && spec_type != SpecType::Ngram { Box::new(ChainDrafter::new(ngram, drafter)) } else { drafter };
+        Ok(Some(Speculator::new(drafter, self.config.params)))
+    }
+
     /// The draft model, for `--spec-type draft`.
     pub fn draft_model(&self) -> Option<&Model> {
         self.draft.as_deref()
     }
 
-    /// A fresh speculator (drafter state included) for one sequence of `context` positions.
+    /// A fresh speculator (drafter state included) for one sequence of `context` positions, of
+    /// the server's own choice.
     pub fn speculator(&self, target: &Model, context: usize) -> Result<Speculator, SpecError> {
-        let drafter: Box<dyn Drafter> = match self.config.spec_type {
-            SpecType::DraftMtp => Box::new(MtpDrafter::new(target, context)?),
-            SpecType::DraftAssistant => Box::new(AssistantDrafter::new(self.assistant.clone().expect("loaded for draft-assistant"))),
-            SpecType::Draft => Box::new(DraftModelDrafter::new(self.draft.clone().expect("loaded for draft"), target, context)?),
-            SpecType::Ngram => Box::new(NgramDrafter { n_min: self.config.ngram_min, n_max: self.config.ngram_max }),
-        };
-        let drafter = if self.config.ngram_first && self.config.spec_type != SpecType::Ngram {
-            Box::new(ChainDrafter::new(NgramDrafter { n_min: self.config.ngram_min, n_max: self.config.ngram_max }, drafter))
-        } else {
-            drafter
-        };
-        Ok(Speculator::new(drafter, self.config.params))
+        Ok(self.speculator_for(self.default_choice(), target, context)?.expect("the default choice drafts"))
     }
 }

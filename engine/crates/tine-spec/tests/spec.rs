@@ -436,6 +436,58 @@ fn assistant_drafting_is_lossless_in_both_namings_and_mismatches_are_clear_error
 }
 
 #[test]
+fn a_request_chooses_among_the_drafters_its_server_can_serve_and_each_is_lossless() {
+    use tine_spec::{SpecChoice, SpecConfig, SpecFactory};
+    // Names: Tine's and llama.cpp's, chains as `--spec-type` spells them, and the off switch.
+    for (text, want) in [
+        ("none", SpecChoice::Off),
+        ("off", SpecChoice::Off),
+        ("ngram", SpecChoice::of(SpecType::Ngram)),
+        ("ngram-simple", SpecChoice::of(SpecType::Ngram)),
+        ("draft-mtp", SpecChoice::of(SpecType::DraftMtp)),
+        ("ngram,draft-mtp", SpecChoice::On { spec_type: SpecType::DraftMtp, ngram_first: true }),
+        ("ngram,ngram", SpecChoice::of(SpecType::Ngram)),
+    ] {
+        assert_eq!(text.parse::<SpecChoice>(), Ok(want), "{text}");
+    }
+    for bad in ["", "eagle", "draft-mtp,ngram", "ngram,", "ngram,nope"] {
+        assert!(bad.parse::<SpecChoice>().is_err(), "{bad:?} must be refused");
+    }
+    assert_eq!(SpecChoice::On { spec_type: SpecType::Draft, ngram_first: true }.to_string(), "ngram,draft");
+
+    let fx = fixture();
+    // A server started with n-grams serves NextN too (the target carries the head), but neither
+    // the assistant nor a draft model: those are loaded at start-up.
+    let ngram = SpecFactory::load(SpecConfig::new(SpecType::Ngram), &fx.target).expect("n-grams load nothing");
+    assert_eq!(ngram.offers(&fx.target), vec![SpecChoice::Off, SpecChoice::of(SpecType::Ngram), SpecChoice::of(SpecType::DraftMtp)]);
+    for t in [SpecType::DraftAssistant, SpecType::Draft] {
+        assert!(!ngram.serves(SpecChoice::of(t), &fx.target), "{t}");
+        assert!(matches!(ngram.speculator_for(SpecChoice::of(t), &fx.target, 256), Err(SpecError::NotLoaded(_))), "{t}");
+    }
+    // A target without a NextN head offers no draft-mtp.
+    let on_draft = SpecFactory::load(SpecConfig::new(SpecType::Ngram), &fx.draft).expect("loads");
+    assert!(!on_draft.serves(SpecChoice::of(SpecType::DraftMtp), &fx.draft));
+    // A server with an assistant head: its default (a chain) first, then the rest.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let head = dir.path().join("assistant.gguf");
+    TinyAssistant::default().write(&fx.cfg, &head);
+    let config = SpecConfig { mtp_head: Some(head), ngram_first: true, ..SpecConfig::new(SpecType::DraftAssistant) };
+    let factory = SpecFactory::load(config, &fx.target).expect("the head loads");
+    let chain = SpecChoice::On { spec_type: SpecType::DraftAssistant, ngram_first: true };
+    assert_eq!(factory.default_choice(), chain);
+    let offers = factory.offers(&fx.target);
+    assert_eq!(&offers[..2], &[SpecChoice::Off, chain]);
+    assert!(offers.contains(&SpecChoice::of(SpecType::DraftAssistant)) && offers.contains(&SpecChoice::of(SpecType::Ngram)) && !offers.contains(&SpecChoice::of(SpecType::Draft)), "{offers:?}");
+    // Each choice's speculator gives plain decoding's tokens and logits; off gives none.
+    assert!(factory.speculator_for(SpecChoice::Off, &fx.target, 256).expect("off").is_none());
+    let want = plain(&fx.target, &prompt(), 24, SamplingParams::greedy());
+    for choice in offers.into_iter().skip(1) {
+        let mut spec = factory.speculator_for(choice, &fx.target, 256).expect("served").expect("drafts");
+        assert_bit_identical(&choice.to_string(), &want, &speculate(&fx.target, &mut spec, &prompt(), 24, SamplingParams::greedy()));
+    }
+}
+
+#[test]
 fn ngram_lookup_proposes_the_continuation_of_the_longest_recent_match() {
     let d = NgramDrafter { n_min: 1, n_max: 3 };
     // "a b c d x a b c" -> the 3-gram "a b c" occurred before, followed by "d x a".
