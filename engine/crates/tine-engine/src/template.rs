@@ -227,8 +227,14 @@ impl ChatTemplate {
                 }
                 let env = environment();
                 let t = env.template_from_str(source).map_err(|e| TemplateError::Syntax(crate::error_chain(&e)))?;
-                // llama.cpp's extra context: today's date in two forms, then the caller's variables.
-                let mut ctx = json!({"date_string": strftime_now("%d %b %Y"), "datetime": strftime_now("%b %d %Y")});
+                // llama.cpp's extra context: today's date in two forms, the tools as the JSON text
+                // `functions` (what llama.cpp gave FireFunction-style templates: its `dump(2)`, or
+                // "" without tools), then the caller's variables.
+                let functions = match input.tools {
+                    Some(t) if t.as_array().is_none_or(|a| !a.is_empty()) => serde_json::to_string_pretty(t).unwrap_or_default(),
+                    _ => String::new(),
+                };
+                let mut ctx = json!({"date_string": strftime_now("%d %b %Y"), "datetime": strftime_now("%b %d %Y"), "functions": functions});
                 if let (Some(extra), Some(c)) = (input.extra, ctx.as_object_mut()) {
                     c.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
                 }

@@ -161,6 +161,28 @@ mod templates {
     use serde_json::json;
     use tine_engine::template::{parse_tool_calls, ChatTemplate, RenderInput, TemplateError, ToolCall, ToolSyntax};
 
+    /// Issue 52: templates read llama-server's extra context: `functions` (the tools as JSON text,
+    /// llama.cpp's `dump(2)` of its order-keeping JSON: two-space indents, keys as sent; "" without tools), `datetime` and
+    /// `date_string` (today, in llama.cpp's two formats).
+    #[test]
+    fn templates_read_functions_and_the_date_as_llama_server_gives_them() {
+        let t = ChatTemplate::from_gguf(Some("{% if tools %}{% endif %}[{{ functions }}] {{ datetime }} / {{ date_string }}"));
+        let messages = [json!({"role": "user", "content": "Hi"})];
+        let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+        let render =
+            |tools: Option<&serde_json::Value>| t.render(&RenderInput { messages: &messages, tools, add_generation_prompt: true, bos_token: "", eos_token: "", extra: None }).expect("renders");
+        let with = render(Some(&tools));
+        let want = "[[\n  {\n    \"type\": \"function\",\n    \"function\": {\n      \"name\": \"get_weather\",\n      \"parameters\": {\n        \"type\": \"object\",\n        \"properties\": {\n          \"city\": {\n            \"type\": \"string\"\n          }\n        }\n      }\n    }\n  }\n]] ";
+        assert!(with.starts_with(want), "{with}");
+        let without = render(None);
+        assert!(without.starts_with("[] "), "{without}");
+        // `%b %d %Y / %d %b %Y`: "Dec 07 2026 / 07 Dec 2026".
+        let dates: Vec<&str> = without["[] ".len()..].split(" / ").collect();
+        let (a, b): (Vec<&str>, Vec<&str>) = (dates[0].split(' ').collect(), dates[1].split(' ').collect());
+        assert_eq!((a[0], a[1], a[2]), (b[1], b[0], b[2]), "{without}");
+        assert!(a[0].len() == 3 && a[1].len() == 2 && a[2].len() == 4, "{without}");
+    }
+
     /// Issue 32: `--chat-template` takes llama.cpp's built-in names, each rendering what
     /// llama.cpp's C++ renders (src/llama-chat.cpp, written out here per format), and an inline
     /// template; an unknown name is an error listing the names, not a bare file-not-found.
