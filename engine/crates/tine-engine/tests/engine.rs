@@ -484,13 +484,23 @@ fn greedy_ignore_eos_and_greedy_speculation_by_ids_alone_generate_what_the_rows_
 /// Issue 29: every KV cache type keeps speculative decoding lossless: within a type, each spec
 /// type hands out the tokens and logits plain decoding does (greedy and seeded sampling), the
 /// draft model with its own cache types too; and a type other than f32 is really in effect.
+/// Issue 53: the rotated types too (heads of 128 values).
 #[test]
 fn speculation_is_lossless_within_each_kv_cache_type() {
     use tine_runtime::KvType;
+    let scalar = [(KvType::Q8_0, KvType::Q8_0), (KvType::Q4_0, KvType::Q4_0), (KvType::F16, KvType::Q8_0), (KvType::BF16, KvType::BF16)];
+    let rotated = [(KvType::Turbo3, KvType::Turbo3), (KvType::Turbo4, KvType::Turbo2), (KvType::Q8_0, KvType::Turbo3)];
+    // Heads of 32 values: whole q8_0/q4_0 blocks; of 128: the rotated types' shortest rows.
+    for (head_dim, types) in [(32, &scalar[..]), (128, &rotated[..])] {
+        lossless_within(head_dim, types);
+    }
+}
+
+fn lossless_within(head_dim: usize, types: &[(tine_runtime::KvType, tine_runtime::KvType)]) {
+    use tine_runtime::KvType;
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, head, draft) = (dir.path().join("tiny.gguf"), dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
-    // Heads of 32 values: whole q8_0/q4_0 blocks.
-    let cfg = TinyGemma3 { nextn: true, head_dim: 32, n_kv_head: 2, seed: 12, ..TinyGemma3::default() };
+    let cfg = TinyGemma3 { nextn: true, head_dim, n_kv_head: 2, seed: 12, ..TinyGemma3::default() };
     cfg.write(&path);
     tine_test_support::TinyAssistant::default().write(&cfg, &head);
     TinyGemma3 { seed: 99, n_layer: 2, head_dim: 32, ..TinyGemma3::default() }.write(&draft);
@@ -500,7 +510,7 @@ fn speculation_is_lossless_within_each_kv_cache_type() {
         let prompt = model.tokenizer.encode(prompt_text, true, true);
         run(&model, GenerateRequest { n_predict: 8, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt) }, None).3
     };
-    for (k, v) in [(KvType::Q8_0, KvType::Q8_0), (KvType::Q4_0, KvType::Q4_0), (KvType::F16, KvType::Q8_0), (KvType::BF16, KvType::BF16)] {
+    for &(k, v) in types {
         let mut model = Model::load(&path).expect("fixture loads");
         model.set_cache_types(k, v).expect("Gemma 3 on the CPU keeps every type");
         let prompt = model.tokenizer.encode(prompt_text, true, true);
@@ -526,6 +536,14 @@ fn speculation_is_lossless_within_each_kv_cache_type() {
             }
         }
     }
+}
+
+#[test]
+fn kv_cache_types_a_model_cannot_keep_are_refused() {
+    use tine_runtime::KvType;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let draft = dir.path().join("draft.gguf");
+    TinyGemma3 { seed: 99, n_layer: 2, head_dim: 32, ..TinyGemma3::default() }.write(&draft);
     // Types a model cannot keep are refused with the reason, not ignored.
     let mut small = Model::load(&draft).expect("fixture loads");
     small.set_cache_types(KvType::Q8_0, KvType::F32).expect("heads of 32 values take q8_0");
@@ -535,23 +553,33 @@ fn speculation_is_lossless_within_each_kv_cache_type() {
     let err = hd16.set_cache_types(KvType::Q4_0, KvType::Q4_0).expect_err("16-value heads are no whole q4_0 block");
     assert!(tine_runtime::error_chain(&err).contains("multiple of 32"), "{}", tine_runtime::error_chain(&err));
     assert_eq!(hd16.cache_types(), (KvType::F32, KvType::F32), "a refused type leaves the model's types as they were");
+    // The rotated types need rows of at least 128 values.
+    let err = small.set_cache_types(KvType::F16, KvType::Turbo3).expect_err("32-value heads are too short to rotate");
+    assert!(tine_runtime::error_chain(&err).contains("at least 128"), "{}", tine_runtime::error_chain(&err));
 }
 
 #[test]
 fn gemma4_speculation_is_lossless_within_each_kv_cache_type() {
     use tine_runtime::KvType;
+    // Heads of 32 and 64 values (whole q8_0/q4_0 blocks); of 128 and 256 for the rotated types.
+    // KV-shared layers read their source's rows.
+    gemma4_lossless_within(32, 64, &[(KvType::F16, KvType::F16), (KvType::Q8_0, KvType::Q4_0)]);
+    gemma4_lossless_within(128, 256, &[(KvType::Turbo3, KvType::Turbo3), (KvType::Turbo4, KvType::Turbo2)]);
+}
+
+fn gemma4_lossless_within(head_dim_swa: usize, head_dim_global: usize, types: &[(tine_runtime::KvType, tine_runtime::KvType)]) {
+    use tine_runtime::KvType;
     use tine_test_support::gemma4_fixture::{TinyGemma4, TinyGemma4Assistant, TOKENIZER_VOCAB};
     let dir = tempfile::tempdir().expect("tempdir");
     let (path, head, draft) = (dir.path().join("gemma4.gguf"), dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
-    // Heads of 32 and 64 values (whole q8_0/q4_0 blocks); KV-shared layers read their source's rows.
-    let cfg = TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, head_dim_swa: 32, head_dim_global: 64, ..TinyGemma4::e2b() };
+    let cfg = TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, head_dim_swa, head_dim_global, ..TinyGemma4::e2b() };
     cfg.write(&path);
     TinyGemma4Assistant::default().write(&cfg, &head);
     TinyGemma4 { vocab: TOKENIZER_VOCAB, tokenizer: true, pattern: vec![true, false], head_dim_swa: 32, head_dim_global: 64, seed: 70, ..TinyGemma4::dense() }.write(&draft);
     let prompt: Vec<u32> = (0..12u32).map(|i| 5 + (i * 7) % 40).collect();
     let greedy = GenerateRequest { n_predict: 20, sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) };
     let f32_logits = run(&Model::load(&path).expect("fixture loads"), greedy.clone(), None).3;
-    for (k, v) in [(KvType::F16, KvType::F16), (KvType::Q8_0, KvType::Q4_0)] {
+    for &(k, v) in types {
         let mut model = Model::load(&path).expect("fixture loads");
         model.set_cache_types(k, v).expect("Gemma 4 on the CPU keeps every type");
         let seeded = SamplingParams { temperature: 0.8, seed: Some(4), ..SamplingParams::default() };

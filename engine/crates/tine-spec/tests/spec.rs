@@ -653,13 +653,20 @@ fn qwen35_greedy_and_seeded_speculation_is_plain_decoding_bit_for_bit_with_recur
 #[test]
 fn qwen35_speculation_is_lossless_within_each_kv_cache_type() {
     use tine_runtime::KvType;
+    // Heads of 32 values for the block types; of 128 for the rotated ones (issue 53).
+    qwen35_lossless_within(32, &[(KvType::F16, KvType::F16), (KvType::Q8_0, KvType::Q8_0), (KvType::Q4_0, KvType::Q4_0), (KvType::Q8_0, KvType::Q4_0)]);
+    qwen35_lossless_within(128, &[(KvType::Turbo3, KvType::Turbo3), (KvType::Turbo4, KvType::Turbo2)]);
+}
+
+fn qwen35_lossless_within(head_dim: usize, types: &[(tine_runtime::KvType, tine_runtime::KvType)]) {
+    use tine_runtime::KvType;
     let dir = tempfile::tempdir().expect("tempdir");
-    let base = TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, head_dim: 32, ..TinyQwen35::default() };
+    let base = TinyQwen35 { vocab: TOKENIZER_VOCAB, tokenizer: true, head_dim, ..TinyQwen35::default() };
     let (target_path, draft_path) = (dir.path().join("target.gguf"), dir.path().join("draft.gguf"));
     TinyQwen35 { nextn: true, full_attention_interval: 2, seed: 31, ..base.clone() }.write(&target_path);
     TinyQwen35 { n_layer: 2, full_attention_interval: 2, seed: 77, ..base }.write(&draft_path);
     let f32_logits = plain(&Model::load(&target_path).expect("target loads"), &qwen35_prompt(), 16, SamplingParams::greedy()).1;
-    for (k, v) in [(KvType::F16, KvType::F16), (KvType::Q8_0, KvType::Q8_0), (KvType::Q4_0, KvType::Q4_0), (KvType::Q8_0, KvType::Q4_0)] {
+    for &(k, v) in types {
         let mut target = Model::load(&target_path).expect("target loads");
         target.set_cache_types(k, v).expect("Qwen3.5 on the CPU keeps every type");
         let mut draft = Model::load(&draft_path).expect("draft loads");
