@@ -1189,7 +1189,7 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot, v_norm, v_from_k)?);
     }
     // Gemma 4's per-layer inputs, its per-layer input gate (norm_quant in_mode 4), and logit softcapping.
-    for (layers, p, et, layout) in [(35, 256, WeightType::Q8_0, Layout::Wide), (3, 64, WeightType::Q4K, Layout::Wide), (5, 32, WeightType::Q6K, Layout::Gguf), (4, 128, WeightType::Q5K, Layout::Wide)]
+    for (layers, p, et, layout) in [(35, 256, WeightType::Q8_0, Layout::Wide), (4, 64, WeightType::Q4K, Layout::Wide), (8, 32, WeightType::Q6K, Layout::Gguf), (4, 128, WeightType::Q5K, Layout::Wide)]
     {
         cases.push(check_ple(dev, &mut rng, layers, p, et, layout)?);
     }
@@ -2647,7 +2647,10 @@ mod gemma4 {
         // sliding window) then one-row steps: the greedy ids of both paths.
         let long: Vec<u32> = (0..700u32).map(|i| (i * 104729 + 7) % vocab as u32).collect();
         let mut cl = g.new_cache(4096)?;
-        g.forward_prompt(&mut cl, &long)?;
+        // In prompt steps of at most 512 rows, as the runtime feeds a prompt.
+        for chunk in long.chunks(512) {
+            g.forward_prompt(&mut cl, chunk)?;
+        }
         let mut cr = g.new_cache(4096)?;
         for chunk in long.chunks(MAX_ROWS) {
             g.forward(&mut cr, chunk)?;

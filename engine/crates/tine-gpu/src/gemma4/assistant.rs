@@ -296,17 +296,20 @@ impl Gemma4Gpu {
         Ok(())
     }
 
-    /// One draft step of `head` for `token` at `position`, which must be the number of positions
-    /// `cache` holds (every step of a round sits there), reading `hidden` (the target's hidden
-    /// state after its output norm at `position - 1`, or the previous step's output). Returns the
-    /// logits over the vocabulary and the next step's hidden state. The cache is not changed; the
-    /// activation buffers all sequences share are (as by any step).
+    /// One draft step of `head` for `token`, the round's draft number `position - cache.pos`
+    /// (`position` at least the number of positions `cache` holds), reading `hidden` (the target's
+    /// hidden state after its output norm at the cache's last position, or the previous step's
+    /// output). Every step of a round sits at the cache's end, as on the CPU (candle's
+    /// `quantized_gemma4` assistant). Returns the logits over the vocabulary and the next step's
+    /// hidden state. The cache is not changed; the activation buffers all sequences share are
+    /// (as by any step).
     pub fn assistant_step(&self, head: &Gemma4AssistantGpu, cache: &Gemma4Cache, hidden: &[f32], token: u32, position: usize) -> Result<(Vec<f32>, Vec<f32>)> {
         let c = &self.cfg;
         let fail = |what: String| Error::Step { rows: 1, pos: position, what };
-        if cache.pos == 0 || position != cache.pos {
-            return Err(fail(format!("a draft at position {position} needs the target to hold exactly the positions before it (it holds {})", cache.pos)));
+        if cache.pos == 0 || position < cache.pos {
+            return Err(fail(format!("a draft at position {position} reads a cache below it (it holds {} positions)", cache.pos)));
         }
+        let position = cache.pos;
         if hidden.len() != c.hidden {
             return Err(fail(format!("{} hidden values, expected {}", hidden.len(), c.hidden)));
         }
