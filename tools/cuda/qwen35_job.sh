@@ -22,6 +22,8 @@
 #                                         # (the assistant on the engine included) against plain,
 #                                         # tg128/pp512 against llama-bench on e2b
 #   bash tools/cuda/qwen35_job.sh gemma4-small  # the same without llama.cpp and the E2B shape
+#   bash tools/cuda/qwen35_job.sh gemma4-e2b    # the E2B shape alone: its check, ids against the
+#                                         # CPU path, tg128/pp512 against llama-bench
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -177,8 +179,9 @@ if [ "$mode" = gemma4-quick ]; then
   run kernels 300 "$C" || true
   exit 0
 fi
-if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ]; then
+if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ] || [ "$mode" = gemma4-e2b ]; then
   # gemma4-small: the table and the small shapes only (no llama.cpp build, no E2B shape).
+  # gemma4-e2b: the E2B shape only (no table, no small shapes).
   full=1
   [ "$mode" = gemma4-small ] && full=0
   BP=
@@ -188,10 +191,13 @@ if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ]; then
   }
   EP=
   [ $full = 1 ] && { g4 e2b & EP=$!; }
-  run kernels 300 "$C" || true
-  grep -E "^(FAIL|kernels:)" "$log" | tail -n 20
   fails=0
-  for shape in small-e2b small-dense; do
+  smalls="small-e2b small-dense"
+  if [ "$mode" = gemma4-e2b ]; then smalls=; else
+    run kernels 300 "$C" || true
+    grep -E "^(FAIL|kernels:)" "$log" | tail -n 20
+  fi
+  for shape in $smalls; do
     g4 $shape
     M="$W/g4-$shape-q.gguf"
     [ -s "$M" ] || "$C" --quantize "$W/g4-$shape-f16.gguf" "$M" >>"$W/models.log" 2>&1
@@ -215,7 +221,7 @@ if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ]; then
   # The assistant on the engine: lossless against plain decoding, and its acceptance against the
   # CPU path's (the same drafts where the CPU scores every token too: small-dense-assistant has
   # no ordered embeddings, small-e2b-assistant has them and the engine does not use them).
-  for shape in small-dense small-e2b; do
+  for shape in ${smalls:+small-dense small-e2b}; do
     A="$W/g4-$shape-assistant-q.gguf"
     g4 "$shape-assistant"
     [ -s "$A" ] || "$C" --quantize "$W/g4-$shape-assistant-f16.gguf" "$A" >>"$W/models.log" 2>&1

@@ -65,7 +65,7 @@ pub enum Gemma3GpuError {
     },
     #[error("{path}: {what}")]
     Model { path: String, what: String },
-    #[error("tensor {name} is {dtype:?}, which the GPU engine does not read (it reads Q4_K, Q5_K, Q5_0, Q6_K and Q8_0 weights)")]
+    #[error("tensor {name} is {dtype:?}, which the GPU engine does not read (it reads Q4_K, Q5_K, Q5_0, Q6_K and Q8_0 weights, and float matrices of rows of a multiple of 32 as Q8_0)")]
     Unsupported { name: String, dtype: GgmlDType },
     #[error("CUDA driver")]
     Driver(#[from] cudarc::driver::DriverError),
@@ -301,8 +301,17 @@ impl Reader<'_> {
     /// A quantized matrix of `rows` rows of `k` values, its GGUF blocks uploaded in the wide
     /// layout ([`WeightType::to_wide`]) that the engine's GEMVs read (as they are without
     /// `wide`).
+    ///
+    /// A float matrix (F16, BF16, F32: llama-quantize keeps Gemma 4's `per_layer_model_proj` in
+    /// F16 in a Q4_K_M file) is quantized to Q8_0 here, GGML's reference rounding: the engine's
+    /// GEMVs read quantized blocks.
     pub(crate) fn weight(&mut self, name: &str, rows: usize, k: usize) -> Result<(CudaSlice<u8>, WeightType)> {
         let t = self.tensor(name)?;
+        if matches!(t.dtype(), GgmlDType::F16 | GgmlDType::BF16 | GgmlDType::F32) && t.shape().dims() == [rows, k] && k.is_multiple_of(QK) {
+            let values = t.dequantize(&candle_core::Device::Cpu).and_then(|v| v.flatten_all()?.to_vec1::<f32>()).map_err(|source| Gemma3GpuError::Read { path: self.path.to_string(), source })?;
+            let wt = WeightType::Q8_0;
+            return Ok((self.upload(&wt.quantize(&values), wt, k)?, wt));
+        }
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Gemma3GpuError::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
         if t.shape().dims() != [rows, k] || !k.is_multiple_of(wt.block_values()) {
             return Err(Gemma3GpuError::Model { path: self.path.to_string(), what: format!("{name} has shape {:?} of {wt:?}, expected [{rows}, {k}]", t.shape().dims()) });
