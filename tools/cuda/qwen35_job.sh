@@ -184,11 +184,12 @@ if [ "$mode" = gemma4-bisect ]; then
   # (`mid-e2b`), then without the double-wide MLP, with small heads, without KV-shared layers;
   # the prompt step against one-row steps on each, with the GGUF layout too, and greedy ids of the
   # engine against the CPU path with a prompt of 3 tokens (one-row graphs only) and of 9.
-  for shape in mid-e2b mid-e2b-narrow mid-e2b-hd mid-e2b-noshare; do
-    [ -s "$W/g4-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$shape" --out "$W/g4-$shape-f16.gguf" >>"$W/models.log" 2>&1
+  for shape in ${BISECT_SHAPES:-mid-e2b mid-e2b-noshare mid-e2b-narrow mid-e2b-hd}; do
+    rm -f "$W/g4-$shape-f16.gguf" "$W/g4-$shape-q.gguf"
+    TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$shape" --out "$W/g4-$shape-f16.gguf" >>"$W/models.log" 2>&1
     M="$W/g4-$shape-q.gguf"
-    [ -s "$M" ] || "$C" --quantize "$W/g4-$shape-f16.gguf" "$M" >>"$W/models.log" 2>&1
-    say "$shape: $(timeout 120 "$C" --no-table --gemma4 "$M" 2>&1 | grep -E 'prompt|verify 8' | tr '\n' ' ')"
+    "$C" --quantize "$W/g4-$shape-f16.gguf" "$M" >>"$W/models.log" 2>&1
+    say "$shape: $(timeout 120 "$C" --no-table --gemma4 "$M" 2>&1 | grep -E 'prompt|verify 8|tine-gpu-check|rror' | tr '\n' ' ')"
     [ "$shape" = mid-e2b ] && say "$shape gguf layout: $(TINE_GPU_WIDE=0 timeout 120 "$C" --no-table --gemma4 "$M" 2>&1 | grep -E 'prompt' | tr '\n' ' ')"
     for p in 'Hi' 'The history of the printing press begins'; do
       base=(generate -m "$M" -p "$p" -n 16 --ignore-eos --temp 0)
