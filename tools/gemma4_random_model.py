@@ -55,13 +55,13 @@ TARGETS = {
     # E2B's widths over 10 layers (the KV-shared ones with a global owner before them) and a small vocabulary (a few hundred MB): `mid-e2b`, and the
     # same with one E2B feature taken out each, to find which one a difference follows.
     "mid-e2b": dict(hidden=1536, groups=2, pattern=[True] * 4 + [False], heads=8, kv_swa=1, kv_global=1,
-                    hd_swa=256, hd_global=512, rot_frac=0.25, ff=6144, ff_shared=12288, shared_kv=4,
+                    hd_swa=256, hd_global=512, rot_frac=0.25, ff=6144, ff_shared=12288, shared_kv=5,
                     per_layer=256, window=512, vocab=4096, softcap=30.0),
     "mid-e2b-narrow": dict(hidden=1536, groups=2, pattern=[True] * 4 + [False], heads=8, kv_swa=1, kv_global=1,
-                           hd_swa=256, hd_global=512, rot_frac=0.25, ff=6144, ff_shared=6144, shared_kv=4,
+                           hd_swa=256, hd_global=512, rot_frac=0.25, ff=6144, ff_shared=6144, shared_kv=5,
                            per_layer=256, window=512, vocab=4096, softcap=30.0),
     "mid-e2b-hd": dict(hidden=1536, groups=2, pattern=[True] * 4 + [False], heads=8, kv_swa=1, kv_global=1,
-                       hd_swa=64, hd_global=128, rot_frac=0.25, ff=6144, ff_shared=12288, shared_kv=4,
+                       hd_swa=64, hd_global=128, rot_frac=0.25, ff=6144, ff_shared=12288, shared_kv=5,
                        per_layer=256, window=512, vocab=4096, softcap=30.0),
     "mid-e2b-noshare": dict(hidden=1536, groups=2, pattern=[True] * 4 + [False], heads=8, kv_swa=1, kv_global=1,
                             hd_swa=256, hd_global=512, rot_frac=0.25, ff=6144, ff_shared=12288, shared_kv=0,

@@ -348,8 +348,18 @@ impl Gemma4Gpu {
         self.max_ctx
     }
 
+    ///
+    /// [`MAX_ROWS`] unless `TINE_GPU_G4_PROMPT=1`: the prompt kernels' path is not yet right for
+    /// Gemma 4 (on a device, a 700-token prompt fed as steps of 512 and 188 differs from steps of
+    /// 8 on every shape checked, and at the E2B shape a prompt step of 21 rows from one-row
+    /// steps: docs/evaluations/gpu-families.md), so a prompt runs as steps of 8 rows through the
+    /// graphs, which give one-row steps' bits and the CPU path's greedy ids.
     pub fn prompt_rows(&self) -> usize {
-        self.prompt_rows
+        if std::env::var("TINE_GPU_G4_PROMPT").is_ok_and(|v| v == "1") {
+            self.prompt_rows
+        } else {
+            MAX_ROWS.min(self.prompt_rows)
+        }
     }
 
     /// An empty sequence state of `ctx_len` positions (at most [`Gemma4Gpu::max_ctx`]).
