@@ -2075,3 +2075,151 @@ static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
 static_assert(sizeof(TopKArgs) == 56, "TopKArgs");
 static_assert(sizeof(PleArgs) == 72, "PleArgs");
 static_assert(sizeof(SoftcapArgs) == 24, "SoftcapArgs");
+
+// ---------------------------------------------------------------------------------------------
+// Rotated low-bit KV rows (the `turbo4/3/2` cache types of candle-nn's attention::kv_turbo):
+// rows of d values (a multiple of 32, 128 to 512) to their stored bytes. The same f32 operations
+// in the same order as kv_turbo::encode_row, each product, quotient and sum rounded on its own
+// (no contraction), so the bytes are the CPU's bit for bit. One block per row, a warp per group
+// of 32: the group's rotation (signs, butterflies across lanes, 1/sqrt(32)), its RMS, the row's
+// f16 scale, each group's first exponent, each width's least error over the exponents near it
+// (lane w of the group's warp), the widths one bit at a time where the error falls most (thread
+// 0), then the indices and their bytes.
+struct TurboArgs {
+    const float* x;       // rows x d
+    uint8_t* out;         // rows x row_bytes
+    const float* steps;   // 32: the scales 2^(-k/8), as the CPU's table holds them
+    const float* bounds;  // 32: 2^(-(k - 1/2)/8)
+    const float* levels;  // 8 widths x 128: width w's 2^w levels from w * 128
+    int d; int bits; int row_bytes; unsigned sign_mask; float inv_sqrt; int search;
+};
+static_assert(sizeof(TurboArgs) == 64, "TurboArgs");
+#define TURBO_MAX_GROUPS 16
+
+__device__ __forceinline__ int turbo_nearest(const float* lv, int n, float t) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        const int k = (lo + hi) / 2;
+        if (t > __fmul_rn(0.5f, __fadd_rn(lv[k], lv[k + 1]))) lo = k + 1;
+        else hi = k;
+    }
+    return lo;
+}
+
+__device__ float turbo_group_error(const float* ys, int w, float sigma, const float* levels) {
+    float acc = 0.0f;
+    if (w == 0) {
+        for (int i = 0; i < 32; ++i) acc = __fadd_rn(acc, __fmul_rn(ys[i], ys[i]));
+        return acc;
+    }
+    const float* lv = levels + w * 128;
+    for (int i = 0; i < 32; ++i) {
+        const float q = __fmul_rn(sigma, lv[turbo_nearest(lv, 1 << w, __fdiv_rn(ys[i], sigma))]);
+        const float e = __fsub_rn(ys[i], q);
+        acc = __fadd_rn(acc, __fmul_rn(e, e));
+    }
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode(TurboArgs a) {
+    __shared__ float ys[TURBO_MAX_GROUPS][32];
+    __shared__ float rms[TURBO_MAX_GROUPS];
+    __shared__ float err[TURBO_MAX_GROUPS][8];
+    __shared__ int ex[TURBO_MAX_GROUPS][8];
+    __shared__ int wd[TURBO_MAX_GROUPS], e0[TURBO_MAX_GROUPS], ee[TURBO_MAX_GROUPS];
+    __shared__ float s32;
+    const int lane = threadIdx.x % 32, g = threadIdx.x / 32, ng = a.d / 32;
+    const size_t row = blockIdx.x;
+    pdl_trigger();
+    pdl_wait();
+    float v = a.x[row * a.d + g * 32 + lane];
+    if ((a.sign_mask >> lane) & 1u) v = -v;
+    for (int h = 1; h < 32; h <<= 1) {
+        const float o = __shfl_xor_sync(0xffffffffu, v, h);
+        v = (lane & h) ? __fsub_rn(o, v) : __fadd_rn(v, o);
+    }
+    v = __fmul_rn(v, a.inv_sqrt);
+    ys[g][lane] = v;
+    __syncwarp();
+    if (lane == 0) {
+        float acc = 0.0f;
+        for (int i = 0; i < 32; ++i) acc = __fadd_rn(acc, __fmul_rn(ys[g][i], ys[g][i]));
+        rms[g] = __fsqrt_rn(__fdiv_rn(acc, 32.0f));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float m = 0.0f;
+        for (int i = 0; i < ng; ++i) m = fmaxf(m, rms[i]);
+        s32 = __half2float(__float2half_rn(m));
+    }
+    __syncthreads();
+    const float s = s32;
+    const bool live = s > 0.0f && isfinite(s);
+    if (lane == 0) {
+        int c = 0;
+        for (int k = 1; k < 32; ++k) c += rms[g] < __fmul_rn(s, a.bounds[k]);
+        e0[g] = c;
+    }
+    __syncwarp();
+    if (live && lane < 8) {
+        const int w = lane, e = e0[g];
+        float best = INFINITY;
+        int bk = e;
+        const int lo = e - a.search < 0 ? 0 : e - a.search, hi = e + a.search > 31 ? 31 : e + a.search;
+        for (int k = lo; k <= hi; ++k) {
+            const float x = turbo_group_error(ys[g], w, __fmul_rn(s, a.steps[k]), a.levels);
+            if (x < best) { best = x; bk = k; }
+        }
+        err[g][w] = best;
+        ex[g][w] = bk;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ng; ++i) wd[i] = 0;
+        if (live) {
+            for (int it = 0; it < a.bits * ng; ++it) {
+                int pick = -1;
+                float bg = 0.0f;
+                for (int i = 0; i < ng; ++i) {
+                    if (wd[i] >= 7) continue;
+                    const float gain = __fsub_rn(err[i][wd[i]], err[i][wd[i] + 1]);
+                    if (pick < 0 || gain > bg) { pick = i; bg = gain; }
+                }
+                if (pick < 0) break;
+                wd[pick] += 1;
+            }
+        }
+        for (int i = 0; i < ng; ++i) ee[i] = live ? ex[i][wd[i]] : e0[i];
+    }
+    __syncthreads();
+    uint8_t* out = a.out + row * a.row_bytes;
+    if (!live)
+        for (int b = threadIdx.x; b < a.bits * a.d / 8; b += blockDim.x) out[2 + ng + b] = 0;
+    const int w = wd[g], e = ee[g];
+    int off = 2 + ng;
+    for (int i = 0; i < g; ++i) off += 4 * wd[i];
+    // Each group's indices fill 4w whole bytes: lane j writes bits j*w.. of them, a byte at a time
+    // by the lanes that own its bits (their codes gathered first).
+    int code = 0;
+    if (w > 0) {
+        const float* lv = a.levels + w * 128;
+        code = turbo_nearest(lv, 1 << w, __fdiv_rn(ys[g][lane], __fmul_rn(s, a.steps[e])));
+    }
+    __shared__ int codes[TURBO_MAX_GROUPS][32];
+    codes[g][lane] = code;
+    __syncwarp();
+    for (int byte = lane; byte < 4 * w; byte += 32) {
+        unsigned b = 0;
+        for (int bit = 0; bit < 8; ++bit) {
+            const int pos = byte * 8 + bit, j = pos / w, q = pos % w;
+            b |= (unsigned)((codes[g][j] >> q) & 1) << bit;
+        }
+        out[off + byte] = (uint8_t)b;
+    }
+    if (lane == 0) out[2 + g] = (uint8_t)((w << 5) | e);
+    if (threadIdx.x == 0) {
+        const unsigned short hs = __half_as_ushort(__float2half_rn(s));
+        out[0] = (uint8_t)(hs & 0xFF);
+        out[1] = (uint8_t)(hs >> 8);
+    }
+}

@@ -254,6 +254,30 @@ pub struct SoftcapArgs {
     pub pad_: i32,
 }
 
+/// `turbo_encode`'s arguments: rows of `d` values to the rotated low-bit KV rows of candle-nn's
+/// `attention::kv_turbo` (`bits` a value on average, `row_bytes` each), bit for bit.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TurboArgs {
+    pub x: DevPtr,
+    pub out: DevPtr,
+    /// 32 floats: `kv_turbo::scale_steps()`.
+    pub steps: DevPtr,
+    /// 32 floats: `kv_turbo::scale_bounds()`.
+    pub bounds: DevPtr,
+    /// 8 x 128 floats: width `w`'s `kv_turbo::levels(w)` from `w * 128`.
+    pub levels: DevPtr,
+    pub d: i32,
+    pub bits: i32,
+    pub row_bytes: i32,
+    /// Bit `i`: `kv_turbo::sign_negative(i)`.
+    pub sign_mask: u32,
+    /// `1 / sqrt(32)` as f32 (the CPU's expression).
+    pub inv_sqrt: f32,
+    /// `kv_turbo::SCALE_SEARCH`.
+    pub search: i32,
+}
+
 /// `attn_decode_hd{HD}`'s arguments.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -398,6 +422,7 @@ const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<TopKArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<PleArgs>() == 72);
 const _: () = assert!(std::mem::size_of::<SoftcapArgs>() == 24);
+const _: () = assert!(std::mem::size_of::<TurboArgs>() == 64);
 
 // SAFETY: each is a repr(C) struct of integers and floats, the layout of its namesake in decode.cu
 // (sizes asserted on both sides), passed by value as a kernel parameter.
@@ -413,6 +438,7 @@ unsafe impl DeviceRepr for GatedNormArgs {}
 unsafe impl DeviceRepr for ConvGdnArgs {}
 unsafe impl DeviceRepr for PleArgs {}
 unsafe impl DeviceRepr for SoftcapArgs {}
+unsafe impl DeviceRepr for TurboArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -429,6 +455,7 @@ pub struct Kernels {
     attn_prompt: [(usize, CudaFunction); 4],
     ple: CudaFunction,
     softcap: CudaFunction,
+    turbo: CudaFunction,
     argmax: CudaFunction,
     topk: CudaFunction,
     conv: CudaFunction,
@@ -465,6 +492,7 @@ impl Kernels {
             attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?), (512, f("attn_prompt_hd512")?)],
             ple: f("ple_inputs")?,
             softcap: f("softcap")?,
+            turbo: f("turbo_encode")?,
             argmax: f("argmax_rows")?,
             topk: f("topk_rows")?,
             conv: f("conv_silu")?,
@@ -757,6 +785,18 @@ impl Kernels {
         let blocks = (args.n as usize).div_ceil(256 * 8).min(1024);
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.softcap, cfg, args, "softcap")
+    }
+
+    /// `rows` rows of `args.d` values to rotated low-bit KV rows (a block per row, a warp per
+    /// group of 32).
+    ///
+    /// # Safety
+    /// `args.x` holds `rows * d` floats, `args.out` `rows * row_bytes` bytes, the tables their
+    /// floats.
+    pub unsafe fn turbo_encode(&self, stream: &Arc<CudaStream>, rows: usize, args: &TurboArgs) -> Result<(), GpuError> {
+        check(args.d % 32 == 0 && (128..=512).contains(&args.d) && (2..=4).contains(&args.bits) && rows > 0, || format!("turbo_encode: {rows} rows of {} values at {} bits", args.d, args.bits))?;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (args.d as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.turbo, cfg, args, "turbo_encode")
     }
 
     /// The blocks per row of `topk_rows` for rows of `n` values (its scratch is `rows * blocks *

@@ -21,6 +21,7 @@
 //! | `attn_prompt_hd{64,128,256,512}` | a prompt step's attention: a block per 8 rows (4 at heads of 512) and query head, a running softmax per warp |
 //! | `ple_inputs` | Gemma 4's per-layer inputs of a step's rows: the per-layer projection's RMSNorm per layer plus the per-layer token embedding gathered in place |
 //! | `softcap` | logit softcapping, `tanh(x / c) · c` |
+//! | `turbo_encode` | rows to the rotated low-bit KV rows of candle-nn's `kv_turbo` (turbo4/3/2), bit for bit (kernel table only so far) |
 //! | `topk_rows` | the k best logits of each row (k <= 64) under the sampler's order, banned ids left out |
 //!
 //! Every decode kernel computes a row (one token of a step) with the same operations in the same

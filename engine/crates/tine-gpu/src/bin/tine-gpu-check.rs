@@ -28,8 +28,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, Layout, WeightType, EMBD_WIDE, QK};
 use tine_gpu::cuda::{
-    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, TopKArgs, ARGMAX_BLOCKS, MAX_ROWS,
-    TOPK_MAX,
+    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, TopKArgs, TurboArgs, ARGMAX_BLOCKS,
+    MAX_ROWS, TOPK_MAX,
 };
 use tine_gpu::reference;
 
@@ -702,6 +702,56 @@ fn check_softcap(dev: &Dev, rng: &mut Rng, n: usize, cap: f32) -> Res<Case> {
     Ok(Case { name: format!("softcap n={n} cap={cap}"), worst, bits: None, note: String::new() })
 }
 
+/// `turbo_encode` on `rows` random rows of `d` values (a few channels 20 times the rest, as keys
+/// have, one row of zeros) against candle-nn's `kv_turbo::encode_row`: the bytes must be equal.
+fn check_turbo(dev: &Dev, rng: &mut Rng, bits: u32, d: usize, rows: usize) -> Res<Case> {
+    use candle_nn::attention::kv_turbo;
+    let mut x = rng.vec(rows * d, 1.0);
+    for (i, v) in x.iter_mut().enumerate() {
+        if i % d % 37 == 5 {
+            *v *= 20.0;
+        }
+        if i / d == rows - 1 && rows > 1 {
+            *v = 0.0;
+        }
+    }
+    let row_bytes = kv_turbo::row_bytes(bits, d);
+    let mut want = vec![0u8; rows * row_bytes];
+    for (r, o) in x.chunks_exact(d).zip(want.chunks_exact_mut(row_bytes)) {
+        kv_turbo::encode_row(bits, r, o);
+    }
+    let mut levels = vec![0f32; 8 * 128];
+    for w in 0..8u32 {
+        let lv = kv_turbo::levels(w);
+        levels[w as usize * 128..][..lv.len()].copy_from_slice(&lv);
+    }
+    let (xd, out) = (dev.up(&x)?, dev.zeros::<u8>(rows * row_bytes)?);
+    let (steps, bounds, lv) = (dev.up(&kv_turbo::scale_steps()[..])?, dev.up(&kv_turbo::scale_bounds()[..])?, dev.up(&levels)?);
+    let args = TurboArgs {
+        x: dev.ptr(&xd),
+        out: dev.ptr(&out),
+        steps: dev.ptr(&steps),
+        bounds: dev.ptr(&bounds),
+        levels: dev.ptr(&lv),
+        d: d as i32,
+        bits: bits as i32,
+        row_bytes: row_bytes as i32,
+        sign_mask: (0..32).filter(|&i| kv_turbo::sign_negative(i)).fold(0u32, |m, i| m | 1 << i),
+        inv_sqrt: 1.0 / (kv_turbo::GROUP as f32).sqrt(),
+        search: kv_turbo::SCALE_SEARCH as i32,
+    };
+    // SAFETY: the buffers hold what TurboArgs describes.
+    unsafe { dev.k.turbo_encode(&dev.stream, rows, &args)? };
+    let got = dev.down(&out)?;
+    let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    Ok(Case {
+        name: format!("turbo_encode bits={bits} d={d} rows={rows}"),
+        worst: if differ == 0 { 0.0 } else { 1.0 + differ as f64 },
+        bits: Some(differ == 0),
+        note: if differ == 0 { String::new() } else { format!("{differ} of {} bytes differ from the CPU's", want.len()) },
+    })
+}
+
 /// Attention for rows at pos..pos+M over a random cache; with `gated`, the output times
 /// `sigmoid(gate)` (Qwen3.5's gated attention).
 #[allow(clippy::too_many_arguments)]
@@ -1198,6 +1248,10 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     }
     for (n, cap) in [(262144 * 3, 30.0), (4096, 30.0), (100, 0.5)] {
         cases.push(check_softcap(dev, &mut rng, n, cap)?);
+    }
+    // The rotated low-bit KV rows (issue 53): the device's bytes against candle-nn's encoder.
+    for (bits, d, rows) in [(4, 256, 9), (3, 256, 9), (2, 256, 9), (3, 512, 5), (3, 128, 7), (4, 160, 3), (2, 512, 4)] {
+        cases.push(check_turbo(dev, &mut rng, bits, d, rows)?);
     }
     for (h, kv, hd, ctx, window, pos) in [
         (4, 1, 256, 2048, 0, 0),
