@@ -195,7 +195,7 @@ if [ "$mode" = gemma4-bisect ]; then
       base=(generate -m "$M" -p "$p" -n 16 --ignore-eos --temp 0)
       cpu=$(timeout 60 "$T" "${base[@]}" --device cpu 2>/dev/null)
       gpu=$(timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
-      [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  $shape engine vs cpu: ${p:0:12}" || say "DIFF  $shape engine vs cpu: ${p:0:12}"
+      if [ -z "$cpu" ] && [ -z "$gpu" ]; then say "REFUSED by both paths: $shape"; elif [ "$cpu" = "$gpu" ]; then say "same  $shape engine vs cpu: ${p:0:12}"; else say "DIFF  $shape engine vs cpu: ${p:0:12}"; fi
     done
   done
   exit 0
