@@ -24,6 +24,9 @@
 #   bash tools/cuda/qwen35_job.sh gemma4-small  # the same without llama.cpp and the E2B shape
 #   bash tools/cuda/qwen35_job.sh gemma4-e2b    # the E2B shape alone: its check, ids against the
 #                                         # CPU path, tg128/pp512 against llama-bench
+#   bash tools/cuda/qwen35_job.sh gemma4-trace  # where the prompt path parts from one-row steps:
+#                                         # the table, --gemma4-trace and a 700-token prompt's ids
+#                                         # (cpu, 8-row steps, prompt path) on the small shapes and E2B
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -177,6 +180,52 @@ if [ "$mode" = gemma4-quick ]; then
     [ -n "$got" ] && [ "$got" = "$gpu" ] && say "same  assistant vs plain: $shape ($acc)" || { say "DIFF  assistant vs plain: $shape"; tail -n 3 "$W/err-spec" >>"$log"; }
   done
   run kernels 300 "$C" || true
+  exit 0
+fi
+if [ "$mode" = gemma4-trace ]; then
+  # Where Gemma 4's prompt path parts from one-row steps: llama.cpp and the E2B shape start in the
+  # background; the kernel table; on the small shapes `tine-gpu-check --gemma4-trace` (launch by
+  # launch against 8-row steps) and a 700-token prompt's greedy ids on the CPU path, the engine
+  # in 8-row steps and the engine's prompt path (TINE_GPU_G4_PROMPT=1); then the same on E2B
+  # (llama-quantize Q4_K_M). A second call of gemma4-e2b on the warm machine reuses it all.
+  build_llama & BP=$!
+  ( [ -s "$W/g4-e2b-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape e2b --out "$W/g4-e2b-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
+  run kernels 200 "$C" || true
+  grep -E "^(FAIL|kernels:)|turbo" "$log" | tail -n 12
+  python3 - "$W/p700.json" <<'PY'
+import json, random, sys
+random.seed(11)
+json.dump([random.randrange(300, 4000) for _ in range(700)], open(sys.argv[1], "w"))
+PY
+  ids3() { # ids3 MODEL LABEL CPU_SECS: a 700-token prompt's 16 greedy ids on three paths
+    local M=$1 label=$2 secs=$3 cpu g8 gp
+    base=(generate -m "$M" --prompt-ids "$W/p700.json" -n 16 --temp 0 --ignore-eos)
+    cpu=$(timeout "$secs" "$T" "${base[@]}" --device cpu 2>/dev/null)
+    g8=$(timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
+    gp=$(TINE_GPU_G4_PROMPT=1 timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
+    say "$label 700-token prompt: 8-row steps $([ -n "$g8" ] && [ "$g8" = "$cpu" ] && echo same || echo DIFF) as cpu; prompt path $([ -n "$gp" ] && [ "$gp" = "$cpu" ] && echo same || echo DIFF) as cpu; prompt path $([ -n "$gp" ] && [ "$gp" = "$g8" ] && echo same || echo DIFF) as 8-row steps"
+    { echo "  cpu:    ${cpu: -60}"; echo "  8-row:  ${g8: -60}"; echo "  prompt: ${gp: -60}"; } >>"$log"
+  }
+  for shape in small-e2b small-dense mid-e2b; do
+    [ -s "$W/g4-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$shape" --out "$W/g4-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    M="$W/g4-$shape-q.gguf"
+    [ -s "$M" ] || "$C" --quantize "$W/g4-$shape-f16.gguf" "$M" >>"$W/models.log" 2>&1
+    run "trace-$shape" 120 "$C" --no-table --gemma4-trace "$M" || true
+    grep -E "^(PART|ok  ) trace|^FAIL" "$log" | tail -n 4
+    ids3 "$M" "$shape" 120
+  done
+  wait "$EP"; wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/g4-e2b-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/g4-e2b-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  say "gemma4 e2b Q4_K_M: $(ls -la "$M" 2>&1)"
+  run trace-e2b 200 "$C" --no-table --gemma4-trace "$M" || true
+  grep -E "^(PART|ok  ) trace|^FAIL" "$log" | tail -n 4
+  base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos)
+  cpu=$(timeout 200 "$T" "${base[@]}" --device cpu 2>/dev/null)
+  g8=$(timeout 120 "$T" "${base[@]}" --device cuda 2>/dev/null)
+  say "e2b 9-token prompt, 24 greedy ids: engine (8-row steps) $([ -n "$g8" ] && [ "$g8" = "$cpu" ] && echo same || echo DIFF) as cpu"
+  { echo "  cpu:    ${cpu: -80}"; echo "  engine: ${g8: -80}"; } >>"$log"
   exit 0
 fi
 if [ "$mode" = gemma4-bisect ]; then

@@ -52,6 +52,9 @@ use crate::readout::{time_marks, LastStep, Readout};
 mod assistant;
 pub use assistant::Gemma4AssistantGpu;
 
+/// The buffers [`Gemma4Gpu::trace`] reads after each launch (the step's last row of each).
+pub const TRACE_PARTS: [&str; 5] = ["residual", "queries", "attention/PLE out", "MLP out", "per-layer inputs"];
+
 type Result<T> = std::result::Result<T, Error>;
 
 /// Called after each launch of a step with what the launch does.
@@ -679,6 +682,47 @@ impl Gemma4Gpu {
         )?;
         self.stream.synchronize()?;
         Ok(time_marks(&marks)?)
+    }
+
+    /// Runs `tokens` as one step launched directly (the prompt kernels for more than
+    /// [`MAX_ROWS`] rows, the decode kernels otherwise) and returns, after each launch, what it
+    /// did and the step's last row of the buffers the trunk writes: [`TRACE_PARTS`] in that order
+    /// (the queries at the width of the launch's layer). Two ways of running the same positions
+    /// (a prompt step, or one-row steps then a last step of up to 8 rows) give the same launches,
+    /// so the first launch where they part names the kernel at fault.
+    pub fn trace(&self, cache: &mut Gemma4Cache, tokens: &[u32]) -> Result<Vec<(&'static str, [Vec<f32>; 5])>> {
+        let rows = tokens.len();
+        let (h, lp) = (self.cfg.hidden, self.cfg.layers.len() * self.cfg.per_layer);
+        let mut out = Vec::new();
+        let mut layer: Option<usize> = None;
+        let stream = &self.stream;
+        let b = &self.b;
+        let row = |buf: &CudaSlice<f32>, width: usize| -> std::result::Result<Vec<f32>, GpuError> {
+            let mut v = vec![0f32; width];
+            if width > 0 {
+                stream.memcpy_dtoh(&buf.slice((rows - 1) * width..rows * width), &mut v[..]).map_err(|source| GpuError::Launch { kernel: "trace", source })?;
+            }
+            Ok(v)
+        };
+        self.step_marked(
+            cache,
+            tokens,
+            &[],
+            true,
+            &mut |what| {
+                if what == "start" {
+                    return Ok(());
+                }
+                if what == "gemv qkv" {
+                    layer = Some(layer.map_or(0, |l| l + 1));
+                }
+                let qd = layer.map_or(0, |l| self.cfg.layers[l].n_head * self.cfg.layers[l].head_dim);
+                out.push((what, [row(&b.h, h)?, row(&b.q, qd)?, row(&b.o, h)?, row(&b.down, h)?, row(&b.ple, lp)?]));
+                Ok(())
+            },
+            true,
+        )?;
+        Ok(out)
     }
 
     /// One step; `eager` launches it directly (no graph, the prompt kernels for more than

@@ -1815,6 +1815,10 @@ fn main() -> ExitCode {
         .and_then(|ok| match value("--gemma4") {
             Some(m) => Ok(gemma4::run(std::path::Path::new(&m))? && ok),
             None => Ok(ok),
+        })
+        .and_then(|ok| match value("--gemma4-trace") {
+            Some(m) => Ok(gemma4::trace(std::path::Path::new(&m))? && ok),
+            None => Ok(ok),
         });
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -2637,6 +2641,75 @@ mod gemma4 {
             next = g.argmax(c)?[0];
         }
         Ok((ids, rows))
+    }
+
+    /// `--gemma4-trace FILE`: where the prompt path parts from the decode path. Each case runs
+    /// the same positions twice: `prefix` (in prompt steps of up to 512 rows when `prefix_prompt`,
+    /// else in 8-row steps) then `tail` as one traced prompt step; and everything in 8-row steps
+    /// with the last 8 rows traced. Per layer, the largest difference of each traced buffer over
+    /// its largest value, and the first launch past 1e-2.
+    pub fn trace(path: &std::path::Path) -> Res<bool> {
+        let g = Gemma4Gpu::load(path, 0, 4096)?;
+        let vocab = g.config().vocab as u32;
+        let ids = |n: u32, salt: u32| -> Vec<u32> { (0..n).map(|i| (i.wrapping_mul(104729).wrapping_add(salt * 7919 + 13)) % vocab).collect() };
+        let mut ok = true;
+        for (what, prefix, tail, prefix_prompt) in [
+            ("21 rows into an empty cache", Vec::new(), ids(21, 1), false),
+            ("188 rows after 512 prompt rows", ids(512, 2), ids(188, 3), true),
+            ("188 rows after 512 rows in 8-row steps", ids(512, 2), ids(188, 3), false),
+            ("100 rows after 300 rows in 8-row steps", ids(300, 4), ids(100, 5), false),
+        ] {
+            let mut ca = g.new_cache(4096)?;
+            if prefix_prompt {
+                for chunk in prefix.chunks(512) {
+                    g.forward_trunk(&mut ca, chunk)?;
+                }
+            } else {
+                for chunk in prefix.chunks(MAX_ROWS) {
+                    g.forward(&mut ca, chunk)?;
+                }
+            }
+            let a = g.trace(&mut ca, &tail)?;
+            let all: Vec<u32> = prefix.iter().chain(&tail).copied().collect();
+            let (head, last) = all.split_at(all.len() - MAX_ROWS);
+            let mut cb = g.new_cache(4096)?;
+            for chunk in head.chunks(MAX_ROWS) {
+                g.forward(&mut cb, chunk)?;
+            }
+            let b = g.trace(&mut cb, last)?;
+            println!("trace {what}: {} launches (prompt path) vs {} (8-row steps)", a.len(), b.len());
+            if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x.0 != y.0) {
+                println!("FAIL trace {what}: the two paths launch different kernels");
+                ok = false;
+                continue;
+            }
+            let rel = |x: &[f32], y: &[f32]| -> f64 {
+                let scale = y.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12) as f64;
+                x.iter().zip(y).fold(0f64, |m, (p, q)| m.max((*p as f64 - *q as f64).abs())) / scale
+            };
+            let mut layer = 0usize;
+            let mut per_layer = vec![[0f64; 5]; g.config().layers.len() + 2];
+            let mut first: Option<String> = None;
+            for (i, ((name, xa), (_, xb))) in a.iter().zip(&b).enumerate() {
+                if *name == "gemv qkv" {
+                    layer += 1;
+                }
+                for (j, part) in tine_gpu::gemma4::TRACE_PARTS.iter().enumerate() {
+                    let d = rel(&xa[j], &xb[j]);
+                    per_layer[layer][j] = per_layer[layer][j].max(d);
+                    if d > 1e-2 && first.is_none() {
+                        first = Some(format!("launch {i} ({name}, layer {}): {part} {d:.2e}", layer as i64 - 1));
+                    }
+                }
+            }
+            for (l, d) in per_layer.iter().enumerate().take(layer + 1) {
+                let at = if l == 0 { "before layer 0".to_string() } else { format!("layer {}", l - 1) };
+                println!("  {at}: {}", tine_gpu::gemma4::TRACE_PARTS.iter().zip(d).map(|(p, v)| format!("{p} {v:.2e}")).collect::<Vec<_>>().join(", "));
+            }
+            println!("{} trace {what}: first launch past 1e-2: {}", if first.is_some() { "PART" } else { "ok  " }, first.as_deref().unwrap_or("none"));
+            ok &= first.is_none();
+        }
+        Ok(ok)
     }
 
     pub fn run(path: &std::path::Path) -> Res<bool> {
