@@ -27,6 +27,9 @@
 #   bash tools/cuda/qwen35_job.sh gemma4-trace  # where the prompt path parts from one-row steps:
 #                                         # the table, --gemma4-trace and a 700-token prompt's ids
 #                                         # (cpu, 8-row steps, prompt path) on the small shapes and E2B
+#   bash tools/cuda/qwen35_job.sh nextn   # Qwen3.5's NextN on the engine (checks, draft-mtp vs plain
+#                                         # and its acceptance vs the CPU's), --gemma4 on the small
+#                                         # shapes, E2B tg128/pp512 against llama-bench
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -186,7 +189,7 @@ if [ "$mode" = gemma4-trace ]; then
   # Where Gemma 4's prompt path parts from one-row steps: llama.cpp and the E2B shape start in the
   # background; the kernel table; on the small shapes `tine-gpu-check --gemma4-trace` (launch by
   # launch against 8-row steps) and a 700-token prompt's greedy ids on the CPU path, the engine
-  # in 8-row steps and the engine's prompt path (TINE_GPU_G4_PROMPT=1); then the same on E2B
+  # in 8-row steps (TINE_GPU_G4_PROMPT=0) and the engine's prompt path; then the same on E2B
   # (llama-quantize Q4_K_M). A second call of gemma4-e2b on the warm machine reuses it all.
   build_llama & BP=$!
   ( [ -s "$W/g4-e2b-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape e2b --out "$W/g4-e2b-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
@@ -201,8 +204,8 @@ PY
     local M=$1 label=$2 secs=$3 cpu g8 gp
     base=(generate -m "$M" --prompt-ids "$W/p700.json" -n 16 --temp 0 --ignore-eos)
     cpu=$(timeout "$secs" "$T" "${base[@]}" --device cpu 2>/dev/null)
-    g8=$(timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
-    gp=$(TINE_GPU_G4_PROMPT=1 timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
+    g8=$(TINE_GPU_G4_PROMPT=0 timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
+    gp=$(timeout 60 "$T" "${base[@]}" --device cuda 2>/dev/null)
     say "$label 700-token prompt: 8-row steps $([ -n "$g8" ] && [ "$g8" = "$cpu" ] && echo same || echo DIFF) as cpu; prompt path $([ -n "$gp" ] && [ "$gp" = "$cpu" ] && echo same || echo DIFF) as cpu; prompt path $([ -n "$gp" ] && [ "$gp" = "$g8" ] && echo same || echo DIFF) as 8-row steps"
     { echo "  cpu:    ${cpu: -60}"; echo "  8-row:  ${g8: -60}"; echo "  prompt: ${gp: -60}"; } >>"$log"
   }
@@ -226,6 +229,78 @@ PY
   g8=$(timeout 120 "$T" "${base[@]}" --device cuda 2>/dev/null)
   say "e2b 9-token prompt, 24 greedy ids: engine (8-row steps) $([ -n "$g8" ] && [ "$g8" = "$cpu" ] && echo same || echo DIFF) as cpu"
   { echo "  cpu:    ${cpu: -80}"; echo "  engine: ${g8: -80}"; } >>"$log"
+  exit 0
+fi
+if [ "$mode" = nextn ]; then
+  # Qwen3.5's NextN head on the engine and Gemma 4's prompt path by default: the kernel table;
+  # `--qwen35` on the small shape (its NextN checks), draft-mtp on the engine against plain
+  # decoding and its acceptance against the CPU path's; `--gemma4` on the small shapes and
+  # mid-e2b; then, with llama.cpp built meanwhile, E2B: `--gemma4`, llama-bench tg128/pp512
+  # against tine generate (prompt path). Sections past 520 s are skipped.
+  t0=$(date +%s)
+  left() { [ $(($(date +%s) - t0)) -lt 520 ]; }
+  build_llama & BP=$!
+  ( [ -s "$W/g4-e2b-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape e2b --out "$W/g4-e2b-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
+  run kernels 200 "$C" || true
+  grep -E "^(FAIL|kernels:)" "$log" | tail -n 12
+  [ -s "$W/q35-small-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/qwen35_random_model.py" --shape small --out "$W/q35-small-f16.gguf" >>"$W/models.log" 2>&1
+  M="$W/q35-small-q.gguf"
+  [ -s "$M" ] || "$C" --quantize "$W/q35-small-f16.gguf" "$M" >>"$W/models.log" 2>&1
+  run qwen35-small 120 "$C" --no-table --qwen35 "$M" || true
+  grep -E "NextN|^FAIL" "$log" | tail -n 8
+  fails=0
+  for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
+    base=(generate -m "$M" -p "$p" -n 48 --ignore-eos)
+    for temp in 0 0.8; do
+      plain=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+      for spec in "--spec-type draft-mtp" "--spec-type draft-mtp --spec-draft-n-max 1" "--spec-type ngram,draft-mtp"; do
+        got=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 $spec 2>"$W/err-spec")
+        acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+        on=$(grep -oE "NextN[^,;]*engine[^,;]*|head on the [A-Za-z ]*" "$W/err-spec" | head -n 1)
+        cpu_acc=$(timeout 120 "$T" "${base[@]}" --device cpu --temp $temp --seed 7 $spec 2>&1 >/dev/null | grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" | head -n 1)
+        [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  spec vs plain: q35-small temp $temp $spec (engine $acc; cpu $cpu_acc) $on" || { say "DIFF  spec vs plain: q35-small temp $temp $spec"; tail -n 3 "$W/err-spec" >>"$log"; fails=$((fails + 1)); }
+      done
+    done
+  done
+  say "draft-mtp failures: $fails"
+  for shape in small-e2b small-dense mid-e2b; do
+    left || break
+    [ -s "$W/g4-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$shape" --out "$W/g4-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    M="$W/g4-$shape-q.gguf"
+    [ -s "$M" ] || "$C" --quantize "$W/g4-$shape-f16.gguf" "$M" >>"$W/models.log" 2>&1
+    run "gemma4-$shape" 120 "$C" --no-table --gemma4 "$M" || true
+    grep -E "prompt|^FAIL" "$log" | tail -n 4
+  done
+  left || exit 0
+  wait "$EP"; wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/g4-e2b-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/g4-e2b-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  left || exit 0
+  say "llama-bench gemma4 e2b"
+  timeout 150 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
+  python3 - "$W/p512.json" <<'PY'
+import json, random, sys
+random.seed(5)
+json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
+PY
+  for r in 1 2 3; do
+    left || break
+    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/g4-tg128-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/g4-pp512-$r.json" >>"$log" 2>&1
+  done
+  python3 - "$W" <<'PY' | tee -a "$log"
+import json, statistics, sys
+w = sys.argv[1]
+def med(name, key):
+    v = []
+    for r in (1, 2, 3):
+        try: v.append(json.load(open(f"{w}/{name}-{r}.json"))[key])
+        except Exception: pass
+    return f"{statistics.median(v):.1f} ({len(v)} runs)" if v else "no result"
+print(f"tine gemma4 e2b tg128 (engine): {med('g4-tg128', 'predicted_per_second')} tok/s; pp512 (engine, prompt path): {med('g4-pp512', 'prompt_per_second')} tok/s")
+PY
+  left && { run gemma4-e2b 100 "$C" --no-table --gemma4 "$M" || true; }
   exit 0
 fi
 if [ "$mode" = gemma4-bisect ]; then

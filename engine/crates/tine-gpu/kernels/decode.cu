@@ -137,7 +137,8 @@ struct StepParams {
                           // position); an assistant head's query past the cache it reads
     int plane;            // recurrent layers: the state plane the step starts from (row m's
                           // state goes to plane (plane + 1 + m) % n_planes)
-    int pad_;
+    int rope_shift;       // RoPE turns row m by the angle of position pos + m + rope_shift (its
+                          // K/V still go to pos + m): Qwen3.5's NextN entry j sits at position j + 1
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -1209,7 +1210,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         if (j >= nr) return ys[j];
         const int f = j < hr ? j : j - hr;
         float sn, cs;
-        sincosf((float)pos * p.inv_freq[f], &sn, &cs);
+        sincosf((float)(pos + p.step->rope_shift) * p.inv_freq[f], &sn, &cs);
         return j < hr ? ys[j] * cs - ys[j + hr] * sn : ys[j] * cs + ys[j - hr] * sn;
     };
     const float o0 = rot(i), o1 = rot(i + half_hd);

@@ -109,7 +109,10 @@ pub struct StepParams {
     /// Recurrent layers: the state plane the step starts from; row `m`'s state goes to plane
     /// `(plane + 1 + m) % n_planes`.
     pub plane: i32,
-    pub pad_: i32,
+    /// `qk_norm_rope_kv` turns row `m` by the angle of position `pos + m + rope_shift` (its K/V
+    /// still go to `pos + m`): Qwen3.5's NextN entry `j` reads the token at `j + 1` at position
+    /// `j + 1`, in slot `j` of its cache.
+    pub rope_shift: i32,
 }
 // SAFETY: plain repr(C) integers, the layout of `StepParams` in decode.cu; all zeros is a valid value.
 unsafe impl DeviceRepr for StepParams {}

@@ -351,17 +351,17 @@ impl Gemma4Gpu {
         self.max_ctx
     }
 
-    ///
-    /// [`MAX_ROWS`] unless `TINE_GPU_G4_PROMPT=1`: the prompt kernels' path is not yet right for
-    /// Gemma 4 (on a device, a 700-token prompt fed as steps of 512 and 188 differs from steps of
-    /// 8 on every shape checked, and at the E2B shape a prompt step of 21 rows from one-row
-    /// steps: docs/evaluations/gpu-families.md), so a prompt runs as steps of 8 rows through the
-    /// graphs, which give one-row steps' bits and the CPU path's greedy ids.
+    /// The most rows of one prompt step (the prompt kernels past [`MAX_ROWS`]). `TINE_GPU_G4_PROMPT=0`
+    /// keeps prompts in 8-row graph steps (one-row steps' bits), to compare one path with the
+    /// other: a prompt step matches them to float rounding (the GEMMs and the prompt attention
+    /// sum in another order, and a Q8 activation may round the other way), which a deep
+    /// random-weight model grows layer by layer (`tine-gpu-check --gemma4-trace`,
+    /// docs/evaluations/gpu-families.md).
     pub fn prompt_rows(&self) -> usize {
-        if std::env::var("TINE_GPU_G4_PROMPT").is_ok_and(|v| v == "1") {
-            self.prompt_rows
-        } else {
+        if std::env::var("TINE_GPU_G4_PROMPT").is_ok_and(|v| v == "0") {
             MAX_ROWS.min(self.prompt_rows)
+        } else {
+            self.prompt_rows
         }
     }
 

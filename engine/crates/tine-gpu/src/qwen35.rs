@@ -101,6 +101,58 @@ struct Buffers {
 struct StepBlock {
     params: CudaSlice<StepParams>,
     tokens: CudaSlice<i32>,
+    /// A NextN step's input hidden states ([`PROMPT_ROWS`] rows with a head, else one value).
+    hin: CudaSlice<f32>,
+}
+
+/// A NextN head (block `layers` of a `qwen35` GGUF with `nextn_predict_layers = 1`): entry `j`
+/// reads the trunk's hidden state at `j` (after the output norm) and the token at `j + 1`, at
+/// position `j + 1` (RoPE's `rope_shift`; its K/V in slot `j` of its own cache):
+/// `u = eh_proj [enorm(E[x]); hnorm(h)]`, one full-attention block over the head's cache, then
+/// `shared_head_norm(u)` (the output state, which chains into the next draft step in place of
+/// `h`) and the logits of the last entry from `shared_head_head` (else the trunk's head).
+struct NextNHead {
+    eh_proj: W,
+    enorm: CudaSlice<f32>,
+    hnorm: CudaSlice<f32>,
+    shared_head_norm: CudaSlice<f32>,
+    /// `nextn.embed_tokens`, else the trunk's table.
+    embed: Option<Matrix>,
+    /// `nextn.shared_head_head`, else the trunk's head.
+    head: Option<Matrix>,
+    block: Layer,
+    /// The last entry's logits.
+    logits: CudaSlice<f32>,
+    /// The entries' output states, [`PROMPT_ROWS`] rows.
+    out: CudaSlice<f32>,
+}
+
+/// One sequence's NextN cache on the GPU (the head block's K and V), with the head's step graphs
+/// captured over it.
+pub struct Qwen35NextNCache {
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    ctx_len: usize,
+    /// Entries the cache holds.
+    pos: usize,
+    /// Per entry count (index `rows - 1`), the head's step graph.
+    graphs: Vec<Option<Graph>>,
+}
+
+impl Qwen35NextNCache {
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+
+    /// Forgets every entry from `len` on (O(1): a KV cache, no recurrent state).
+    pub fn truncate(&mut self, len: usize) {
+        self.pos = self.pos.min(len);
+    }
 }
 
 /// Qwen3.5 on the GPU: weights and the step's buffers, shared by every sequence (steps run one at
@@ -117,6 +169,7 @@ pub struct Qwen35Gpu {
     output_norm: CudaSlice<f32>,
     inv_freq: CudaSlice<f32>,
     layers: Vec<Layer>,
+    nextn: Option<NextNHead>,
     /// Per layer, its index among the attention layers' caches or the delta-net layers' states.
     slot: Vec<usize>,
     b: Buffers,
@@ -197,10 +250,11 @@ impl Reader<'_> {
         Ok(((self.upload(&q, wt, k)?, wt), (self.upload(&g, wt, k)?, wt)))
     }
 
-    fn qwen35_layer(&mut self, cfg: &Qwen35Config, l: usize) -> Result<Layer> {
+    /// Block `l`: a full-attention block when `full`, else a delta-net block.
+    fn qwen35_layer(&mut self, cfg: &Qwen35Config, l: usize, full: bool) -> Result<Layer> {
         let p = |s: &str| format!("blk.{l}.{s}");
         let h = cfg.hidden;
-        let mixer = if cfg.full_attention[l] {
+        let mixer = if full {
             let (qd, kvd, hd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim, cfg.head_dim);
             let (q, gate) = self.split_q_gate(&p("attn_q.weight"), cfg.n_head, hd, h)?;
             Mixer::Attention {
@@ -272,13 +326,35 @@ impl Qwen35Gpu {
         let mut layers = Vec::with_capacity(cfg.layers);
         let (mut n_attn, mut n_gdn, mut slot) = (0, 0, Vec::with_capacity(cfg.layers));
         for l in 0..cfg.layers {
-            layers.push(r.qwen35_layer(&cfg, l)?);
+            layers.push(r.qwen35_layer(&cfg, l, cfg.full_attention[l])?);
             let counter = if cfg.full_attention[l] { &mut n_attn } else { &mut n_gdn };
             slot.push(*counter);
             *counter += 1;
         }
+        let nextn = match cfg.nextn_layers {
+            0 => None,
+            1 => {
+                let l = cfg.layers;
+                let h = cfg.hidden;
+                let p = |s: &str| format!("blk.{l}.{s}");
+                let opt = |r: &mut Reader, name: String| -> Result<Option<Matrix>> { if content.tensor_infos.contains_key(&name) { Ok(Some(r.matrix(&name, cfg.vocab, h)?)) } else { Ok(None) } };
+                Some(NextNHead {
+                    eh_proj: r.weight(&p("nextn.eh_proj.weight"), h, 2 * h)?,
+                    enorm: r.norm(&p("nextn.enorm.weight"), h)?,
+                    hnorm: r.norm(&p("nextn.hnorm.weight"), h)?,
+                    shared_head_norm: r.norm(&p("nextn.shared_head_norm.weight"), h)?,
+                    embed: opt(&mut r, p("nextn.embed_tokens.weight"))?,
+                    head: opt(&mut r, p("nextn.shared_head_head.weight"))?,
+                    block: r.qwen35_layer(&cfg, l, true)?,
+                    logits: alloc(&stream, cfg.vocab)?,
+                    out: alloc(&stream, PROMPT_ROWS * h)?,
+                })
+            }
+            n => return Err(model_err(format!("qwen35.nextn_predict_layers = {n}: the engine runs one NextN head"))),
+        };
         let (qd, kvd, c, vd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim, cfg.conv_dim(), cfg.n_v_heads * cfg.d_state);
-        let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd);
+        // A NextN step's rows are [enorm(e); hnorm(h)]: 2 * hidden values.
+        let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd).max(if nextn.is_some() { 2 * cfg.hidden } else { 0 });
         let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
         let m = PROMPT_ROWS;
         let b = Buffers {
@@ -302,7 +378,8 @@ impl Qwen35Gpu {
             attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
             out: Readout::new(&stream, cfg.vocab)?,
         };
-        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)? });
+        let hin = alloc(&stream, if nextn.is_some() { m * cfg.hidden } else { 1 })?;
+        let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)?, hin });
         let inv_freq = stream.clone_htod(&inv_freq(cfg.rope_dim.max(2), cfg.rope_base))?;
         stream.synchronize()?;
         Ok(Qwen35Gpu {
@@ -317,6 +394,7 @@ impl Qwen35Gpu {
             output_norm,
             inv_freq,
             layers,
+            nextn,
             slot,
             b,
             fused_conv: std::env::var("TINE_GPU_FUSED_CONV").map_or(true, |v| v != "0"),
@@ -417,7 +495,7 @@ impl Qwen35Gpu {
         let p = |s: &CudaSlice<f32>| self.ptr(s);
         let (s, k) = (&self.stream, &self.kernels);
         let act = self.act(0, 0);
-        let (qd, kvd, vd, conv_dim) = (c.n_head * c.head_dim, c.n_kv * c.head_dim, c.n_v_heads * c.d_state, c.conv_dim());
+        let (vd, conv_dim) = (c.n_v_heads * c.d_state, c.conv_dim());
         // SAFETY: every buffer was allocated at load for PROMPT_ROWS rows of its width (the logits
         // and argmax scratch for MAX_ROWS; `step` keeps rows <= MAX_ROWS unless `prompt`, whose
         // head runs on one row), the caches for ctx_len positions and PLANES planes; `step`
@@ -479,78 +557,9 @@ impl Qwen35Gpu {
                         k.gemv(s, rows, vd, &[self.seg(out, &b.mix, c.hidden)], act)?;
                         mark("gemv ssm_out")?;
                     }
-                    Mixer::Attention { q, gate, k: wk, v: wv, o, q_norm, k_norm } => {
-                        let segs = [self.seg(q, &b.x1, qd), self.seg(gate, &b.x2, qd), self.seg(wk, &b.k, kvd), self.seg(wv, &b.v, kvd)];
-                        k.gemv(s, rows, c.hidden, &segs, act)?;
-                        mark("gemv q·gate·k·v")?;
-                        let rope = RopeArgs {
-                            q: p(&b.x1),
-                            k: p(&b.k),
-                            v: p(&b.v),
-                            q_norm: p(q_norm),
-                            k_norm: p(k_norm),
-                            eps: c.eps,
-                            inv_freq: p(&self.inv_freq),
-                            q_scale: 1.0 / (c.head_dim as f32).sqrt(),
-                            k_cache: p(&cache.k[i]),
-                            v_cache: p(&cache.v[i]),
-                            ctx: cache.ctx_len as i32,
-                            step,
-                            n_head: c.n_head as i32,
-                            n_kv: c.n_kv as i32,
-                            hd: c.head_dim as i32,
-                            n_rot: c.rope_dim as i32,
-                            v_norm: 0,
-                            v_from_k: 0,
-                        };
-                        k.qk_norm_rope_kv(s, rows, &rope)?;
-                        mark("qk_norm_rope_kv")?;
-                        let at = AttnArgs {
-                            q: p(&b.x1),
-                            k_cache: p(&cache.k[i]),
-                            v_cache: p(&cache.v[i]),
-                            out: 0,
-                            partials: p(&b.partials),
-                            counters: self.ptr(&b.attn_counters),
-                            step,
-                            qs: act.0,
-                            qd: act.1,
-                            qsum: act.2,
-                            ctx: cache.ctx_len as i32,
-                            window: 0,
-                            n_head: c.n_head as i32,
-                            n_kv: c.n_kv as i32,
-                            chunks_max: Kernels::attn_chunks_max(cache.ctx_len, 0) as i32,
-                            gate: p(&b.x2),
-                        };
-                        match prompt {
-                            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
-                            None => k.attention(s, rows, c.head_dim, &at)?,
-                        }
-                        mark("attention")?;
-                        k.gemv(s, rows, qd, &[self.seg(o, &b.mix, c.hidden)], act)?;
-                        mark("gemv attn_output")?;
-                    }
+                    Mixer::Attention { .. } => self.launch_attention(&ly.mixer, (p(&cache.k[i]), p(&cache.v[i])), cache.ctx_len, step, rows, prompt, mark)?,
                 }
-                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
-                mark("norm_quant")?;
-                let glu = GemvSeg {
-                    w: self.ptr(&ly.gate.0),
-                    w2: self.ptr(&ly.up.0),
-                    out: p(&b.ff),
-                    n: c.ff as i32,
-                    wtype: ly.gate.1.ggml_id(),
-                    out_stride: c.ff as i32,
-                    glu: 2,
-                    block_start: 0,
-                    wide: self.wide as i32,
-                };
-                k.gemv(s, rows, c.hidden, &[glu], act)?;
-                mark("gemv gate·up")?;
-                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
-                mark("norm_quant")?;
-                k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
-                mark("gemv down")?;
+                self.launch_mlp(ly, step, rows, prompt, mark)?;
             }
             let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&self.output_norm)) };
             k.norm_quant(s, rows, &last)?;
@@ -571,6 +580,233 @@ impl Qwen35Gpu {
             mark("argmax")?;
         }
         Ok(())
+    }
+
+    /// A full-attention mixer over the K/V at `kv` (a cache of `ctx_len` positions), its input the
+    /// step's Q8 rows: the GEMV of q, its gate, k and v; `qk_norm_rope_kv`; the attention with the
+    /// `sigmoid(gate)` epilogue; `attn_output` into `b.mix`. 4 launches.
+    ///
+    /// # Safety
+    /// As [`Qwen35Gpu::launch_step`]'s: the buffers hold the step's rows, the cache its positions.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_attention(&self, mixer: &Mixer, kv: (DevPtr, DevPtr), ctx_len: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        let Mixer::Attention { q, gate, k: wk, v: wv, o, q_norm, k_norm } = mixer else { unreachable!("called on attention blocks only") };
+        let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let act = self.act(0, 0);
+        let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
+        let segs = [self.seg(q, &b.x1, qd), self.seg(gate, &b.x2, qd), self.seg(wk, &b.k, kvd), self.seg(wv, &b.v, kvd)];
+        k.gemv(s, rows, c.hidden, &segs, act)?;
+        mark("gemv q·gate·k·v")?;
+        let rope = RopeArgs {
+            q: p(&b.x1),
+            k: p(&b.k),
+            v: p(&b.v),
+            q_norm: p(q_norm),
+            k_norm: p(k_norm),
+            eps: c.eps,
+            inv_freq: p(&self.inv_freq),
+            q_scale: 1.0 / (c.head_dim as f32).sqrt(),
+            k_cache: kv.0,
+            v_cache: kv.1,
+            ctx: ctx_len as i32,
+            step,
+            n_head: c.n_head as i32,
+            n_kv: c.n_kv as i32,
+            hd: c.head_dim as i32,
+            n_rot: c.rope_dim as i32,
+            v_norm: 0,
+            v_from_k: 0,
+        };
+        k.qk_norm_rope_kv(s, rows, &rope)?;
+        mark("qk_norm_rope_kv")?;
+        let at = AttnArgs {
+            q: p(&b.x1),
+            k_cache: kv.0,
+            v_cache: kv.1,
+            out: 0,
+            partials: p(&b.partials),
+            counters: self.ptr(&b.attn_counters),
+            step,
+            qs: act.0,
+            qd: act.1,
+            qsum: act.2,
+            ctx: ctx_len as i32,
+            window: 0,
+            n_head: c.n_head as i32,
+            n_kv: c.n_kv as i32,
+            chunks_max: Kernels::attn_chunks_max(ctx_len, 0) as i32,
+            gate: p(&b.x2),
+        };
+        match prompt {
+            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
+            None => k.attention(s, rows, c.head_dim, &at)?,
+        }
+        mark("attention")?;
+        k.gemv(s, rows, qd, &[self.seg(o, &b.mix, c.hidden)], act)?;
+        mark("gemv attn_output")?;
+        Ok(())
+    }
+
+    /// A block's second half: `x += mix` with `post_attention_norm(x)` as Q8, the SwiGLU GEMV,
+    /// its rows as Q8, `down` into `b.down`. 4 launches.
+    ///
+    /// # Safety
+    /// As [`Qwen35Gpu::launch_step`]'s.
+    unsafe fn launch_mlp(&self, ly: &Layer, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let act = self.act(0, 0);
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
+        mark("norm_quant")?;
+        let glu = GemvSeg {
+            w: self.ptr(&ly.gate.0),
+            w2: self.ptr(&ly.up.0),
+            out: p(&b.ff),
+            n: c.ff as i32,
+            wtype: ly.gate.1.ggml_id(),
+            out_stride: c.ff as i32,
+            glu: 2,
+            block_start: 0,
+            wide: self.wide as i32,
+        };
+        k.gemv(s, rows, c.hidden, &[glu], act)?;
+        mark("gemv gate·up")?;
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
+        mark("norm_quant")?;
+        k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
+        mark("gemv down")?;
+        Ok(())
+    }
+
+    /// The launches of a NextN step of `rows` entries over `cache` (what its graph captures):
+    /// the entries' input hidden states at `hin`, their next tokens in the step block (or, with
+    /// `prompt`, at that address). `[enorm(E[x]); hnorm(h)]` as the two halves of each row's Q8
+    /// activations, `eh_proj`, `attn_norm` with the residual, the block (the attention mixer and
+    /// the MLP), `shared_head_norm` of `x + down` (the output states, kept as f32), and the head's
+    /// projection of the last entry. 14 launches.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_nextn(&self, head: &NextNHead, cache: &Qwen35NextNCache, step: DevPtr, hin: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let h = c.hidden;
+        let embd = head.embed.as_ref().unwrap_or(&self.embd);
+        // SAFETY: as launch_step's: the buffers hold prompt_rows rows (the activation planes
+        // 2 * hidden values a row, kmax at load), the head's cache ctx_len positions past the
+        // step's (checked by nextn_forward), its logits `vocab` values and its output states
+        // prompt_rows rows.
+        unsafe {
+            let e = NormQuantArgs { embd: self.ptr(&embd.buf), embd_type: embd.embd_type(), res_out: 0, q_stride: (2 * h) as i32, q_off: 0, ..self.nq(step, prompt, 0, 2, h, p(&head.enorm)) };
+            k.norm_quant(s, rows, &e)?;
+            mark("norm_quant enorm")?;
+            let hh = NormQuantArgs { q_stride: (2 * h) as i32, q_off: h as i32, ..self.nq(step, prompt, hin, 0, h, p(&head.hnorm)) };
+            k.norm_quant(s, rows, &hh)?;
+            mark("norm_quant hnorm")?;
+            k.gemv(s, rows, 2 * h, &[self.seg(&head.eh_proj, &b.mix, h)], self.act(0, 0))?;
+            mark("gemv eh_proj")?;
+            let x = NormQuantArgs { res_out: p(&b.h), ..self.nq(step, prompt, p(&b.mix), 0, h, p(&head.block.attn_norm)) };
+            k.norm_quant(s, rows, &x)?;
+            mark("norm_quant")?;
+            self.launch_attention(&head.block.mixer, (p(&cache.k), p(&cache.v)), cache.ctx_len, step, rows, prompt, mark)?;
+            self.launch_mlp(&head.block, step, rows, prompt, mark)?;
+            let last = NormQuantArgs { y_out: p(&head.out), ..self.nq(step, prompt, p(&b.down), 3, h, p(&head.shared_head_norm)) };
+            k.norm_quant(s, rows, &last)?;
+            mark("norm_quant shared_head_norm")?;
+            let out = head.head.as_ref().or(self.output.as_ref()).unwrap_or(&self.embd);
+            let seg = GemvSeg { w: self.ptr(&out.buf), out: p(&head.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: out.wide as i32, ..Default::default() };
+            k.gemv(s, 1, h, &[seg], self.act(rows - 1, h))?;
+            mark("nextn head")?;
+        }
+        Ok(())
+    }
+
+    /// Whether the model carries a NextN head (`qwen35.nextn_predict_layers = 1`).
+    pub fn has_nextn(&self) -> bool {
+        self.nextn.is_some()
+    }
+
+    /// An empty NextN cache of `ctx_len` entries (at most [`Qwen35Gpu::max_ctx`]), if the model
+    /// has a NextN head.
+    pub fn new_nextn_cache(&self, ctx_len: usize) -> Result<Option<Qwen35NextNCache>> {
+        if self.nextn.is_none() {
+            return Ok(None);
+        }
+        let ctx_len = ctx_len.clamp(1, self.max_ctx);
+        let kvd = self.cfg.n_kv * self.cfg.head_dim;
+        Ok(Some(Qwen35NextNCache { k: alloc(&self.stream, kvd * ctx_len)?, v: alloc(&self.stream, kvd * ctx_len)?, ctx_len, pos: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() }))
+    }
+
+    /// Runs the NextN head over entries `cache.len()..` (1..=[`Qwen35Gpu::prompt_rows`] of
+    /// them): `hidden` holds their input hidden states (`rows × hidden`: the trunk's after the
+    /// output norm, or the head's own output states when chaining) and `tokens` the token after
+    /// each. Returns the last entry's logits and every entry's output state (`rows × hidden`,
+    /// after `shared_head_norm`). Steps of up to [`MAX_ROWS`] entries replay a graph captured per
+    /// entry count; longer ones launch directly with the prompt kernels.
+    pub fn nextn_forward(&self, cache: &mut Qwen35NextNCache, hidden: &[f32], tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>)> {
+        let rows = tokens.len();
+        let fail = |what: String| Error::Step { rows, pos: cache.pos, what };
+        let Some(head) = self.nextn.as_ref() else { return Err(fail("this model has no NextN head".into())) };
+        if !(1..=self.prompt_rows).contains(&rows) {
+            return Err(fail(format!("a NextN step takes 1 to {} entries", self.prompt_rows)));
+        }
+        if hidden.len() != rows * self.cfg.hidden {
+            return Err(fail(format!("{} hidden values for {rows} entries of {}", hidden.len(), self.cfg.hidden)));
+        }
+        if cache.pos + rows > cache.ctx_len {
+            return Err(fail(format!("the NextN cache holds {} entries", cache.ctx_len)));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
+            return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
+        }
+        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, rope_shift: 1, ..Default::default() };
+        for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
+            *slot = t as i32;
+        }
+        let mut block = self.step.lock().expect("a step panicked holding the step block");
+        // Ordered on the stream after the previous step, which may still read the block and hin.
+        self.stream.memcpy_htod(&[params][..], &mut block.params)?;
+        // hin holds prompt_rows rows when the model has a head; rows <= prompt_rows (checked above).
+        self.stream.memcpy_htod(hidden, &mut block.hin.slice_mut(..hidden.len()))?;
+        let (step, hin) = (self.ptr(&block.params), self.ptr(&block.hin));
+        if rows <= MAX_ROWS {
+            let at = rows - 1;
+            if cache.graphs[at].is_none() {
+                self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let launched = self.launch_nextn(head, cache, step, hin, rows, None, &mut |_| Ok(()));
+                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+                launched?;
+                let graph = graph?.ok_or_else(|| fail("the capture made no graph".into()))?;
+                graph.upload()?;
+                cache.graphs[at] = Some(Graph(graph));
+            }
+            cache.graphs[at].as_ref().expect("captured just above").0.launch()?;
+        } else {
+            let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;
+            let prompt = self.ptr(&block.tokens);
+            self.launch_nextn(head, cache, step, hin, rows, Some(prompt), &mut |_| Ok(()))?;
+        }
+        drop(block);
+        cache.pos += rows;
+        let mut logits = vec![0f32; self.cfg.vocab];
+        self.stream.memcpy_dtoh(&head.logits, &mut logits[..])?;
+        let mut out = vec![0f32; hidden.len()];
+        self.stream.memcpy_dtoh(&head.out.slice(..hidden.len()), &mut out[..])?;
+        self.stream.synchronize()?;
+        Ok((logits, out))
+    }
+
+    /// Kernel launches (graph nodes) of a NextN step of `rows` entries.
+    pub fn nextn_graph_nodes(&self, cache: &mut Qwen35NextNCache, rows: usize) -> Result<usize> {
+        let pos = cache.pos;
+        let hidden = vec![0f32; rows * self.cfg.hidden];
+        self.nextn_forward(cache, &hidden, &vec![0; rows])?;
+        cache.truncate(pos);
+        let g = &cache.graphs[rows - 1].as_ref().expect("captured by the step").0;
+        let mut n = 0usize;
+        // SAFETY: counting the nodes of a live graph (a null array asks for the count only).
+        unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result()?;
+        Ok(n)
     }
 
     /// Kernel launches (graph nodes) of a step of `rows` rows.

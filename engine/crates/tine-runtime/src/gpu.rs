@@ -2,8 +2,8 @@
 //! Gemma 3, a Gemma 4 (dense or E-series) or a Qwen3.5 (`qwen35`) whose weights the engine reads (Q4_K, Q5_K, Q5_0, Q6_K, Q8_0)
 //! runs its steps there, one captured CUDA graph per row count, instead of through candle's CUDA
 //! backend op by op. On Gemma 3 a NextN head baked into the GGUF and an assistant head
-//! (`--mtp-head`, reading the sequence's KV cache there) run there too; Qwen3.5's NextN head runs
-//! on candle's path over the engine's hidden states.
+//! (`--mtp-head`, reading the sequence's KV cache there) run there too, as does Qwen3.5's NextN
+//! head (its own K/V on the device, fed the engine's hidden states).
 //!
 //! Without the `cuda` feature [`GpuTrunk::open`] makes no engine, so `Option<GpuTrunk>` is
 //! always `None` and the runtime's code needs no `cfg`.
@@ -24,7 +24,7 @@ mod imp {
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
     use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
     use tine_gpu::gemma4::{Gemma4AssistantGpu, Gemma4Cache, Gemma4Gpu};
-    use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
+    use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu, Qwen35NextNCache};
 
     /// The model's trunk on the engine.
     pub enum GpuTrunk {
@@ -56,7 +56,10 @@ mod imp {
         GpuError::Step { rows: 0, pos: 0, what: format!("{what} is not on the GPU engine for {family}") }
     }
     /// One sequence's NextN cache on the engine.
-    pub struct GpuNextN(NextNCache);
+    pub enum GpuNextN {
+        Gemma3(NextNCache),
+        Qwen35(Qwen35NextNCache),
+    }
     /// An assistant head on the engine, reading the sequences' KV caches.
     pub enum GpuAssistant {
         Gemma3(Box<AssistantGpu>),
@@ -187,8 +190,9 @@ mod imp {
         /// A NextN cache of `context` entries, if the model has a NextN head the engine runs.
         pub fn new_nextn(&self, context: usize) -> Result<Option<GpuNextN>, GpuError> {
             match self {
-                GpuTrunk::Gemma3(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN)),
-                GpuTrunk::Gemma4(_) | GpuTrunk::Qwen35(_) => Ok(None),
+                GpuTrunk::Gemma3(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN::Gemma3)),
+                GpuTrunk::Qwen35(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN::Qwen35)),
+                GpuTrunk::Gemma4(_) => Ok(None),
             }
         }
         /// Runs the NextN head over entries `state.len()..`: `hidden` (`rows × hidden`) and the
@@ -196,19 +200,28 @@ mod imp {
         /// logits and every entry's output hidden state. On an error the state keeps its
         /// entries before the call.
         pub fn nextn_forward(&self, state: &mut GpuNextN, hidden: &[f32], tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
-            let m = self.gemma3("a NextN head")?;
-            let (len, width, rows) = (state.0.len(), m.config().hidden, m.prompt_rows());
+            let (width, rows) = match self {
+                GpuTrunk::Gemma3(m) => (m.config().hidden, m.prompt_rows()),
+                GpuTrunk::Qwen35(m) => (m.config().hidden, m.prompt_rows()),
+                GpuTrunk::Gemma4(_) => return Err(not_on_engine(self.family(), "a NextN head")),
+            };
+            let len = state.len();
             let mut logits = Vec::new();
             let mut out = Vec::with_capacity(hidden.len());
             for (i, chunk) in tokens.chunks(rows).enumerate() {
                 let h = hidden.get(i * rows * width..(i * rows + chunk.len()) * width).unwrap_or(&[]);
-                match m.nextn_forward(&mut state.0, h, chunk) {
+                let step = match (self, &mut *state) {
+                    (GpuTrunk::Gemma3(m), GpuNextN::Gemma3(c)) => m.nextn_forward(c, h, chunk),
+                    (GpuTrunk::Qwen35(m), GpuNextN::Qwen35(c)) => m.nextn_forward(c, h, chunk),
+                    _ => unreachable!("a NextN state is made by its model's engine"),
+                };
+                match step {
                     Ok((l, o)) => {
                         logits = l;
                         out.extend(o);
                     }
                     Err(e) => {
-                        state.0.truncate(len);
+                        state.truncate(len);
                         return Err(e);
                     }
                 }
@@ -323,10 +336,16 @@ mod imp {
 
     impl GpuNextN {
         pub fn len(&self) -> usize {
-            self.0.len()
+            match self {
+                GpuNextN::Gemma3(c) => c.len(),
+                GpuNextN::Qwen35(c) => c.len(),
+            }
         }
         pub fn truncate(&mut self, len: usize) {
-            self.0.truncate(len)
+            match self {
+                GpuNextN::Gemma3(c) => c.truncate(len),
+                GpuNextN::Qwen35(c) => c.truncate(len),
+            }
         }
     }
 }
