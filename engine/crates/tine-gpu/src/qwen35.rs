@@ -337,7 +337,13 @@ impl Qwen35Gpu {
                 let l = cfg.layers;
                 let h = cfg.hidden;
                 let p = |s: &str| format!("blk.{l}.{s}");
-                let opt = |r: &mut Reader, name: String| -> Result<Option<Matrix>> { if content.tensor_infos.contains_key(&name) { Ok(Some(r.matrix(&name, cfg.vocab, h)?)) } else { Ok(None) } };
+                let opt = |r: &mut Reader, name: String| -> Result<Option<Matrix>> {
+                    if content.tensor_infos.contains_key(&name) {
+                        Ok(Some(r.matrix(&name, cfg.vocab, h)?))
+                    } else {
+                        Ok(None)
+                    }
+                };
                 Some(NextNHead {
                     eh_proj: r.weight(&p("nextn.eh_proj.weight"), h, 2 * h)?,
                     enorm: r.norm(&p("nextn.enorm.weight"), h)?,

@@ -2118,7 +2118,11 @@ mod qwen35 {
         let (all, all_out) = entries(next.len())?;
         let bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         let same = bits(&eight_out, &one_out) && eight.iter().enumerate().all(|(i, l)| bits(l, &one[(i * MAX_ROWS + MAX_ROWS - 1).min(one.len() - 1)]));
-        println!("{} NextN entries in steps of 8 against one at a time (logits of each step's last entry, every output state): {}", if same { "ok  " } else { "FAIL" }, if same { "bit-identical" } else { "DIFFER" });
+        println!(
+            "{} NextN entries in steps of 8 against one at a time (logits of each step's last entry, every output state): {}",
+            if same { "ok  " } else { "FAIL" },
+            if same { "bit-identical" } else { "DIFFER" }
+        );
         ok &= same;
         let rel = |got: &[f32], want: &[f32]| {
             let scale = want.iter().fold(1e-6f32, |a, v| a.max(v.abs())) as f64;
