@@ -976,6 +976,134 @@ __device__ __forceinline__ void gemv_wide(const GemvArgs& p) {
 #define GEMV_WIDE_INST(M) extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_wide_m##M(const GemvArgs p) { gemv_wide<M>(p); }
 GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WIDE_INST(5) GEMV_WIDE_INST(6) GEMV_WIDE_INST(7) GEMV_WIDE_INST(8)
 
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts (qwen35moe's routed experts and sigmoid-gated shared expert).
+//
+// moe_router: one block per activation row m over its normed row x (f32, k values): the router's
+// logits over n_expert experts (f32 weights, a warp per expert, lanes over k, a fixed xor tree),
+// softmax, the top `used` by probability (lower index first among equals), renormalised to sum
+// to 1 (summed in that order), as candle's `quantized_qwen35` routes; with a shared gate, also
+// sigmoid(shared_gate . x). Writes ids[m * used + j], wts[m * used + j] and sgate[m].
+
+#define MOE_MAX_EXPERTS 512
+#define MOE_MAX_USED 16
+
+struct MoeRouterArgs {
+    const float* x; const float* router; const float* shared_gate;  // shared_gate may be null
+    int* ids; float* wts; float* sgate;
+    int k; int n_expert; int used; int pad_;
+};
+
+extern "C" __global__ void __launch_bounds__(256) moe_router(MoeRouterArgs a) {
+    __shared__ float prob[MOE_MAX_EXPERTS];
+    __shared__ float red[32];
+    const int m = blockIdx.x, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nw = blockDim.x / WARP;
+    pdl_trigger();
+    pdl_wait();
+    const float* x = a.x + (size_t)m * a.k;
+    for (int e = warp; e < a.n_expert; e += nw) {
+        const float* w = a.router + (size_t)e * a.k;
+        float t = 0.0f;
+        for (int i = lane; i < a.k; i += WARP) t += x[i] * w[i];
+        t = warp_sum(t);
+        if (lane == 0) prob[e] = t;
+    }
+    float g = 0.0f;
+    if (a.shared_gate && warp == 0) {
+        for (int i = lane; i < a.k; i += WARP) g += x[i] * a.shared_gate[i];
+        g = warp_sum(g);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        float mx = -INFINITY;
+        for (int e = 0; e < a.n_expert; ++e) mx = fmaxf(mx, prob[e]);
+        float sum = 0.0f;
+        for (int e = 0; e < a.n_expert; ++e) { prob[e] = expf(prob[e] - mx); sum += prob[e]; }
+        for (int e = 0; e < a.n_expert; ++e) prob[e] = prob[e] / sum;
+        int pick[MOE_MAX_USED];
+        float tot = 0.0f;
+        for (int j = 0; j < a.used; ++j) {
+            int best = -1;
+            for (int e = 0; e < a.n_expert; ++e) {
+                bool taken = false;
+                for (int i = 0; i < j; ++i) taken |= pick[i] == e;
+                if (!taken && (best < 0 || prob[e] > prob[best])) best = e;
+            }
+            pick[j] = best;
+            tot += prob[best];
+        }
+        for (int j = 0; j < a.used; ++j) {
+            a.ids[m * a.used + j] = pick[j];
+            a.wts[m * a.used + j] = prob[pick[j]] / tot;
+        }
+        if (a.shared_gate) a.sgate[m] = 1.0f / (1.0f + expf(-g));
+    }
+    (void)red;
+}
+
+// gemv_moe: the routed experts' GEMVs over the wide layout. Pair q (blockIdx.y, 0..M*used) is
+// activation row q / used (act_pair 0: the layer's input, shared by its row's experts) or q
+// (act_pair 1: each pair's own row, the down projection), through expert ids[q] of the stacked
+// weights (expert_bytes apart), into out[q * out_stride + r]. A pair's rows are gemv_wide_seg's
+// at M = 1, so a pair's result never depends on the step's rows or the other pairs.
+
+struct MoeGemvArgs {
+    GemvArgs g;
+    const int* ids;
+    long long expert_bytes;
+    int used; int act_pair;
+};
+
+extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_moe(const MoeGemvArgs a) {
+    const int q = blockIdx.y, warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, L = a.g.split;
+    const int r = ((int)blockIdx.x * WIDE_WARPS + warp) * (WARP / L) + lane / L;
+    pdl_trigger();
+    pdl_wait();
+    const int e = a.ids[q];
+    const int row = a.act_pair ? q : q / a.used;
+    const int U = a.g.k / QK;
+    GemvArgs p = a.g;
+    p.qs = a.g.qs + (size_t)row * a.g.k;
+    p.qd = a.g.qd + (size_t)row * U;
+    p.qsum = a.g.qsum + (size_t)row * U;
+    GemvSeg s = a.g.seg[0];
+    s.w = a.g.seg[0].w + (size_t)e * a.expert_bytes;
+    s.w2 = s.glu ? a.g.seg[0].w2 + (size_t)e * a.expert_bytes : nullptr;
+    s.out = a.g.seg[0].out + (size_t)q * s.out_stride;
+    switch (s.type * 2 + (s.glu ? 1 : 0)) {
+        case W_Q8_0 * 2: gemv_wide_seg<W_Q8_0, 1, false>(p, s, r); break;
+        case W_Q5_0 * 2: gemv_wide_seg<W_Q5_0, 1, false>(p, s, r); break;
+        case W_Q4_K * 2: gemv_wide_seg<W_Q4_K, 1, false>(p, s, r); break;
+        case W_Q6_K * 2: gemv_wide_seg<W_Q6_K, 1, false>(p, s, r); break;
+        case W_Q5_K * 2: gemv_wide_seg<W_Q5_K, 1, false>(p, s, r); break;
+        case W_Q8_0 * 2 + 1: gemv_wide_seg<W_Q8_0, 1, true>(p, s, r); break;
+        case W_Q5_0 * 2 + 1: gemv_wide_seg<W_Q5_0, 1, true>(p, s, r); break;
+        case W_Q4_K * 2 + 1: gemv_wide_seg<W_Q4_K, 1, true>(p, s, r); break;
+        case W_Q6_K * 2 + 1: gemv_wide_seg<W_Q6_K, 1, true>(p, s, r); break;
+        case W_Q5_K * 2 + 1: gemv_wide_seg<W_Q5_K, 1, true>(p, s, r); break;
+        default: break;
+    }
+}
+
+// moe_combine: out[m][i] = sum_j wts[m*used + j] * y[(m*used + j) * k + i] (j in order), plus
+// sgate[m] * shared[m * k + i] when shared is set. Grid: (ceil(k / 256), M).
+
+struct MoeCombineArgs {
+    const float* y; const float* wts; const float* shared; const float* sgate; float* out;
+    int k; int used;
+};
+
+extern "C" __global__ void __launch_bounds__(256) moe_combine(MoeCombineArgs a) {
+    const int m = blockIdx.y, i = blockIdx.x * blockDim.x + threadIdx.x;
+    pdl_trigger();
+    pdl_wait();
+    if (i >= a.k) return;
+    float t = 0.0f;
+    for (int j = 0; j < a.used; ++j) t += a.wts[m * a.used + j] * a.y[((size_t)m * a.used + j) * a.k + i];
+    if (a.shared) t += a.sgate[m] * a.shared[(size_t)m * a.k + i];
+    a.out[(size_t)m * a.k + i] = t;
+}
+
 // The 8 values of quarter l4 of unit u of a wide row, with the factors, exactly as load_unit
 // gives them from the GGUF block (the prompt GEMM's weight loader over the wide layout).
 template <int T>
@@ -2066,6 +2194,9 @@ static_assert(sizeof(StepParams) == 88, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 152, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
+static_assert(sizeof(MoeRouterArgs) == 64, "MoeRouterArgs");
+static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
+static_assert(sizeof(MoeCombineArgs) == 48, "MoeCombineArgs");
 static_assert(sizeof(RopeArgs) == 120, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 112, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");

@@ -281,6 +281,60 @@ pub struct TurboArgs {
     pub search: i32,
 }
 
+/// `moe_router`'s arguments: per activation row, the router's logits over `n_expert` experts
+/// (f32 weights, `k` values a row), softmax, the top `used` (lower index first among equals)
+/// renormalised, and `sigmoid(shared_gate · x)` when `shared_gate` is set.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeRouterArgs {
+    /// The normed rows, `rows × k` f32.
+    pub x: DevPtr,
+    /// `n_expert × k` f32.
+    pub router: DevPtr,
+    /// `k` f32, or 0.
+    pub shared_gate: DevPtr,
+    /// Out: `rows × used` expert ids (i32), their weights (f32), and `rows` shared gates.
+    pub ids: DevPtr,
+    pub wts: DevPtr,
+    pub sgate: DevPtr,
+    pub k: i32,
+    pub n_expert: i32,
+    pub used: i32,
+    pub pad_: i32,
+}
+
+/// `gemv_moe`'s arguments: `g.seg[0]` the stacked experts (expert 0's rows, `expert_bytes` to the
+/// next, in the wide layout), `ids` the `pairs` expert ids; pair `q`'s activation row is
+/// `q / used` (`act_pair` 0) or `q` (1), its output row `q`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeGemvArgs {
+    pub g: GemvArgs,
+    pub ids: DevPtr,
+    pub expert_bytes: i64,
+    pub used: i32,
+    pub act_pair: i32,
+}
+
+/// `moe_combine`'s arguments: `out[m] = Σ_j wts[m·used + j] · y[m·used + j] (+ sgate[m] ·
+/// shared[m])`, rows of `k` values.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeCombineArgs {
+    pub y: DevPtr,
+    pub wts: DevPtr,
+    /// The shared expert's rows, or 0.
+    pub shared: DevPtr,
+    pub sgate: DevPtr,
+    pub out: DevPtr,
+    pub k: i32,
+    pub used: i32,
+}
+
+/// The most experts [`Kernels::moe_router`] routes over, and the most it picks a row.
+pub const MOE_MAX_EXPERTS: usize = 512;
+pub const MOE_MAX_USED: usize = 16;
+
 /// `attn_decode_hd{HD}`'s arguments.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -414,6 +468,9 @@ pub struct TopKArgs {
 const _: () = assert!(std::mem::size_of::<StepParams>() == 88);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
+const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 64);
+const _: () = assert!(std::mem::size_of::<MoeGemvArgs>() == 256);
+const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 112);
@@ -442,6 +499,9 @@ unsafe impl DeviceRepr for ConvGdnArgs {}
 unsafe impl DeviceRepr for PleArgs {}
 unsafe impl DeviceRepr for SoftcapArgs {}
 unsafe impl DeviceRepr for TurboArgs {}
+unsafe impl DeviceRepr for MoeRouterArgs {}
+unsafe impl DeviceRepr for MoeGemvArgs {}
+unsafe impl DeviceRepr for MoeCombineArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -459,6 +519,9 @@ pub struct Kernels {
     ple: CudaFunction,
     softcap: CudaFunction,
     turbo: CudaFunction,
+    moe_router: CudaFunction,
+    gemv_moe: CudaFunction,
+    moe_combine: CudaFunction,
     argmax: CudaFunction,
     topk: CudaFunction,
     conv: CudaFunction,
@@ -496,6 +559,9 @@ impl Kernels {
             ple: f("ple_inputs")?,
             softcap: f("softcap")?,
             turbo: f("turbo_encode")?,
+            moe_router: f("moe_router")?,
+            gemv_moe: f("gemv_moe")?,
+            moe_combine: f("moe_combine")?,
             argmax: f("argmax_rows")?,
             topk: f("topk_rows")?,
             conv: f("conv_silu")?,
@@ -800,6 +866,59 @@ impl Kernels {
         check(args.d % 32 == 0 && (128..=512).contains(&args.d) && (2..=4).contains(&args.bits) && rows > 0, || format!("turbo_encode: {rows} rows of {} values at {} bits", args.d, args.bits))?;
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (args.d as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.turbo, cfg, args, "turbo_encode")
+    }
+
+    /// `moe_router` over `rows` rows.
+    ///
+    /// # Safety
+    /// The buffers hold what [`MoeRouterArgs`] describes for `rows` rows.
+    pub unsafe fn moe_router(&self, stream: &Arc<CudaStream>, rows: usize, args: &MoeRouterArgs) -> Result<(), GpuError> {
+        let (n, used) = (args.n_expert as usize, args.used as usize);
+        check((1..=MOE_MAX_EXPERTS).contains(&n) && (1..=MOE_MAX_USED.min(n)).contains(&used) && rows > 0, || format!("moe_router: {used} of {n} experts over {rows} rows"))?;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.moe_router, cfg, args, "moe_router")
+    }
+
+    /// The routed experts' GEMVs: `pairs` (row, expert) pairs over `seg` (the stacked experts in
+    /// the wide layout, `expert_bytes` apart; with `glu`, gate and up) of `k` values a row.
+    ///
+    /// # Safety
+    /// `ids` holds `pairs` ids below the experts `seg.w` stacks; the activations hold the rows
+    /// the pairs read, `seg.out` `pairs * out_stride` floats.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv_moe(
+        &self,
+        stream: &Arc<CudaStream>,
+        pairs: usize,
+        k: usize,
+        seg: GemvSeg,
+        act: (DevPtr, DevPtr, DevPtr),
+        ids: DevPtr,
+        expert_bytes: usize,
+        used: usize,
+        act_pair: bool,
+    ) -> Result<(), GpuError> {
+        check(seg.wide != 0, || "gemv_moe: the experts in GGUF blocks (it reads the wide layout)".to_string())?;
+        check(pairs > 0 && used > 0, || format!("gemv_moe: {pairs} pairs of {used} experts a row"))?;
+        let bv = WeightType::from_ggml_id(seg.wtype).ok_or_else(|| GpuError::Shape(format!("gemv_moe: weight type {} is not one the kernels read", seg.wtype)))?.block_values();
+        check(k.is_multiple_of(bv), || format!("gemv_moe: k = {k} is not a multiple of the weight type's {bv}"))?;
+        let split = Self::wide_lanes(seg.n.max(0) as usize, k);
+        let mut g = GemvArgs { nseg: 1, k: k as i32, split: split as i32, rows: 1, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
+        g.seg[0] = seg;
+        let args = MoeGemvArgs { g, ids, expert_bytes: expert_bytes as i64, used: used as i32, act_pair: act_pair as i32 };
+        let blocks = (seg.n as usize).div_ceil(GEMV_WARPS * (32 / split));
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, pairs as u32, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gemv_moe, cfg, &args, "gemv_moe")
+    }
+
+    /// `moe_combine` over `rows` rows.
+    ///
+    /// # Safety
+    /// The buffers hold what [`MoeCombineArgs`] describes for `rows` rows.
+    pub unsafe fn moe_combine(&self, stream: &Arc<CudaStream>, rows: usize, args: &MoeCombineArgs) -> Result<(), GpuError> {
+        check(rows > 0 && args.k > 0 && args.used > 0, || format!("moe_combine: {rows} rows of {} values, {} experts", args.k, args.used))?;
+        let cfg = LaunchConfig { grid_dim: ((args.k as u32).div_ceil(256), rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.moe_combine, cfg, args, "moe_combine")
     }
 
     /// The blocks per row of `topk_rows` for rows of `n` values (its scratch is `rows * blocks *

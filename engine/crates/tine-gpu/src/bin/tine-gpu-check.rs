@@ -28,8 +28,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, Layout, WeightType, EMBD_WIDE, QK};
 use tine_gpu::cuda::{
-    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, TopKArgs, TurboArgs, ARGMAX_BLOCKS,
-    MAX_ROWS, TOPK_MAX,
+    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, TopKArgs,
+    TurboArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX,
 };
 use tine_gpu::reference;
 
@@ -755,6 +755,149 @@ fn check_turbo(dev: &Dev, rng: &mut Rng, bits: u32, d: usize, rows: usize) -> Re
     })
 }
 
+/// `moe_router` against float64: `rows` rows of `k` values routed over `experts` experts,
+/// `used` of them a row, with the shared expert's gate. Ids must match (unless the reference's
+/// probabilities tie within 1e-6 at the cut), weights within 1e-5, the gate within 1e-6.
+fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: usize, used: usize) -> Res<Case> {
+    let x = rng.vec(rows * k, 1.0);
+    let router = rng.vec(experts * k, 0.3);
+    let sg = rng.vec(k, 0.3);
+    let (xd, rd, sd) = (dev.up(&x)?, dev.up(&router)?, dev.up(&sg)?);
+    let (ids, wts, sgate) = (dev.zeros::<i32>(rows * used)?, dev.zeros::<f32>(rows * used)?, dev.zeros::<f32>(rows)?);
+    let args = MoeRouterArgs {
+        x: dev.ptr(&xd),
+        router: dev.ptr(&rd),
+        shared_gate: dev.ptr(&sd),
+        ids: dev.ptr(&ids),
+        wts: dev.ptr(&wts),
+        sgate: dev.ptr(&sgate),
+        k: k as i32,
+        n_expert: experts as i32,
+        used: used as i32,
+        pad_: 0,
+    };
+    // SAFETY: the buffers hold what MoeRouterArgs describes for `rows` rows.
+    unsafe { dev.k.moe_router(&dev.stream, rows, &args)? };
+    let (gi, gw, gs) = (dev.down(&ids)?, dev.down(&wts)?, dev.down(&sgate)?);
+    let mut worst = 0f64;
+    let mut note = String::new();
+    for m in 0..rows {
+        let xr = &x[m * k..(m + 1) * k];
+        let logits: Vec<f64> = (0..experts).map(|e| xr.iter().zip(&router[e * k..(e + 1) * k]).map(|(a, b)| *a as f64 * *b as f64).sum()).collect();
+        let mx = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let ex: Vec<f64> = logits.iter().map(|l| (l - mx).exp()).collect();
+        let tot: f64 = ex.iter().sum();
+        let p: Vec<f64> = ex.iter().map(|v| v / tot).collect();
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let tie = used < experts && (p[order[used - 1]] - p[order[used]]).abs() < 1e-6;
+        let sum: f64 = order[..used].iter().map(|&e| p[e]).sum();
+        for j in 0..used {
+            let (e, got_e) = (order[j], gi[m * used + j] as usize);
+            if got_e != e && !tie {
+                worst = worst.max(1e3);
+                note = format!("row {m} pick {j}: expert {got_e}, want {e}");
+            }
+            worst = worst.max((gw[m * used + j] as f64 - p[e] / sum).abs() / 1e-5);
+        }
+        let g = 1.0 / (1.0 + (-xr.iter().zip(&sg).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()).exp());
+        worst = worst.max((gs[m] as f64 - g).abs() / 1e-6);
+    }
+    Ok(Case { name: format!("moe_router rows={rows} k={k} {used} of {experts} experts"), worst, bits: None, note })
+}
+
+/// `gemv_moe` against float64: `pairs` (row, expert) pairs over `experts` stacked experts of `n`
+/// rows of `k` values (type `t`, the wide layout), gate and up with SiLU when `glu`; `act_pair`:
+/// each pair its own activation row (the down projection), else row `q / used`. Also: a pair's
+/// output equals the same expert's one-row `gemv_wide` bit for bit.
+#[allow(clippy::too_many_arguments)]
+fn check_gemv_moe(dev: &Dev, rng: &mut Rng, t: WeightType, experts: usize, n: usize, k: usize, glu: bool, used: usize, act_rows: usize, act_pair: bool) -> Res<Case> {
+    let pairs = if act_pair { act_rows } else { act_rows * used };
+    let f = GemvFixture::with_layout(dev, rng, t, experts * n, k, glu, act_rows, Layout::Wide)?;
+    let ids: Vec<i32> = (0..pairs).map(|q| ((q * 7 + 3 + (rng.f().abs() * 1000.0) as usize) % experts) as i32).collect();
+    let (idd, out) = (dev.up(&ids)?, dev.zeros::<f32>(pairs * n)?);
+    let seg = GemvSeg {
+        w: dev.ptr(&f.w),
+        w2: if glu { dev.ptr(&f.w2) } else { 0 },
+        out: dev.ptr(&out),
+        n: n as i32,
+        wtype: t.ggml_id(),
+        out_stride: n as i32,
+        glu: if glu { 2 } else { 0 },
+        block_start: 0,
+        wide: 1,
+    };
+    let act = (dev.ptr(&f.act.0), dev.ptr(&f.act.1), dev.ptr(&f.act.2));
+    // SAFETY: the weights stack `experts` matrices of n rows of k values, the ids are below
+    // `experts`, the activations hold act_rows rows, out pairs rows of n.
+    unsafe { dev.k.gemv_moe(&dev.stream, pairs, k, seg, act, dev.ptr(&idd), n * t.wide_row_bytes(k), used, act_pair)? };
+    let got = dev.down(&out)?;
+    let total = experts * n;
+    let mut worst = 0f64;
+    for q in 0..pairs {
+        let (e, row) = (ids[q] as usize, if act_pair { q } else { q / used });
+        for r in 0..n {
+            let i = row * total + e * n + r;
+            let (g, gm) = (f.gate.0[i], f.gate.1[i]);
+            let (want, tol) = if glu {
+                let (u, um) = (f.up.0[i], f.up.1[i]);
+                let sl = g / (1.0 + (-g).exp());
+                (sl * u, 1e-5 * (gm * u.abs() * 1.2 + um * sl.abs()) + 1e-6)
+            } else {
+                (g, 1e-5 * gm + 1e-6)
+            };
+            worst = worst.max((got[q * n + r] as f64 - want).abs() / tol);
+        }
+    }
+    // The first pair against gemv_wide at M = 1 over its expert's rows.
+    let (e0, row0) = (ids[0] as usize, 0usize);
+    let one = dev.zeros::<f32>(n)?;
+    let eb = (n * t.wide_row_bytes(k)) as u64;
+    let s1 = GemvSeg { w: dev.ptr(&f.w) + e0 as u64 * eb, w2: if glu { dev.ptr(&f.w2) + e0 as u64 * eb } else { 0 }, out: dev.ptr(&one), ..seg };
+    // SAFETY: one expert's n rows, activation row 0, n outputs.
+    unsafe { dev.k.gemv(&dev.stream, 1, k, &[s1], act)? };
+    let single = dev.down(&one)?;
+    let same = single.iter().zip(&got[..n]).all(|(a, b)| a.to_bits() == b.to_bits()) && row0 == 0;
+    Ok(Case {
+        name: format!("gemv_moe {t:?} {experts} experts n={n} k={k}{} {pairs} pairs{}", if glu { " glu" } else { "" }, if act_pair { " (own rows)" } else { "" }),
+        worst,
+        bits: Some(same),
+        note: String::new(),
+    })
+}
+
+/// `moe_combine` against float64.
+fn check_moe_combine(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, used: usize, shared: bool) -> Res<Case> {
+    let y = rng.vec(rows * used * k, 2.0);
+    let w = rng.vec(rows * used, 1.0);
+    let sh = rng.vec(rows * k, 2.0);
+    let sg = rng.vec(rows, 1.0);
+    let (yd, wd, shd, sgd, out) = (dev.up(&y)?, dev.up(&w)?, dev.up(&sh)?, dev.up(&sg)?, dev.zeros::<f32>(rows * k)?);
+    let args = MoeCombineArgs { y: dev.ptr(&yd), wts: dev.ptr(&wd), shared: if shared { dev.ptr(&shd) } else { 0 }, sgate: dev.ptr(&sgd), out: dev.ptr(&out), k: k as i32, used: used as i32 };
+    // SAFETY: the buffers hold what MoeCombineArgs describes for `rows` rows.
+    unsafe { dev.k.moe_combine(&dev.stream, rows, &args)? };
+    let got = dev.down(&out)?;
+    let mut worst = 0f64;
+    for m in 0..rows {
+        for i in 0..k {
+            let mut want = 0f64;
+            let mut mag = 0f64;
+            for j in 0..used {
+                let v = w[m * used + j] as f64 * y[(m * used + j) * k + i] as f64;
+                want += v;
+                mag += v.abs();
+            }
+            if shared {
+                let v = sg[m] as f64 * sh[m * k + i] as f64;
+                want += v;
+                mag += v.abs();
+            }
+            worst = worst.max((got[m * k + i] as f64 - want).abs() / (1e-6 * mag + 1e-7));
+        }
+    }
+    Ok(Case { name: format!("moe_combine rows={rows} k={k} used={used}{}", if shared { " shared" } else { "" }), worst, bits: None, note: String::new() })
+}
+
 /// Attention for rows at pos..pos+M over a random cache; with `gated`, the output times
 /// `sigmoid(gate)` (Qwen3.5's gated attention).
 #[allow(clippy::too_many_arguments)]
@@ -1251,6 +1394,23 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     }
     for (n, cap) in [(262144 * 3, 30.0), (4096, 30.0), (100, 0.5)] {
         cases.push(check_softcap(dev, &mut rng, n, cap)?);
+    }
+    // Mixture of experts (qwen35moe): the router, the routed experts' GEMVs, the combination.
+    for (rows, k, experts, used) in [(1, 256, 8, 2), (3, 640, 64, 8), (8, 2048, 256, 8), (2, 96, 512, 16)] {
+        cases.push(check_moe_router(dev, &mut rng, rows, k, experts, used)?);
+    }
+    for (t, experts, n, k, glu, used, act_rows, act_pair) in [
+        (WeightType::Q4K, 8, 64, 256, true, 2, 1, false),
+        (WeightType::Q4K, 16, 512, 2048, true, 8, 3, false),
+        (WeightType::Q6K, 16, 2048, 512, false, 8, 24, true),
+        (WeightType::Q5K, 4, 96, 256, true, 2, 8, false),
+        (WeightType::Q8_0, 6, 256, 128, false, 3, 9, true),
+        (WeightType::Q5_0, 5, 33, 64, true, 4, 2, false),
+    ] {
+        cases.push(check_gemv_moe(dev, &mut rng, t, experts, n, k, glu, used, act_rows, act_pair)?);
+    }
+    for (rows, k, used, shared) in [(1, 2048, 8, true), (5, 640, 2, false), (8, 96, 16, true)] {
+        cases.push(check_moe_combine(dev, &mut rng, rows, k, used, shared)?);
     }
     // The rotated low-bit KV rows (issue 53): the device's bytes against candle-nn's encoder.
     for (bits, d, rows) in [(4, 256, 9), (3, 256, 9), (2, 256, 9), (3, 512, 5), (3, 128, 7), (4, 160, 3), (2, 512, 4)] {
