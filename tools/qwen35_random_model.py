@@ -31,6 +31,15 @@ SHAPES = {
     # A small shape whose matrices quantize to Q4_K (rows of 256): a few MB, for device checks.
     "small": dict(hidden=256, layers=8, interval=4, heads=4, kv_heads=2, head_dim=64, ff=512,
                   hk=2, hv=4, d_state=64, conv=4, vocab=1024, rope_base=1e7, nextn=1),
+    # `qwen35moe`: a small one for device checks, and the A3B class's MoE widths (hidden 2048,
+    # 256 experts of 512 rows, 8 a token, a shared expert of 512, 16 / 2 attention heads of 256,
+    # 16 key and 32 value delta-net heads of 128) over 4 layers, for per-layer timings.
+    "small-moe": dict(hidden=256, layers=8, interval=4, heads=4, kv_heads=2, head_dim=64, ff=512,
+                      hk=2, hv=4, d_state=64, conv=4, vocab=1024, rope_base=1e7, nextn=1,
+                      experts=16, used=4, expert_ff=256, shared_ff=256),
+    "a3b-4l": dict(hidden=2048, layers=4, interval=4, heads=16, kv_heads=2, head_dim=256, ff=512,
+                   hk=16, hv=32, d_state=128, conv=4, vocab=248320, rope_base=1e7, nextn=1,
+                   experts=256, used=8, expert_ff=512, shared_ff=512),
     # A tiny shape for checking the script itself.
     "test": dict(hidden=64, layers=4, interval=4, heads=2, kv_heads=1, head_dim=32, ff=128,
                  hk=2, hv=4, d_state=16, conv=4, vocab=300, rope_base=1e7, nextn=1),
@@ -59,10 +68,11 @@ def main():
     rng = np.random.default_rng(a.seed)
     d, hd, ds, hk, hv = c["hidden"], c["head_dim"], c["d_state"], c["hk"], c["hv"]
     conv_dim = 2 * hk * ds + hv * ds
-    arch = "qwen35"
+    moe = "experts" in c
+    arch = "qwen35moe" if moe else "qwen35"
     tmp = a.out + ".partial"  # renamed into place once complete
     w = gguf.GGUFWriter(tmp, arch)
-    w.add_name(f"qwen35-{a.shape}-random")
+    w.add_name(f"{arch}-{a.shape}-random")
     n_blocks = c["layers"] + c["nextn"]
     w.add_block_count(n_blocks)
     w.add_context_length(262144)
@@ -85,6 +95,9 @@ def main():
     w.add_ssm_inner_size(hv * ds)
     w.add_full_attention_interval(c["interval"])
     w.add_uint32(f"{arch}.nextn_predict_layers", c["nextn"])
+    if moe:
+        for key in ("expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length"):
+            w.add_uint32(f"{arch}.{key}", c[{"expert_count": "experts", "expert_used_count": "used", "expert_feed_forward_length": "expert_ff", "expert_shared_feed_forward_length": "shared_ff"}[key]])
     # The stand-in tokenizer.
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = byte_symbols() + ["\u0120t"]
@@ -129,9 +142,19 @@ def main():
             mat(p + "ssm_alpha.weight", hv, d)
             vec(p + "ssm_norm.weight", ds)
             mat(p + "ssm_out.weight", d, hv * ds)
-        mat(p + "ffn_gate.weight", c["ff"], d)
-        mat(p + "ffn_up.weight", c["ff"], d)
-        mat(p + "ffn_down.weight", d, c["ff"])
+        if moe:
+            e, fe, fs = c["experts"], c["expert_ff"], c["shared_ff"]
+            w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((e, d), dtype=np.float32) / np.sqrt(d)).astype(np.float32))
+            for name, rows, cols in (("ffn_gate_exps", fe, d), ("ffn_up_exps", fe, d), ("ffn_down_exps", d, fe)):
+                w.add_tensor(p + name + ".weight", (rng.standard_normal((e, rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float16))
+            vec(p + "ffn_gate_inp_shexp.weight", d, rng.standard_normal(d, dtype=np.float32) / np.sqrt(d))
+            mat(p + "ffn_gate_shexp.weight", fs, d)
+            mat(p + "ffn_up_shexp.weight", fs, d)
+            mat(p + "ffn_down_shexp.weight", d, fs)
+        else:
+            mat(p + "ffn_gate.weight", c["ff"], d)
+            mat(p + "ffn_up.weight", c["ff"], d)
+            mat(p + "ffn_down.weight", d, c["ff"])
         if l == c["layers"]:
             mat(p + "nextn.eh_proj.weight", d, 2 * d)
             vec(p + "nextn.enorm.weight", d)

@@ -263,6 +263,26 @@ if [ "$mode" = nextn ]; then
     done
   done
   say "draft-mtp failures: $fails"
+  # qwen35moe on the engine (small-moe: 16 experts, 4 a token, a shared expert, NextN with its
+  # own experts): the model checks, greedy ids against the CPU path, draft-mtp against plain.
+  [ -s "$W/q35-small-moe-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/qwen35_random_model.py" --shape small-moe --out "$W/q35-small-moe-f16.gguf" >>"$W/models.log" 2>&1
+  M="$W/q35-small-moe-q.gguf"
+  [ -s "$M" ] || "$C" --quantize "$W/q35-small-moe-f16.gguf" "$M" >>"$W/models.log" 2>&1
+  run qwen35-small-moe 120 "$C" --no-table --qwen35 "$M" || true
+  grep -E "^(ok|FAIL)|NextN" "$log" | tail -n 14
+  for p in 'The history of the printing press begins' 'Once upon a time, in a small village by the sea,'; do
+    base=(generate -m "$M" -p "$p" -n 48 --ignore-eos)
+    cpu=$(timeout 60 "$T" "${base[@]}" --temp 0 --device cpu 2>/dev/null)
+    gpu=$(timeout 60 "$T" "${base[@]}" --temp 0 --device cuda 2>"$W/err-gpu")
+    grep -E "loaded|engine" "$W/err-gpu" | head -n 2 >>"$log"
+    [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  moe engine vs cpu: ${p:0:24}" || { say "DIFF  moe engine vs cpu: ${p:0:24}"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; tail -n 3 "$W/err-gpu" >>"$log"; }
+    for temp in 0 0.8; do
+      plain=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 2>/dev/null)
+      got=$(timeout 60 "$T" "${base[@]}" --device cuda --temp $temp --seed 7 --spec-type draft-mtp 2>"$W/err-spec")
+      acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+      [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  moe draft-mtp vs plain, temp $temp ($acc)" || { say "DIFF  moe draft-mtp vs plain, temp $temp"; tail -n 3 "$W/err-spec" >>"$log"; }
+    done
+  done
   for shape in small-e2b small-dense mid-e2b; do
     left || break
     [ -s "$W/g4-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$shape" --out "$W/g4-$shape-f16.gguf" >>"$W/models.log" 2>&1

@@ -73,7 +73,7 @@ impl Gemma3Config {
 
 /// The hyperparameters of a `qwen35` GGUF's step program (llama.cpp's converter's layout: norms
 /// stored as `1 + w`, `ssm_a` as `-exp(A_log)`, value heads in tiled order, `attn_q` as
-/// `[q | gate]` per head). `qwen35moe` is refused here: its experts are not on the engine yet.
+/// `[q | gate]` per head), and `qwen35moe`'s experts ([`Qwen35Moe`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Qwen35Config {
     pub hidden: usize,
@@ -99,6 +99,19 @@ pub struct Qwen35Config {
     pub full_attention: Vec<bool>,
     /// NextN layers after the trunk (`nextn_predict_layers`).
     pub nextn_layers: usize,
+    /// `qwen35moe`: every block's feed-forward is routed experts plus a shared expert.
+    pub moe: Option<Qwen35Moe>,
+}
+
+/// A `qwen35moe` GGUF's experts (`{arch}.expert_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Qwen35Moe {
+    pub experts: usize,
+    pub used: usize,
+    /// Rows of each routed expert's gate and up (`expert_feed_forward_length`).
+    pub expert_ff: usize,
+    /// Rows of the shared expert's gate and up (`expert_shared_feed_forward_length`).
+    pub shared_ff: usize,
 }
 
 impl Qwen35Config {
@@ -106,14 +119,20 @@ impl Qwen35Config {
     /// candle's `quantized_qwen35::Config`).
     pub fn from_metadata(md: &HashMap<String, Value>, vocab: usize) -> Result<Qwen35Config, String> {
         let arch = md.get("general.architecture").and_then(|v| v.to_string().ok()).cloned().unwrap_or_default();
-        if arch == "qwen35moe" {
-            return Err("qwen35moe: the routed experts are not on the GPU engine yet".into());
+        if arch != "qwen35" && arch != "qwen35moe" {
+            return Err(format!("architecture `{arch}` is not qwen35 or qwen35moe"));
         }
-        if arch != "qwen35" {
-            return Err(format!("architecture `{arch}` is not qwen35"));
-        }
-        let get = |key: &str| md.get(&format!("qwen35.{key}"));
-        let u = |key: &str| -> Result<usize, String> { get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize).ok_or_else(|| format!("metadata qwen35.{key} missing")) };
+        let get = |key: &str| md.get(&format!("{arch}.{key}"));
+        let u = |key: &str| -> Result<usize, String> { get(key).and_then(|v| v.to_u32().ok()).map(|v| v as usize).ok_or_else(|| format!("metadata {arch}.{key} missing")) };
+        let moe = if arch == "qwen35moe" {
+            let m = Qwen35Moe { experts: u("expert_count")?, used: u("expert_used_count")?, expert_ff: u("expert_feed_forward_length")?, shared_ff: u("expert_shared_feed_forward_length")? };
+            if m.used == 0 || m.used > m.experts {
+                return Err(format!("qwen35moe: {} experts used of {}", m.used, m.experts));
+            }
+            Some(m)
+        } else {
+            None
+        };
         let f = |key: &str, default: f32| get(key).and_then(|v| v.to_f32().ok()).unwrap_or(default);
         let blocks = u("block_count")?;
         let nextn_layers = if get("nextn_predict_layers").is_some() { u("nextn_predict_layers")? } else { 0 };
@@ -147,7 +166,8 @@ impl Qwen35Config {
             head_dim,
             rope_dim: if get("rope.dimension_count").is_some() { u("rope.dimension_count")? } else { head_dim / 4 },
             rope_base: f("rope.freq_base", 10_000_000.0),
-            ff: u("feed_forward_length")?,
+            // A MoE file may leave the dense width out: no block reads it.
+            ff: if moe.is_some() && get("feed_forward_length").is_none() { 0 } else { u("feed_forward_length")? },
             vocab,
             eps: f("attention.layer_norm_rms_epsilon", 1e-6),
             conv_kernel: u("ssm.conv_kernel")?,
@@ -156,9 +176,10 @@ impl Qwen35Config {
             n_v_heads: u("ssm.time_step_rank")?,
             full_attention,
             nextn_layers,
+            moe,
         };
         if get("attention.value_length").is_some() && u("attention.value_length")? != head_dim {
-            return Err(format!("qwen35.attention.value_length differs from key_length ({head_dim})"));
+            return Err(format!("{arch}.attention.value_length differs from key_length ({head_dim})"));
         }
         if cfg.n_kv == 0 || !cfg.n_head.is_multiple_of(cfg.n_kv) {
             return Err(format!("qwen35: {} query heads over {} KV heads", cfg.n_head, cfg.n_kv));
@@ -167,7 +188,7 @@ impl Qwen35Config {
             return Err(format!("qwen35: {} value heads over {} key heads", cfg.n_v_heads, cfg.n_k_heads));
         }
         if !cfg.rope_dim.is_multiple_of(2) || cfg.rope_dim > head_dim {
-            return Err(format!("qwen35.rope.dimension_count {} of a head of {head_dim}", cfg.rope_dim));
+            return Err(format!("{arch}.rope.dimension_count {} of a head of {head_dim}", cfg.rope_dim));
         }
         Ok(cfg)
     }
@@ -193,6 +214,14 @@ impl Qwen35Config {
         }
         if !self.hidden.is_multiple_of(32) || !self.ff.is_multiple_of(32) || self.hidden > 8192 {
             return Some(format!("widths {} and {} (multiples of 32, the hidden width at most 8192)", self.hidden, self.ff));
+        }
+        if let Some(m) = &self.moe {
+            if m.experts > crate::MOE_MAX_EXPERTS || m.used > crate::MOE_MAX_USED {
+                return Some(format!("{} of {} experts a token (at most {} of {})", m.used, m.experts, crate::MOE_MAX_USED, crate::MOE_MAX_EXPERTS));
+            }
+            if !m.expert_ff.is_multiple_of(32) || !m.shared_ff.is_multiple_of(32) || m.expert_ff > 8192 || m.shared_ff > 8192 {
+                return Some(format!("expert widths {} and {} (multiples of 32 up to 8192)", m.expert_ff, m.shared_ff));
+            }
         }
         None
     }
@@ -453,12 +482,34 @@ mod tests {
         assert_eq!(Qwen35Config::from_metadata(&md, 1000).expect("listed").full_attention, vec![false, true, false, false]);
     }
 
-    #[test]
-    fn qwen35_moe_and_unfit_shapes_are_refused_by_name() {
-        let mut md = qwen35_metadata();
+    /// `qwen35`'s keys under `qwen35moe.` with the experts' keys.
+    fn qwen35moe_metadata(experts: u32, used: u32) -> HashMap<String, Value> {
+        let mut md: HashMap<String, Value> = qwen35_metadata().into_iter().map(|(k, v)| (k.replacen("qwen35.", "qwen35moe.", 1), v)).collect();
         md.insert("general.architecture".into(), Value::String("qwen35moe".into()));
-        let e = Qwen35Config::from_metadata(&md, 1000).expect_err("moe");
-        assert!(e.contains("experts"), "{e}");
+        md.remove("qwen35moe.feed_forward_length");
+        for (k, v) in [("expert_count", experts), ("expert_used_count", used), ("expert_feed_forward_length", 128), ("expert_shared_feed_forward_length", 256)] {
+            md.insert(format!("qwen35moe.{k}"), Value::U32(v));
+        }
+        md
+    }
+
+    #[test]
+    fn qwen35moe_reads_its_experts_and_refuses_what_the_router_cannot_take() {
+        let c = Qwen35Config::from_metadata(&qwen35moe_metadata(64, 8), 1000).expect("qwen35moe");
+        assert_eq!(c.moe, Some(Qwen35Moe { experts: 64, used: 8, expert_ff: 128, shared_ff: 256 }));
+        assert_eq!((c.ff, c.unsupported()), (0, None));
+        let e = Qwen35Config::from_metadata(&qwen35moe_metadata(8, 9), 1000).expect_err("9 of 8");
+        assert!(e.contains("9 experts used of 8"), "{e}");
+        let c = Qwen35Config::from_metadata(&qwen35moe_metadata(1024, 8), 1000).expect("parses");
+        assert!(c.unsupported().expect("refused").contains("8 of 1024 experts"));
+        let mut md = qwen35moe_metadata(64, 8);
+        md.remove("qwen35moe.expert_shared_feed_forward_length");
+        let e = Qwen35Config::from_metadata(&md, 1000).expect_err("missing key");
+        assert!(e.contains("qwen35moe.expert_shared_feed_forward_length"), "{e}");
+    }
+
+    #[test]
+    fn qwen35_unfit_shapes_are_refused_by_name() {
         let mut md = qwen35_metadata();
         md.insert("qwen35.ssm.time_step_rank".into(), Value::U32(3));
         let e = Qwen35Config::from_metadata(&md, 1000).expect_err("heads");

@@ -331,9 +331,7 @@ pub struct MoeCombineArgs {
     pub used: i32,
 }
 
-/// The most experts [`Kernels::moe_router`] routes over, and the most it picks a row.
-pub const MOE_MAX_EXPERTS: usize = 512;
-pub const MOE_MAX_USED: usize = 16;
+pub use crate::{MOE_MAX_EXPERTS, MOE_MAX_USED};
 
 /// `attn_decode_hd{HD}`'s arguments.
 #[repr(C)]

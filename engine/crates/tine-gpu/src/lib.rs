@@ -23,6 +23,9 @@
 //! | `softcap` | logit softcapping, `tanh(x / c) · c` |
 //! | `turbo_encode` | rows to the rotated low-bit KV rows of candle-nn's `kv_turbo` (turbo4/3/2), bit for bit (kernel table only so far) |
 //! | `topk_rows` | the k best logits of each row (k <= 64) under the sampler's order, banned ids left out |
+//! | `moe_router` | a row's router logits (f32), softmax, the top `used` experts (lower index first among equals) renormalised, and the shared expert's sigmoid gate |
+//! | `gemv_moe` | the routed experts' GEMVs: each (row, expert) pair as `gemv_wide_m1` over that expert of the stacked weights, optional SiLU·up |
+//! | `moe_combine` | the experts' rows weighted and summed in order, plus the gated shared expert |
 //!
 //! Every decode kernel computes a row (one token of a step) with the same operations in the same
 //! order whatever the number of rows M of the step (1..=8), so a verify step reproduces one-token
@@ -37,6 +40,11 @@
 
 pub mod blocks;
 pub mod config;
+
+/// The most experts `moe_router` routes over, and the most it picks for a row.
+pub const MOE_MAX_EXPERTS: usize = 512;
+pub const MOE_MAX_USED: usize = 16;
+
 pub mod planes;
 pub mod reference;
 

@@ -40,7 +40,9 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
-use crate::cuda::{AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
+use crate::cuda::{
+    AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS,
+};
 use crate::gemma3::{alloc, inv_freq, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
@@ -65,9 +67,24 @@ struct Layer {
     attn_norm: CudaSlice<f32>,
     post_norm: CudaSlice<f32>,
     mixer: Mixer,
-    gate: W,
-    up: W,
-    down: W,
+    ffn: Ffn,
+}
+
+/// A block's feed-forward: SwiGLU, or `qwen35moe`'s experts.
+enum Ffn {
+    Dense { gate: W, up: W, down: W },
+    Moe(Box<MoeFfn>),
+}
+
+/// `qwen35moe`'s feed-forward: the router (f32), every expert's gate, up and down stacked (expert
+/// `e`'s rows `e · rows` on, in the wide layout), the shared expert and its gate's row.
+struct MoeFfn {
+    router: CudaSlice<f32>,
+    shared_gate: CudaSlice<f32>,
+    gate_exps: W,
+    up_exps: W,
+    down_exps: W,
+    shared: (W, W, W),
 }
 
 /// Activation buffers for [`PROMPT_ROWS`] rows (the logits and argmax scratch for
@@ -94,6 +111,15 @@ struct Buffers {
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
+    /// `qwen35moe` (one value each without experts): the normed rows the router reads, each
+    /// row's experts and weights, the shared expert's gates, the experts' SwiGLU rows and their
+    /// down projections (`rows × used` of each).
+    xn: CudaSlice<f32>,
+    moe_ids: CudaSlice<i32>,
+    moe_wts: CudaSlice<f32>,
+    sgate: CudaSlice<f32>,
+    ffx: CudaSlice<f32>,
+    ydn: CudaSlice<f32>,
     /// The LM head's rows and what reads them.
     out: Readout,
 }
@@ -280,18 +306,70 @@ impl Reader<'_> {
                 out: self.weight(&p("ssm_out.weight"), h, hv * d)?,
             }
         };
-        let layer = Layer {
-            attn_norm: self.norm(&p("attn_norm.weight"), h)?,
-            post_norm: self.norm(&p("post_attention_norm.weight"), h)?,
-            mixer,
-            gate: self.weight(&p("ffn_gate.weight"), cfg.ff, h)?,
-            up: self.weight(&p("ffn_up.weight"), cfg.ff, h)?,
-            down: self.weight(&p("ffn_down.weight"), h, cfg.ff)?,
+        let ffn = match &cfg.moe {
+            None => {
+                let (gate, up) = (self.weight(&p("ffn_gate.weight"), cfg.ff, h)?, self.weight(&p("ffn_up.weight"), cfg.ff, h)?);
+                if gate.1 != up.1 {
+                    return Err(self.model_err(format!("blk.{l}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
+                }
+                Ffn::Dense { gate, up, down: self.weight(&p("ffn_down.weight"), h, cfg.ff)? }
+            }
+            Some(m) => {
+                let fused = p("ffn_gate_up_exps.weight");
+                let (gate_exps, up_exps) = if self.content.tensor_infos.contains_key(&fused) {
+                    self.experts_split(&fused, m.experts, m.expert_ff, h)?
+                } else {
+                    (self.experts(&p("ffn_gate_exps.weight"), m.experts, m.expert_ff, h)?, self.experts(&p("ffn_up_exps.weight"), m.experts, m.expert_ff, h)?)
+                };
+                if gate_exps.1 != up_exps.1 {
+                    return Err(self.model_err(format!("blk.{l}: the experts' gate and up differ in type; the fused GLU reads one")));
+                }
+                let shared =
+                    (self.weight(&p("ffn_gate_shexp.weight"), m.shared_ff, h)?, self.weight(&p("ffn_up_shexp.weight"), m.shared_ff, h)?, self.weight(&p("ffn_down_shexp.weight"), h, m.shared_ff)?);
+                if shared.0 .1 != shared.1 .1 {
+                    return Err(self.model_err(format!("blk.{l}: ffn_gate_shexp and ffn_up_shexp differ in type; the fused GLU reads one")));
+                }
+                Ffn::Moe(Box::new(MoeFfn {
+                    router: self.norm(&p("ffn_gate_inp.weight"), m.experts * h)?,
+                    shared_gate: self.norm(&p("ffn_gate_inp_shexp.weight"), h)?,
+                    down_exps: self.experts(&p("ffn_down_exps.weight"), m.experts, h, m.expert_ff)?,
+                    gate_exps,
+                    up_exps,
+                    shared,
+                }))
+            }
         };
-        if layer.gate.1 != layer.up.1 {
-            return Err(self.model_err(format!("blk.{l}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
+        Ok(Layer { attn_norm: self.norm(&p("attn_norm.weight"), h)?, post_norm: self.norm(&p("post_attention_norm.weight"), h)?, mixer, ffn })
+    }
+
+    /// The `n` matrices of `rows × cols` stacked in `name` (`[n, rows, cols]`), still quantized,
+    /// in the engine's layout (a matrix of `n · rows` rows).
+    fn experts(&mut self, name: &str, n: usize, rows: usize, cols: usize) -> Result<W> {
+        let t = self.tensor(name)?;
+        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Error::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
+        if t.shape().dims() != [n, rows, cols] || !cols.is_multiple_of(wt.block_values()) {
+            return Err(self.model_err(format!("{name} has shape {:?} of {wt:?}, expected [{n}, {rows}, {cols}]", t.shape().dims())));
         }
-        Ok(layer)
+        let data = t.data().map_err(|source| Error::Read { path: self.path.to_string(), source })?;
+        Ok((self.upload(&data, wt, cols)?, wt))
+    }
+
+    /// The converter's fused `[n, 2 · rows, cols]` experts (each expert's gate rows, then its up
+    /// rows) as the stacked gates and the stacked ups.
+    fn experts_split(&mut self, name: &str, n: usize, rows: usize, cols: usize) -> Result<(W, W)> {
+        let t = self.tensor(name)?;
+        let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Error::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
+        if t.shape().dims() != [n, 2 * rows, cols] || !cols.is_multiple_of(wt.block_values()) {
+            return Err(self.model_err(format!("{name} has shape {:?} of {wt:?}, expected [{n}, {}, {cols}]", t.shape().dims(), 2 * rows)));
+        }
+        let data = t.data().map_err(|source| Error::Read { path: self.path.to_string(), source })?;
+        let half = rows * wt.row_bytes(cols);
+        let (mut g, mut u) = (Vec::with_capacity(data.len() / 2), Vec::with_capacity(data.len() / 2));
+        for e in 0..n {
+            g.extend_from_slice(&data[2 * e * half..(2 * e + 1) * half]);
+            u.extend_from_slice(&data[(2 * e + 1) * half..(2 * e + 2) * half]);
+        }
+        Ok(((self.upload(&g, wt, cols)?, wt), (self.upload(&u, wt, cols)?, wt)))
     }
 }
 
@@ -360,7 +438,12 @@ impl Qwen35Gpu {
         };
         let (qd, kvd, c, vd) = (cfg.n_head * cfg.head_dim, cfg.n_kv * cfg.head_dim, cfg.conv_dim(), cfg.n_v_heads * cfg.d_state);
         // A NextN step's rows are [enorm(e); hnorm(h)]: 2 * hidden values.
-        let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd).max(if nextn.is_some() { 2 * cfg.hidden } else { 0 });
+        let (used, fe, fs) = cfg.moe.map_or((0, 0, 0), |m| (m.used, m.expert_ff, m.shared_ff));
+        // The Q8 rows hold the widest row any GEMV reads (the experts' rows: `used` a token).
+        let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd).max(if nextn.is_some() { 2 * cfg.hidden } else { 0 }).max(used * fe).max(fs);
+        if cfg.moe.is_some() && !wide {
+            return Err(model_err("the experts' GEMV reads the wide layout: TINE_GPU_WIDE=0 is for dense models".into()));
+        }
         let chunks_max = Kernels::attn_chunks_max(ctx_len, 0);
         let m = PROMPT_ROWS;
         let b = Buffers {
@@ -375,13 +458,19 @@ impl Qwen35Gpu {
             beta: alloc(&stream, m * cfg.n_v_heads)?,
             o: alloc(&stream, m * vd)?,
             mix: alloc(&stream, m * cfg.hidden)?,
-            ff: alloc(&stream, m * cfg.ff)?,
+            ff: alloc(&stream, m * cfg.ff.max(fs))?,
             down: alloc(&stream, m * cfg.hidden)?,
             qs: alloc(&stream, m * kmax)?,
             qd: alloc(&stream, m * kmax / QK)?,
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
             attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
+            xn: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
+            moe_ids: alloc(&stream, (m * used).max(1))?,
+            moe_wts: alloc(&stream, (m * used).max(1))?,
+            sgate: alloc(&stream, m.max(1))?,
+            ffx: alloc(&stream, (m * used * fe).max(1))?,
+            ydn: alloc(&stream, (m * used * cfg.hidden).max(1))?,
             out: Readout::new(&stream, cfg.vocab)?,
         };
         let hin = alloc(&stream, if nextn.is_some() { m * cfg.hidden } else { 1 })?;
@@ -654,8 +743,11 @@ impl Qwen35Gpu {
         Ok(())
     }
 
-    /// A block's second half: `x += mix` with `post_attention_norm(x)` as Q8, the SwiGLU GEMV,
-    /// its rows as Q8, `down` into `b.down`. 4 launches.
+    /// A block's second half: `x += mix` with `post_attention_norm(x)` as Q8, then the
+    /// feed-forward into `b.down`: the SwiGLU GEMV, its rows as Q8, `down` (4 launches); or
+    /// `qwen35moe`'s experts (9 launches): the router over the normed rows, the shared expert's
+    /// and the routed experts' gate·up, each as Q8 rows in turn and its down projection, and
+    /// their weighted sum.
     ///
     /// # Safety
     /// As [`Qwen35Gpu::launch_step`]'s.
@@ -663,25 +755,66 @@ impl Qwen35Gpu {
         let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
         let p = |s: &CudaSlice<f32>| self.ptr(s);
         let act = self.act(0, 0);
-        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
-        mark("norm_quant")?;
-        let glu = GemvSeg {
-            w: self.ptr(&ly.gate.0),
-            w2: self.ptr(&ly.up.0),
-            out: p(&b.ff),
-            n: c.ff as i32,
-            wtype: ly.gate.1.ggml_id(),
-            out_stride: c.ff as i32,
+        let glu = |g: &W, u: &W, out: &CudaSlice<f32>, n: usize| GemvSeg {
+            w: self.ptr(&g.0),
+            w2: self.ptr(&u.0),
+            out: p(out),
+            n: n as i32,
+            wtype: g.1.ggml_id(),
+            out_stride: n as i32,
             glu: 2,
             block_start: 0,
             wide: self.wide as i32,
         };
-        k.gemv(s, rows, c.hidden, &[glu], act)?;
-        mark("gemv gate·up")?;
-        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
-        mark("norm_quant")?;
-        k.gemv(s, rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)], act)?;
-        mark("gemv down")?;
+        match &ly.ffn {
+            Ffn::Dense { gate, up, down } => {
+                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
+                mark("norm_quant")?;
+                k.gemv(s, rows, c.hidden, &[glu(gate, up, &b.ff, c.ff)], act)?;
+                mark("gemv gate·up")?;
+                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
+                mark("norm_quant")?;
+                k.gemv(s, rows, c.ff, &[self.seg(down, &b.down, c.hidden)], act)?;
+                mark("gemv down")?;
+            }
+            Ffn::Moe(e) => {
+                let mc = c.moe.expect("a MoE block in a qwen35moe model");
+                let (h, used, fe, fs) = (c.hidden, mc.used, mc.expert_ff, mc.shared_ff);
+                let pairs = rows * used;
+                k.norm_quant(s, rows, &NormQuantArgs { y_out: p(&b.xn), ..self.nq(step, prompt, p(&b.mix), 3, h, p(&ly.post_norm)) })?;
+                mark("norm_quant")?;
+                let ra = MoeRouterArgs {
+                    x: p(&b.xn),
+                    router: p(&e.router),
+                    shared_gate: p(&e.shared_gate),
+                    ids: self.ptr(&b.moe_ids),
+                    wts: p(&b.moe_wts),
+                    sgate: p(&b.sgate),
+                    k: h as i32,
+                    n_expert: mc.experts as i32,
+                    used: used as i32,
+                    pad_: 0,
+                };
+                k.moe_router(s, rows, &ra)?;
+                mark("moe_router")?;
+                k.gemv(s, rows, h, &[glu(&e.shared.0, &e.shared.1, &b.ff, fs)], act)?;
+                mark("gemv shared gate·up")?;
+                let bytes = |w: &W, n: usize, k: usize| n * w.1.wide_row_bytes(k);
+                k.gemv_moe(s, pairs, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, self.ptr(&b.moe_ids), bytes(&e.gate_exps, fe, h), used, false)?;
+                mark("gemv_moe gate·up")?;
+                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, fs, 0))?;
+                mark("norm_quant")?;
+                k.gemv(s, rows, fs, &[self.seg(&e.shared.2, &b.mix, h)], act)?;
+                mark("gemv shared down")?;
+                k.norm_quant(s, pairs, &self.nq(step, prompt, p(&b.ffx), 0, fe, 0))?;
+                mark("norm_quant")?;
+                k.gemv_moe(s, pairs, fe, self.seg(&e.down_exps, &b.ydn, h), act, self.ptr(&b.moe_ids), bytes(&e.down_exps, h, fe), used, true)?;
+                mark("gemv_moe down")?;
+                let ca = MoeCombineArgs { y: p(&b.ydn), wts: p(&b.moe_wts), shared: p(&b.mix), sgate: p(&b.sgate), out: p(&b.down), k: h as i32, used: used as i32 };
+                k.moe_combine(s, rows, &ca)?;
+                mark("moe_combine")?;
+            }
+        }
         Ok(())
     }
 

@@ -1907,6 +1907,10 @@ fn quantize_gguf(src: &std::path::Path, dst: &std::path::Path) -> Res<()> {
         let dims = t.shape().dims().to_vec();
         let float = matches!(t.dtype(), GgmlDType::F16 | GgmlDType::F32 | GgmlDType::BF16);
         let q = match (dims.as_slice(), float) {
+            // The router stays f32, as llama-quantize leaves it.
+            _ if name.contains("ffn_gate_inp") => t,
+            // Stacked experts (`[n, rows, cols]`): the down projections Q6_K, gate and up Q4_K.
+            ([_, _, cols], true) if cols % 256 == 0 => QTensor::quantize(&t.dequantize(&cpu)?, if name.contains("ffn_down") { GgmlDType::Q6K } else { GgmlDType::Q4K })?,
             ([_, cols], true) if cols % 32 == 0 => {
                 let k256 = cols % 256 == 0;
                 let dt = if name.ends_with("token_embd.weight") {
