@@ -236,9 +236,9 @@ if [ "$mode" = nextn ]; then
   # `--qwen35` on the small shape (its NextN checks), draft-mtp on the engine against plain
   # decoding and its acceptance against the CPU path's; `--gemma4` on the small shapes and
   # mid-e2b; then, with llama.cpp built meanwhile, E2B: `--gemma4`, llama-bench tg128/pp512
-  # against tine generate (prompt path). Sections past 520 s are skipped.
+  # against tine generate (prompt path). Sections past TINE_JOB_SECS (520) are skipped.
   t0=$(date +%s)
-  left() { [ $(($(date +%s) - t0)) -lt 520 ]; }
+  left() { [ $(($(date +%s) - t0)) -lt "${TINE_JOB_SECS:-520}" ]; }
   build_llama & BP=$!
   ( [ -s "$W/g4-e2b-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape e2b --out "$W/g4-e2b-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
   run kernels 200 "$C" || true
