@@ -373,6 +373,19 @@ impl Reader<'_> {
     }
 }
 
+/// Whether `qwen35moe`'s experts run on the engine (`TINE_GPU_MOE=1`; otherwise such a file is
+/// refused and runs on candle's CUDA path).
+fn moe_on_engine() -> bool {
+    std::env::var("TINE_GPU_MOE").is_ok_and(|v| v == "1")
+}
+
+/// Whether the NextN head runs on the engine (`TINE_GPU_NEXTN=1`; otherwise
+/// [`Qwen35Gpu::new_nextn_cache`] makes none and the runtime runs candle's head over the
+/// engine's hidden states).
+fn nextn_on_engine() -> bool {
+    std::env::var("TINE_GPU_NEXTN").is_ok_and(|v| v == "1")
+}
+
 impl Qwen35Gpu {
     /// Loads a `qwen35` GGUF onto GPU `ordinal`, for caches of up to `max_ctx` positions.
     pub fn load(path: &Path, ordinal: usize, max_ctx: usize) -> Result<Qwen35Gpu> {
@@ -441,6 +454,9 @@ impl Qwen35Gpu {
         let (used, fe, fs) = cfg.moe.map_or((0, 0, 0), |m| (m.used, m.expert_ff, m.shared_ff));
         // The Q8 rows hold the widest row any GEMV reads (the experts' rows: `used` a token).
         let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd).max(if nextn.is_some() { 2 * cfg.hidden } else { 0 }).max(used * fe).max(fs);
+        if cfg.moe.is_some() && !moe_on_engine() {
+            return Err(model_err("qwen35moe's experts run on the engine only with TINE_GPU_MOE=1 until a device job has checked them".into()));
+        }
         if cfg.moe.is_some() && !wide {
             return Err(model_err("the experts' GEMV reads the wide layout: TINE_GPU_WIDE=0 is for dense models".into()));
         }
@@ -867,7 +883,7 @@ impl Qwen35Gpu {
     /// An empty NextN cache of `ctx_len` entries (at most [`Qwen35Gpu::max_ctx`]), if the model
     /// has a NextN head.
     pub fn new_nextn_cache(&self, ctx_len: usize) -> Result<Option<Qwen35NextNCache>> {
-        if self.nextn.is_none() {
+        if self.nextn.is_none() || !nextn_on_engine() {
             return Ok(None);
         }
         let ctx_len = ctx_len.clamp(1, self.max_ctx);
