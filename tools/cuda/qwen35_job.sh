@@ -239,8 +239,6 @@ if [ "$mode" = nextn ]; then
   # against tine generate (prompt path). Sections past TINE_JOB_SECS (520) are skipped.
   t0=$(date +%s)
   left() { [ $(($(date +%s) - t0)) -lt "${TINE_JOB_SECS:-520}" ]; }
-  # What this job checks runs on the engine (off by default until a job has checked it).
-  export TINE_GPU_MOE=1 TINE_GPU_NEXTN=1
   build_llama & BP=$!
   ( [ -s "$W/g4-e2b-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape e2b --out "$W/g4-e2b-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
   run kernels 200 "$C" || true

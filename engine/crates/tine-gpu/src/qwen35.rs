@@ -373,17 +373,16 @@ impl Reader<'_> {
     }
 }
 
-/// Whether `qwen35moe`'s experts run on the engine (`TINE_GPU_MOE=1`; otherwise such a file is
-/// refused and runs on candle's CUDA path).
+/// Whether `qwen35moe`'s experts run on the engine (`TINE_GPU_MOE=0`: such a file is refused
+/// and runs on candle's CUDA path, to compare one with the other).
 fn moe_on_engine() -> bool {
-    std::env::var("TINE_GPU_MOE").is_ok_and(|v| v == "1")
+    std::env::var("TINE_GPU_MOE").map_or(true, |v| v != "0")
 }
 
-/// Whether the NextN head runs on the engine (`TINE_GPU_NEXTN=1`; otherwise
-/// [`Qwen35Gpu::new_nextn_cache`] makes none and the runtime runs candle's head over the
-/// engine's hidden states).
+/// Whether the NextN head runs on the engine (`TINE_GPU_NEXTN=0`: [`Qwen35Gpu::new_nextn_cache`]
+/// makes none and the runtime runs candle's head over the engine's hidden states).
 fn nextn_on_engine() -> bool {
-    std::env::var("TINE_GPU_NEXTN").is_ok_and(|v| v == "1")
+    std::env::var("TINE_GPU_NEXTN").map_or(true, |v| v != "0")
 }
 
 impl Qwen35Gpu {
@@ -455,7 +454,7 @@ impl Qwen35Gpu {
         // The Q8 rows hold the widest row any GEMV reads (the experts' rows: `used` a token).
         let kmax = cfg.hidden.max(cfg.ff).max(qd).max(vd).max(if nextn.is_some() { 2 * cfg.hidden } else { 0 }).max(used * fe).max(fs);
         if cfg.moe.is_some() && !moe_on_engine() {
-            return Err(model_err("qwen35moe's experts run on the engine only with TINE_GPU_MOE=1 until a device job has checked them".into()));
+            return Err(model_err("qwen35moe's experts are off the engine (TINE_GPU_MOE=0)".into()));
         }
         if cfg.moe.is_some() && !wide {
             return Err(model_err("the experts' GEMV reads the wide layout: TINE_GPU_WIDE=0 is for dense models".into()));

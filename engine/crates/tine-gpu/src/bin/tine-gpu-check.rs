@@ -2257,7 +2257,7 @@ mod qwen35 {
     /// rounding), graph nodes, and a one-entry step's time against the trunk's one-row `step`.
     fn nextn(g: &Qwen35Gpu, c: &mut Qwen35Cache, step: f64) -> Res<bool> {
         let mut ok = true;
-        let mut nc = g.new_nextn_cache(4096)?.ok_or("the NextN head on the engine: TINE_GPU_NEXTN=1")?;
+        let mut nc = g.new_nextn_cache(4096)?.ok_or("the NextN head is off the engine (TINE_GPU_NEXTN=0)")?;
         let width = g.config().hidden;
         let prompt: Vec<u32> = (0..40u32).map(|i| (100 + (i * 7919) % 20000) % g.config().vocab as u32).collect();
         c.truncate(0);
