@@ -198,6 +198,51 @@ pub(crate) struct Graph(pub(crate) CudaGraph);
 // (cudarc binds it in `launch`); the owner launches it from one thread at a time.
 unsafe impl Send for Graph {}
 
+/// A NextN step's parameters (entries at `pos..`, RoPE turned `rope_shift` positions further),
+/// or why the step cannot run: 1 to `prompt_rows` entries, `hidden` of `width` values each, the
+/// cache's `ctx_len` entries, tokens below `vocab`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn nextn_params(pos: usize, ctx_len: usize, prompt_rows: usize, width: usize, vocab: usize, hidden: &[f32], tokens: &[u32], rope_shift: i32) -> std::result::Result<StepParams, String> {
+    let rows = tokens.len();
+    if !(1..=prompt_rows).contains(&rows) {
+        return Err(format!("a NextN step takes 1 to {prompt_rows} entries"));
+    }
+    if hidden.len() != rows * width {
+        return Err(format!("{} hidden values for {rows} entries of {width}", hidden.len()));
+    }
+    if pos + rows > ctx_len {
+        return Err(format!("the NextN cache holds {ctx_len} entries"));
+    }
+    if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(format!("token {t} is outside the vocabulary of {vocab}"));
+    }
+    let mut params = StepParams { pos: pos as i32, rows: rows as i32, rope_shift, ..Default::default() };
+    for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
+        *slot = t as i32;
+    }
+    Ok(params)
+}
+
+impl Graph {
+    /// Replays `slot`'s graph, first capturing `launch` (a step's launches, reading their
+    /// positions from device memory) into it when it has none. A failed capture leaves `slot`
+    /// empty, so the next step captures again.
+    pub(crate) fn replay(stream: &Arc<CudaStream>, slot: &mut Option<Graph>, launch: impl FnOnce() -> std::result::Result<(), GpuError>, none: impl FnOnce() -> Gemma3GpuError) -> Result<()> {
+        if slot.is_none() {
+            stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            let launched = launch();
+            // End the capture whatever happened, so the stream is usable again.
+            let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+            launched?;
+            let graph = graph?.ok_or_else(none)?;
+            graph.upload()?;
+            *slot = Some(Graph(graph));
+        }
+        slot.as_ref().expect("captured just above").0.launch()?;
+        Ok(())
+    }
+}
+
 /// One sequence's KV cache on the GPU, with the step graphs captured over it.
 pub struct GpuCache {
     k: Vec<CudaSlice<f32>>,
@@ -861,22 +906,7 @@ impl Gemma3Gpu {
         let rows = tokens.len();
         let fail = |what: String| Gemma3GpuError::Step { rows, pos: cache.pos, what };
         let Some(head) = self.nextn.as_ref() else { return Err(fail("this model has no NextN head".into())) };
-        if !(1..=self.prompt_rows).contains(&rows) {
-            return Err(fail(format!("a NextN step takes 1 to {} entries", self.prompt_rows)));
-        }
-        if hidden.len() != rows * self.cfg.hidden {
-            return Err(fail(format!("{} hidden values for {rows} entries of {}", hidden.len(), self.cfg.hidden)));
-        }
-        if cache.pos + rows > cache.ctx_len {
-            return Err(fail(format!("the NextN cache holds {} entries", cache.ctx_len)));
-        }
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
-        }
-        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, ..Default::default() };
-        for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
-            *slot = t as i32;
-        }
+        let params = nextn_params(cache.pos, cache.ctx_len, self.prompt_rows, self.cfg.hidden, self.cfg.vocab, hidden, tokens, 0).map_err(fail)?;
         let mut block = self.step.lock().expect("a step panicked holding the step block");
         // Ordered on the stream after the previous step, which may still read the block and hin.
         self.stream.memcpy_htod(&[params][..], &mut block.params)?;
@@ -884,17 +914,10 @@ impl Gemma3Gpu {
         self.stream.memcpy_htod(hidden, &mut block.hin.slice_mut(..hidden.len()))?;
         let (step, hin) = (self.ptr(&block.params), self.ptr(&block.hin));
         if rows <= MAX_ROWS {
-            let at = rows - 1;
-            if cache.graphs[at].is_none() {
-                self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let launched = self.launch_nextn(head, cache, step, hin, rows, None, &mut |_| Ok(()));
-                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-                launched?;
-                let graph = graph?.ok_or_else(|| fail("the capture made no graph".into()))?;
-                graph.upload()?;
-                cache.graphs[at] = Some(Graph(graph));
-            }
-            cache.graphs[at].as_ref().expect("captured just above").0.launch()?;
+            let mut slot = cache.graphs[rows - 1].take();
+            let replayed = Graph::replay(&self.stream, &mut slot, || self.launch_nextn(head, cache, step, hin, rows, None, &mut |_| Ok(())).map(|_| ()), || fail("the capture made no graph".into()));
+            cache.graphs[rows - 1] = slot;
+            replayed?;
         } else {
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;

@@ -43,7 +43,7 @@ use crate::config::Qwen35Config;
 use crate::cuda::{
     AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS,
 };
-use crate::gemma3::{alloc, inv_freq, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
+use crate::gemma3::{alloc, inv_freq, nextn_params, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
 
@@ -900,22 +900,8 @@ impl Qwen35Gpu {
         let rows = tokens.len();
         let fail = |what: String| Error::Step { rows, pos: cache.pos, what };
         let Some(head) = self.nextn.as_ref() else { return Err(fail("this model has no NextN head".into())) };
-        if !(1..=self.prompt_rows).contains(&rows) {
-            return Err(fail(format!("a NextN step takes 1 to {} entries", self.prompt_rows)));
-        }
-        if hidden.len() != rows * self.cfg.hidden {
-            return Err(fail(format!("{} hidden values for {rows} entries of {}", hidden.len(), self.cfg.hidden)));
-        }
-        if cache.pos + rows > cache.ctx_len {
-            return Err(fail(format!("the NextN cache holds {} entries", cache.ctx_len)));
-        }
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab) {
-            return Err(fail(format!("token {t} is outside the vocabulary of {}", self.cfg.vocab)));
-        }
-        let mut params = StepParams { pos: cache.pos as i32, rows: rows as i32, rope_shift: 1, ..Default::default() };
-        for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
-            *slot = t as i32;
-        }
+        // Entry j sits at position j + 1 (its K/V in slot j): RoPE one position further.
+        let params = nextn_params(cache.pos, cache.ctx_len, self.prompt_rows, self.cfg.hidden, self.cfg.vocab, hidden, tokens, 1).map_err(fail)?;
         let mut block = self.step.lock().expect("a step panicked holding the step block");
         // Ordered on the stream after the previous step, which may still read the block and hin.
         self.stream.memcpy_htod(&[params][..], &mut block.params)?;
@@ -923,17 +909,10 @@ impl Qwen35Gpu {
         self.stream.memcpy_htod(hidden, &mut block.hin.slice_mut(..hidden.len()))?;
         let (step, hin) = (self.ptr(&block.params), self.ptr(&block.hin));
         if rows <= MAX_ROWS {
-            let at = rows - 1;
-            if cache.graphs[at].is_none() {
-                self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                let launched = self.launch_nextn(head, cache, step, hin, rows, None, &mut |_| Ok(()));
-                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
-                launched?;
-                let graph = graph?.ok_or_else(|| fail("the capture made no graph".into()))?;
-                graph.upload()?;
-                cache.graphs[at] = Some(Graph(graph));
-            }
-            cache.graphs[at].as_ref().expect("captured just above").0.launch()?;
+            let mut slot = cache.graphs[rows - 1].take();
+            let replayed = Graph::replay(&self.stream, &mut slot, || self.launch_nextn(head, cache, step, hin, rows, None, &mut |_| Ok(())), || fail("the capture made no graph".into()));
+            cache.graphs[rows - 1] = slot;
+            replayed?;
         } else {
             let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
             self.stream.memcpy_htod(&ids[..], &mut block.tokens.slice_mut(..rows))?;

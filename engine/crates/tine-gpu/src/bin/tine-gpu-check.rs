@@ -2092,6 +2092,46 @@ fn lm_head_bench() -> Res<()> {
 /// A `qwen35` GGUF on the engine: graph nodes per step, decode speed, a verify step of 2..=8
 /// rows against one-row steps bit for bit (logits and, after rolling back to each row, every
 /// delta-net layer's conv window and state), and a prompt step against one-row steps.
+/// What a NextN head's entries give run in steps of 1, of [`MAX_ROWS`] and all at once over the
+/// same input states (`hidden`, rows of `width`) and next tokens.
+struct NextNEntries {
+    /// Steps of 8 give one at a time's bits (each step's last logits, every output state).
+    steps_same: bool,
+    /// One prompt step against one at a time: the last logits and the output states, the largest
+    /// difference over the largest value; whether the draft ids agree.
+    d_logits: f64,
+    d_out: f64,
+    id_same: bool,
+    /// One at a time: the last entry's logits and every output state.
+    last: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// Runs [`NextNEntries`]' three ways with `forward(reset, hidden, tokens)`: `reset` empties the
+/// head's cache before a way's first step.
+fn nextn_entries(width: usize, hidden: &[f32], next: &[u32], mut forward: impl FnMut(bool, &[f32], &[u32]) -> Res<(Vec<f32>, Vec<f32>)>) -> Res<NextNEntries> {
+    let mut entries = |step: usize| -> Res<(Vec<Vec<f32>>, Vec<f32>)> {
+        let (mut logits, mut outs) = (Vec::new(), Vec::new());
+        for (i, chunk) in next.chunks(step).enumerate() {
+            let (l, o) = forward(i == 0, &hidden[i * step * width..(i * step + chunk.len()) * width], chunk)?;
+            logits.push(l);
+            outs.extend(o);
+        }
+        Ok((logits, outs))
+    };
+    let (one, one_out) = entries(1)?;
+    let (eight, eight_out) = entries(MAX_ROWS)?;
+    let (all, all_out) = entries(next.len())?;
+    let bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let steps_same = bits(&eight_out, &one_out) && eight.iter().enumerate().all(|(i, l)| bits(l, &one[(i * MAX_ROWS + MAX_ROWS - 1).min(one.len() - 1)]));
+    let rel = |got: &[f32], want: &[f32]| {
+        let scale = want.iter().fold(1e-6f32, |a, v| a.max(v.abs())) as f64;
+        got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((*x as f64 - *y as f64).abs())) / scale
+    };
+    let last = one.last().expect("entries").clone();
+    Ok(NextNEntries { steps_same, d_logits: rel(&all[0], &last), d_out: rel(&all_out, &one_out), id_same: reference::argmax(&all[0]) == reference::argmax(&last), last, out: one_out })
+}
+
 mod qwen35 {
     use super::*;
     use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
@@ -2267,40 +2307,26 @@ mod qwen35 {
             hidden.extend(g.hidden(c)?);
         }
         let next: Vec<u32> = prompt[1..].iter().copied().chain([prompt[0]]).collect();
-        let mut entries = |step: usize| -> Res<(Vec<Vec<f32>>, Vec<f32>)> {
-            nc.truncate(0);
-            let (mut logits, mut outs) = (Vec::new(), Vec::new());
-            for (i, chunk) in next.chunks(step).enumerate() {
-                let (l, o) = g.nextn_forward(&mut nc, &hidden[i * step * width..(i * step + chunk.len()) * width], chunk)?;
-                logits.push(l);
-                outs.extend(o);
+        let e = nextn_entries(width, &hidden, &next, |reset, h, t| {
+            if reset {
+                nc.truncate(0);
             }
-            Ok((logits, outs))
-        };
-        let (one, one_out) = entries(1)?;
-        let (eight, eight_out) = entries(MAX_ROWS)?;
-        let (all, all_out) = entries(next.len())?;
-        let bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        let same = bits(&eight_out, &one_out) && eight.iter().enumerate().all(|(i, l)| bits(l, &one[(i * MAX_ROWS + MAX_ROWS - 1).min(one.len() - 1)]));
+            Ok(g.nextn_forward(&mut nc, h, t)?)
+        })?;
         println!(
             "{} NextN entries in steps of 8 against one at a time (logits of each step's last entry, every output state): {}",
-            if same { "ok  " } else { "FAIL" },
-            if same { "bit-identical" } else { "DIFFER" }
+            if e.steps_same { "ok  " } else { "FAIL" },
+            if e.steps_same { "bit-identical" } else { "DIFFER" }
         );
-        ok &= same;
-        let rel = |got: &[f32], want: &[f32]| {
-            let scale = want.iter().fold(1e-6f32, |a, v| a.max(v.abs())) as f64;
-            got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((*x as f64 - *y as f64).abs())) / scale
-        };
-        let last = one.last().expect("entries");
-        let (dl, dh) = (rel(&all[0], last), rel(&all_out, &one_out));
-        let id_same = reference::argmax(&all[0]) == reference::argmax(last);
-        let pass = dl < 0.1 && dh < 0.1 && id_same;
+        ok &= e.steps_same;
+        let pass = e.d_logits < 0.1 && e.d_out < 0.1 && e.id_same;
         println!(
-            "{} NextN's {} entries in one prompt step against one at a time: last logits {dl:.2e}, output states {dh:.2e} of the largest value, draft id {}",
+            "{} NextN's {} entries in one prompt step against one at a time: last logits {:.2e}, output states {:.2e} of the largest value, draft id {}",
             if pass { "ok  " } else { "FAIL" },
             next.len(),
-            if id_same { "agrees" } else { "DIFFERS" }
+            e.d_logits,
+            e.d_out,
+            if e.id_same { "agrees" } else { "DIFFERS" }
         );
         ok &= pass;
         for rows in [1, 4] {
@@ -2375,42 +2401,28 @@ mod model {
             hidden.extend(g.hidden(c)?);
         }
         let next: Vec<u32> = prompt[1..].iter().copied().chain([236761]).collect();
-        // Entries in steps of `step` entries: every step's last logits and every entry's output.
-        let mut entries = |step: usize| -> Res<(Vec<Vec<f32>>, Vec<f32>)> {
-            nc.truncate(0);
-            let (mut logits, mut outs) = (Vec::new(), Vec::new());
-            for (i, chunk) in next.chunks(step).enumerate() {
-                let (l, o) = g.nextn_forward(&mut nc, &hidden[i * step * width..(i * step + chunk.len()) * width], chunk)?;
-                logits.push(l);
-                outs.extend(o);
+        let e = nextn_entries(width, &hidden, &next, |reset, h, t| {
+            if reset {
+                nc.truncate(0);
             }
-            Ok((logits, outs))
-        };
-        let (one, one_out) = entries(1)?;
-        let (eight, eight_out) = entries(MAX_ROWS)?;
-        let (all, all_out) = entries(next.len())?;
-        let bits = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        let same = eight_out.len() == one_out.len() && bits(&eight_out, &one_out) && eight.iter().enumerate().all(|(i, l)| bits(l, &one[(i * MAX_ROWS + MAX_ROWS - 1).min(one.len() - 1)]));
-        println!("model: NextN entries in steps of 8 against one at a time (logits of each step's last entry, every output state): {}", if same { "bit-identical" } else { "DIFFER" });
-        ok &= same;
-        let rel = |got: &[f32], want: &[f32]| {
-            let scale = want.iter().fold(1e-6f32, |a, v| a.max(v.abs())) as f64;
-            got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((*x as f64 - *y as f64).abs())) / scale
-        };
-        let (dl, dh) = (rel(&all[0], one.last().expect("entries")), rel(&all_out, &one_out));
-        let id_same = reference::argmax(&all[0]) == reference::argmax(one.last().expect("entries"));
-        let pass = dl < 0.1 && dh < 0.1 && id_same;
+            Ok(g.nextn_forward(&mut nc, h, t)?)
+        })?;
+        println!("model: NextN entries in steps of 8 against one at a time (logits of each step's last entry, every output state): {}", if e.steps_same { "bit-identical" } else { "DIFFER" });
+        ok &= e.steps_same;
+        let pass = e.d_logits < 0.1 && e.d_out < 0.1 && e.id_same;
         println!(
-            "model: NextN's {} entries in one prompt step against one at a time: last logits {dl:.2e}, output states {dh:.2e} of the largest value, draft id {}: {}",
+            "model: NextN's {} entries in one prompt step against one at a time: last logits {:.2e}, output states {:.2e} of the largest value, draft id {}: {}",
             next.len(),
-            if id_same { "agrees" } else { "DIFFERS" },
+            e.d_logits,
+            e.d_out,
+            if e.id_same { "agrees" } else { "DIFFERS" },
             if pass { "ok" } else { "FAIL" }
         );
         ok &= pass;
         // A chained draft step: one entry on the head's own output, logits and state read back.
-        let mut h = one_out[one_out.len() - width..].to_vec();
+        let mut h = e.out[e.out.len() - width..].to_vec();
         let token = |row: usize| g.nextn_draft_vocab().map_or(row as u32, |v| v[row]);
-        let mut t = token(reference::argmax(one.last().expect("entries")));
+        let mut t = token(reference::argmax(&e.last));
         nc.truncate(next.len());
         let reps = 200;
         let t0 = std::time::Instant::now();
