@@ -30,6 +30,8 @@
 #   bash tools/cuda/qwen35_job.sh nextn   # Qwen3.5's NextN on the engine (checks, draft-mtp vs plain
 #                                         # and its acceptance vs the CPU's), --gemma4 on the small
 #                                         # shapes, E2B tg128/pp512 against llama-bench
+#   bash tools/cuda/qwen35_job.sh moe-bench  # qwen35moe at the A3B MoE widths (4 layers) against
+#                                         # llama-bench tg128/pp512, the engine's profile
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -321,6 +323,46 @@ def med(name, key):
 print(f"tine gemma4 e2b tg128 (engine): {med('g4-tg128', 'predicted_per_second')} tok/s; pp512 (engine, prompt path): {med('g4-pp512', 'prompt_per_second')} tok/s")
 PY
   left && { run gemma4-e2b 100 "$C" --no-table --gemma4 "$M" || true; }
+  exit 0
+fi
+if [ "$mode" = moe-bench ]; then
+  # qwen35moe at the A3B class's MoE widths over 4 layers (`a3b-4l`, F16 about 9 GB, written here),
+  # llama-quantize Q4_K_M: llama-bench tg128/pp512 against tine generate on the engine, the
+  # engine's per-launch profile (tine-gpu-check --qwen35), greedy ids against candle's CUDA path.
+  build_llama & BP=$!
+  [ -s "$W/q35-a3b-4l-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/qwen35_random_model.py" --shape a3b-4l --out "$W/q35-a3b-4l-f16.gguf" >>"$W/models.log" 2>&1
+  wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/q35-a3b-4l-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/q35-a3b-4l-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  say "a3b-4l Q4_K_M: $(ls -la "$M" 2>&1)"
+  timeout 150 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
+  python3 - "$W/p512.json" <<'PY'
+import json, random, sys
+random.seed(5)
+json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
+PY
+  for r in 1 2 3; do
+    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/moe-tg128-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/moe-pp512-$r.json" >>"$log" 2>&1
+  done
+  python3 - "$W" <<'PY' | tee -a "$log"
+import json, statistics, sys
+w = sys.argv[1]
+def med(name, key):
+    v = []
+    for r in (1, 2, 3):
+        try: v.append(json.load(open(f"{w}/{name}-{r}.json"))[key])
+        except Exception: pass
+    return f"{statistics.median(v):.1f} ({len(v)} runs)" if v else "no result"
+print(f"tine a3b-4l tg128 (engine): {med('moe-tg128', 'predicted_per_second')} tok/s; pp512 (engine): {med('moe-pp512', 'prompt_per_second')} tok/s")
+PY
+  run qwen35-a3b-4l 120 "$C" --no-table --qwen35 "$M" || true
+  grep -E "^(profile|decode|verify|FAIL)" "$log" | tail -n 8
+  base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos --device cuda)
+  gpu=$(timeout 60 "$T" "${base[@]}" 2>/dev/null)
+  candle=$(TINE_GPU_ENGINE=0 timeout 200 "$T" "${base[@]}" 2>/dev/null)
+  [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a3b-4l engine vs candle cuda" || say "DIFF  a3b-4l engine vs candle cuda (4 random layers: rounding may part them)"
   exit 0
 fi
 if [ "$mode" = gemma4-bisect ]; then
