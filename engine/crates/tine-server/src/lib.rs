@@ -16,6 +16,7 @@ pub mod error;
 pub mod metrics;
 pub mod prefix_pool;
 pub mod scheduler;
+pub mod step_plan;
 pub mod webui;
 
 mod anthropic;
