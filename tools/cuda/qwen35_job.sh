@@ -84,6 +84,34 @@ quantize() {
   [ -s "$W/q35-$shape-q4_k_m.gguf" ] || "$LB/llama-quantize" "$W/q35-$shape-f16.gguf" "$W/q35-$shape-q4_k_m.gguf" Q4_K_M >>"$W/models.log" 2>&1
 }
 
+# tg128 and pp512 of the engine (tine generate, 3 runs each, the median) beside llama-bench's on
+# the same GGUF: bench_vs_llama MODEL NAME (the runs' JSON as $W/NAME-tg128-R.json, ...).
+bench_vs_llama() {
+  local M=$1 name=$2
+  say "llama-bench $name"
+  timeout 150 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
+  python3 - "$W/p512.json" <<'PY'
+import json, random, sys
+random.seed(5)
+json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
+PY
+  for r in 1 2 3; do
+    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/$name-tg128-$r.json" >>"$log" 2>&1
+    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/$name-pp512-$r.json" >>"$log" 2>&1
+  done
+  python3 - "$W" "$name" <<'PY' | tee -a "$log"
+import json, statistics, sys
+w, name = sys.argv[1], sys.argv[2]
+def med(kind, key):
+    v = []
+    for r in (1, 2, 3):
+        try: v.append(json.load(open(f"{w}/{name}-{kind}-{r}.json"))[key])
+        except Exception: pass
+    return f"{statistics.median(v):.1f} ({len(v)} runs)" if v else "no result"
+print(f"tine {name} tg128 (engine): {med('tg128', 'predicted_per_second')} tok/s; pp512 (engine, prompt path): {med('pp512', 'prompt_per_second')} tok/s")
+PY
+}
+
 if [ "$mode" = check ]; then
   build_llama &
   BP=$!
@@ -299,29 +327,7 @@ if [ "$mode" = nextn ]; then
   M="$W/g4-e2b-q4_k_m.gguf"
   [ -s "$M" ] || "$LB/llama-quantize" "$W/g4-e2b-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
   left || exit 0
-  say "llama-bench gemma4 e2b"
-  timeout 150 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
-  python3 - "$W/p512.json" <<'PY'
-import json, random, sys
-random.seed(5)
-json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
-PY
-  for r in 1 2 3; do
-    left || break
-    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/g4-tg128-$r.json" >>"$log" 2>&1
-    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/g4-pp512-$r.json" >>"$log" 2>&1
-  done
-  python3 - "$W" <<'PY' | tee -a "$log"
-import json, statistics, sys
-w = sys.argv[1]
-def med(name, key):
-    v = []
-    for r in (1, 2, 3):
-        try: v.append(json.load(open(f"{w}/{name}-{r}.json"))[key])
-        except Exception: pass
-    return f"{statistics.median(v):.1f} ({len(v)} runs)" if v else "no result"
-print(f"tine gemma4 e2b tg128 (engine): {med('g4-tg128', 'predicted_per_second')} tok/s; pp512 (engine, prompt path): {med('g4-pp512', 'prompt_per_second')} tok/s")
-PY
+  bench_vs_llama "$M" gemma4-e2b
   left && { run gemma4-e2b 100 "$C" --no-table --gemma4 "$M" || true; }
   exit 0
 fi
@@ -336,27 +342,7 @@ if [ "$mode" = moe-bench ]; then
   M="$W/q35-a3b-4l-q4_k_m.gguf"
   [ -s "$M" ] || "$LB/llama-quantize" "$W/q35-a3b-4l-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
   say "a3b-4l Q4_K_M: $(ls -la "$M" 2>&1)"
-  timeout 150 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
-  python3 - "$W/p512.json" <<'PY'
-import json, random, sys
-random.seed(5)
-json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
-PY
-  for r in 1 2 3; do
-    timeout 60 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/moe-tg128-$r.json" >>"$log" 2>&1
-    timeout 60 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/moe-pp512-$r.json" >>"$log" 2>&1
-  done
-  python3 - "$W" <<'PY' | tee -a "$log"
-import json, statistics, sys
-w = sys.argv[1]
-def med(name, key):
-    v = []
-    for r in (1, 2, 3):
-        try: v.append(json.load(open(f"{w}/{name}-{r}.json"))[key])
-        except Exception: pass
-    return f"{statistics.median(v):.1f} ({len(v)} runs)" if v else "no result"
-print(f"tine a3b-4l tg128 (engine): {med('moe-tg128', 'predicted_per_second')} tok/s; pp512 (engine): {med('moe-pp512', 'prompt_per_second')} tok/s")
-PY
+  bench_vs_llama "$M" a3b-4l
   run qwen35-a3b-4l 120 "$C" --no-table --qwen35 "$M" || true
   grep -E "^(profile|decode|verify|FAIL)" "$log" | tail -n 8
   base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos --device cuda)

@@ -996,7 +996,6 @@ struct MoeRouterArgs {
 
 extern "C" __global__ void __launch_bounds__(256) moe_router(MoeRouterArgs a) {
     __shared__ float prob[MOE_MAX_EXPERTS];
-    __shared__ float red[32];
     const int m = blockIdx.x, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nw = blockDim.x / WARP;
     pdl_trigger();
     pdl_wait();
@@ -1038,8 +1037,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_router(MoeRouterArgs a) {
         }
         if (a.shared_gate) a.sgate[m] = 1.0f / (1.0f + expf(-g));
     }
-    (void)red;
-}
+    }
 
 // gemv_moe: the routed experts' GEMVs over the wide layout. Pair q (blockIdx.y, 0..M*used) is
 // activation row q / used (act_pair 0: the layer's input, shared by its row's experts) or q
