@@ -32,6 +32,12 @@
 #                                         # shapes, E2B tg128/pp512 against llama-bench
 #   bash tools/cuda/qwen35_job.sh moe-bench  # qwen35moe at the A3B MoE widths (4 layers) against
 #                                         # llama-bench tg128/pp512, the engine's profile
+#   bash tools/cuda/qwen35_job.sh kv      # KV cache types on the engine (-ctk/-ctv f16, bf16,
+#                                         # q8_0, q4_0): the kernel table, the model checks with
+#                                         # --kv on each family's small shape, spec against plain
+#                                         # within a type, then decode after 8k and 30k prompt
+#                                         # tokens per type against llama-bench -d (Gemma 3 270M
+#                                         # shape); also moe-bench's A3B run where time is left
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -329,6 +335,69 @@ if [ "$mode" = nextn ]; then
   left || exit 0
   bench_vs_llama "$M" gemma4-e2b
   left && { run gemma4-e2b 100 "$C" --no-table --gemma4 "$M" || true; }
+  exit 0
+fi
+if [ "$mode" = kv ]; then
+  t0=$(date +%s)
+  left() { [ $(($(date +%s) - t0)) -lt "${TINE_JOB_SECS:-520}" ]; }
+  build_llama & BP=$!
+  ( [ -s "$W/g3-270m-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma3_random_model.py" --shape 270m --out "$W/g3-270m-f16.gguf" >>"$W/models.log" 2>&1 ) & GP=$!
+  run kernels 240 "$C" || true
+  grep -E "^(FAIL|kernels:)" "$log" | tail -n 12
+  grep -cE "kv=" "$log" | sed 's/^/typed kernel cases: /' | tee -a "$log"
+  q() { # q SCRIPT PREFIX SHAPE: a random GGUF quantized by tine-gpu-check, once
+    local script=$1 pre=$2 shape=$3
+    [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$script" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
+    echo "$W/$pre-$shape-q.gguf"
+  }
+  G3=$(q gemma3_random_model.py g3 small); Q35=$(q qwen35_random_model.py q35 small); G4=$(q gemma4_random_model.py g4 small-e2b)
+  for kv in f32 q8_0 q4_0 f16/bf16; do
+    run "gemma3-small kv=$kv" 120 "$C" --no-table --kv "$kv" --model "$G3" || true
+    run "qwen35-small kv=$kv" 120 "$C" --no-table --kv "$kv" --qwen35 "$Q35" || true
+    run "gemma4-small-e2b kv=$kv" 120 "$C" --no-table --kv "$kv" --gemma4 "$G4" || true
+  done
+  grep -E "^(FAIL|== .* rc=)" "$log" | tail -n 12
+  fails=0
+  for kv in q8_0 q4_0; do
+    ct=(-ctk "$kv" -ctv "$kv")
+    for M in "$G3" "$Q35"; do
+      for temp in 0 0.8; do
+        base=(generate -m "$M" -p "Once upon a time, in a small village by the sea," -n 48 --ignore-eos --device cuda --temp $temp --seed 7 "${ct[@]}")
+        plain=$(timeout 60 "$T" "${base[@]}" 2>"$W/err-plain")
+        grep -m1 -E "^loaded" "$W/err-plain" >>"$log"
+        specs=("--spec-type ngram --spec-ngram-min 1" "-md $M")
+        [ "$M" = "$Q35" ] && specs+=("--spec-type draft-mtp")
+        for spec in "${specs[@]}"; do
+          got=$(timeout 60 "$T" "${base[@]}" $spec 2>"$W/err-spec")
+          [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  kv=$kv spec vs plain: $(basename "$M") temp $temp $spec" || { say "DIFF  kv=$kv spec vs plain: $(basename "$M") temp $temp $spec"; tail -n 3 "$W/err-spec" >>"$log"; fails=$((fails + 1)); }
+        done
+      done
+    done
+  done
+  say "kv spec failures: $fails"
+  left || exit 0
+  wait "$GP"; wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/g3-270m-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/g3-270m-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  # Decode after long prompts: llama-bench -d (its KV types; f16 is its default) against tine
+  # generate over a prompt of as many random ids, 64 tokens.
+  for d in 8192 30000; do
+    python3 -c "import json, random, sys; random.seed(9); json.dump([random.randrange(300, 240000) for _ in range($d)], open(sys.argv[1], 'w'))" "$W/p$d.json"
+  done
+  for kv in f16 q8_0 q4_0; do
+    left || break
+    say "llama-bench kv=$kv"
+    timeout 200 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -ctk $kv -ctv $kv -p 0 -n 64 -d 8192,30000 -r 2 2>&1 | tee -a "$log" | grep -E '^\|'
+  done
+  for kv in f32 f16 q8_0 q4_0; do
+    for d in 8192 30000; do
+      left || break
+      timeout 120 "$T" generate --device cuda -m "$M" -c 32768 -ctk $kv -ctv $kv --prompt-ids "$W/p$d.json" -n 64 --temp 0 --ignore-eos --json "$W/kv-$kv-$d.json" >>"$log" 2>&1
+      python3 -c "import json, sys; j = json.load(open(sys.argv[1])); print(f'tine kv={sys.argv[2]} depth {sys.argv[3]}: decode {j[\"predicted_per_second\"]:.1f} tok/s, prompt {j[\"prompt_per_second\"]:.1f} tok/s')" "$W/kv-$kv-$d.json" $kv $d 2>&1 | tee -a "$log"
+    done
+  done
   exit 0
 fi
 if [ "$mode" = moe-bench ]; then

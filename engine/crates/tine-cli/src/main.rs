@@ -375,9 +375,9 @@ pub(crate) struct ModelArgs {
     device: tine_runtime::DeviceSpec,
     /// KV cache type for keys: f32, f16, bf16, q8_0, q4_0, or the rotated turbo4, turbo3 and
     /// turbo2 (4, 3 and 2 bits a value on average; heads of a multiple of 32 values, at least
-    /// 128) (also `-ctk`). Other types than f32 are kept on the CPU (for Qwen3.5/3.6 in its
-    /// attention layers; its delta-net states stay f32); speculative decoding stays lossless
-    /// within a type.
+    /// 128) (also `-ctk`). The CPU keeps every type, the GPU engine f32, f16, bf16, q8_0 and
+    /// q4_0, candle's CUDA path f32 only (Qwen3.5/3.6 in its attention layers; its delta-net
+    /// states stay f32); speculative decoding stays lossless within a type.
     #[arg(long = "cache-type-k", value_name = "TYPE", default_value = "f32")]
     cache_type_k: tine_runtime::KvType,
     /// KV cache type for values, as --cache-type-k (also `-ctv`).

@@ -1289,6 +1289,134 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The KV cache's stored types (tine_gpu::kv::KvStore's kernel ids). A cache is [n_kv][ctx][row]
+// with rows of kv_row_bytes(type, hd) bytes; the quantized rows are GGML's blocks of 32 values
+// (the f16 scale, then the codes), the bytes candle's CPU cache stores (candle-nn's KvType), so
+// a row's codes are the CPU quantizer's for the same values, bit for bit, and a slot file moves
+// between the devices.
+
+template <int E> struct VecF;
+template <> struct VecF<2> { static __device__ __forceinline__ void load(const float* p, float* v) { const float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; } };
+template <> struct VecF<4> { static __device__ __forceinline__ void load(const float* p, float* v) { const float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; } };
+template <> struct VecF<8> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<4>::load(p, v); VecF<4>::load(p + 4, v + 4); } };
+template <> struct VecF<16> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<8>::load(p, v); VecF<8>::load(p + 8, v + 8); } };
+
+enum KvT : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3, KV_Q4_0 = 4 };
+
+__host__ __device__ __forceinline__ size_t kv_row_bytes(int type, int hd) {
+    switch (type) {
+        case KV_F16: case KV_BF16: return (size_t)hd * 2;
+        case KV_Q8_0: return (size_t)hd / 32 * 34;
+        case KV_Q4_0: return (size_t)hd / 32 * 18;
+        default: return (size_t)hd * 4;
+    }
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// f32 to bf16, rounding to nearest even (half's bf16::from_f32, which candle's to_dtype uses;
+// a NaN stays a quiet NaN).
+__device__ __forceinline__ unsigned short f32_to_bf16(float x) {
+    const uint32_t u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (unsigned short)((u >> 16) | 0x40);
+    return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Stores value x of dim `d` (lane d % 32 of its warp; the warp holds dims 32 (d / 32) .. + 31, one
+// block) into `row` of `type`. Every lane of the warp calls it. The quantizers are candle's
+// BlockQ8_0/BlockQ4_0::from_float (GGML's quantize_row_*_ref) in the same f32 operations, kept
+// from contracting into FMAs.
+__device__ __forceinline__ void kv_store(uint8_t* row, int type, int d, float x) {
+    const int lane = d % WARP;
+    switch (type) {
+        case KV_F32: reinterpret_cast<float*>(row)[d] = x; return;
+        case KV_F16: reinterpret_cast<half*>(row)[d] = __float2half_rn(x); return;
+        case KV_BF16: reinterpret_cast<unsigned short*>(row)[d] = f32_to_bf16(x); return;
+        case KV_Q8_0: {
+            uint8_t* b = row + (size_t)(d / 32) * 34;
+            const float amax = warp_max(fabsf(x));
+            const float dd = amax / 127.0f;
+            const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            const int q = (int)roundf(__fmul_rn(x, id));
+            if (lane == 0) *reinterpret_cast<half*>(b) = __float2half_rn(dd);
+            b[2 + lane] = (uint8_t)(int8_t)max(-128, min(127, q));
+            return;
+        }
+        case KV_Q4_0: {
+            uint8_t* b = row + (size_t)(d / 32) * 18;
+            // The value of the largest magnitude, the first such in dim order.
+            float a = fabsf(x);
+            int who = lane;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float a2 = __shfl_xor_sync(0xFFFFFFFFu, a, o);
+                const int w2 = __shfl_xor_sync(0xFFFFFFFFu, who, o);
+                if (a2 > a || (a2 == a && w2 < who)) { a = a2; who = w2; }
+            }
+            const float xm = __shfl_sync(0xFFFFFFFFu, x, who);
+            const float mx = a > 0.0f ? xm : 0.0f;
+            const float dd = mx / -8.0f;
+            const float id = dd != 0.0f ? 1.0f / dd : 0.0f;
+            const float t = __fadd_rn(__fmul_rn(x, id), 8.5f);
+            // Rust's `as u8`: NaN and negatives to 0, truncation toward zero.
+            const int xi = min(15, t > 0.0f ? (int)t : 0);
+            const int hi = __shfl_down_sync(0xFFFFFFFFu, xi, 16);
+            if (lane == 0) *reinterpret_cast<half*>(b) = __float2half_rn(dd);
+            if (lane < 16) b[2 + lane] = (uint8_t)(xi | (hi << 4));
+            return;
+        }
+    }
+}
+
+// Lane `lane`'s E dims (lane * E ..) of a stored row of `type`, as f32: what the CPU's
+// KvType::decode gives (q · d with d the f16 scale in f32; q4_0's codes less 8).
+template <int E>
+__device__ __forceinline__ void kv_load(const uint8_t* row, int type, int lane, float* v) {
+    const int d0 = lane * E;
+    switch (type) {
+        case KV_F32: VecF<E>::load(reinterpret_cast<const float*>(row) + d0, v); return;
+        case KV_F16: {
+            const uint32_t* w = reinterpret_cast<const uint32_t*>(row) + d0 / 2;
+#pragma unroll
+            for (int i = 0; i < E / 2; ++i) { const uint32_t x = __ldcg(w + i); v[2 * i] = half_lo((int)x); v[2 * i + 1] = half_hi((int)x); }
+            return;
+        }
+        case KV_BF16: {
+            const uint32_t* w = reinterpret_cast<const uint32_t*>(row) + d0 / 2;
+#pragma unroll
+            for (int i = 0; i < E / 2; ++i) { const uint32_t x = __ldcg(w + i); v[2 * i] = bf16_lo(x); v[2 * i + 1] = bf16_hi(x); }
+            return;
+        }
+        case KV_Q8_0: {
+            const uint8_t* b = row + (size_t)(d0 / 32) * 34;
+            const float dd = __half2float(__ushort_as_half(__ldcg(reinterpret_cast<const unsigned short*>(b))));
+            const unsigned short* c = reinterpret_cast<const unsigned short*>(b + 2 + d0 % 32);
+#pragma unroll
+            for (int i = 0; i < E / 2; ++i) {
+                const unsigned short x = __ldcg(c + i);
+                v[2 * i] = (float)(int8_t)(x & 0xFF) * dd;
+                v[2 * i + 1] = (float)(int8_t)(x >> 8) * dd;
+            }
+            return;
+        }
+        default: {  // KV_Q4_0: byte j of the block holds dim j (low nibble) and dim j + 16 (high)
+            const uint8_t* b = row + (size_t)(d0 / 32) * 18;
+            const float dd = __half2float(__ushort_as_half(__ldcg(reinterpret_cast<const unsigned short*>(b))));
+            const int j = d0 % 16, sh = (d0 % 32) >= 16 ? 4 : 0;
+            const unsigned short* c = reinterpret_cast<const unsigned short*>(b + 2 + j);
+#pragma unroll
+            for (int i = 0; i < E / 2; ++i) {
+                const unsigned short x = __ldcg(c + i);
+                v[2 * i] = (float)((int)((x >> sh) & 0xF) - 8) * dd;
+                v[2 * i + 1] = (float)((int)((x >> (8 + sh)) & 0xF) - 8) * dd;
+            }
+            return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Per-head RMSNorm of q and k, RoPE (NeoX halves over the first n_rot dims: pair (i, i + n_rot/2);
 // the dims from n_rot on pass unrotated), the query scale, and the K/V rows written into the cache
 // at positions pos + m.
@@ -1297,19 +1425,20 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) 
 // values); the normed head goes through shared memory to the rotation's pairs. n_kv 0: the
 // queries alone (a layer reading another layer's K/V writes none).
 // q, k, v: [M, heads * hd] f32 (the QKV GEMV's outputs). q is rewritten in place.
-// Cache layout: [n_kv][ctx][hd] f32.
+// Cache layout: [n_kv][ctx][row], rows of kv_row_bytes(type, hd) bytes (f32: hd floats).
 
 struct RopeArgs {
     float* q; const float* k; const float* v;
     const float* q_norm; const float* k_norm; float eps;
     const float* inv_freq;  // [hd/2]
     float q_scale;
-    float* k_cache; float* v_cache; int ctx;
+    uint8_t* k_cache; uint8_t* v_cache; int ctx;
     const StepParams* step;
     int n_head; int n_kv; int hd;
     int n_rot;  // dims rotated (0: hd); inv_freq holds n_rot / 2 values
     int v_norm;    // V's RMSNorm without a weight (Gemma 4) before it is cached
     int v_from_k;  // V is K's projection before its norm (Gemma 4's k_eq_v layers; v unread)
+    int k_type; int v_type;  // the caches' KvT
 };
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
@@ -1345,9 +1474,9 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         dst[i] = o0 * p.q_scale;
         dst[i + half_hd] = o1 * p.q_scale;
     } else {
-        float* kd = p.k_cache + ((size_t)kvh * p.ctx + pos) * p.hd;
-        kd[i] = o0;
-        kd[i + half_hd] = o1;
+        uint8_t* kd = p.k_cache + ((size_t)kvh * p.ctx + pos) * kv_row_bytes(p.k_type, p.hd);
+        kv_store(kd, p.k_type, i, o0);
+        kv_store(kd, p.k_type, i + half_hd, o1);
         const float* vs = p.v_from_k ? src : p.v + ((size_t)m * p.n_kv + kvh) * p.hd;
         float v0 = vs[i], v1 = vs[i + half_hd];
         if (p.v_norm) {
@@ -1355,9 +1484,9 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
             v0 *= rv;
             v1 *= rv;
         }
-        float* vd = p.v_cache + ((size_t)kvh * p.ctx + pos) * p.hd;
-        vd[i] = v0;
-        vd[i + half_hd] = v1;
+        uint8_t* vd = p.v_cache + ((size_t)kvh * p.ctx + pos) * kv_row_bytes(p.v_type, p.hd);
+        kv_store(vd, p.v_type, i, v0);
+        kv_store(vd, p.v_type, i + half_hd, v1);
     }
 }
 
@@ -1391,19 +1520,27 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
 #define ATTN_KB 4  // heads of 512: keys a warp loads at once
 
 struct AttnArgs {
-    const float* q; const float* k_cache; const float* v_cache;
+    const float* q; const uint8_t* k_cache; const uint8_t* v_cache;
     float* out; float* partials; int* counters;
     const StepParams* step;
     int8_t* qs; float* qd; int* qsum;
     int ctx; int window; int n_head; int n_kv; int chunks_max;
     const float* gate;  // [M, n_head * hd] or null: the output times sigmoid(gate) (Qwen3.5's gated attention)
+    int k_type; int v_type;  // the caches' KvT (the f32 kernels read f32 caches alone)
 };
 
-template <int E> struct VecF;
-template <> struct VecF<2> { static __device__ __forceinline__ void load(const float* p, float* v) { const float2 t = __ldcg(reinterpret_cast<const float2*>(p)); v[0] = t.x; v[1] = t.y; } };
-template <> struct VecF<4> { static __device__ __forceinline__ void load(const float* p, float* v) { const float4 t = __ldcg(reinterpret_cast<const float4*>(p)); v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w; } };
-template <> struct VecF<8> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<4>::load(p, v); VecF<4>::load(p + 4, v + 4); } };
-template <> struct VecF<16> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<8>::load(p, v); VecF<8>::load(p + 8, v + 8); } };
+// Key `key`'s K (or V) values of lane `lane` from a layer's cache for KV head g: f32 rows through
+// the vector loads (the untyped kernels), any KvT through kv_load (the typed ones).
+template <int HD, bool TYPED>
+__device__ __forceinline__ void kv_row(const uint8_t* cache, int type, int ctx, int g, int key, int lane, float* v) {
+    constexpr int E = HD / WARP;
+    if constexpr (!TYPED) {
+        VecF<E>::load(reinterpret_cast<const float*>(cache) + ((size_t)g * ctx + key) * HD + lane * E, v);
+    } else {
+        kv_load<E>(cache + ((size_t)g * ctx + key) * kv_row_bytes(type, HD), type, lane, v);
+    }
+}
+
 
 // Writes dim t of row m, head h: y as f32 and as Q8 (a warp's 32 lanes hold a 32-value block of
 // the head, t = 32 w + lane + ATTN_THREADS r; the same arithmetic as norm_quant's plain mode).
@@ -1425,7 +1562,7 @@ __device__ __forceinline__ void attn_emit(const AttnArgs& p, int m, int h, int t
     }
 }
 
-template <int HD>
+template <int HD, bool TYPED>
 __device__ void attn_body(const AttnArgs& p) {
     constexpr int E = HD / WARP;
     __shared__ float wmax[ATTN_WARPS], wsum[ATTN_WARPS];
@@ -1443,20 +1580,20 @@ __device__ void attn_body(const AttnArgs& p) {
     // This warp's keys: its sub-chunk's absolute range, clipped to [lo, hi].
     const int base = (c0 + c) * ATTN_CHUNK + warp * ATTN_SUB;
     const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
-    const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
-    const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
+    const int kt = TYPED ? p.k_type : KV_F32, vt = TYPED ? p.v_type : KV_F32;
     pdl_trigger();
     // Keys before the step's first position were written by earlier steps: towards L2 before
     // the wait (the step's own rows come from the previous launch).
     {
-        constexpr int LINES = HD * 4 / 128;  // 128-byte lines per key row
+        const size_t kb = kv_row_bytes(kt, HD), vb = kv_row_bytes(vt, HD);
+        const int lines = (int)((max(kb, vb) + 127) / 128);  // 128-byte lines per key row
         const int pos0 = p.step->pos;
-        for (int t = lane; t < ATTN_SUB * LINES; t += WARP) {
-            const int j = t / LINES, key = s0 + j;
+        for (int t = lane; t < ATTN_SUB * lines; t += WARP) {
+            const int j = t / lines, key = s0 + j;
+            const size_t off = (size_t)(t % lines) * 128;
             if (j < nk && key < pos0) {
-                const size_t off = (size_t)key * HD + (size_t)(t % LINES) * 32;
-                prefetch_l2(p.k_cache + (size_t)g * p.ctx * HD + off);
-                prefetch_l2(p.v_cache + (size_t)g * p.ctx * HD + off);
+                if (off < kb) prefetch_l2(p.k_cache + ((size_t)g * p.ctx + key) * kb + off);
+                if (off < vb) prefetch_l2(p.v_cache + ((size_t)g * p.ctx + key) * vb + off);
             }
         }
     }
@@ -1474,8 +1611,8 @@ __device__ void attn_body(const AttnArgs& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
             if (j < nk) {
-                VecF<E>::load(kc + (size_t)(s0 + j) * HD, kv[j]);
-                VecF<E>::load(vc + (size_t)(s0 + j) * HD, vv[j]);
+                kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, s0 + j, lane, kv[j]);
+                kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, s0 + j, lane, vv[j]);
             }
         }
 #pragma unroll
@@ -1508,7 +1645,7 @@ __device__ void attn_body(const AttnArgs& p) {
             for (int j = 0; j < KB; ++j) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
-                if (j0 + j < nk) VecF<E>::load(kc + (size_t)(s0 + j0 + j) * HD, kv[j]);
+                if (j0 + j < nk) kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, s0 + j0 + j, lane, kv[j]);
             }
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -1527,7 +1664,7 @@ __device__ void attn_body(const AttnArgs& p) {
             for (int j = 0; j < KB; ++j) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) vv[j][e] = 0.0f;
-                if (j0 + j < nk) VecF<E>::load(vc + (size_t)(s0 + j0 + j) * HD, vv[j]);
+                if (j0 + j < nk) kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, s0 + j0 + j, lane, vv[j]);
             }
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -1612,10 +1749,15 @@ __device__ void attn_body(const AttnArgs& p) {
     if (tid == 0) p.counters[m * p.n_head + h] = 0;
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd64(const AttnArgs p) { attn_body<64>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(const AttnArgs p) { attn_body<128>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd512(const AttnArgs p) { attn_body<512>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd64(const AttnArgs p) { attn_body<64, false>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd128(const AttnArgs p) { attn_body<128, false>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd256(const AttnArgs p) { attn_body<256, false>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd512(const AttnArgs p) { attn_body<512, false>(p); }
+// Caches of any KvT (K and V apart).
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_typed_hd64(const AttnArgs p) { attn_body<64, true>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_typed_hd128(const AttnArgs p) { attn_body<128, true>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_typed_hd256(const AttnArgs p) { attn_body<256, true>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_typed_hd512(const AttnArgs p) { attn_body<512, true>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Attention for a prompt's many rows. A block takes ATTN_PROWS consecutive rows of one query
@@ -1632,7 +1774,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_decode_hd512(con
 #define ATTN_PSUB 4
 #define ATTN_PROWS_512 4  // rows a block at heads of 512
 
-template <int HD, int PR = ATTN_PROWS, int PS = ATTN_PSUB>
+template <int HD, bool TYPED, int PR = ATTN_PROWS, int PS = ATTN_PSUB>
 __device__ void attn_prompt_body(const AttnArgs& p) {
     constexpr int E = HD / WARP;
     __shared__ float qsm[PR][HD];
@@ -1648,8 +1790,7 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
     for (int i = tid; i < nr * HD; i += ATTN_THREADS) qsm[i / HD][i % HD] = p.q[((size_t)(m0 + i / HD) * p.n_head + h) * HD + i % HD];
     __syncthreads();
     const int lo_first = p.window > 0 ? max(0, pos0 + m0 - p.window + 1) : 0, hi_last = pos0 + m0 + nr - 1;
-    const float* kc = p.k_cache + (size_t)g * p.ctx * HD + lane * E;
-    const float* vc = p.v_cache + (size_t)g * p.ctx * HD + lane * E;
+    const int kt = TYPED ? p.k_type : KV_F32, vt = TYPED ? p.v_type : KV_F32;
     float rmax[PR], rsum[PR], acc[PR][E];
 #pragma unroll
     for (int r = 0; r < PR; ++r) {
@@ -1666,8 +1807,8 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
             if (j < nk) {
-                VecF<E>::load(kc + (size_t)(base + j) * HD, kv[j]);
-                VecF<E>::load(vc + (size_t)(base + j) * HD, vv[j]);
+                kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, base + j, lane, kv[j]);
+                kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, base + j, lane, vv[j]);
             }
         }
 #pragma unroll
@@ -1732,11 +1873,15 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd64(const AttnArgs p) { attn_prompt_body<64>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd128(const AttnArgs p) { attn_prompt_body<128>(p); }
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd256(const AttnArgs p) { attn_prompt_body<256>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd64(const AttnArgs p) { attn_prompt_body<64, false>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd128(const AttnArgs p) { attn_prompt_body<128, false>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd256(const AttnArgs p) { attn_prompt_body<256, false>(p); }
 // Heads of 512: 4 rows a block and 2 keys a load (the registers of 8 rows of 16 dims each).
-extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd512(const AttnArgs p) { attn_prompt_body<512, ATTN_PROWS_512, 2>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_hd512(const AttnArgs p) { attn_prompt_body<512, false, ATTN_PROWS_512, 2>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_typed_hd64(const AttnArgs p) { attn_prompt_body<64, true>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_typed_hd128(const AttnArgs p) { attn_prompt_body<128, true>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_typed_hd256(const AttnArgs p) { attn_prompt_body<256, true>(p); }
+extern "C" __global__ void __launch_bounds__(ATTN_THREADS) attn_prompt_typed_hd512(const AttnArgs p) { attn_prompt_body<512, true, ATTN_PROWS_512, 2>(p); }
 
 // ---------------------------------------------------------------------------------------------
 // Greedy argmax over each row of logits [M, n]: the largest value, the lowest id on ties (as the
@@ -2195,8 +2340,8 @@ static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(MoeRouterArgs) == 64, "MoeRouterArgs");
 static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
 static_assert(sizeof(MoeCombineArgs) == 48, "MoeCombineArgs");
-static_assert(sizeof(RopeArgs) == 120, "RopeArgs");
-static_assert(sizeof(AttnArgs) == 112, "AttnArgs");
+static_assert(sizeof(RopeArgs) == 128, "RopeArgs");
+static_assert(sizeof(AttnArgs) == 120, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
 static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
 
 use crate::blocks::WeightType;
+pub use crate::kv::{KvStore, KvTypes};
 
 /// The most rows (tokens) one step can have: the decode step is 1, verify steps 2..=8.
 pub const MAX_ROWS: usize = 8;
@@ -86,6 +87,12 @@ pub enum GpuError {
     },
     #[error("{0}")]
     Shape(String),
+    #[error("CUDA driver: {what}")]
+    Driver {
+        what: &'static str,
+        #[source]
+        source: DriverError,
+    },
 }
 
 /// The step's parameters, in device memory: the kernels read the position and the tokens from
@@ -219,6 +226,9 @@ pub struct RopeArgs {
     pub v_norm: i32,
     /// 1: V is K's projection before its norm (Gemma 4's `k_eq_v` layers; `v` is not read).
     pub v_from_k: i32,
+    /// The caches' stored types ([`KvStore::kernel_id`]).
+    pub k_type: i32,
+    pub v_type: i32,
 }
 
 /// `ple_inputs`'s arguments: Gemma 4's per-layer inputs of a step's rows (see decode.cu).
@@ -356,6 +366,9 @@ pub struct AttnArgs {
     /// `[rows, n_head * hd]` or 0: the output is multiplied by `sigmoid(gate)` (Qwen3.5's gated
     /// attention) before it is written.
     pub gate: DevPtr,
+    /// The caches' stored types ([`KvStore::kernel_id`]); both f32 runs the untyped kernels.
+    pub k_type: i32,
+    pub v_type: i32,
 }
 
 /// `conv_silu`'s arguments: the gated delta-net's causal conv with SiLU over a step's rows.
@@ -470,8 +483,8 @@ const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<MoeGemvArgs>() == 256);
 const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
-const _: () = assert!(std::mem::size_of::<RopeArgs>() == 120);
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 112);
+const _: () = assert!(std::mem::size_of::<RopeArgs>() == 128);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 120);
 const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
 const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
@@ -514,6 +527,8 @@ pub struct Kernels {
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 4],
     attn_prompt: [(usize, CudaFunction); 4],
+    attn_typed: [(usize, CudaFunction); 4],
+    attn_prompt_typed: [(usize, CudaFunction); 4],
     ple: CudaFunction,
     softcap: CudaFunction,
     turbo: CudaFunction,
@@ -554,6 +569,8 @@ impl Kernels {
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?), (512, f("attn_decode_hd512")?)],
             attn_prompt: [(64, f("attn_prompt_hd64")?), (128, f("attn_prompt_hd128")?), (256, f("attn_prompt_hd256")?), (512, f("attn_prompt_hd512")?)],
+            attn_typed: [(64, f("attn_decode_typed_hd64")?), (128, f("attn_decode_typed_hd128")?), (256, f("attn_decode_typed_hd256")?), (512, f("attn_decode_typed_hd512")?)],
+            attn_prompt_typed: [(64, f("attn_prompt_typed_hd64")?), (128, f("attn_prompt_typed_hd128")?), (256, f("attn_prompt_typed_hd256")?), (512, f("attn_prompt_typed_hd512")?)],
             ple: f("ple_inputs")?,
             softcap: f("softcap")?,
             turbo: f("turbo_encode")?,
@@ -722,8 +739,14 @@ impl Kernels {
         check(args.hd > 0 && args.hd % 64 == 0 && args.hd <= 512, || format!("qk_norm_rope_kv: head dim {} (a multiple of 64 up to 512)", args.hd))?;
         check(args.n_rot >= 0 && args.n_rot % 2 == 0 && args.n_rot <= args.hd, || format!("qk_norm_rope_kv: {} rotated dims of a head of {}", args.n_rot, args.hd))?;
         check(args.n_head > 0 && args.n_kv >= 0, || format!("qk_norm_rope_kv: {} query heads and {} KV heads", args.n_head, args.n_kv))?;
+        check_kv_types(args.k_type, args.v_type)?;
         let cfg = LaunchConfig { grid_dim: ((args.n_head + args.n_kv) as u32, rows as u32, 1), block_dim: ((args.hd / 2) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.rope, cfg, args, "qk_norm_rope_kv")
+    }
+
+    /// Bytes of the K and the V cache of one layer: `n_kv` heads of `ctx` rows of `hd` values.
+    pub fn kv_cache_bytes(types: KvTypes, n_kv: usize, ctx: usize, hd: usize) -> (usize, usize) {
+        (n_kv * ctx * types.k.row_bytes(hd), n_kv * ctx * types.v.row_bytes(hd))
     }
 
     /// How many chunks one row's keys can span: the attention grid's width and the partials'
@@ -739,7 +762,9 @@ impl Kernels {
     /// As for [`Kernels::norm_quant`]; `partials` holds `rows * n_head * chunks_max * (hd + 2)`
     /// floats and `counters` `MAX_ROWS * n_head` zeroed ints.
     pub unsafe fn attention(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        let f = self.attn.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
+        let table = if (args.k_type, args.v_type) == (0, 0) { &self.attn } else { &self.attn_typed };
+        let f = table.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
+        check_kv_types(args.k_type, args.v_type)?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_head as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, f, cfg, args, "attention")
@@ -752,7 +777,9 @@ impl Kernels {
     /// # Safety
     /// As for [`Kernels::attention`], for `rows` rows.
     pub unsafe fn attention_prompt(&self, stream: &Arc<CudaStream>, rows: usize, hd: usize, args: &AttnArgs) -> Result<(), GpuError> {
-        let f = self.attn_prompt.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
+        let table = if (args.k_type, args.v_type) == (0, 0) { &self.attn_prompt } else { &self.attn_prompt_typed };
+        let f = table.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
+        check_kv_types(args.k_type, args.v_type)?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let per_block = if hd == 512 { ATTN_PROMPT_ROWS_512 } else { ATTN_PROMPT_ROWS };
         let cfg = LaunchConfig { grid_dim: (rows.div_ceil(per_block) as u32, args.n_head as u32, 1), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
@@ -937,6 +964,81 @@ impl Kernels {
         let cfg = LaunchConfig { grid_dim: (Self::topk_blocks(n) as u32, rows as u32, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.topk, cfg, args, "topk_rows")
     }
+}
+
+/// A layer's K and V caches as launches see them: device addresses and stored types.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KvPtrs {
+    pub k: DevPtr,
+    pub v: DevPtr,
+    pub types: KvTypes,
+}
+
+/// One layer's K and V caches: `n_kv` heads of `ctx` rows of `hd` values each, `[n_kv][ctx][row]`
+/// in their stored types ([`crate::kv`]).
+pub struct KvLayer {
+    pub k: cudarc::driver::CudaSlice<u8>,
+    pub v: cudarc::driver::CudaSlice<u8>,
+    pub types: KvTypes,
+    pub n_kv: usize,
+    pub ctx: usize,
+    pub hd: usize,
+}
+
+impl KvLayer {
+    /// Zeroed caches.
+    pub fn new(stream: &Arc<CudaStream>, types: KvTypes, n_kv: usize, ctx: usize, hd: usize) -> Result<KvLayer, GpuError> {
+        check(types.k.supports(hd) && types.v.supports(hd), || format!("a {}/{} KV cache of heads of {hd}", types.k, types.v))?;
+        let (kb, vb) = Kernels::kv_cache_bytes(types, n_kv, ctx, hd);
+        let drv = |source| GpuError::Driver { what: "allocating a KV cache", source };
+        Ok(KvLayer { k: stream.alloc_zeros::<u8>(kb.max(1)).map_err(drv)?, v: stream.alloc_zeros::<u8>(vb.max(1)).map_err(drv)?, types, n_kv, ctx, hd })
+    }
+
+    pub fn ptrs(&self, stream: &Arc<CudaStream>) -> KvPtrs {
+        use cudarc::driver::DevicePtr;
+        KvPtrs { k: self.k.device_ptr(stream).0, v: self.v.device_ptr(stream).0, types: self.types }
+    }
+
+    /// The stored rows of positions `0..len`, `[n_kv][len][row]` bytes each for K and V (the
+    /// layout of candle's cache: `KvType::stored_bytes` of a `(1, n_kv, len, row)` tensor).
+    pub fn read(&self, stream: &Arc<CudaStream>, len: usize) -> Result<(Vec<u8>, Vec<u8>), GpuError> {
+        check(len <= self.ctx, || format!("{len} positions of a cache of {}", self.ctx))?;
+        let (kr, vr) = (self.types.k.row_bytes(self.hd), self.types.v.row_bytes(self.hd));
+        let (mut k, mut v) = (vec![0u8; self.n_kv * len * kr], vec![0u8; self.n_kv * len * vr]);
+        let drv = |source| GpuError::Driver { what: "reading a KV cache", source };
+        for h in 0..self.n_kv {
+            stream.memcpy_dtoh(&self.k.slice(h * self.ctx * kr..(h * self.ctx + len) * kr), &mut k[h * len * kr..(h + 1) * len * kr]).map_err(drv)?;
+            stream.memcpy_dtoh(&self.v.slice(h * self.ctx * vr..(h * self.ctx + len) * vr), &mut v[h * len * vr..(h + 1) * len * vr]).map_err(drv)?;
+        }
+        Ok((k, v))
+    }
+
+    /// Sets positions `0..len` to the stored rows `k` and `v` ([`KvLayer::read`]'s layout);
+    /// the sizes are checked first.
+    pub fn write(&mut self, stream: &Arc<CudaStream>, len: usize, k: &[u8], v: &[u8]) -> Result<(), GpuError> {
+        let (kr, vr) = (self.types.k.row_bytes(self.hd), self.types.v.row_bytes(self.hd));
+        check(len <= self.ctx, || format!("{len} positions for a cache of {}", self.ctx))?;
+        check(k.len() == self.n_kv * len * kr && v.len() == self.n_kv * len * vr, || {
+            format!("K/V of {} and {} bytes, expected {} x {len} rows of {kr} and {vr} ({}/{})", k.len(), v.len(), self.n_kv, self.types.k, self.types.v)
+        })?;
+        let drv = |source| GpuError::Driver { what: "writing a KV cache", source };
+        for h in 0..self.n_kv {
+            stream.memcpy_htod(&k[h * len * kr..(h + 1) * len * kr], &mut self.k.slice_mut(h * self.ctx * kr..(h * self.ctx + len) * kr)).map_err(drv)?;
+            stream.memcpy_htod(&v[h * len * vr..(h + 1) * len * vr], &mut self.v.slice_mut(h * self.ctx * vr..(h * self.ctx + len) * vr)).map_err(drv)?;
+        }
+        Ok(())
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k.len() + self.v.len()
+    }
+}
+
+/// The cache types a launch names are kernel ids of [`KvStore`].
+fn check_kv_types(k: i32, v: i32) -> Result<(), GpuError> {
+    let known = |t: i32| KvStore::ALL.iter().any(|s| s.kernel_id() == t);
+    check(known(k) && known(v), || format!("KV cache types {k} and {v} (kernel ids of KvStore)"))
 }
 
 fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), GpuError> {

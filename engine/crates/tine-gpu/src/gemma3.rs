@@ -51,7 +51,7 @@ use crate::blocks::{WeightType, EMBD_WIDE, QK};
 mod assistant;
 pub use assistant::AssistantGpu;
 
-use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
+use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};
 
 /// Why a model could not be loaded or stepped on the GPU.
@@ -245,8 +245,8 @@ impl Graph {
 
 /// One sequence's KV cache on the GPU, with the step graphs captured over it.
 pub struct GpuCache {
-    k: Vec<CudaSlice<f32>>,
-    v: Vec<CudaSlice<f32>>,
+    /// Per layer, its K and V in the cache's stored types.
+    pub(crate) kv: Vec<KvLayer>,
     ctx_len: usize,
     /// Positions the cache holds.
     pos: usize,
@@ -272,6 +272,16 @@ impl GpuCache {
         self.ctx_len
     }
 
+    /// The types its keys and values are stored in.
+    pub fn types(&self) -> KvTypes {
+        self.kv.first().map_or(KvTypes::F32, |l| l.types)
+    }
+
+    /// Device bytes its K and V take.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.iter().map(KvLayer::bytes).sum()
+    }
+
     /// Forgets every position from `len` on (O(1): the next step overwrites them), and the last
     /// step's logits and ids with them.
     pub fn truncate(&mut self, len: usize) {
@@ -283,8 +293,7 @@ impl GpuCache {
 /// One sequence's NextN cache on the GPU (the head block's K and V), with the head's step graphs
 /// captured over it.
 pub struct NextNCache {
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    kv: KvLayer,
     ctx_len: usize,
     /// Entries the cache holds.
     pos: usize,
@@ -592,17 +601,17 @@ impl Gemma3Gpu {
         self.prompt_rows
     }
 
-    /// An empty KV cache of `ctx_len` positions (at most [`Gemma3Gpu::max_ctx`]).
+    /// An empty f32 KV cache of `ctx_len` positions (at most [`Gemma3Gpu::max_ctx`]).
     pub fn new_cache(&self, ctx_len: usize) -> Result<GpuCache> {
+        self.new_cache_typed(ctx_len, KvTypes::F32)
+    }
+
+    /// An empty KV cache of `ctx_len` positions (at most [`Gemma3Gpu::max_ctx`]) storing keys
+    /// and values as `types`.
+    pub fn new_cache_typed(&self, ctx_len: usize, types: KvTypes) -> Result<GpuCache> {
         let ctx_len = ctx_len.clamp(1, self.max_ctx);
-        let kvd = self.cfg.n_kv * self.cfg.head_dim;
-        let mut k = Vec::with_capacity(self.cfg.layers);
-        let mut v = Vec::with_capacity(self.cfg.layers);
-        for _ in 0..self.cfg.layers {
-            k.push(alloc(&self.stream, kvd * ctx_len)?);
-            v.push(alloc(&self.stream, kvd * ctx_len)?);
-        }
-        Ok(GpuCache { k, v, ctx_len, pos: 0, last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        let kv = (0..self.cfg.layers).map(|_| KvLayer::new(&self.stream, types, self.cfg.n_kv, ctx_len, self.cfg.head_dim)).collect::<std::result::Result<_, _>>()?;
+        Ok(GpuCache { kv, ctx_len, pos: 0, last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
@@ -666,17 +675,7 @@ impl Gemma3Gpu {
     /// As [`Gemma3Gpu::launch_step`]: the buffers hold the step's rows, the caches `ctx_len`
     /// positions past the step's.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_block(
-        &self,
-        ly: &Layer,
-        local: bool,
-        kv: (DevPtr, DevPtr),
-        ctx_len: usize,
-        step: DevPtr,
-        rows: usize,
-        prompt: Option<DevPtr>,
-        mark: &mut Mark,
-    ) -> std::result::Result<(), GpuError> {
+    unsafe fn launch_block(&self, ly: &Layer, local: bool, kv: KvPtrs, ctx_len: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -694,8 +693,8 @@ impl Gemma3Gpu {
             eps: c.eps,
             inv_freq: if local { p(&self.inv_local) } else { p(&self.inv_global) },
             q_scale: 1.0 / (c.head_dim as f32).sqrt(),
-            k_cache: kv.0,
-            v_cache: kv.1,
+            k_cache: kv.k,
+            v_cache: kv.v,
             ctx: ctx_len as i32,
             step,
             n_head: c.n_head as i32,
@@ -704,6 +703,8 @@ impl Gemma3Gpu {
             n_rot: 0,
             v_norm: 0,
             v_from_k: 0,
+            k_type: kv.types.k.kernel_id(),
+            v_type: kv.types.v.kernel_id(),
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
@@ -719,13 +720,13 @@ impl Gemma3Gpu {
 
     /// The decode attention's arguments for `n_head` query heads over a layer's cache `kv` of
     /// `ctx_len` positions (its output written as the activation planes' Q8 rows).
-    fn attn_args(&self, kv: (DevPtr, DevPtr), ctx_len: usize, local: bool, n_head: usize, step: DevPtr) -> AttnArgs {
+    fn attn_args(&self, kv: KvPtrs, ctx_len: usize, local: bool, n_head: usize, step: DevPtr) -> AttnArgs {
         let (b, act) = (&self.b, self.act(0, 0));
         let window = if local { self.cfg.window } else { 0 };
         AttnArgs {
             q: self.ptr(&b.q),
-            k_cache: kv.0,
-            v_cache: kv.1,
+            k_cache: kv.k,
+            v_cache: kv.v,
             out: 0,
             partials: self.ptr(&b.partials),
             counters: self.ptr(&b.attn_counters),
@@ -739,6 +740,8 @@ impl Gemma3Gpu {
             n_kv: self.cfg.n_kv as i32,
             chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
             gate: 0,
+            k_type: kv.types.k.kernel_id(),
+            v_type: kv.types.v.kernel_id(),
         }
     }
 
@@ -792,7 +795,7 @@ impl Gemma3Gpu {
                 };
                 k.norm_quant(s, rows, &first)?;
                 mark("norm_quant")?;
-                self.launch_block(ly, c.is_local(l), (p(&cache.k[l]), p(&cache.v[l])), cache.ctx_len, step, rows, prompt, mark)?;
+                self.launch_block(ly, c.is_local(l), cache.kv[l].ptrs(s), cache.ctx_len, step, rows, prompt, mark)?;
                 count += 9;
             }
             let last = self.layers.last().expect("a model has layers");
@@ -846,7 +849,7 @@ impl Gemma3Gpu {
             let x = NormQuantArgs { res_out: p(&b.h), ..self.nq(step, prompt, p(&b.o), 0, 0, h, p(&head.block.attn_norm)) };
             k.norm_quant(s, rows, &x)?;
             mark("norm_quant")?;
-            self.launch_block(&head.block, head.local, (p(&cache.k), p(&cache.v)), cache.ctx_len, step, rows, prompt, mark)?;
+            self.launch_block(&head.block, head.local, cache.kv.ptrs(s), cache.ctx_len, step, rows, prompt, mark)?;
             k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.down), p(&head.block.post_ffn_norm), 1, h, p(&head.shared_head_norm)))?;
             mark("norm_quant")?;
             let out = head.head.as_ref().or(self.output.as_ref()).unwrap_or(&self.embd);
@@ -887,12 +890,17 @@ impl Gemma3Gpu {
     /// An empty NextN cache of `ctx_len` entries (at most [`Gemma3Gpu::max_ctx`]), if the model
     /// has a NextN head.
     pub fn new_nextn_cache(&self, ctx_len: usize) -> Result<Option<NextNCache>> {
+        self.new_nextn_cache_typed(ctx_len, KvTypes::F32)
+    }
+
+    /// [`Gemma3Gpu::new_nextn_cache`] storing the head's keys and values as `types`.
+    pub fn new_nextn_cache_typed(&self, ctx_len: usize, types: KvTypes) -> Result<Option<NextNCache>> {
         if self.nextn.is_none() {
             return Ok(None);
         }
         let ctx_len = ctx_len.clamp(1, self.max_ctx);
-        let kvd = self.cfg.n_kv * self.cfg.head_dim;
-        Ok(Some(NextNCache { k: alloc(&self.stream, kvd * ctx_len)?, v: alloc(&self.stream, kvd * ctx_len)?, ctx_len, pos: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() }))
+        let kv = KvLayer::new(&self.stream, types, self.cfg.n_kv, ctx_len, self.cfg.head_dim)?;
+        Ok(Some(NextNCache { kv, ctx_len, pos: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() }))
     }
 
     /// Runs the NextN head over entries `cache.len()..` (1..=[`Gemma3Gpu::prompt_rows`] of
@@ -1106,27 +1114,44 @@ impl Gemma3Gpu {
     }
 
     /// Every layer's K and V for `cache`'s positions, `(n_kv, len, head_dim)` f32 each, in
-    /// order (candle's cache layout, so a slot file moves between the engine and candle's path).
+    /// order (candle's cache layout, so a slot file moves between the engine and candle's path):
+    /// the values the attention reads (a typed cache's rows decoded).
     pub fn read_kv(&self, cache: &GpuCache) -> Result<Vec<LayerKv>> {
-        let (n_kv, hd, len, ctx) = (self.cfg.n_kv, self.cfg.head_dim, cache.pos, cache.ctx_len);
-        let mut out = Vec::with_capacity(self.cfg.layers);
-        for l in 0..self.cfg.layers {
-            let (mut k, mut v) = (vec![0f32; n_kv * len * hd], vec![0f32; n_kv * len * hd]);
-            for h in 0..n_kv {
-                let (src, dst) = (h * ctx * hd..h * ctx * hd + len * hd, h * len * hd..(h + 1) * len * hd);
-                self.stream.memcpy_dtoh(&cache.k[l].slice(src.clone()), &mut k[dst.clone()])?;
-                self.stream.memcpy_dtoh(&cache.v[l].slice(src), &mut v[dst])?;
+        let (t, hd) = (cache.types(), self.cfg.head_dim);
+        let values = |b: Vec<u8>, s: crate::kv::KvStore| {
+            let mut out = vec![0f32; b.len() / s.row_bytes(hd) * hd];
+            for (row, o) in b.chunks_exact(s.row_bytes(hd)).zip(out.chunks_exact_mut(hd)) {
+                s.decode_row(row, o);
             }
-            out.push((k, v));
-        }
-        Ok(out)
+            out
+        };
+        Ok(self.read_kv_stored(cache)?.into_iter().map(|(k, v)| (values(k, t.k), values(v, t.v))).collect())
+    }
+
+    /// Every layer's K and V rows for `cache`'s positions as stored (`(n_kv, len, row)` bytes
+    /// each, [`crate::kv`]'s rows: candle's `KvType::stored_bytes` of the same type).
+    pub fn read_kv_stored(&self, cache: &GpuCache) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+        Ok(cache.kv.iter().map(|l| l.read(&self.stream, cache.pos)).collect::<std::result::Result<_, _>>()?)
     }
 
     /// Sets `cache` to `len` positions whose K and V are `layers` ([`Gemma3Gpu::read_kv`]'s
-    /// layout). Checked first: on a shape error the cache is unchanged; a copy that fails
-    /// part way leaves it empty.
+    /// layout; an f32 cache). Checked first: on a shape error the cache is unchanged; a copy
+    /// that fails part way leaves it empty.
     pub fn write_kv(&self, cache: &mut GpuCache, len: usize, layers: &[(&[f32], &[f32])]) -> Result<()> {
-        let (n_kv, hd, ctx) = (self.cfg.n_kv, self.cfg.head_dim, cache.ctx_len);
+        let bytes = |x: &[f32]| x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+        if !cache.types().is_f32() {
+            return Err(Gemma3GpuError::Step { rows: 0, pos: cache.pos, what: format!("f32 K/V into a {}/{} cache", cache.types().k, cache.types().v) });
+        }
+        let stored: Vec<(Vec<u8>, Vec<u8>)> = layers.iter().map(|(k, v)| (bytes(k), bytes(v))).collect();
+        let refs: Vec<(&[u8], &[u8])> = stored.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+        self.write_kv_stored(cache, len, &refs)
+    }
+
+    /// Sets `cache` to `len` positions whose stored K and V rows are `layers`
+    /// ([`Gemma3Gpu::read_kv_stored`]'s layout, the cache's types). Checked first: on a shape
+    /// error the cache is unchanged; a copy that fails part way leaves it empty.
+    pub fn write_kv_stored(&self, cache: &mut GpuCache, len: usize, layers: &[(&[u8], &[u8])]) -> Result<()> {
+        let (n_kv, hd, ctx, t) = (self.cfg.n_kv, self.cfg.head_dim, cache.ctx_len, cache.types());
         let fail = |what: String| Gemma3GpuError::Step { rows: 0, pos: cache.pos, what };
         if len > ctx {
             return Err(fail(format!("{len} positions for a cache of {ctx}")));
@@ -1134,16 +1159,13 @@ impl Gemma3Gpu {
         if layers.len() != self.cfg.layers {
             return Err(fail(format!("K/V of {} layers for a model of {}", layers.len(), self.cfg.layers)));
         }
-        if let Some((k, v)) = layers.iter().find(|(k, v)| k.len() != n_kv * len * hd || v.len() != k.len()) {
-            return Err(fail(format!("a layer's K/V hold {} and {} values, expected {n_kv} x {len} x {hd}", k.len(), v.len())));
+        let (kr, vr) = (t.k.row_bytes(hd), t.v.row_bytes(hd));
+        if let Some((k, v)) = layers.iter().find(|(k, v)| k.len() != n_kv * len * kr || v.len() != n_kv * len * vr) {
+            return Err(fail(format!("a layer's K/V hold {} and {} bytes, expected {n_kv} x {len} rows of {kr} and {vr} bytes ({}/{})", k.len(), v.len(), t.k, t.v)));
         }
         cache.truncate(0);
-        for (l, (k, v)) in layers.iter().enumerate() {
-            for h in 0..n_kv {
-                let (dst, src) = (h * ctx * hd..h * ctx * hd + len * hd, h * len * hd..(h + 1) * len * hd);
-                self.stream.memcpy_htod(&k[src.clone()], &mut cache.k[l].slice_mut(dst.clone()))?;
-                self.stream.memcpy_htod(&v[src], &mut cache.v[l].slice_mut(dst))?;
-            }
+        for (l, (k, v)) in cache.kv.iter_mut().zip(layers) {
+            l.write(&self.stream, len, k, v)?;
         }
         self.stream.synchronize()?;
         cache.pos = len;

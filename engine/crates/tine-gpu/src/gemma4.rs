@@ -45,7 +45,7 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::blocks::{WeightType, QK};
 use crate::config::Gemma4Config;
-use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, MAX_BANNED, MAX_ROWS};
+use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::gemma3::{alloc, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};
 
@@ -165,8 +165,8 @@ pub struct Gemma4Gpu {
 /// One sequence's state on the GPU: the K/V of each layer that owns some, and the step graphs
 /// captured over them.
 pub struct Gemma4Cache {
-    k: Vec<CudaSlice<f32>>,
-    v: Vec<CudaSlice<f32>>,
+    /// Per layer that owns K/V, its K and V in the cache's stored types.
+    pub(crate) kv: Vec<KvLayer>,
     ctx_len: usize,
     pos: usize,
     last: LastStep,
@@ -185,6 +185,16 @@ impl Gemma4Cache {
 
     pub fn capacity(&self) -> usize {
         self.ctx_len
+    }
+
+    /// The types its keys and values are stored in.
+    pub fn types(&self) -> KvTypes {
+        self.kv.first().map_or(KvTypes::F32, |l| l.types)
+    }
+
+    /// Device bytes its K and V take.
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.iter().map(KvLayer::bytes).sum()
     }
 
     /// Keeps the first `len` positions (the rows past them are overwritten by later steps).
@@ -367,18 +377,19 @@ impl Gemma4Gpu {
 
     /// An empty sequence state of `ctx_len` positions (at most [`Gemma4Gpu::max_ctx`]).
     pub fn new_cache(&self, ctx_len: usize) -> Result<Gemma4Cache> {
-        let ctx_len = ctx_len.clamp(1, self.max_ctx);
-        let (mut k, mut v) = (Vec::new(), Vec::new());
-        for lc in &self.cfg.layers[..self.cfg.kv_layers] {
-            k.push(alloc(&self.stream, lc.n_kv * lc.head_dim * ctx_len)?);
-            v.push(alloc(&self.stream, lc.n_kv * lc.head_dim * ctx_len)?);
-        }
-        Ok(Gemma4Cache { k, v, ctx_len, pos: 0, last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        self.new_cache_typed(ctx_len, KvTypes::F32)
     }
 
-    /// Bytes of K/V one position of a sequence takes.
-    pub fn kv_bytes_per_position(&self) -> usize {
-        self.cfg.layers[..self.cfg.kv_layers].iter().map(|l| 2 * l.n_kv * l.head_dim * 4).sum()
+    /// [`Gemma4Gpu::new_cache`] storing keys and values as `types`.
+    pub fn new_cache_typed(&self, ctx_len: usize, types: KvTypes) -> Result<Gemma4Cache> {
+        let ctx_len = ctx_len.clamp(1, self.max_ctx);
+        let kv = self.cfg.layers[..self.cfg.kv_layers].iter().map(|lc| KvLayer::new(&self.stream, types, lc.n_kv, ctx_len, lc.head_dim)).collect::<std::result::Result<_, _>>()?;
+        Ok(Gemma4Cache { kv, ctx_len, pos: 0, last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+    }
+
+    /// Bytes of K/V one position of a sequence takes at `types`.
+    pub fn kv_bytes_per_position(&self, types: KvTypes) -> usize {
+        self.cfg.layers[..self.cfg.kv_layers].iter().map(|l| l.n_kv * types.bytes_per_head(l.head_dim)).sum()
     }
 
     fn ptr<T>(&self, s: &CudaSlice<T>) -> DevPtr {
@@ -396,12 +407,12 @@ impl Gemma4Gpu {
 
     /// The decode/prompt attention's arguments: the queries in `b.q`, `n_head` of them over the
     /// `n_kv` heads of `kv` (a layer's cache in `cache`), the output as the activations' Q8 rows.
-    fn attn_args(&self, cache: &Gemma4Cache, kv: (DevPtr, DevPtr), window: usize, n_head: usize, n_kv: usize, step: DevPtr) -> AttnArgs {
+    fn attn_args(&self, cache: &Gemma4Cache, kv: KvPtrs, window: usize, n_head: usize, n_kv: usize, step: DevPtr) -> AttnArgs {
         let (b, act) = (&self.b, self.act(0, 0));
         AttnArgs {
             q: self.ptr(&b.q),
-            k_cache: kv.0,
-            v_cache: kv.1,
+            k_cache: kv.k,
+            v_cache: kv.v,
             out: 0,
             partials: self.ptr(&b.partials),
             counters: self.ptr(&b.attn_counters),
@@ -415,6 +426,8 @@ impl Gemma4Gpu {
             n_kv: n_kv as i32,
             chunks_max: Kernels::attn_chunks_max(cache.ctx_len, window) as i32,
             gate: 0,
+            k_type: kv.types.k.kernel_id(),
+            v_type: kv.types.v.kernel_id(),
         }
     }
 
@@ -507,7 +520,7 @@ impl Gemma4Gpu {
                 let src = lc.kv_layer;
                 let (n_kv, kvd) = (c.layers[src].n_kv, c.layers[src].n_kv * hd);
                 let si = self.slot[src].expect("a KV-shared layer's source owns K/V (checked at load)");
-                let (kc, vc) = (p(&cache.k[si]), p(&cache.v[si]));
+                let kv = cache.kv[si].ptrs(s);
                 let mut segs = vec![self.seg(&ly.q, &b.q, qd)];
                 if let Some(own) = &ly.kv {
                     segs.push(self.seg(&own.k, &b.k, kvd));
@@ -526,8 +539,8 @@ impl Gemma4Gpu {
                     eps: c.eps,
                     inv_freq: if lc.sliding { p(&self.inv_swa) } else { p(&self.inv_global) },
                     q_scale: 1.0,
-                    k_cache: kc,
-                    v_cache: vc,
+                    k_cache: kv.k,
+                    v_cache: kv.v,
                     ctx: cache.ctx_len as i32,
                     step,
                     n_head: lc.n_head as i32,
@@ -536,11 +549,13 @@ impl Gemma4Gpu {
                     n_rot: if lc.sliding { c.rope_dim_swa } else { c.rope_dim }.min(hd) as i32,
                     v_norm: 1,
                     v_from_k: ly.kv.as_ref().is_some_and(|o| o.v.is_none()) as i32,
+                    k_type: kv.types.k.kernel_id(),
+                    v_type: kv.types.v.kernel_id(),
                 };
                 k.qk_norm_rope_kv(s, rows, &rope)?;
                 mark("qk_norm_rope_kv")?;
                 let window = if lc.sliding { c.window } else { 0 };
-                let at = self.attn_args(cache, (kc, vc), window, lc.n_head, n_kv, step);
+                let at = self.attn_args(cache, kv, window, lc.n_head, n_kv, step);
                 match prompt {
                     Some(_) => k.attention_prompt(s, rows, hd, &at)?,
                     None => k.attention(s, rows, hd, &at)?,

@@ -41,7 +41,8 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 use crate::blocks::{WeightType, QK};
 use crate::config::Qwen35Config;
 use crate::cuda::{
-    AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS,
+    AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, RopeArgs, StepParams,
+    MAX_BANNED, MAX_ROWS,
 };
 use crate::gemma3::{alloc, inv_freq, nextn_params, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
@@ -156,8 +157,7 @@ struct NextNHead {
 /// One sequence's NextN cache on the GPU (the head block's K and V), with the head's step graphs
 /// captured over it.
 pub struct Qwen35NextNCache {
-    k: CudaSlice<f32>,
-    v: CudaSlice<f32>,
+    kv: KvLayer,
     ctx_len: usize,
     /// Entries the cache holds.
     pos: usize,
@@ -211,8 +211,8 @@ pub struct Qwen35Gpu {
 /// One sequence's state on the GPU: the attention layers' K/V, the delta-net layers' state
 /// planes, and the step graphs captured over them.
 pub struct Qwen35Cache {
-    k: Vec<CudaSlice<f32>>,
-    v: Vec<CudaSlice<f32>>,
+    /// Per attention layer, its K and V in the cache's stored types.
+    kv: Vec<KvLayer>,
     /// Per delta-net layer: `[PLANES][kernel - 1][conv channels]`.
     conv: Vec<CudaSlice<f32>>,
     /// Per delta-net layer: `[PLANES][H_v][d][d]`.
@@ -229,6 +229,16 @@ impl Qwen35Cache {
     /// Positions the sequence holds.
     pub fn len(&self) -> usize {
         self.ring.pos()
+    }
+
+    /// The types its attention layers' keys and values are stored in.
+    pub fn types(&self) -> KvTypes {
+        self.kv.first().map_or(KvTypes::F32, |l| l.types)
+    }
+
+    /// Device bytes its K and V take (the state planes apart).
+    pub fn kv_bytes(&self) -> usize {
+        self.kv.iter().map(KvLayer::bytes).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -528,20 +538,24 @@ impl Qwen35Gpu {
     /// An empty sequence state of `ctx_len` positions (at most [`Qwen35Gpu::max_ctx`]): no K/V,
     /// zero conv windows and delta states.
     pub fn new_cache(&self, ctx_len: usize) -> Result<Qwen35Cache> {
+        self.new_cache_typed(ctx_len, KvTypes::F32)
+    }
+
+    /// [`Qwen35Gpu::new_cache`] storing the attention layers' keys and values as `types` (the
+    /// delta-net states stay f32).
+    pub fn new_cache_typed(&self, ctx_len: usize, types: KvTypes) -> Result<Qwen35Cache> {
         let c = &self.cfg;
         let ctx_len = ctx_len.clamp(1, self.max_ctx);
-        let kvd = c.n_kv * c.head_dim;
-        let (mut k, mut v, mut conv, mut ssm) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut kv, mut conv, mut ssm) = (Vec::new(), Vec::new(), Vec::new());
         for &full in &c.full_attention {
             if full {
-                k.push(alloc(&self.stream, kvd * ctx_len)?);
-                v.push(alloc(&self.stream, kvd * ctx_len)?);
+                kv.push(KvLayer::new(&self.stream, types, c.n_kv, ctx_len, c.head_dim)?);
             } else {
                 conv.push(alloc(&self.stream, PLANES * (c.conv_kernel - 1) * c.conv_dim())?);
                 ssm.push(alloc(&self.stream, PLANES * c.n_v_heads * c.d_state * c.d_state)?);
             }
         }
-        Ok(Qwen35Cache { k, v, conv, ssm, ctx_len, ring: Ring::new(), last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
+        Ok(Qwen35Cache { kv, conv, ssm, ctx_len, ring: Ring::new(), last: LastStep::default(), graphs: (0..2 * MAX_ROWS).map(|_| None).collect() })
     }
 
     /// Bytes of one sequence's recurrent state planes (every delta-net layer's [`PLANES`]).
@@ -667,7 +681,7 @@ impl Qwen35Gpu {
                         k.gemv(s, rows, vd, &[self.seg(out, &b.mix, c.hidden)], act)?;
                         mark("gemv ssm_out")?;
                     }
-                    Mixer::Attention { .. } => self.launch_attention(&ly.mixer, (p(&cache.k[i]), p(&cache.v[i])), cache.ctx_len, step, rows, prompt, mark)?,
+                    Mixer::Attention { .. } => self.launch_attention(&ly.mixer, cache.kv[i].ptrs(&self.stream), cache.ctx_len, step, rows, prompt, mark)?,
                 }
                 self.launch_mlp(ly, step, rows, prompt, mark)?;
             }
@@ -699,7 +713,7 @@ impl Qwen35Gpu {
     /// # Safety
     /// As [`Qwen35Gpu::launch_step`]'s: the buffers hold the step's rows, the cache its positions.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_attention(&self, mixer: &Mixer, kv: (DevPtr, DevPtr), ctx_len: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+    unsafe fn launch_attention(&self, mixer: &Mixer, kv: KvPtrs, ctx_len: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let Mixer::Attention { q, gate, k: wk, v: wv, o, q_norm, k_norm } = mixer else { unreachable!("called on attention blocks only") };
         let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -717,8 +731,8 @@ impl Qwen35Gpu {
             eps: c.eps,
             inv_freq: p(&self.inv_freq),
             q_scale: 1.0 / (c.head_dim as f32).sqrt(),
-            k_cache: kv.0,
-            v_cache: kv.1,
+            k_cache: kv.k,
+            v_cache: kv.v,
             ctx: ctx_len as i32,
             step,
             n_head: c.n_head as i32,
@@ -727,13 +741,15 @@ impl Qwen35Gpu {
             n_rot: c.rope_dim as i32,
             v_norm: 0,
             v_from_k: 0,
+            k_type: kv.types.k.kernel_id(),
+            v_type: kv.types.v.kernel_id(),
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
         let at = AttnArgs {
             q: p(&b.x1),
-            k_cache: kv.0,
-            v_cache: kv.1,
+            k_cache: kv.k,
+            v_cache: kv.v,
             out: 0,
             partials: p(&b.partials),
             counters: self.ptr(&b.attn_counters),
@@ -747,6 +763,8 @@ impl Qwen35Gpu {
             n_kv: c.n_kv as i32,
             chunks_max: Kernels::attn_chunks_max(ctx_len, 0) as i32,
             gate: p(&b.x2),
+            k_type: kv.types.k.kernel_id(),
+            v_type: kv.types.v.kernel_id(),
         };
         match prompt {
             Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
@@ -861,7 +879,7 @@ impl Qwen35Gpu {
             let x = NormQuantArgs { res_out: p(&b.h), ..self.nq(step, prompt, p(&b.mix), 0, h, p(&head.block.attn_norm)) };
             k.norm_quant(s, rows, &x)?;
             mark("norm_quant")?;
-            self.launch_attention(&head.block.mixer, (p(&cache.k), p(&cache.v)), cache.ctx_len, step, rows, prompt, mark)?;
+            self.launch_attention(&head.block.mixer, cache.kv.ptrs(&self.stream), cache.ctx_len, step, rows, prompt, mark)?;
             self.launch_mlp(&head.block, step, rows, prompt, mark)?;
             let last = NormQuantArgs { y_out: p(&head.out), ..self.nq(step, prompt, p(&b.down), 3, h, p(&head.shared_head_norm)) };
             k.norm_quant(s, rows, &last)?;
@@ -882,12 +900,17 @@ impl Qwen35Gpu {
     /// An empty NextN cache of `ctx_len` entries (at most [`Qwen35Gpu::max_ctx`]), if the model
     /// has a NextN head.
     pub fn new_nextn_cache(&self, ctx_len: usize) -> Result<Option<Qwen35NextNCache>> {
+        self.new_nextn_cache_typed(ctx_len, KvTypes::F32)
+    }
+
+    /// [`Qwen35Gpu::new_nextn_cache`] storing the head's keys and values as `types`.
+    pub fn new_nextn_cache_typed(&self, ctx_len: usize, types: KvTypes) -> Result<Option<Qwen35NextNCache>> {
         if self.nextn.is_none() || !nextn_on_engine() {
             return Ok(None);
         }
         let ctx_len = ctx_len.clamp(1, self.max_ctx);
-        let kvd = self.cfg.n_kv * self.cfg.head_dim;
-        Ok(Some(Qwen35NextNCache { k: alloc(&self.stream, kvd * ctx_len)?, v: alloc(&self.stream, kvd * ctx_len)?, ctx_len, pos: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() }))
+        let kv = KvLayer::new(&self.stream, types, self.cfg.n_kv, ctx_len, self.cfg.head_dim)?;
+        Ok(Some(Qwen35NextNCache { kv, ctx_len, pos: 0, graphs: (0..MAX_ROWS).map(|_| None).collect() }))
     }
 
     /// Runs the NextN head over entries `cache.len()..` (1..=[`Qwen35Gpu::prompt_rows`] of

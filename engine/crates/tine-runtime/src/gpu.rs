@@ -15,6 +15,25 @@ use candle_core::Device;
 /// One layer's K and V values, `(kv_heads, len, head_dim)` each.
 pub type LayerKv = (Vec<f32>, Vec<f32>);
 
+/// One layer's K and V rows as stored, `(kv_heads, len, row)` bytes each.
+pub type StoredKv = (Vec<u8>, Vec<u8>);
+
+/// The engine's stored types for candle's cache types `k` and `v`, where it keeps them (f32,
+/// f16, bf16, q8_0 and q4_0; the rotated types not yet).
+pub fn engine_kv_types(k: candle_nn::attention::kv_type::KvType, v: candle_nn::attention::kv_type::KvType) -> Option<tine_gpu::kv::KvTypes> {
+    use candle_nn::attention::kv_type::KvType as C;
+    use tine_gpu::kv::KvStore as S;
+    let one = |t: C| match t {
+        C::F32 => Some(S::F32),
+        C::F16 => Some(S::F16),
+        C::BF16 => Some(S::Bf16),
+        C::Q8_0 => Some(S::Q8_0),
+        C::Q4_0 => Some(S::Q4_0),
+        C::Turbo4 | C::Turbo3 | C::Turbo2 => None,
+    };
+    Some(tine_gpu::kv::KvTypes { k: one(k)?, v: one(v)? })
+}
+
 /// Each row's `k` best `(id, logit)`, best first.
 pub type RowsTopK = Vec<Vec<(u32, f32)>>;
 
@@ -24,6 +43,7 @@ mod imp {
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
     use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
     use tine_gpu::gemma4::{Gemma4AssistantGpu, Gemma4Cache, Gemma4Gpu};
+    use tine_gpu::kv::KvTypes;
     use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu, Qwen35NextNCache};
 
     /// The model's trunk on the engine.
@@ -94,11 +114,12 @@ mod imp {
             }
             Ok(Some(GpuTrunk::Gemma3(Box::new(Gemma3Gpu::load(path, gpu_id, max_ctx)?))))
         }
-        pub fn new_seq(&self, context: usize) -> Result<GpuSeq, GpuError> {
+        /// A sequence of `context` positions whose K/V are stored as `types`.
+        pub fn new_seq(&self, context: usize, types: KvTypes) -> Result<GpuSeq, GpuError> {
             Ok(match self {
-                GpuTrunk::Gemma3(m) => GpuSeq::Gemma3(m.new_cache(context)?),
-                GpuTrunk::Gemma4(m) => GpuSeq::Gemma4(Box::new(m.new_cache(context)?)),
-                GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache(context)?)),
+                GpuTrunk::Gemma3(m) => GpuSeq::Gemma3(m.new_cache_typed(context, types)?),
+                GpuTrunk::Gemma4(m) => GpuSeq::Gemma4(Box::new(m.new_cache_typed(context, types)?)),
+                GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache_typed(context, types)?)),
             })
         }
         /// The Gemma 3 engine, for what only it does, or the error naming `what`.
@@ -188,10 +209,10 @@ mod imp {
             })
         }
         /// A NextN cache of `context` entries, if the model has a NextN head the engine runs.
-        pub fn new_nextn(&self, context: usize) -> Result<Option<GpuNextN>, GpuError> {
+        pub fn new_nextn(&self, context: usize, types: KvTypes) -> Result<Option<GpuNextN>, GpuError> {
             match self {
-                GpuTrunk::Gemma3(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN::Gemma3)),
-                GpuTrunk::Qwen35(m) => Ok(m.new_nextn_cache(context)?.map(GpuNextN::Qwen35)),
+                GpuTrunk::Gemma3(m) => Ok(m.new_nextn_cache_typed(context, types)?.map(GpuNextN::Gemma3)),
+                GpuTrunk::Qwen35(m) => Ok(m.new_nextn_cache_typed(context, types)?.map(GpuNextN::Qwen35)),
                 GpuTrunk::Gemma4(_) => Ok(None),
             }
         }
@@ -239,6 +260,22 @@ mod imp {
         pub fn write_kv(&self, seq: &mut GpuSeq, len: usize, layers: &[(&[f32], &[f32])]) -> Result<(), GpuError> {
             match (self, seq) {
                 (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.write_kv(c, len, layers),
+                _ => Err(not_on_engine(self.family(), "a slot file")),
+            }
+        }
+        /// Every layer's K and V rows of `seq`'s positions as stored, `(n_kv, len, row)` bytes
+        /// each (candle's `KvType::stored_bytes` of the same types).
+        pub fn read_kv_stored(&self, seq: &GpuSeq) -> Result<Vec<StoredKv>, GpuError> {
+            match (self, seq) {
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.read_kv_stored(c),
+                _ => Err(not_on_engine(self.family(), "a slot file")),
+            }
+        }
+        /// `seq` holds `len` positions with the stored K and V rows `layers` (as
+        /// [`GpuTrunk::read_kv_stored`] gives, in `seq`'s types).
+        pub fn write_kv_stored(&self, seq: &mut GpuSeq, len: usize, layers: &[(&[u8], &[u8])]) -> Result<(), GpuError> {
+            match (self, seq) {
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(c)) => m.write_kv_stored(c, len, layers),
                 _ => Err(not_on_engine(self.family(), "a slot file")),
             }
         }
@@ -381,7 +418,7 @@ mod imp {
         pub fn open(_path: &Path, _device: &Device, _max_ctx: usize) -> Result<Option<GpuTrunk>, GpuError> {
             Ok(None)
         }
-        pub fn new_seq(&self, _context: usize) -> Result<GpuSeq, GpuError> {
+        pub fn new_seq(&self, _context: usize, _types: tine_gpu::kv::KvTypes) -> Result<GpuSeq, GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_logits(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
@@ -411,6 +448,12 @@ mod imp {
         pub fn write_kv(&self, _seq: &mut GpuSeq, _len: usize, _layers: &[(&[f32], &[f32])]) -> Result<(), GpuError> {
             unreachable!("{NEVER}")
         }
+        pub fn read_kv_stored(&self, _seq: &GpuSeq) -> Result<Vec<StoredKv>, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn write_kv_stored(&self, _seq: &mut GpuSeq, _len: usize, _layers: &[(&[u8], &[u8])]) -> Result<(), GpuError> {
+            unreachable!("{NEVER}")
+        }
         pub fn kv_shape(&self) -> (usize, usize) {
             unreachable!("{NEVER}")
         }
@@ -423,7 +466,7 @@ mod imp {
         pub fn forward_hidden(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
             unreachable!("{NEVER}")
         }
-        pub fn new_nextn(&self, _context: usize) -> Result<Option<GpuNextN>, GpuError> {
+        pub fn new_nextn(&self, _context: usize, _types: tine_gpu::kv::KvTypes) -> Result<Option<GpuNextN>, GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn load_assistant(&self, _path: &Path) -> Result<GpuAssistant, GpuError> {

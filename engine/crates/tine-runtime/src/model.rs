@@ -106,7 +106,7 @@ impl From<GpuError> for StepError {
 /// Errors of [`Model::set_cache_types`]: a KV cache type this model cannot keep.
 #[derive(Debug, thiserror::Error)]
 pub enum CacheTypeError {
-    #[error("KV cache types {k}/{v}: types other than f32 run on the CPU only; this model runs on {engine}")]
+    #[error("KV cache types {k}/{v}: this model runs on {engine}, which keeps f32 only (the GPU engine keeps f32, f16, bf16, q8_0 and q4_0; the CPU every type)")]
     Device { engine: String, k: KvType, v: KvType },
     #[error("KV cache types {k}/{v} do not fit this model's rows")]
     Shape {
@@ -602,13 +602,14 @@ impl Model {
     /// `--cache-type-k/-v`; f32 by default). Sequences differ between types, but within one type
     /// a speculative verify batch reproduces one-token decoding bit for bit. On the CPU every
     /// model keeps every type (Qwen3.5/3.6 in its attention layers and NextN head; its delta-net
-    /// states stay f32); other devices keep f32 only, and refuse others.
+    /// states stay f32); the GPU engine keeps f32, f16, bf16, q8_0 and q4_0 (its quantized rows
+    /// the CPU's bytes); candle's GPU path keeps f32 only, and refuses others.
     pub fn set_cache_types(&mut self, k: KvType, v: KvType) -> Result<(), CacheTypeError> {
         if (k, v) == (KvType::F32, KvType::F32) {
             self.cache_types = (k, v);
             return Ok(());
         }
-        if !self.device.is_cpu() {
+        if !self.device.is_cpu() && (self.gpu.is_none() || crate::gpu::engine_kv_types(k, v).is_none()) {
             return Err(CacheTypeError::Device { engine: format!("{} ({})", crate::describe_device(&self.device), self.engine()), k, v });
         }
         match &self.weights {
@@ -690,7 +691,8 @@ impl Model {
     pub fn new_nextn_state(&self, context: usize) -> Option<NextNState> {
         let context = context.min(self.info.context_length).max(1);
         if let Some(gpu) = &self.gpu {
-            if let Ok(Some(state)) = gpu.new_nextn(context.min(gpu.max_context())) {
+            let types = crate::gpu::engine_kv_types(self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types");
+            if let Ok(Some(state)) = gpu.new_nextn(context.min(gpu.max_context()), types) {
                 return Some(NextNState { cache: NextNCacheOn::Gpu(state), tokens: Vec::new(), on_cpu: false });
             }
         }
@@ -722,7 +724,8 @@ impl Model {
         match &self.gpu {
             Some(gpu) => {
                 let context = context.min(gpu.max_context());
-                let seq = gpu.new_seq(context).expect("GPU memory for a sequence's KV cache");
+                let types = crate::gpu::engine_kv_types(self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types");
+                let seq = gpu.new_seq(context, types).expect("GPU memory for a sequence's KV cache");
                 // candle's cache stays empty: the engine's holds the positions.
                 Sequence {
                     cache: self.new_cache_for(1),

@@ -243,7 +243,7 @@ impl Gemma3Gpu {
                     ..Default::default()
                 };
                 k.qk_norm_rope_kv(s, 1, &rope)?;
-                let at = self.attn_args((p(&cache.k[bl.source]), p(&cache.v[bl.source])), cache.ctx_len, local, head.n_head, step);
+                let at = self.attn_args(cache.kv[bl.source].ptrs(s), cache.ctx_len, local, head.n_head, step);
                 k.attention(s, 1, c.head_dim, &at)?;
                 let tail = BlockTail { o: &bl.o, post_attn_norm: &bl.post_attn_norm, ffn_norm: &bl.ffn_norm, gate: &bl.gate, up: &bl.up, down: &bl.down };
                 self.launch_block_tail(&tail, n, qd, head.ff, step, 1, None, &mut |_| Ok(()))?;
@@ -317,10 +317,11 @@ impl Gemma3Gpu {
         Ok((logits, out))
     }
 
-    /// What a draft step's graph captures of `cache`: the source layers' K/V addresses and the
-    /// cache's length.
+    /// What a draft step's graph captures of `cache`: the source layers' K/V addresses, the
+    /// cache's length and its stored types.
     fn assistant_key(&self, head: &AssistantGpu, cache: &GpuCache) -> Vec<u64> {
-        head.blocks.iter().flat_map(|b| [self.ptr(&cache.k[b.source]), self.ptr(&cache.v[b.source])]).chain([cache.ctx_len as u64]).collect()
+        let t = cache.types();
+        head.blocks.iter().flat_map(|b| [self.ptr(&cache.kv[b.source].k), self.ptr(&cache.kv[b.source].v)]).chain([cache.ctx_len as u64, t.k.kernel_id() as u64, t.v.kernel_id() as u64]).collect()
     }
 
     /// Kernel launches (graph nodes) of `head`'s draft step over `cache` (which must hold a

@@ -258,7 +258,7 @@ impl Gemma4Gpu {
                 k.qk_norm_rope_kv(s, 1, &rope)?;
                 let si = self.slot[bl.source].expect("a source layer owns K/V (checked at load)");
                 let window = if bl.sliding { head.window } else { 0 };
-                let at = self.attn_args(cache, (p(&cache.k[si]), p(&cache.v[si])), window, bl.n_head, c.layers[bl.source].n_kv, step);
+                let at = self.attn_args(cache, cache.kv[si].ptrs(s), window, bl.n_head, c.layers[bl.source].n_kv, step);
                 k.attention(s, 1, bl.head_dim, &at)?;
                 k.gemv(s, 1, qd, &[self.seg(&bl.o, &b.o, n)], act)?;
                 k.norm_quant(s, 1, &self.nq(step, None, p(&b.o), p(&bl.post_attn_norm), 1, n, p(&bl.ffn_norm), 0.0))?;
@@ -352,16 +352,17 @@ impl Gemma4Gpu {
         Ok((logits, out))
     }
 
-    /// What a draft step's graph captures of `cache`: the source layers' K/V addresses and the
-    /// cache's length.
+    /// What a draft step's graph captures of `cache`: the source layers' K/V addresses, the
+    /// cache's length and its stored types.
     fn assistant_key(&self, head: &Gemma4AssistantGpu, cache: &Gemma4Cache) -> Vec<u64> {
+        let t = cache.types();
         head.blocks
             .iter()
             .flat_map(|b| {
                 let si = self.slot[b.source].expect("a source layer owns K/V");
-                [self.ptr(&cache.k[si]), self.ptr(&cache.v[si])]
+                [self.ptr(&cache.kv[si].k), self.ptr(&cache.kv[si].v)]
             })
-            .chain([cache.ctx_len as u64])
+            .chain([cache.ctx_len as u64, t.k.kernel_id() as u64, t.v.kernel_id() as u64])
             .collect()
     }
 

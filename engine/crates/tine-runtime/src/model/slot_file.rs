@@ -256,14 +256,25 @@ impl Sequence {
             return Err(StepError::NotOnGpuEngine("a slot file of a recurrent model's state"));
         }
         if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_ref()) {
-            // The engine's K/V in candle's layout: a slot saved here restores on either path.
+            // The engine's K/V in candle's layout and stored bytes: a slot saved here restores on
+            // either path and either device.
+            let (kt, vt) = model.cache_types();
+            let mut typed_layers = Vec::new();
             if g.len() > 0 {
                 let (n_kv, hd) = gpu.kv_shape();
-                for (k, v) in gpu.read_kv(g)? {
-                    layers.push(([1, n_kv, g.len(), hd], k, v));
+                if (kt, vt) == (KvType::F32, KvType::F32) {
+                    for (k, v) in gpu.read_kv(g)? {
+                        layers.push(([1, n_kv, g.len(), hd], k, v));
+                    }
+                } else {
+                    let width = |t: KvType| t.stored_width(hd).map_err(StepError::from);
+                    let (kw, vw) = (width(kt)?, width(vt)?);
+                    for (k, v) in gpu.read_kv_stored(g)? {
+                        typed_layers.push(TypedLayer { k_dims: [1, n_kv, g.len(), kw], k, v_dims: [1, n_kv, g.len(), vw], v });
+                    }
                 }
             }
-            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: model.cache_types(), layers, typed_layers: Vec::new(), states: Vec::new() });
+            return Ok(SlotImage { model: fingerprint(model), tokens: self.tokens.clone(), cache_types: (kt, vt), layers, typed_layers, states: Vec::new() });
         }
         let flat = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
         let cache = match &self.cache {
@@ -339,22 +350,43 @@ impl Sequence {
         if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_mut()) {
             let len = img.tokens.len();
             let (n_kv, hd) = gpu.kv_shape();
-            if len > 0 && img.layers.len() != model.info.block_count {
-                return Err(SlotFileError::Malformed(format!("KV of {} layers for a model of {}", img.layers.len(), model.info.block_count)));
+            let (kt, vt) = img.cache_types;
+            let f32_types = (kt, vt) == (KvType::F32, KvType::F32);
+            let held = if f32_types { img.layers.len() } else { img.typed_layers.len() };
+            if len > 0 && (held != model.info.block_count || img.layers.len() + img.typed_layers.len() != held) {
+                return Err(SlotFileError::Malformed(format!("KV of {held} layers for a model of {}", model.info.block_count)));
             }
             if let Some((dims, _, _)) = img.layers.iter().find(|(d, _, _)| *d != [1, n_kv, len, hd]) {
                 return Err(SlotFileError::Malformed(format!("a layer's KV is {dims:?}, this model's for {len} tokens is {:?}", [1, n_kv, len, hd])));
             }
-            let layers: Vec<(&[f32], &[f32])> = img.layers.iter().map(|(_, k, v)| (&k[..], &v[..])).collect();
+            let width = |t: KvType| t.stored_width(hd).map_err(|e| SlotFileError::Malformed(format!("{} rows of {hd} values: {e}", t.name())));
+            let (kw, vw) = (width(kt)?, width(vt)?);
+            if let Some(l) = img.typed_layers.iter().find(|l| l.k_dims != [1, n_kv, len, kw] || l.v_dims != [1, n_kv, len, vw]) {
+                return Err(SlotFileError::Malformed(format!(
+                    "a layer's stored KV is {:?} and {:?}, this model's for {len} tokens is {:?} and {:?}",
+                    l.k_dims,
+                    l.v_dims,
+                    [1, n_kv, len, kw],
+                    [1, n_kv, len, vw]
+                )));
+            }
             if len > 0 {
                 // The shapes are checked above, so this fails only on the GPU, part way through
-                // the copy: the cache is then empty, and so is the sequence.
-                if let Err(e) = gpu.write_kv(g, len, &layers) {
+                // the copy (or on byte counts the dims do not match): the cache is then empty,
+                // and so is the sequence.
+                let written = if f32_types {
+                    let layers: Vec<(&[f32], &[f32])> = img.layers.iter().map(|(_, k, v)| (&k[..], &v[..])).collect();
+                    gpu.write_kv(g, len, &layers)
+                } else {
+                    let layers: Vec<(&[u8], &[u8])> = img.typed_layers.iter().map(|l| (&l.k[..], &l.v[..])).collect();
+                    gpu.write_kv_stored(g, len, &layers)
+                };
+                if let Err(e) = written {
                     self.tokens.clear();
                     g.truncate(0);
                     return Err(StepError::from(e).into());
                 }
-            } else if !layers.is_empty() {
+            } else if !img.layers.is_empty() || !img.typed_layers.is_empty() {
                 return Err(SlotFileError::Malformed("KV layers for no tokens".into()));
             } else {
                 g.truncate(0);
