@@ -5,7 +5,7 @@
 #   tools/cuda/build.sh            # -> target/cuda/release/tine (prints the path on stdout)
 #   tools/cuda/build.sh --tests    # also tine-runtime's test binary with the CUDA tests
 #                                  #   (its path goes to target/cuda/runtime-tests.path)
-#   tools/cuda/build.sh --clippy   # clippy -D warnings on the CUDA build of tine-runtime and tine-cli
+#   tools/cuda/build.sh --clippy   # clippy -D warnings on the CUDA build of tine-gpu (its check binary too), tine-runtime and tine-cli
 #   tools/cuda/build.sh --engine-check  # only the GPU engine's check binary, tine-gpu-check
 #                                  #   (target/gpu-check/release/tine-gpu-check; no candle kernels)
 #
@@ -69,7 +69,7 @@ export NVCC="$cuda/bin/nvcc"
 export RUSTFLAGS="-C target-cpu=$target_cpu -C link-arg=-Wl,-rpath,\$ORIGIN:$cuda/lib ${TINE_CUDA_RUSTFLAGS:-}"
 log "nvcc: $(nvcc --version | tail -n2 | head -n1); CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP; target-cpu=$target_cpu; CARGO_TARGET_DIR=$CARGO_TARGET_DIR"
 if [ "${1:-}" = --clippy ]; then
-  exec $nice_cmd cargo clippy --release --locked -p tine-runtime -p tine-cli --features tine-runtime/cuda,tine-cli/cuda --all-targets --no-deps -- -D warnings
+  exec $nice_cmd cargo clippy --release --locked -p tine-gpu -p tine-runtime -p tine-cli --features tine-gpu/cuda,tine-runtime/cuda,tine-cli/cuda --all-targets --no-deps -- -D warnings
 fi
 if [ "${1:-}" = --engine-check ]; then
   # Its own target dir: the check binary needs none of candle's CUDA kernels.

@@ -38,6 +38,8 @@
 #                                         # within a type, then decode after 8k and 30k prompt
 #                                         # tokens per type against llama-bench -d (Gemma 3 270M
 #                                         # shape); also moe-bench's A3B run where time is left
+#   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
+#                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
 #                                         # (tools/gemma3_random_model.py): tine-gpu-check
 #                                         # --model, ids against the CPU path, tg128 against
@@ -398,6 +400,18 @@ if [ "$mode" = kv ]; then
       python3 -c "import json, sys; j = json.load(open(sys.argv[1])); print(f'tine kv={sys.argv[2]} depth {sys.argv[3]}: decode {j[\"predicted_per_second\"]:.1f} tok/s, prompt {j[\"prompt_per_second\"]:.1f} tok/s')" "$W/kv-$kv-$d.json" $kv $d 2>&1 | tee -a "$log"
     done
   done
+  exit 0
+fi
+if [ "$mode" = router ]; then
+  # qwen35moe's router in two launches (moe_logits over every SM, then moe_router): the kernel
+  # table (its moe_router cases time both launches), the model checks on `small-moe`.
+  run kernels 240 "$C" || true
+  grep -E "^(FAIL|kernels:)|moe_router" "$log" | tail -n 14
+  [ -s "$W/q35-small-moe-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/qwen35_random_model.py" --shape small-moe --out "$W/q35-small-moe-f16.gguf" >>"$W/models.log" 2>&1
+  M="$W/q35-small-moe-q.gguf"
+  [ -s "$M" ] || "$C" --quantize "$W/q35-small-moe-f16.gguf" "$M" >>"$W/models.log" 2>&1
+  run qwen35-small-moe 120 "$C" --no-table --qwen35 "$M" || true
+  grep -E "^(ok|FAIL)|^profile, 1 rows|^decode" "$log" | tail -n 12
   exit 0
 fi
 if [ "$mode" = moe-bench ]; then

@@ -979,11 +979,13 @@ GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WID
 // ---------------------------------------------------------------------------------------------
 // Mixture of experts (qwen35moe's routed experts and sigmoid-gated shared expert).
 //
-// moe_router: one block per activation row m over its normed row x (f32, k values): the router's
-// logits over n_expert experts (f32 weights, a warp per expert, lanes over k, a fixed xor tree),
-// softmax, the top `used` by probability (lower index first among equals), renormalised to sum
-// to 1 (summed in that order), as candle's `quantized_qwen35` routes; with a shared gate, also
+// moe_router: one block per activation row m over its router logits (moe_logits', below: the
+// normed row x (f32, k values) times the router's f32 rows), softmax (the block's threads over
+// the experts, the sum a fixed tree), the top `used` by
+// probability (lower index first among equals; warp 0, a round per pick), renormalised to sum to
+// 1 (summed in pick order), as candle's `quantized_qwen35` routes; with a shared gate, also
 // sigmoid(shared_gate . x). Writes ids[m * used + j], wts[m * used + j] and sgate[m].
+// Nothing depends on the step's other rows.
 
 #define MOE_MAX_EXPERTS 512
 #define MOE_MAX_USED 16
@@ -991,53 +993,84 @@ GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WID
 struct MoeRouterArgs {
     const float* x; const float* router; const float* shared_gate;  // shared_gate may be null
     int* ids; float* wts; float* sgate;
+    float* logits;  // [rows][n_expert + 1]: moe_logits' output (the last: the shared gate's)
     int k; int n_expert; int used; int pad_;
 };
+
+// moe_logits: the router's logits of each row (and the shared gate's, as expert n_expert), a warp
+// per expert, the lanes over k and a fixed xor tree, over every SM: grid (ceil((n_expert + 1) /
+// 8), rows), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_logits(MoeRouterArgs a) {
+    const int m = blockIdx.y, lane = threadIdx.x % WARP, e = (int)blockIdx.x * (256 / WARP) + (int)threadIdx.x / WARP;
+    pdl_trigger();
+    pdl_wait();
+    if (e > a.n_expert || (e == a.n_expert && !a.shared_gate)) return;
+    const float* x = a.x + (size_t)m * a.k;
+    const float* w = e < a.n_expert ? a.router + (size_t)e * a.k : a.shared_gate;
+    float t = 0.0f;
+    for (int i = lane; i < a.k; i += WARP) t += x[i] * w[i];
+    t = warp_sum(t);
+    if (lane == 0) a.logits[(size_t)m * (a.n_expert + 1) + e] = t;
+}
 
 extern "C" __global__ void __launch_bounds__(256) moe_router(MoeRouterArgs a) {
     __shared__ float prob[MOE_MAX_EXPERTS];
     const int m = blockIdx.x, tid = threadIdx.x, lane = tid % WARP, warp = tid / WARP, nw = blockDim.x / WARP;
     pdl_trigger();
     pdl_wait();
-    const float* x = a.x + (size_t)m * a.k;
-    for (int e = warp; e < a.n_expert; e += nw) {
-        const float* w = a.router + (size_t)e * a.k;
-        float t = 0.0f;
-        for (int i = lane; i < a.k; i += WARP) t += x[i] * w[i];
-        t = warp_sum(t);
-        if (lane == 0) prob[e] = t;
-    }
-    float g = 0.0f;
-    if (a.shared_gate && warp == 0) {
-        for (int i = lane; i < a.k; i += WARP) g += x[i] * a.shared_gate[i];
-        g = warp_sum(g);
-    }
+    const float* lg = a.logits + (size_t)m * (a.n_expert + 1);
+    for (int e = tid; e < a.n_expert; e += blockDim.x) prob[e] = lg[e];
+    const float g = a.shared_gate ? lg[a.n_expert] : 0.0f;
     __syncthreads();
-    if (tid == 0) {
-        float mx = -INFINITY;
-        for (int e = 0; e < a.n_expert; ++e) mx = fmaxf(mx, prob[e]);
-        float sum = 0.0f;
-        for (int e = 0; e < a.n_expert; ++e) { prob[e] = expf(prob[e] - mx); sum += prob[e]; }
-        for (int e = 0; e < a.n_expert; ++e) prob[e] = prob[e] / sum;
-        int pick[MOE_MAX_USED];
+    // Softmax: the max (any order gives the same), each expert's exp, their sum (block_sum's
+    // fixed tree), the probabilities.
+    __shared__ float red[32];
+    __shared__ int taken[MOE_MAX_EXPERTS];
+    float mx = -INFINITY;
+    for (int e = tid; e < a.n_expert; e += blockDim.x) mx = fmaxf(mx, prob[e]);
+    mx = warp_max(mx);
+    if (lane == 0) red[warp] = mx;
+    __syncthreads();
+    mx = -INFINITY;
+    for (int w = 0; w < nw; ++w) mx = fmaxf(mx, red[w]);
+    float part = 0.0f;
+    for (int e = tid; e < a.n_expert; e += blockDim.x) {
+        prob[e] = expf(prob[e] - mx);
+        part += prob[e];
+        taken[e] = 0;
+    }
+    const float sum = block_sum_all(part, red);
+    for (int e = tid; e < a.n_expert; e += blockDim.x) prob[e] = prob[e] / sum;
+    __syncthreads();
+    // Top `used` in warp 0: each round, every lane's best untaken expert (higher probability,
+    // then lower index), the warp's best of those; renormalised in pick order.
+    if (warp == 0) {
         float tot = 0.0f;
         for (int j = 0; j < a.used; ++j) {
-            int best = -1;
-            for (int e = 0; e < a.n_expert; ++e) {
-                bool taken = false;
-                for (int i = 0; i < j; ++i) taken |= pick[i] == e;
-                if (!taken && (best < 0 || prob[e] > prob[best])) best = e;
+            float bv = -1.0f;
+            int bi = 0x7FFFFFFF;
+            for (int e = lane; e < a.n_expert; e += WARP) {
+                if (!taken[e] && (prob[e] > bv || (prob[e] == bv && e < bi))) { bv = prob[e]; bi = e; }
             }
-            pick[j] = best;
-            tot += prob[best];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float v2 = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
+                const int i2 = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
+                if (v2 > bv || (v2 == bv && i2 < bi)) { bv = v2; bi = i2; }
+            }
+            if (lane == 0) {
+                taken[bi] = 1;
+                a.ids[m * a.used + j] = bi;
+                tot += prob[bi];
+            }
+            __syncwarp();
         }
-        for (int j = 0; j < a.used; ++j) {
-            a.ids[m * a.used + j] = pick[j];
-            a.wts[m * a.used + j] = prob[pick[j]] / tot;
+        if (lane == 0) {
+            for (int j = 0; j < a.used; ++j) a.wts[m * a.used + j] = prob[a.ids[m * a.used + j]] / tot;
+            if (a.shared_gate) a.sgate[m] = 1.0f / (1.0f + expf(-g));
         }
-        if (a.shared_gate) a.sgate[m] = 1.0f / (1.0f + expf(-g));
     }
-    }
+}
 
 // gemv_moe: the routed experts' GEMVs over the wide layout. Pair q (blockIdx.y, 0..M*used) is
 // activation row q / used (act_pair 0: the layer's input, shared by its row's experts) or q
@@ -2337,7 +2370,7 @@ static_assert(sizeof(StepParams) == 88, "StepParams");
 static_assert(sizeof(NormQuantArgs) == 152, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
-static_assert(sizeof(MoeRouterArgs) == 64, "MoeRouterArgs");
+static_assert(sizeof(MoeRouterArgs) == 72, "MoeRouterArgs");
 static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
 static_assert(sizeof(MoeCombineArgs) == 48, "MoeCombineArgs");
 static_assert(sizeof(RopeArgs) == 128, "RopeArgs");

@@ -291,9 +291,10 @@ pub struct TurboArgs {
     pub search: i32,
 }
 
-/// `moe_router`'s arguments: per activation row, the router's logits over `n_expert` experts
-/// (f32 weights, `k` values a row), softmax, the top `used` (lower index first among equals)
-/// renormalised, and `sigmoid(shared_gate · x)` when `shared_gate` is set.
+/// `moe_logits`' and `moe_router`'s arguments: per activation row, the router's logits over
+/// `n_expert` experts (f32 weights, `k` values a row; `moe_logits`, into `logits`), then softmax,
+/// the top `used` (lower index first among equals) renormalised, and `sigmoid(shared_gate · x)`
+/// when `shared_gate` is set (`moe_router`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MoeRouterArgs {
@@ -307,6 +308,8 @@ pub struct MoeRouterArgs {
     pub ids: DevPtr,
     pub wts: DevPtr,
     pub sgate: DevPtr,
+    /// Scratch: `rows × (n_expert + 1)` f32, the logits (the last of a row the shared gate's).
+    pub logits: DevPtr,
     pub k: i32,
     pub n_expert: i32,
     pub used: i32,
@@ -479,7 +482,7 @@ pub struct TopKArgs {
 const _: () = assert!(std::mem::size_of::<StepParams>() == 88);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
-const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 64);
+const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 72);
 const _: () = assert!(std::mem::size_of::<MoeGemvArgs>() == 256);
 const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 48);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
@@ -532,6 +535,7 @@ pub struct Kernels {
     ple: CudaFunction,
     softcap: CudaFunction,
     turbo: CudaFunction,
+    moe_logits: CudaFunction,
     moe_router: CudaFunction,
     gemv_moe: CudaFunction,
     moe_combine: CudaFunction,
@@ -574,6 +578,7 @@ impl Kernels {
             ple: f("ple_inputs")?,
             softcap: f("softcap")?,
             turbo: f("turbo_encode")?,
+            moe_logits: f("moe_logits")?,
             moe_router: f("moe_router")?,
             gemv_moe: f("gemv_moe")?,
             moe_combine: f("moe_combine")?,
@@ -893,13 +898,25 @@ impl Kernels {
         self.launch(stream, &self.turbo, cfg, args, "turbo_encode")
     }
 
-    /// `moe_router` over `rows` rows.
+    /// `moe_logits` over `rows` rows: the router's logits (and the shared gate's) into
+    /// `args.logits`, a warp per expert over every SM.
+    ///
+    /// # Safety
+    /// The buffers hold what [`MoeRouterArgs`] describes for `rows` rows.
+    pub unsafe fn moe_logits(&self, stream: &Arc<CudaStream>, rows: usize, args: &MoeRouterArgs) -> Result<(), GpuError> {
+        let n = args.n_expert as usize;
+        check((1..=MOE_MAX_EXPERTS).contains(&n) && rows > 0 && args.logits != 0, || format!("moe_logits: {n} experts over {rows} rows"))?;
+        let cfg = LaunchConfig { grid_dim: ((n + 1).div_ceil(8) as u32, rows as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.moe_logits, cfg, args, "moe_logits")
+    }
+
+    /// `moe_router` over `rows` rows, from the logits [`Kernels::moe_logits`] left.
     ///
     /// # Safety
     /// The buffers hold what [`MoeRouterArgs`] describes for `rows` rows.
     pub unsafe fn moe_router(&self, stream: &Arc<CudaStream>, rows: usize, args: &MoeRouterArgs) -> Result<(), GpuError> {
         let (n, used) = (args.n_expert as usize, args.used as usize);
-        check((1..=MOE_MAX_EXPERTS).contains(&n) && (1..=MOE_MAX_USED.min(n)).contains(&used) && rows > 0, || format!("moe_router: {used} of {n} experts over {rows} rows"))?;
+        check((1..=MOE_MAX_EXPERTS).contains(&n) && (1..=MOE_MAX_USED.min(n)).contains(&used) && rows > 0 && args.logits != 0, || format!("moe_router: {used} of {n} experts over {rows} rows"))?;
         let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.moe_router, cfg, args, "moe_router")
     }

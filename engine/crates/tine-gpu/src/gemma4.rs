@@ -173,6 +173,10 @@ pub struct Gemma4Cache {
     graphs: Vec<Option<Graph>>,
 }
 
+/// One launch of a traced step ([`Gemma4Gpu::trace`]): what it does, and the last row of the
+/// residual, the queries, the attention/PLE output, the MLP output and the per-layer inputs.
+pub type TracePoint = (&'static str, [Vec<f32>; 5]);
+
 impl Gemma4Cache {
     /// Positions the cache holds.
     pub fn len(&self) -> usize {
@@ -705,7 +709,7 @@ impl Gemma4Gpu {
     /// (the queries at the width of the launch's layer). Two ways of running the same positions
     /// (a prompt step, or one-row steps then a last step of up to 8 rows) give the same launches,
     /// so the first launch where they part names the kernel at fault.
-    pub fn trace(&self, cache: &mut Gemma4Cache, tokens: &[u32]) -> Result<Vec<(&'static str, [Vec<f32>; 5])>> {
+    pub fn trace(&self, cache: &mut Gemma4Cache, tokens: &[u32]) -> Result<Vec<TracePoint>> {
         let rows = tokens.len();
         let (h, lp) = (self.cfg.hidden, self.cfg.layers.len() * self.cfg.per_layer);
         let mut out = Vec::new();

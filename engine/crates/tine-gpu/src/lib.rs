@@ -23,7 +23,8 @@
 //! | `softcap` | logit softcapping, `tanh(x / c) · c` |
 //! | `turbo_encode` | rows to the rotated low-bit KV rows of candle-nn's `kv_turbo` (turbo4/3/2), bit for bit (kernel table only so far) |
 //! | `topk_rows` | the k best logits of each row (k <= 64) under the sampler's order, banned ids left out |
-//! | `moe_router` | a row's router logits (f32), softmax, the top `used` experts (lower index first among equals) renormalised, and the shared expert's sigmoid gate |
+//! | `moe_logits` | the router's logits of a step's rows (f32 weights, and the shared expert's gate), a warp per expert over every SM |
+//! | `moe_router` | from a row's logits: softmax, the top `used` experts (lower index first among equals) renormalised, and the shared expert's sigmoid gate |
 //! | `gemv_moe` | the routed experts' GEMVs: each (row, expert) pair as `gemv_wide_m1` over that expert of the stacked weights, optional SiLU·up |
 //! | `moe_combine` | the experts' rows weighted and summed in order, plus the gated shared expert |
 //!

@@ -118,6 +118,8 @@ struct Buffers {
     xn: CudaSlice<f32>,
     moe_ids: CudaSlice<i32>,
     moe_wts: CudaSlice<f32>,
+    /// The router's logits, `n_expert + 1` a row.
+    moe_logits: CudaSlice<f32>,
     sgate: CudaSlice<f32>,
     ffx: CudaSlice<f32>,
     ydn: CudaSlice<f32>,
@@ -493,6 +495,7 @@ impl Qwen35Gpu {
             xn: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
             moe_ids: alloc(&stream, (m * used).max(1))?,
             moe_wts: alloc(&stream, (m * used).max(1))?,
+            moe_logits: alloc(&stream, if used > 0 { m * (cfg.moe.as_ref().map_or(0, |mc| mc.experts) + 1) } else { 1 })?,
             sgate: alloc(&stream, m.max(1))?,
             ffx: alloc(&stream, (m * used * fe).max(1))?,
             ydn: alloc(&stream, (m * used * cfg.hidden).max(1))?,
@@ -778,7 +781,8 @@ impl Qwen35Gpu {
 
     /// A block's second half: `x += mix` with `post_attention_norm(x)` as Q8, then the
     /// feed-forward into `b.down`: the SwiGLU GEMV, its rows as Q8, `down` (4 launches); or
-    /// `qwen35moe`'s experts (9 launches): the router over the normed rows, the shared expert's
+    /// `qwen35moe`'s experts (10 launches): the router's logits over the normed rows and the
+    /// routing from them, the shared expert's
     /// and the routed experts' gate·up, each as Q8 rows in turn and its down projection, and
     /// their weighted sum.
     ///
@@ -823,11 +827,14 @@ impl Qwen35Gpu {
                     ids: self.ptr(&b.moe_ids),
                     wts: p(&b.moe_wts),
                     sgate: p(&b.sgate),
+                    logits: p(&b.moe_logits),
                     k: h as i32,
                     n_expert: mc.experts as i32,
                     used: used as i32,
                     pad_: 0,
                 };
+                k.moe_logits(s, rows, &ra)?;
+                mark("moe_logits")?;
                 k.moe_router(s, rows, &ra)?;
                 mark("moe_router")?;
                 k.gemv(s, rows, h, &[glu(&e.shared.0, &e.shared.1, &b.ff, fs)], act)?;

@@ -868,6 +868,7 @@ fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: us
     let sg = rng.vec(k, 0.3);
     let (xd, rd, sd) = (dev.up(&x)?, dev.up(&router)?, dev.up(&sg)?);
     let (ids, wts, sgate) = (dev.zeros::<i32>(rows * used)?, dev.zeros::<f32>(rows * used)?, dev.zeros::<f32>(rows)?);
+    let logits = dev.zeros::<f32>(rows * (experts + 1))?;
     let args = MoeRouterArgs {
         x: dev.ptr(&xd),
         router: dev.ptr(&rd),
@@ -875,14 +876,33 @@ fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: us
         ids: dev.ptr(&ids),
         wts: dev.ptr(&wts),
         sgate: dev.ptr(&sgate),
+        logits: dev.ptr(&logits),
         k: k as i32,
         n_expert: experts as i32,
         used: used as i32,
         pad_: 0,
     };
-    // SAFETY: the buffers hold what MoeRouterArgs describes for `rows` rows.
-    unsafe { dev.k.moe_router(&dev.stream, rows, &args)? };
+    let route = |n: usize| -> Res<()> {
+        // SAFETY: the buffers hold what MoeRouterArgs describes for `n` <= `rows` rows.
+        unsafe {
+            dev.k.moe_logits(&dev.stream, n, &args)?;
+            dev.k.moe_router(&dev.stream, n, &args)?;
+        }
+        Ok(())
+    };
+    // Row 0 routed alone, then every row: row 0's result must not change.
+    route(1)?;
+    let (i1, w1, s1) = (dev.down(&ids)?, dev.down(&wts)?, dev.down(&sgate)?);
+    route(rows)?;
     let (gi, gw, gs) = (dev.down(&ids)?, dev.down(&wts)?, dev.down(&sgate)?);
+    let alone = i1[..used] == gi[..used] && w1[..used].iter().zip(&gw).all(|(a, b)| a.to_bits() == b.to_bits()) && s1[0].to_bits() == gs[0].to_bits();
+    let reps = 50;
+    let start = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    for _ in 0..reps {
+        route(rows)?;
+    }
+    let end = dev.stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?;
+    let us = start.elapsed_ms(&end)? as f64 * 1e3 / reps as f64;
     let mut worst = 0f64;
     let mut note = String::new();
     for m in 0..rows {
@@ -907,7 +927,7 @@ fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: us
         let g = 1.0 / (1.0 + (-xr.iter().zip(&sg).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()).exp());
         worst = worst.max((gs[m] as f64 - g).abs() / 1e-6);
     }
-    Ok(Case { name: format!("moe_router rows={rows} k={k} {used} of {experts} experts"), worst, bits: None, note })
+    Ok(Case { name: format!("moe_router rows={rows} k={k} {used} of {experts} experts ({us:.1} us)"), worst, bits: Some(alone), note })
 }
 
 /// `gemv_moe` against float64: `pairs` (row, expert) pairs over `experts` stacked experts of `n`
@@ -1494,7 +1514,7 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
         cases.push(check_softcap(dev, &mut rng, n, cap)?);
     }
     // Mixture of experts (qwen35moe): the router, the routed experts' GEMVs, the combination.
-    for (rows, k, experts, used) in [(1, 256, 8, 2), (3, 640, 64, 8), (8, 2048, 256, 8), (2, 96, 512, 16)] {
+    for (rows, k, experts, used) in [(1, 256, 8, 2), (3, 640, 64, 8), (1, 2048, 256, 8), (8, 2048, 256, 8), (2, 96, 512, 16)] {
         cases.push(check_moe_router(dev, &mut rng, rows, k, experts, used)?);
     }
     for (t, experts, n, k, glu, used, act_rows, act_pair) in [
