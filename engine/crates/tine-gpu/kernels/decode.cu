@@ -1046,17 +1046,20 @@ extern "C" __global__ void __launch_bounds__(256) moe_router(MoeRouterArgs a) {
     // then lower index), the warp's best of those; renormalised in pick order.
     if (warp == 0) {
         float tot = 0.0f;
+        // A NaN probability (a NaN or infinite logit) counts as -inf, and a lane's first untaken
+        // expert is its candidate whatever its value, so every pick is a real, untaken expert.
         for (int j = 0; j < a.used; ++j) {
-            float bv = -1.0f;
+            float bv = -INFINITY;
             int bi = 0x7FFFFFFF;
             for (int e = lane; e < a.n_expert; e += WARP) {
-                if (!taken[e] && (prob[e] > bv || (prob[e] == bv && e < bi))) { bv = prob[e]; bi = e; }
+                const float pv = isnan(prob[e]) ? -INFINITY : prob[e];
+                if (!taken[e] && (bi == 0x7FFFFFFF || pv > bv || (pv == bv && e < bi))) { bv = pv; bi = e; }
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) {
                 const float v2 = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
                 const int i2 = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
-                if (v2 > bv || (v2 == bv && i2 < bi)) { bv = v2; bi = i2; }
+                if (i2 != 0x7FFFFFFF && (bi == 0x7FFFFFFF || v2 > bv || (v2 == bv && i2 < bi))) { bv = v2; bi = i2; }
             }
             if (lane == 0) {
                 taken[bi] = 1;
@@ -2527,7 +2530,10 @@ extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode
     if (lane == 0) out[2 + g] = (uint8_t)((w << 5) | e);
     if (threadIdx.x == 0) {
         const unsigned short hs = __half_as_ushort(__float2half_rn(s));
-        out[0] = (uint8_t)(hs & 0xFF);
+        // The low byte through a byte permute: ptxas 13.0 (sm_90a) turns `(uint8_t)(hs & 0xFF)`
+        // after the conversion into F2I.U8.F16 (the half's value truncated to an integer, not its
+        // low byte); the PTX is right, the machine code is not. Keep the permute.
+        out[0] = (uint8_t)__byte_perm((unsigned)hs, 0u, 0x4440);
         out[1] = (uint8_t)(hs >> 8);
     }
 }

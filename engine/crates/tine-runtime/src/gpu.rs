@@ -18,6 +18,20 @@ pub type LayerKv = (Vec<f32>, Vec<f32>);
 /// One layer's K and V rows as stored, `(kv_heads, len, row)` bytes each.
 pub type StoredKv = (Vec<u8>, Vec<u8>);
 
+/// candle's cache types of the engine's stored types (the inverse of [`engine_kv_types`]).
+pub fn candle_kv_types(t: tine_gpu::kv::KvTypes) -> (candle_nn::attention::kv_type::KvType, candle_nn::attention::kv_type::KvType) {
+    use candle_nn::attention::kv_type::KvType as C;
+    use tine_gpu::kv::KvStore as S;
+    let one = |s: S| match s {
+        S::F32 => C::F32,
+        S::F16 => C::F16,
+        S::Bf16 => C::BF16,
+        S::Q8_0 => C::Q8_0,
+        S::Q4_0 => C::Q4_0,
+    };
+    (one(t.k), one(t.v))
+}
+
 /// The engine's stored types for candle's cache types `k` and `v`, where it keeps them (f32,
 /// f16, bf16, q8_0 and q4_0; the rotated types not yet).
 pub fn engine_kv_types(k: candle_nn::attention::kv_type::KvType, v: candle_nn::attention::kv_type::KvType) -> Option<tine_gpu::kv::KvTypes> {
@@ -345,6 +359,14 @@ mod imp {
                 GpuSeq::Qwen35(c) => c.len(),
             }
         }
+        /// The types this sequence's K/V are stored in (chosen when it was made).
+        pub fn kv_types(&self) -> KvTypes {
+            match self {
+                GpuSeq::Gemma3(c) => c.types(),
+                GpuSeq::Gemma4(c) => c.types(),
+                GpuSeq::Qwen35(c) => c.types(),
+            }
+        }
         /// The longest prefix of at most `len` positions [`GpuSeq::truncate`] keeps (a recurrent
         /// state: positions one of its planes holds, else 0).
         pub fn restorable(&self, len: usize) -> usize {
@@ -491,6 +513,9 @@ mod imp {
 
     impl GpuSeq {
         pub fn len(&self) -> usize {
+            unreachable!("{NEVER}")
+        }
+        pub fn kv_types(&self) -> tine_gpu::kv::KvTypes {
             unreachable!("{NEVER}")
         }
         pub fn restorable(&self, _len: usize) -> usize {

@@ -257,8 +257,9 @@ impl Sequence {
         }
         if let (Some(gpu), Some(g)) = (model.gpu.as_ref(), self.gpu.as_ref()) {
             // The engine's K/V in candle's layout and stored bytes: a slot saved here restores on
-            // either path and either device.
-            let (kt, vt) = model.cache_types();
+            // either path and either device. The types are the sequence's own (a sequence keeps
+            // those of when it was made).
+            let (kt, vt) = crate::gpu::candle_kv_types(g.kv_types());
             let mut typed_layers = Vec::new();
             if g.len() > 0 {
                 let (n_kv, hd) = gpu.kv_shape();
@@ -337,9 +338,11 @@ impl Sequence {
         if img.tokens.len() > self.context {
             return Err(SlotFileError::TooLong { tokens: img.tokens.len(), context: self.context });
         }
-        if img.cache_types != model.cache_types() {
+        // The sequence's own types on the engine (fixed when it was made), else the model's.
+        let running_types = self.gpu.as_ref().map_or(model.cache_types(), |g| crate::gpu::candle_kv_types(g.kv_types()));
+        if img.cache_types != running_types {
             let name = |(k, v): (KvType, KvType)| format!("K {k}, V {v}");
-            return Err(SlotFileError::CacheTypes { saved: name(img.cache_types), running: name(model.cache_types()) });
+            return Err(SlotFileError::CacheTypes { saved: name(img.cache_types), running: name(running_types) });
         }
         if let Some(&t) = img.tokens.iter().find(|&&t| t as usize >= model.info.vocab_size) {
             return Err(SlotFileError::Malformed(format!("token id {t} is outside the vocabulary")));
