@@ -359,12 +359,16 @@ impl Sequence {
             if len > 0 && (held != model.info.block_count || img.layers.len() + img.typed_layers.len() != held) {
                 return Err(SlotFileError::Malformed(format!("KV of {held} layers for a model of {}", model.info.block_count)));
             }
-            if let Some((dims, _, _)) = img.layers.iter().find(|(d, _, _)| *d != [1, n_kv, len, hd]) {
+            if let Some((dims, _, _)) = img.layers.iter().find(|(d, k, v)| *d != [1, n_kv, len, hd] || k.len() != n_kv * len * hd || v.len() != k.len()) {
                 return Err(SlotFileError::Malformed(format!("a layer's KV is {dims:?}, this model's for {len} tokens is {:?}", [1, n_kv, len, hd])));
             }
             let width = |t: KvType| t.stored_width(hd).map_err(|e| SlotFileError::Malformed(format!("{} rows of {hd} values: {e}", t.name())));
             let (kw, vw) = (width(kt)?, width(vt)?);
-            if let Some(l) = img.typed_layers.iter().find(|l| l.k_dims != [1, n_kv, len, kw] || l.v_dims != [1, n_kv, len, vw]) {
+            // The dims, and the bytes they take (an image made in memory may disagree with its
+            // dims; a file's are checked when it is read), before anything is written.
+            let row_bytes = |t: KvType| t.row_bytes(hd).map_err(|e| SlotFileError::Malformed(format!("{} rows of {hd} values: {e}", t.name())));
+            let (kb, vb) = (row_bytes(kt)?, row_bytes(vt)?);
+            if let Some(l) = img.typed_layers.iter().find(|l| l.k_dims != [1, n_kv, len, kw] || l.v_dims != [1, n_kv, len, vw] || l.k.len() != n_kv * len * kb || l.v.len() != n_kv * len * vb) {
                 return Err(SlotFileError::Malformed(format!(
                     "a layer's stored KV is {:?} and {:?}, this model's for {len} tokens is {:?} and {:?}",
                     l.k_dims,
@@ -374,9 +378,8 @@ impl Sequence {
                 )));
             }
             if len > 0 {
-                // The shapes are checked above, so this fails only on the GPU, part way through
-                // the copy (or on byte counts the dims do not match): the cache is then empty,
-                // and so is the sequence.
+                // The shapes and sizes are checked above, so this fails only on the GPU, part way
+                // through the copy: the cache is then empty, and so is the sequence.
                 let written = if f32_types {
                     let layers: Vec<(&[f32], &[f32])> = img.layers.iter().map(|(_, k, v)| (&k[..], &v[..])).collect();
                     gpu.write_kv(g, len, &layers)
