@@ -520,35 +520,13 @@ if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ] || [ "$mode" = gemma4-e2b 
   [ -s "$M" ] || "$LB/llama-quantize" "$W/g4-e2b-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
   say "gemma4 e2b Q4_K_M: $(ls -la "$M" 2>&1)"
   run gemma4-e2b 240 "$C" --no-table --gemma4 "$M" || true
-  say "llama-bench gemma4 e2b"
-  timeout 240 "$LB/llama-bench" -m "$M" -ngl 99 -fa 1 -p 512 -n 128 -r 3 2>&1 | tee -a "$log" | grep -E '^\|'
-  python3 - "$W/p512.json" <<'PY'
-import json, random, sys
-random.seed(5)
-json.dump([random.randrange(300, 240000) for _ in range(512)], open(sys.argv[1], "w"))
-PY
-  for r in 1 2 3; do
-    timeout 120 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 128 --temp 0 --ignore-eos --json "$W/g4-tg128-$r.json" >>"$log" 2>&1
-    timeout 120 "$T" generate --device cuda -m "$M" --prompt-ids "$W/p512.json" -n 1 --temp 0 --json "$W/g4-pp512-$r.json" >>"$log" 2>&1
-  done
+  bench_vs_llama "$M" gemma4-e2b
   timeout 200 env TINE_GPU_ENGINE=0 "$T" generate --device cuda -m "$M" -p "Once upon a time" -n 32 --temp 0 --ignore-eos --json "$W/g4-tg-candle.json" >>"$log" 2>&1
   base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos)
   cpu=$(timeout 200 "$T" "${base[@]}" --device cpu 2>/dev/null)
   gpu=$(timeout 120 "$T" "${base[@]}" --device cuda 2>/dev/null)
   [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  e2b engine vs cpu, 24 greedy tokens" || { say "DIFF  e2b engine vs cpu"; echo "  cpu:    ${cpu: -100}" >>"$log"; echo "  engine: ${gpu: -100}" >>"$log"; }
-  python3 - "$W" <<'PY' | tee -a "$log"
-import json, statistics, sys
-w = sys.argv[1]
-def med(name, key):
-    v = []
-    for r in (1, 2, 3):
-        try: v.append(json.load(open(f"{w}/{name}-{r}.json"))[key])
-        except Exception: pass
-    return f"{statistics.median(v):.1f}" if v else "no result"
-try: cand = f"{json.load(open(f'{w}/g4-tg-candle.json'))['predicted_per_second']:.1f}"
-except Exception: cand = "no result"
-print(f"tine gemma4 e2b tg128 (engine): {med('g4-tg128', 'predicted_per_second')} tok/s; candle's CUDA path (32 tokens): {cand} tok/s; pp512 (engine): {med('g4-pp512', 'prompt_per_second')} tok/s")
-PY
+  python3 -c "import json, sys; print(f\"tine gemma4 e2b, candle's CUDA path (32 tokens): {json.load(open(sys.argv[1]))['predicted_per_second']:.1f} tok/s\")" "$W/g4-tg-candle.json" 2>&1 | tee -a "$log"
   exit 0
 fi
 if [ "$mode" = gemma3 ]; then

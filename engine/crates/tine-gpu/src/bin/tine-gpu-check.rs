@@ -541,6 +541,21 @@ fn check_norm_quant_concat(dev: &Dev, rng: &mut Rng, k: usize) -> Res<Case> {
     Ok(Case { name: format!("norm_quant k={k} into halves of rows of {}", 2 * k), worst: if same { 0.0 } else { f64::INFINITY }, bits: Some(same), note: String::new() })
 }
 
+/// `qk_norm_rope_kv` with `args` (q/k/v at row 0 of `rows` rows) over positions `pos..pos +
+/// rows`: one launch of every row, or one launch a row (`one_by_one`).
+fn rope_rows(dev: &Dev, step: &mut CudaSlice<StepParams>, args: &RopeArgs, pos: usize, rows: usize, one_by_one: bool) -> Res<()> {
+    let (qw, kw) = ((args.n_head * args.hd * 4) as u64, (args.n_kv * args.hd * 4) as u64);
+    let launches: Vec<(usize, usize)> = if one_by_one { (0..rows).map(|m| (m, 1)).collect() } else { vec![(0, rows)] };
+    for (row0, n_rows) in launches {
+        dev.set_step(step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
+        let r = row0 as u64;
+        let a = RopeArgs { q: args.q + r * qw, k: args.k + r * kw, v: args.v + r * kw, ..*args };
+        // SAFETY: the caller's q/k/v hold `rows` rows, its caches more than pos + rows positions.
+        unsafe { dev.k.qk_norm_rope_kv(&dev.stream, n_rows, &a)? };
+    }
+    Ok(())
+}
+
 /// q/k norm + RoPE + KV write for rows at pos..pos+M.
 /// `qk_norm_rope_kv` with RoPE on the first `n_rot` dims of each head (0: all).
 /// `v_norm`: V's RMSNorm without a weight; `v_from_k`: V is K's projection before its norm
@@ -563,34 +578,29 @@ fn check_rope(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, p
     for pass in 0..2 {
         let qd = dev.up(&q)?;
         let (kc, vc) = (dev.zeros::<f32>(n_kv.max(1) * ctx * hd)?, dev.zeros::<f32>(n_kv.max(1) * ctx * hd)?);
-        let launches: Vec<(usize, usize)> = if pass == 0 { (0..rows).map(|m| (m, 1)).collect() } else { vec![(0, rows)] };
-        for (row0, n_rows) in launches {
-            dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
-            let args = RopeArgs {
-                q: dev.ptr(&qd) + (row0 * n_head * hd * 4) as u64,
-                k: dev.ptr(&kd) + (row0 * n_kv * hd * 4) as u64,
-                v: dev.ptr(&vd) + (row0 * n_kv * hd * 4) as u64,
-                q_norm: dev.ptr(&qnd),
-                k_norm: dev.ptr(&knd),
-                eps,
-                inv_freq: dev.ptr(&invd),
-                q_scale,
-                k_cache: dev.ptr(&kc),
-                v_cache: dev.ptr(&vc),
-                ctx: ctx as i32,
-                step: dev.ptr(&step),
-                n_head: n_head as i32,
-                n_kv: n_kv as i32,
-                hd: hd as i32,
-                n_rot: n_rot as i32,
-                v_norm: v_norm as i32,
-                v_from_k: v_from_k as i32,
-                k_type: 0,
-                v_type: 0,
-            };
-            // SAFETY: q/k/v hold `rows` rows, the caches ctx > pos + rows positions.
-            unsafe { dev.k.qk_norm_rope_kv(&dev.stream, n_rows, &args)? };
-        }
+        let args = RopeArgs {
+            q: dev.ptr(&qd),
+            k: dev.ptr(&kd),
+            v: dev.ptr(&vd),
+            q_norm: dev.ptr(&qnd),
+            k_norm: dev.ptr(&knd),
+            eps,
+            inv_freq: dev.ptr(&invd),
+            q_scale,
+            k_cache: dev.ptr(&kc),
+            v_cache: dev.ptr(&vc),
+            ctx: ctx as i32,
+            step: dev.ptr(&step),
+            n_head: n_head as i32,
+            n_kv: n_kv as i32,
+            hd: hd as i32,
+            n_rot: n_rot as i32,
+            v_norm: v_norm as i32,
+            v_from_k: v_from_k as i32,
+            k_type: 0,
+            v_type: 0,
+        };
+        rope_rows(dev, &mut step, &args, pos, rows, pass == 0)?;
         let (qg, kg, vg) = (dev.down(&qd)?, dev.down(&kc)?, dev.down(&vc)?);
         for m in 0..rows {
             for h in 0..n_head + n_kv {
@@ -656,34 +666,29 @@ fn check_kv_store(dev: &Dev, rng: &mut Rng, n_kv: usize, hd: usize, pos: usize, 
         let t = if pass == 0 { KvTypes::F32 } else { types };
         let qd = dev.up(&q)?;
         let (kc, vc) = (dev.zeros::<u8>(n_kv * ctx * t.k.row_bytes(hd))?, dev.zeros::<u8>(n_kv * ctx * t.v.row_bytes(hd))?);
-        let launches: Vec<(usize, usize)> = if pass == 1 { (0..rows).map(|m| (m, 1)).collect() } else { vec![(0, rows)] };
-        for (row0, n_rows) in launches {
-            dev.set_step(&mut step, StepParams { pos: (pos + row0) as i32, rows: n_rows as i32, ..Default::default() })?;
-            let args = RopeArgs {
-                q: dev.ptr(&qd) + (row0 * n_head * hd * 4) as u64,
-                k: dev.ptr(&kd) + (row0 * n_kv * hd * 4) as u64,
-                v: dev.ptr(&vd) + (row0 * n_kv * hd * 4) as u64,
-                q_norm: dev.ptr(&qnd),
-                k_norm: dev.ptr(&qnd),
-                eps: 1e-6,
-                inv_freq: dev.ptr(&invd),
-                q_scale: 1.0,
-                k_cache: dev.ptr(&kc),
-                v_cache: dev.ptr(&vc),
-                ctx: ctx as i32,
-                step: dev.ptr(&step),
-                n_head: n_head as i32,
-                n_kv: n_kv as i32,
-                hd: hd as i32,
-                n_rot: 0,
-                v_norm: v_norm as i32,
-                v_from_k: 0,
-                k_type: t.k.kernel_id(),
-                v_type: t.v.kernel_id(),
-            };
-            // SAFETY: q/k/v hold `rows` rows, the caches ctx > pos + rows positions of their rows.
-            unsafe { dev.k.qk_norm_rope_kv(&dev.stream, n_rows, &args)? };
-        }
+        let args = RopeArgs {
+            q: dev.ptr(&qd),
+            k: dev.ptr(&kd),
+            v: dev.ptr(&vd),
+            q_norm: dev.ptr(&qnd),
+            k_norm: dev.ptr(&qnd),
+            eps: 1e-6,
+            inv_freq: dev.ptr(&invd),
+            q_scale: 1.0,
+            k_cache: dev.ptr(&kc),
+            v_cache: dev.ptr(&vc),
+            ctx: ctx as i32,
+            step: dev.ptr(&step),
+            n_head: n_head as i32,
+            n_kv: n_kv as i32,
+            hd: hd as i32,
+            n_rot: 0,
+            v_norm: v_norm as i32,
+            v_from_k: 0,
+            k_type: t.k.kernel_id(),
+            v_type: t.v.kernel_id(),
+        };
+        rope_rows(dev, &mut step, &args, pos, rows, pass == 1)?;
         caches.push((dev.down(&kc)?, dev.down(&vc)?));
     }
     let mut mismatched = 0usize;
