@@ -15,8 +15,10 @@ Shape `e2b-assistant` is its assistant (`gemma4-e2b-assistant`): hidden 256, 4 b
 1 global) of 4 query heads over the target's K/V, FFN 2048, the target's head sizes, ordered
 embeddings (2048 centroids, 32 scored per draft) over the target's vocabulary.
 `small-dense` (31B-like: k_eq_v, fewer global KV heads), `small-e2b` (E-series) and `small-a4b`
-(26B-A4B-like MoE), with `small-e2b-assistant` / `small-dense-assistant`, are a few MB each with
+(26B-A4B-like MoE), with `small-e2b-assistant` / `small-dense-assistant` / `small-a4b-assistant`,
+are a few MB each with
 rows of 256 (Q4_K-quantizable), for checks on a device machine (tools/cuda/gemma4_job.sh).
+`a4b-6l` is 26B-A4B's MoE widths over 6 layers (about 11 GB of F16) for the MoE speed table.
 `test` and `test-assistant` are tiny, for checking the script itself.
 
 The tokenizer is a stand-in with the real vocabulary size (the control tokens, the 256 byte
@@ -52,6 +54,14 @@ TARGETS = {
                       hd_swa=64, hd_global=128, rot_frac=0.25, ff=256, ff_shared=256, shared_kv=0,
                       per_layer=0, window=16, vocab=4096, softcap=30.0, k_eq_v=True,
                       experts=8, experts_used=2, expert_ff=256),
+    # 26B-A4B's MoE widths (hidden 2816, 128 experts of 704, 8 a token, a dense MLP of 2112 beside
+    # them; k_eq_v global layers) over one group of 6 layers (5 sliding, 1 global), the full
+    # vocabulary: about 11 GB of F16, for the MoE speed table. Attention heads as the 31B-style
+    # layers have them at this width (16 query heads; 8 KV heads of 256 sliding, 2 of 512 global).
+    "a4b-6l": dict(hidden=2816, groups=1, pattern=[True] * 5 + [False], heads=16, kv_swa=8, kv_global=2,
+                   hd_swa=256, hd_global=512, rot_frac=0.25, ff=2112, ff_shared=2112, shared_kv=0,
+                   per_layer=0, window=1024, vocab=262144, softcap=30.0, k_eq_v=True,
+                   experts=128, experts_used=8, expert_ff=704),
     # E2B's widths over 10 layers (the KV-shared ones with a global owner before them) and a small vocabulary (a few hundred MB): `mid-e2b`, and the
     # same with one E2B feature taken out each, to find which one a difference follows.
     "mid-e2b": dict(hidden=1536, groups=2, pattern=[True] * 4 + [False], heads=8, kv_swa=1, kv_global=1,
@@ -77,6 +87,8 @@ ASSISTANTS = {
                                 centroids=32, centroid_top_k=4),
     "small-dense-assistant": dict(target="small-dense", hidden=256, pattern=[True, False], heads=4, ff=512,
                                   centroids=0, centroid_top_k=0),
+    "small-a4b-assistant": dict(target="small-a4b", hidden=256, pattern=[True, False], heads=4, ff=512,
+                                centroids=0, centroid_top_k=0),
     "test-assistant": dict(target="test", hidden=32, pattern=[True, False], heads=2, ff=64,
                            centroids=16, centroid_top_k=4),
 }

@@ -38,6 +38,11 @@
 #                                         # within a type, then decode after 8k and 30k prompt
 #                                         # tokens per type against llama-bench -d (Gemma 3 270M
 #                                         # shape); also moe-bench's A3B run where time is left
+#   bash tools/cuda/qwen35_job.sh gemma4-moe  # Gemma 4's routed experts (26B-A4B): the kernel
+#                                         # table, `small-a4b`'s model checks (f32 and q8_0 K/V),
+#                                         # ids against the CPU path, the assistant against plain;
+#                                         # `a4b-6l` (26B-A4B's MoE widths, 6 layers, Q4_K_M)
+#                                         # against llama-bench, its check, ids against candle CUDA
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -432,6 +437,52 @@ if [ "$mode" = moe-bench ]; then
   gpu=$(timeout 60 "$T" "${base[@]}" 2>/dev/null)
   candle=$(TINE_GPU_ENGINE=0 timeout 200 "$T" "${base[@]}" 2>/dev/null)
   [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a3b-4l engine vs candle cuda" || say "DIFF  a3b-4l engine vs candle cuda (4 random layers: rounding may part them)"
+  exit 0
+fi
+if [ "$mode" = gemma4-moe ]; then
+  # Gemma 4's routed experts on the engine. llama.cpp and the 26B-A4B-width GGUF (`a4b-6l`, about
+  # 11 GB of F16) start in the background while the table and the small checks run.
+  build_llama & BP=$!
+  ( [ -s "$W/g4-a4b-6l-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape a4b-6l --out "$W/g4-a4b-6l-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
+  run kernels 240 "$C" || true
+  grep -E "^(FAIL|kernels:)|moe_|gemv_moe" "$log" | tail -n 30
+  for f in small-a4b small-a4b-assistant; do
+    [ -s "$W/g4-$f-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$f" --out "$W/g4-$f-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/g4-$f-q.gguf" ] || "$C" --quantize "$W/g4-$f-f16.gguf" "$W/g4-$f-q.gguf" >>"$W/models.log" 2>&1
+  done
+  M="$W/g4-small-a4b-q.gguf"
+  run gemma4-small-a4b 90 "$C" --no-table --gemma4 "$M" || true
+  run gemma4-small-a4b-q8_0 90 "$C" --no-table --kv q8_0 --gemma4 "$M" || true
+  grep -E "^(ok|FAIL)|^profile, 1 rows|^decode|^graph nodes, 1" "$log" | tail -n 28
+  for temp in 0 0.8; do
+    base=(generate -m "$M" -p 'The history of the printing press begins' -n 32 --ignore-eos --temp "$temp" --seed 7)
+    cpu=$(timeout 30 "$T" "${base[@]}" --device cpu 2>/dev/null)
+    gpu=$(timeout 30 "$T" "${base[@]}" --device cuda 2>"$W/err-gpu")
+    grep -E "loaded|engine" "$W/err-gpu" | head -n 2 >>"$log"
+    # Seeded sampling draws from the engine's top-k on the GPU and the full softmax on the CPU:
+    # only greedy ids are compared across devices.
+    if [ "$temp" = 0 ]; then
+      [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  small-a4b engine vs cpu" || { say "DIFF  small-a4b engine vs cpu"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; tail -n 3 "$W/err-gpu" >>"$log"; }
+    fi
+    got=$(timeout 30 "$T" "${base[@]}" --device cuda --spec-type draft-assistant --mtp-head "$W/g4-small-a4b-assistant-q.gguf" 2>"$W/err-spec")
+    acc=$(grep -oE "drafted [0-9]+ accepted [0-9]+ \([0-9.]+%\)" "$W/err-spec" | head -n 1)
+    [ -n "$got" ] && [ "$got" = "$gpu" ] && say "same  small-a4b assistant vs plain, temp $temp ($acc)" || { say "DIFF  small-a4b assistant vs plain, temp $temp"; tail -n 3 "$W/err-spec" >>"$log"; }
+    got=$(timeout 30 "$T" "${base[@]}" --device cuda --spec-type ngram 2>"$W/err-spec")
+    [ -n "$got" ] && [ "$got" = "$gpu" ] && say "same  small-a4b ngram vs plain, temp $temp" || { say "DIFF  small-a4b ngram vs plain, temp $temp"; tail -n 3 "$W/err-spec" >>"$log"; }
+  done
+  wait "$EP"; wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/g4-a4b-6l-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/g4-a4b-6l-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  say "a4b-6l Q4_K_M: $(ls -la "$M" 2>&1)"
+  grep -E "ffn_(down|gate_up)_exps.*type|converting to" "$W/models.log" | tail -n 3 >>"$log"
+  bench_vs_llama "$M" a4b-6l
+  run gemma4-a4b-6l 150 "$C" --no-table --gemma4 "$M" || true
+  grep -E "^(ok|FAIL)|^profile|^decode|^verify|^graph nodes, 1" "$log" | tail -n 14
+  base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos --device cuda)
+  gpu=$(timeout 60 "$T" "${base[@]}" 2>/dev/null)
+  candle=$(TINE_GPU_ENGINE=0 timeout 200 "$T" "${base[@]}" 2>/dev/null)
+  [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a4b-6l engine vs candle cuda" || say "DIFF  a4b-6l engine vs candle cuda (6 random layers: rounding may part them)"
   exit 0
 fi
 if [ "$mode" = gemma4-bisect ]; then

@@ -1119,12 +1119,15 @@ extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_moe(const M
     }
 }
 
-// moe_combine: out[m][i] = sum_j wts[m*used + j] * y[(m*used + j) * k + i] (j in order), plus
+// moe_combine: out[m][i] = sum_j c_j * y[(m*used + j) * k + i] (j in order), c_j = wts[m*used + j]
+// (times escale[ids[m*used + j]] when escale is set: Gemma 4's per-expert output scale, the
+// product rounded to f32 first as candle's `quantized_gemma4` forms it), plus
 // sgate[m] * shared[m * k + i] when shared is set. Grid: (ceil(k / 256), M).
 
 struct MoeCombineArgs {
     const float* y; const float* wts; const float* shared; const float* sgate; float* out;
     int k; int used;
+    const int* ids; const float* escale;  // escale may be null (ids then unread)
 };
 
 extern "C" __global__ void __launch_bounds__(256) moe_combine(MoeCombineArgs a) {
@@ -1133,7 +1136,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(MoeCombineArgs a) 
     pdl_wait();
     if (i >= a.k) return;
     float t = 0.0f;
-    for (int j = 0; j < a.used; ++j) t += a.wts[m * a.used + j] * a.y[((size_t)m * a.used + j) * a.k + i];
+    for (int j = 0; j < a.used; ++j) {
+        const float c = a.escale ? __fmul_rn(a.wts[m * a.used + j], a.escale[a.ids[m * a.used + j]]) : a.wts[m * a.used + j];
+        t += c * a.y[((size_t)m * a.used + j) * a.k + i];
+    }
     if (a.shared) t += a.sgate[m] * a.shared[(size_t)m * a.k + i];
     a.out[(size_t)m * a.k + i] = t;
 }
@@ -1213,8 +1219,9 @@ __device__ __forceinline__ void mmq_stage_w(MmqSmem& sm, int which, const uint8_
     }
 }
 
-template <int T, bool GLU, bool WIDE>
-__device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& sm) {
+// With MAP (mmq_moe), activation row m is map[m] / act_div and its output row map[m].
+template <int T, bool GLU, bool WIDE, bool MAP = false>
+__device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& sm, const int* map = nullptr, int act_div = 1) {
     constexpr bool TWO = T == W_Q6_K;  // two scales per unit: two k16 products
     const int t = threadIdx.x, lane = t % WARP, warp = t / WARP;
     const int g = lane / 4, tig = lane % 4;
@@ -1236,7 +1243,10 @@ __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& s
             const int idx = t + i * MMQ_THREADS, tl = idx / (MMQ_KU * 2), piece = idx % (MMQ_KU * 2);
             const int u = ku0 + piece / 2, m = m0 + tl;
             int4 v = make_int4(0, 0, 0, 0);
-            if (m < rows && u < units) v = __ldg(reinterpret_cast<const int4*>(p.qs + (size_t)m * k + (size_t)ku0 * 32 + piece * 16));
+            if (m < rows && u < units) {
+                const int am = MAP ? map[m] / act_div : m;
+                v = __ldg(reinterpret_cast<const int4*>(p.qs + (size_t)am * k + (size_t)ku0 * 32 + piece * 16));
+            }
             *reinterpret_cast<int4*>(&sm.a[tl][piece * 16]) = v;
         }
 #pragma unroll
@@ -1244,8 +1254,9 @@ __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& s
             const int idx = t + i * MMQ_THREADS, tl = idx / MMQ_KU, uu = idx % MMQ_KU;
             const int u = ku0 + uu, m = m0 + tl;
             const bool in = m < rows && u < units;
-            sm.ad[tl][uu] = in ? __ldg(p.qd + (size_t)m * (k / QK) + u) : 0.0f;
-            sm.asum[tl][uu] = in ? (float)__ldg(p.qsum + (size_t)m * (k / QK) + u) : 0.0f;
+            const int am = in ? (MAP ? map[m] / act_div : m) : 0;
+            sm.ad[tl][uu] = in ? __ldg(p.qd + (size_t)am * (k / QK) + u) : 0.0f;
+            sm.asum[tl][uu] = in ? (float)__ldg(p.qsum + (size_t)am * (k / QK) + u) : 0.0f;
         }
         __syncthreads();
         const int nu = min(MMQ_KU, units - ku0);
@@ -1299,7 +1310,7 @@ __device__ void mmq_body(const GemvArgs& p, const GemvSeg& s, int r0, MmqSmem& s
             if (r >= s.n || m >= rows) continue;
             float y = acc[j][e];
             if (GLU) y = glu_act(s.glu, y) * acc2[j][e];
-            s.out[(size_t)m * s.out_stride + r] = y;
+            s.out[(size_t)(MAP ? map[m] : m) * s.out_stride + r] = y;
         }
 }
 
@@ -1320,6 +1331,81 @@ extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq(const GemvArgs p) 
         MMQ_CASE(W_Q8_0, 0, 1) MMQ_CASE(W_Q5_0, 0, 1) MMQ_CASE(W_Q4_K, 0, 1) MMQ_CASE(W_Q6_K, 0, 1) MMQ_CASE(W_Q5_K, 0, 1)
         MMQ_CASE(W_Q8_0, 1, 1) MMQ_CASE(W_Q5_0, 1, 1) MMQ_CASE(W_Q4_K, 1, 1) MMQ_CASE(W_Q6_K, 1, 1) MMQ_CASE(W_Q5_K, 1, 1)
 #undef MMQ_CASE
+        default: break;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// A prompt step's routed experts as one GEMM per expert (llama.cpp's MUL_MAT_ID in spirit):
+// moe_sort lists each expert's (row, expert) pairs, mmq_moe runs mmq over each expert's pairs, so
+// an expert's weights are read once per MMQ_BM of its pairs instead of once per pair (gemv_moe,
+// which the decode and verify steps keep: a pair's result there never depends on the step).
+//
+// moe_sort: block e (one per expert) lists, in pair order, the pairs q < pairs with ids[q] == e
+// into list[e * cap ..] (cap: the most pairs one expert can have, the step's rows, as a row
+// picks an expert at most once) and their count into counts[e]. Grid: (n_expert), 256 threads.
+
+struct MoeSortArgs {
+    const int* ids; int* list; int* counts;
+    int pairs; int cap;
+};
+
+extern "C" __global__ void __launch_bounds__(256) moe_sort(MoeSortArgs a) {
+    __shared__ int wc[8];
+    const int e = blockIdx.x, t = threadIdx.x, lane = t % WARP, warp = t / WARP;
+    pdl_trigger();
+    pdl_wait();
+    int total = 0;
+    for (int c = 0; c < a.pairs; c += 256) {
+        const int q = c + t;
+        const bool hit = q < a.pairs && a.ids[q] == e;
+        const unsigned b = __ballot_sync(0xFFFFFFFFu, hit);
+        if (lane == 0) wc[warp] = __popc(b);
+        __syncthreads();
+        int before = total, sum = 0;
+        for (int w = 0; w < 8; ++w) {
+            if (w < warp) before += wc[w];
+            sum += wc[w];
+        }
+        if (hit && before + __popc(b & ((1u << lane) - 1u)) < a.cap) a.list[(size_t)e * a.cap + before + __popc(b & ((1u << lane) - 1u))] = q;
+        total += sum;
+        __syncthreads();
+    }
+    if (t == 0) a.counts[e] = min(total, a.cap);
+}
+
+// mmq_moe: expert blockIdx.z's pairs (moe_sort's list) through its weights (the wide layout,
+// expert_bytes apart): pair q reads activation row q / act_div (act_div = used: the layer's
+// input, shared by its row's experts; 1: each pair's own row, the down projection) and writes
+// out row q. Grid: (blocks over seg.n, MMQ_BR each; cap / MMQ_BM; n_expert); blocks past an
+// expert's pairs return at once.
+
+struct MoeMmqArgs {
+    GemvArgs g;
+    const int* list; const int* counts;
+    long long expert_bytes;
+    int cap; int act_div;
+};
+
+extern "C" __global__ void __launch_bounds__(MMQ_THREADS) mmq_moe(const MoeMmqArgs a) {
+    __shared__ MmqSmem sm;
+    const int e = blockIdx.z;
+    pdl_trigger();
+    pdl_wait();
+    const int cnt = a.counts[e];
+    if ((int)blockIdx.y * MMQ_BM >= cnt) return;
+    GemvArgs p = a.g;
+    p.rows = cnt;
+    GemvSeg s = a.g.seg[0];
+    s.w = a.g.seg[0].w + (size_t)e * a.expert_bytes;
+    s.w2 = s.glu ? a.g.seg[0].w2 + (size_t)e * a.expert_bytes : nullptr;
+    const int r0 = (int)blockIdx.x * MMQ_BR;
+    const int* map = a.list + (size_t)e * a.cap;
+    switch (s.type * 2 + (s.glu ? 1 : 0)) {
+#define MMQ_MOE_CASE(T, G) case T * 2 + G: mmq_body<T, G, true, true>(p, s, r0, sm, map, a.act_div); break;
+        MMQ_MOE_CASE(W_Q8_0, 0) MMQ_MOE_CASE(W_Q5_0, 0) MMQ_MOE_CASE(W_Q4_K, 0) MMQ_MOE_CASE(W_Q6_K, 0) MMQ_MOE_CASE(W_Q5_K, 0)
+        MMQ_MOE_CASE(W_Q8_0, 1) MMQ_MOE_CASE(W_Q5_0, 1) MMQ_MOE_CASE(W_Q4_K, 1) MMQ_MOE_CASE(W_Q6_K, 1) MMQ_MOE_CASE(W_Q5_K, 1)
+#undef MMQ_MOE_CASE
         default: break;
     }
 }
@@ -2375,7 +2461,9 @@ static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
 static_assert(sizeof(MoeRouterArgs) == 72, "MoeRouterArgs");
 static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
-static_assert(sizeof(MoeCombineArgs) == 48, "MoeCombineArgs");
+static_assert(sizeof(MoeSortArgs) == 32, "MoeSortArgs");
+static_assert(sizeof(MoeMmqArgs) == 264, "MoeMmqArgs");
+static_assert(sizeof(MoeCombineArgs) == 64, "MoeCombineArgs");
 static_assert(sizeof(RopeArgs) == 128, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 120, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");

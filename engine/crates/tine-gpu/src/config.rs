@@ -243,8 +243,8 @@ pub struct Gemma4Layer {
 
 /// The hyperparameters of a `gemma4` GGUF's step program (the rules of candle's
 /// `quantized_gemma4::Config`, which the CPU path reads: per-layer head counts and head dims,
-/// KV-shared layers, per-layer embeddings, logit softcapping). The routed experts of a
-/// 26B-A4B-style file are not on the engine: [`Gemma4Config::unsupported`] says so.
+/// KV-shared layers, per-layer embeddings, logit softcapping, a 26B-A4B-style file's routed
+/// experts beside each block's dense MLP).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Gemma4Config {
     pub hidden: usize,
@@ -263,8 +263,18 @@ pub struct Gemma4Config {
     pub kv_layers: usize,
     /// Values per layer of the per-layer embeddings (0: none).
     pub per_layer: usize,
-    /// Routed experts (`expert_count`; 0: none).
+    /// A 26B-A4B-style file's routed experts (`expert_count` > 0).
+    pub moe: Option<Gemma4Moe>,
+}
+
+/// A `gemma4` GGUF's routed experts (`gemma4.expert_*`); a block has them where it has
+/// `ffn_gate_inp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Gemma4Moe {
     pub experts: usize,
+    pub used: usize,
+    /// Rows of each expert's gate and up (`expert_feed_forward_length`).
+    pub expert_ff: usize,
 }
 
 impl Gemma4Config {
@@ -325,6 +335,16 @@ impl Gemma4Config {
                 return Err(format!("gemma4: layer {l} shares layer {}'s K/V, which is of another kind or shape", me.kv_layer));
             }
         }
+        let moe = match opt_u("expert_count")?.unwrap_or(0) {
+            0 => None,
+            experts => {
+                let m = Gemma4Moe { experts, used: u("expert_used_count")?, expert_ff: u("expert_feed_forward_length")? };
+                if m.used == 0 || m.used > m.experts {
+                    return Err(format!("gemma4: {} experts used of {}", m.used, m.experts));
+                }
+                Some(m)
+            }
+        };
         let rope_base = f("rope.freq_base")?.unwrap_or(1_000_000.0);
         Ok(Gemma4Config {
             hidden: u("embedding_length")?,
@@ -338,7 +358,7 @@ impl Gemma4Config {
             softcap: f("final_logit_softcapping")?.filter(|&c| c > 0.0),
             kv_layers,
             per_layer: opt_u("embedding_length_per_layer_input")?.unwrap_or(0),
-            experts: opt_u("expert_count")?.unwrap_or(0),
+            moe,
             layers,
         })
     }
@@ -350,8 +370,13 @@ impl Gemma4Config {
 
     /// Why the engine's kernels cannot run this shape, if they cannot.
     pub fn unsupported(&self) -> Option<String> {
-        if self.experts > 0 {
-            return Some(format!("{} routed experts (a 26B-A4B-style block): the experts are not on the GPU engine yet", self.experts));
+        if let Some(m) = &self.moe {
+            if m.experts > crate::MOE_MAX_EXPERTS || m.used > crate::MOE_MAX_USED {
+                return Some(format!("{} of {} experts a token (at most {} of {})", m.used, m.experts, crate::MOE_MAX_USED, crate::MOE_MAX_EXPERTS));
+            }
+            if !m.expert_ff.is_multiple_of(32) || m.expert_ff > 8192 {
+                return Some(format!("an expert width of {} (a multiple of 32 up to 8192)", m.expert_ff));
+            }
         }
         for (l, ly) in self.layers.iter().enumerate() {
             let src = &self.layers[ly.kv_layer];
@@ -465,7 +490,18 @@ mod tests {
         assert!(Gemma4Config::from_metadata(&gemma4_metadata(5), 1000).is_err());
         let mut moe = gemma4_metadata(0);
         moe.insert("gemma4.expert_count".into(), Value::U32(8));
-        assert!(Gemma4Config::from_metadata(&moe, 1000).expect("reads").unsupported().expect("refused").contains("experts"));
+        assert!(Gemma4Config::from_metadata(&moe, 1000).expect_err("no expert_used_count").contains("gemma4.expert_used_count"));
+        moe.insert("gemma4.expert_used_count".into(), Value::U32(2));
+        moe.insert("gemma4.expert_feed_forward_length".into(), Value::U32(704));
+        let c = Gemma4Config::from_metadata(&moe, 1000).expect("reads");
+        assert_eq!((c.moe, c.unsupported()), (Some(Gemma4Moe { experts: 8, used: 2, expert_ff: 704 }), None));
+        moe.insert("gemma4.expert_used_count".into(), Value::U32(9));
+        assert!(Gemma4Config::from_metadata(&moe, 1000).expect_err("9 of 8").contains("9 experts used of 8"));
+        moe.insert("gemma4.expert_count".into(), Value::U32(1024));
+        assert!(Gemma4Config::from_metadata(&moe, 1000).expect("reads").unsupported().expect("refused").contains("9 of 1024 experts"));
+        moe.insert("gemma4.expert_count".into(), Value::U32(16));
+        moe.insert("gemma4.expert_feed_forward_length".into(), Value::U32(700));
+        assert!(Gemma4Config::from_metadata(&moe, 1000).expect("reads").unsupported().expect("refused").contains("expert width of 700"));
         let mut bad = gemma4_metadata(0);
         bad.insert("gemma4.feed_forward_length".into(), Value::Array(vec![Value::U32(512); 5]));
         assert!(Gemma4Config::from_metadata(&bad, 1000).expect_err("5 values for 6 layers").contains("5 values"));

@@ -329,8 +329,34 @@ pub struct MoeGemvArgs {
     pub act_pair: i32,
 }
 
-/// `moe_combine`'s arguments: `out[m] = Σ_j wts[m·used + j] · y[m·used + j] (+ sgate[m] ·
-/// shared[m])`, rows of `k` values.
+/// `moe_sort`'s arguments: expert `e`'s pairs (`q` with `ids[q] == e`, in order) into
+/// `list[e · cap ..]`, their count into `counts[e]`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeSortArgs {
+    pub ids: DevPtr,
+    pub list: DevPtr,
+    pub counts: DevPtr,
+    pub pairs: i32,
+    pub cap: i32,
+}
+
+/// `mmq_moe`'s arguments: `g.seg[0]` the stacked experts (as [`MoeGemvArgs`]'s), `moe_sort`'s
+/// lists; pair `q`'s activation row is `q / act_div`, its output row `q`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MoeMmqArgs {
+    pub g: GemvArgs,
+    pub list: DevPtr,
+    pub counts: DevPtr,
+    pub expert_bytes: i64,
+    pub cap: i32,
+    pub act_div: i32,
+}
+
+/// `moe_combine`'s arguments: `out[m] = Σ_j c_j · y[m·used + j] (+ sgate[m] · shared[m])`,
+/// rows of `k` values, `c_j = wts[m·used + j]` (times `escale[ids[m·used + j]]` when `escale`
+/// is set: Gemma 4's per-expert output scale).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MoeCombineArgs {
@@ -342,6 +368,10 @@ pub struct MoeCombineArgs {
     pub out: DevPtr,
     pub k: i32,
     pub used: i32,
+    /// The rows' expert ids (read with `escale` only).
+    pub ids: DevPtr,
+    /// Each expert's output scale, or 0 (none).
+    pub escale: DevPtr,
 }
 
 pub use crate::{MOE_MAX_EXPERTS, MOE_MAX_USED};
@@ -484,7 +514,9 @@ const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 72);
 const _: () = assert!(std::mem::size_of::<MoeGemvArgs>() == 256);
-const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 48);
+const _: () = assert!(std::mem::size_of::<MoeSortArgs>() == 32);
+const _: () = assert!(std::mem::size_of::<MoeMmqArgs>() == 264);
+const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
 const _: () = assert!(std::mem::size_of::<RopeArgs>() == 128);
 const _: () = assert!(std::mem::size_of::<AttnArgs>() == 120);
@@ -516,6 +548,8 @@ unsafe impl DeviceRepr for TurboArgs {}
 unsafe impl DeviceRepr for MoeRouterArgs {}
 unsafe impl DeviceRepr for MoeGemvArgs {}
 unsafe impl DeviceRepr for MoeCombineArgs {}
+unsafe impl DeviceRepr for MoeSortArgs {}
+unsafe impl DeviceRepr for MoeMmqArgs {}
 
 /// The loaded kernels.
 pub struct Kernels {
@@ -527,6 +561,8 @@ pub struct Kernels {
     gemv_staged: Vec<CudaFunction>,
     gemv_wide: Vec<CudaFunction>,
     mmq: CudaFunction,
+    moe_sort: CudaFunction,
+    mmq_moe: CudaFunction,
     rope: CudaFunction,
     attn: [(usize, CudaFunction); 4],
     attn_prompt: [(usize, CudaFunction); 4],
@@ -581,6 +617,8 @@ impl Kernels {
             moe_logits: f("moe_logits")?,
             moe_router: f("moe_router")?,
             gemv_moe: f("gemv_moe")?,
+            moe_sort: f("moe_sort")?,
+            mmq_moe: f("mmq_moe")?,
             moe_combine: f("moe_combine")?,
             argmax: f("argmax_rows")?,
             topk: f("topk_rows")?,
@@ -951,6 +989,50 @@ impl Kernels {
         let blocks = (seg.n as usize).div_ceil(GEMV_WARPS * (32 / split));
         let cfg = LaunchConfig { grid_dim: (blocks as u32, pairs as u32, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.gemv_moe, cfg, &args, "gemv_moe")
+    }
+
+    /// `moe_sort`: the `pairs` pairs' expert ids at `ids` listed by expert (`n_expert` lists of
+    /// up to `cap` at `list`, their counts at `counts`), for [`Kernels::mmq_moe`].
+    ///
+    /// # Safety
+    /// `ids` holds `pairs` ids; `list` `n_expert · cap` i32, `counts` `n_expert`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn moe_sort(&self, stream: &Arc<CudaStream>, pairs: usize, n_expert: usize, cap: usize, ids: DevPtr, list: DevPtr, counts: DevPtr) -> Result<(), GpuError> {
+        check(pairs > 0 && cap > 0 && (1..=MOE_MAX_EXPERTS).contains(&n_expert), || format!("moe_sort: {pairs} pairs over {n_expert} experts, {cap} a list"))?;
+        let args = MoeSortArgs { ids, list, counts, pairs: pairs as i32, cap: cap as i32 };
+        let cfg = LaunchConfig { grid_dim: (n_expert as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.moe_sort, cfg, &args, "moe_sort")
+    }
+
+    /// `mmq_moe`: a prompt step's routed experts as one tensor-core GEMM per expert over the
+    /// pairs [`Kernels::moe_sort`] listed (`cap` the most an expert can have: the step's rows).
+    /// Its rows match [`Kernels::gemv_moe`]'s to float rounding (the prompt GEMM's sums), not
+    /// bit for bit; decode and verify steps keep `gemv_moe`.
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv_moe`]'s, over `moe_sort`'s lists of the same ids, `n_expert` of them.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn mmq_moe(
+        &self,
+        stream: &Arc<CudaStream>,
+        n_expert: usize,
+        cap: usize,
+        k: usize,
+        seg: GemvSeg,
+        act: (DevPtr, DevPtr, DevPtr),
+        sorted: (DevPtr, DevPtr),
+        expert_bytes: usize,
+        act_div: usize,
+    ) -> Result<(), GpuError> {
+        check(seg.wide != 0, || "mmq_moe: the experts in GGUF blocks (it reads the wide layout)".to_string())?;
+        check(cap > 0 && act_div > 0 && (1..=MOE_MAX_EXPERTS).contains(&n_expert), || format!("mmq_moe: {n_expert} experts, {cap} pairs a list"))?;
+        let bv = WeightType::from_ggml_id(seg.wtype).ok_or_else(|| GpuError::Shape(format!("mmq_moe: weight type {} is not one the kernels read", seg.wtype)))?.block_values();
+        check(k.is_multiple_of(bv), || format!("mmq_moe: k = {k} is not a multiple of the weight type's {bv}"))?;
+        let mut g = GemvArgs { nseg: 1, k: k as i32, split: 1, rows: 0, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
+        g.seg[0] = seg;
+        let args = MoeMmqArgs { g, list: sorted.0, counts: sorted.1, expert_bytes: expert_bytes as i64, cap: cap as i32, act_div: act_div as i32 };
+        let cfg = LaunchConfig { grid_dim: ((seg.n as usize).div_ceil(MMQ_ROWS) as u32, cap.div_ceil(MMQ_TOKENS) as u32, n_expert as u32), block_dim: (MMQ_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.mmq_moe, cfg, &args, "mmq_moe")
     }
 
     /// `moe_combine` over `rows` rows.

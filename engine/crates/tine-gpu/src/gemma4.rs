@@ -1,8 +1,7 @@
 //! Gemma 4 (`gemma4`: the dense 31B-style and the E-series) on tine-gpu's kernels: the model read
 //! from a GGUF (as llama.cpp writes it) into buffers allocated once, and a step of 1..=8 rows as a
 //! fixed list of launches, captured once per row count as a CUDA graph and replayed (prompt steps
-//! of more rows launch directly, as Gemma 3's do). The routed experts of a 26B-A4B-style file
-//! are not on the engine ([`Gemma4Config::unsupported`]): such a model runs on candle's path.
+//! of more rows launch directly, as Gemma 3's do).
 //!
 //! The step program, per layer (`x` the residual stream), over Gemma 3's kernels with what
 //! Gemma 4 adds:
@@ -18,7 +17,13 @@
 //! 4. attention over the layer's own K/V or its source layer's (heads of 256 on sliding layers,
 //!    512 on global ones at the published shapes; a sliding window on sliding layers)
 //! 5. the output projection, `norm_quant` (`x + post_attention_norm(o)`, `ffn_norm`), the GELU
-//!    GLU, `norm_quant`, `down`
+//!    GLU, `norm_quant`, `down`; a 26B-A4B-style block then runs its routed experts on the same
+//!    `xa` (10 more launches, qwen35moe's kernels): `norm_quant` of the router's input
+//!    (`rmsnorm(xa) / sqrt(hidden) ⊙ ffn_gate_inp.scale`, kept as f32), `moe_logits`,
+//!    `moe_router` (softmax, top-k, renormalised), `norm_quant` (`pre_ffw_norm_2(xa)`), the
+//!    selected experts' GELU gate·up (`gemv_moe`), their rows as Q8, their `down`, `moe_combine`
+//!    (each pick's weight times its expert's `ffn_down_exps.scale`), then two `norm_quant`s for
+//!    `post_ffw_norm_1(dense) + post_ffw_norm_2(experts)`, what `post_ffw_norm` then adds
 //! 6. on an E-series model, the per-layer input: `norm_quant` (`x + post_ffw_norm(down)` as Q8),
 //!    `inp_gate`, `norm_quant` (`gelu(gate) · per_layer_input[l]` as Q8), `proj`
 //!
@@ -44,8 +49,10 @@ use candle_core::quantized::gguf_file;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DevicePtr};
 
 use crate::blocks::{WeightType, QK};
-use crate::config::Gemma4Config;
-use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, MAX_BANNED, MAX_ROWS};
+use crate::config::{Gemma4Config, Gemma4Moe};
+use crate::cuda::{
+    AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs, StepParams, MAX_BANNED, MAX_ROWS,
+};
 use crate::gemma3::{alloc, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};
 
@@ -76,6 +83,23 @@ struct PerLayerInput {
     post_norm: CudaSlice<f32>,
 }
 
+/// A 26B-A4B-style block's routed experts, beside its dense MLP.
+struct ExpertFfn {
+    /// `ffn_gate_inp` as f32, `experts × hidden`.
+    router: CudaSlice<f32>,
+    /// `ffn_gate_inp.scale / sqrt(hidden)`: the router input's norm weights.
+    router_w: CudaSlice<f32>,
+    /// Every expert's gate, up and down, stacked in the wide layout.
+    gate_exps: W,
+    up_exps: W,
+    down_exps: W,
+    /// `ffn_down_exps.scale` (each expert's output scale), when the file has it.
+    escale: Option<CudaSlice<f32>>,
+    pre_norm: CudaSlice<f32>,
+    post_norm_dense: CudaSlice<f32>,
+    post_norm_experts: CudaSlice<f32>,
+}
+
 struct Layer {
     attn_norm: CudaSlice<f32>,
     q: W,
@@ -88,6 +112,7 @@ struct Layer {
     up: W,
     down: W,
     post_ffw_norm: CudaSlice<f32>,
+    moe: Option<Box<ExpertFfn>>,
     ple: Option<PerLayerInput>,
     /// `layer_output_scale` (0: none).
     out_scale: f32,
@@ -125,6 +150,20 @@ struct Buffers {
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
+    /// The routed experts (one value each without them): the router's input rows, its logits
+    /// (`experts + 1` a row), each row's experts and weights, the experts' GELU rows and their
+    /// `down` rows (`used` a row), their weighted sum, and `post_ffw_norm_1` of the dense MLP's.
+    xn: CudaSlice<f32>,
+    moe_logits: CudaSlice<f32>,
+    moe_ids: CudaSlice<i32>,
+    moe_wts: CudaSlice<f32>,
+    /// A prompt step's pairs listed by expert (`experts × PROMPT_ROWS`) and their counts.
+    moe_list: CudaSlice<i32>,
+    moe_counts: CudaSlice<i32>,
+    ffx: CudaSlice<f32>,
+    ydn: CudaSlice<f32>,
+    ymoe: CudaSlice<f32>,
+    dense: CudaSlice<f32>,
     out: Readout,
 }
 
@@ -251,6 +290,10 @@ impl Reader<'_> {
         } else {
             None
         };
+        let moe = match &cfg.moe {
+            Some(m) if self.has(&p("ffn_gate_inp.weight")) => Some(Box::new(self.gemma4_experts(m, l, h)?)),
+            _ => None,
+        };
         let out_scale = if self.has(&p("layer_output_scale.weight")) { self.values(&p("layer_output_scale.weight"), 1)?[0] } else { 0.0 };
         if out_scale == 0.0 && self.has(&p("layer_output_scale.weight")) {
             return Err(self.model_err(format!("blk.{l}.layer_output_scale is 0")));
@@ -267,6 +310,7 @@ impl Reader<'_> {
             up: self.weight(&p("ffn_up.weight"), lc.ff, h)?,
             down: self.weight(&p("ffn_down.weight"), h, lc.ff)?,
             post_ffw_norm: self.norm(&p("post_ffw_norm.weight"), h)?,
+            moe,
             ple,
             out_scale,
         };
@@ -274,6 +318,36 @@ impl Reader<'_> {
             return Err(self.model_err(format!("blk.{l}: ffn_gate and ffn_up differ in type; the fused GLU reads one")));
         }
         Ok(layer)
+    }
+
+    /// Block `l`'s routed experts (as candle's `quantized_gemma4` reads them: a fused
+    /// `ffn_gate_up_exps` or the gates and ups apart, `ffn_down_exps` and its optional scale).
+    fn gemma4_experts(&mut self, m: &Gemma4Moe, l: usize, h: usize) -> Result<ExpertFfn> {
+        let p = |s: &str| format!("blk.{l}.{s}");
+        let (e, fe) = (m.experts, m.expert_ff);
+        let fused = p("ffn_gate_up_exps.weight");
+        let (gate_exps, up_exps) =
+            if self.has(&fused) { self.experts_split(&fused, e, fe, h)? } else { (self.experts(&p("ffn_gate_exps.weight"), e, fe, h)?, self.experts(&p("ffn_up_exps.weight"), e, fe, h)?) };
+        if gate_exps.1 != up_exps.1 {
+            return Err(self.model_err(format!("blk.{l}: the experts' gate and up differ in type; the fused GLU reads one")));
+        }
+        // candle scales the normed row by 1/sqrt(hidden) (as f32), then by the scale; folded
+        // into one weight here (a rounding apart, within the model checks' bounds).
+        let c = (1.0 / (h as f64).sqrt()) as f32;
+        let router_w: Vec<f32> = self.values(&p("ffn_gate_inp.scale"), h)?.iter().map(|s| c * s).collect();
+        let scale = p("ffn_down_exps.scale");
+        let escale = if self.has(&scale) { Some(self.stream.clone_htod(&self.values(&scale, e)?)?) } else { None };
+        Ok(ExpertFfn {
+            router: self.norm(&p("ffn_gate_inp.weight"), e * h)?,
+            router_w: self.stream.clone_htod(&router_w)?,
+            down_exps: self.experts(&p("ffn_down_exps.weight"), e, h, fe)?,
+            gate_exps,
+            up_exps,
+            escale,
+            pre_norm: self.norm(&p("pre_ffw_norm_2.weight"), h)?,
+            post_norm_dense: self.norm(&p("post_ffw_norm_1.weight"), h)?,
+            post_norm_experts: self.norm(&p("post_ffw_norm_2.weight"), h)?,
+        })
     }
 }
 
@@ -325,7 +399,12 @@ impl Gemma4Gpu {
         }
         let max = |f: &dyn Fn(&crate::config::Gemma4Layer) -> usize| cfg.layers.iter().map(f).max().unwrap_or(0);
         let (qd, kvd, ff, heads, hd) = (max(&|l| l.n_head * l.head_dim), max(&|l| l.n_kv * l.head_dim), max(&|l| l.ff), max(&|l| l.n_head), max(&|l| l.head_dim));
-        let kmax = cfg.hidden.max(ff).max(qd).max(cfg.per_layer);
+        // The Q8 rows hold the widest row any GEMV reads (the experts' rows: `used` a token).
+        let (experts, used, fe) = cfg.moe.map_or((0, 0, 0), |mc| (mc.experts, mc.used, mc.expert_ff));
+        if used > 0 && !wide {
+            return Err(model_err("the experts' GEMV reads the wide layout: TINE_GPU_WIDE=0 is for dense models".into()));
+        }
+        let kmax = cfg.hidden.max(ff).max(qd).max(cfg.per_layer).max(used * fe);
         // The attention's partials: each layer's rows of its heads and chunks (a sliding layer's
         // chunks_max counts one more than its window's span).
         let partials = cfg.layers.iter().map(|l| l.n_head * Kernels::attn_chunks_max(ctx_len, if l.sliding { cfg.window } else { 0 }) * (l.head_dim + 2)).max().unwrap_or(0);
@@ -347,6 +426,16 @@ impl Gemma4Gpu {
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * partials)?,
             attn_counters: alloc(&stream, MAX_ROWS * heads)?,
+            xn: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
+            moe_logits: alloc(&stream, if used > 0 { m * (experts + 1) } else { 1 })?,
+            moe_ids: alloc(&stream, (m * used).max(1))?,
+            moe_wts: alloc(&stream, (m * used).max(1))?,
+            moe_list: alloc(&stream, (experts * m).max(1))?,
+            moe_counts: alloc(&stream, experts.max(1))?,
+            ffx: alloc(&stream, (m * used * fe).max(1))?,
+            ydn: alloc(&stream, (m * used * cfg.hidden).max(1))?,
+            ymoe: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
+            dense: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
             out: Readout::new(&stream, cfg.vocab)?,
         };
         let step = std::sync::Mutex::new(StepBlock { params: alloc(&stream, 1)?, tokens: alloc(&stream, m)?, hin: alloc(&stream, cfg.hidden)? });
@@ -586,6 +675,9 @@ impl Gemma4Gpu {
                 mark("norm_quant")?;
                 k.gemv(s, rows, lc.ff, &[self.seg(&ly.down, &b.down, h)], act)?;
                 mark("gemv down")?;
+                if let Some(e) = &ly.moe {
+                    self.launch_experts(e, step, rows, prompt, mark)?;
+                }
                 tail = Some(match &ly.ple {
                     None => (p(&b.down), p(&ly.post_ffw_norm), ly.out_scale),
                     Some(pl) => {
@@ -625,6 +717,96 @@ impl Gemma4Gpu {
             k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
             mark("argmax")?;
         }
+        Ok(())
+    }
+
+    /// A 26B-A4B-style block's routed experts over the step's rows (`b.h` holding `xa`, the dense
+    /// MLP's `down` in `b.down`), leaving `post_ffw_norm_1(dense) + post_ffw_norm_2(experts)` in
+    /// `b.down` (10 launches; 11 in a prompt step, which lists the pairs by expert first).
+    ///
+    /// # Safety
+    /// As [`Gemma4Gpu::launch_step`]'s: the buffers hold [`PROMPT_ROWS`] rows, `used` pairs each.
+    unsafe fn launch_experts(&self, e: &ExpertFfn, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        let mc = c.moe.expect("a block with experts in a model with experts (checked at load)");
+        let (h, used, fe) = (c.hidden, mc.used, mc.expert_ff);
+        let pairs = rows * used;
+        let act = self.act(0, 0);
+        k.norm_quant(s, rows, &NormQuantArgs { y_out: p(&b.xn), ..self.nq(step, prompt, p(&b.h), 0, 0, h, p(&e.router_w), 0.0) })?;
+        mark("norm_quant router")?;
+        let ra = MoeRouterArgs {
+            x: p(&b.xn),
+            router: p(&e.router),
+            shared_gate: 0,
+            ids: self.ptr(&b.moe_ids),
+            wts: p(&b.moe_wts),
+            sgate: 0,
+            logits: p(&b.moe_logits),
+            k: h as i32,
+            n_expert: mc.experts as i32,
+            used: used as i32,
+            pad_: 0,
+        };
+        k.moe_logits(s, rows, &ra)?;
+        mark("moe_logits")?;
+        k.moe_router(s, rows, &ra)?;
+        mark("moe_router")?;
+        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.h), 0, 0, h, p(&e.pre_norm), 0.0))?;
+        mark("norm_quant")?;
+        let bytes = |w: &W, n: usize, k: usize| n * w.1.wide_row_bytes(k);
+        let glu = GemvSeg {
+            w: self.ptr(&e.gate_exps.0),
+            w2: self.ptr(&e.up_exps.0),
+            out: p(&b.ffx),
+            n: fe as i32,
+            wtype: e.gate_exps.1.ggml_id(),
+            out_stride: fe as i32,
+            glu: 1,
+            block_start: 0,
+            wide: self.wide as i32,
+        };
+        // A prompt step groups the pairs by expert and runs a GEMM per expert (mmq_moe); decode
+        // and verify steps run each pair's GEMV (gemv_moe, batch-invariant). Both are marked
+        // with gemv_moe's names (moe_sort's time goes to gate·up's), so that a trace lines the
+        // two paths' launches up.
+        let sorted = (self.ptr(&b.moe_list), self.ptr(&b.moe_counts));
+        if prompt.is_some() {
+            k.moe_sort(s, pairs, mc.experts, rows, self.ptr(&b.moe_ids), sorted.0, sorted.1)?;
+            k.mmq_moe(s, mc.experts, rows, h, glu, act, sorted, bytes(&e.gate_exps, fe, h), used)?;
+            mark("gemv_moe gate·up")?;
+        } else {
+            k.gemv_moe(s, pairs, h, glu, act, self.ptr(&b.moe_ids), bytes(&e.gate_exps, fe, h), used, false)?;
+            mark("gemv_moe gate·up")?;
+        }
+        k.norm_quant(s, pairs, &self.nq(step, prompt, p(&b.ffx), 0, 0, fe, 0, 0.0))?;
+        mark("norm_quant")?;
+        let down = self.seg(&e.down_exps, &b.ydn, h);
+        if prompt.is_some() {
+            k.mmq_moe(s, mc.experts, rows, fe, down, act, sorted, bytes(&e.down_exps, h, fe), 1)?;
+            mark("gemv_moe down")?;
+        } else {
+            k.gemv_moe(s, pairs, fe, down, act, self.ptr(&b.moe_ids), bytes(&e.down_exps, h, fe), used, true)?;
+            mark("gemv_moe down")?;
+        }
+        let ca = MoeCombineArgs {
+            y: p(&b.ydn),
+            wts: p(&b.moe_wts),
+            shared: 0,
+            sgate: 0,
+            out: p(&b.ymoe),
+            k: h as i32,
+            used: used as i32,
+            ids: self.ptr(&b.moe_ids),
+            escale: e.escale.as_ref().map_or(0, &p),
+        };
+        k.moe_combine(s, rows, &ca)?;
+        mark("moe_combine")?;
+        // post_ffw_norm_1(dense) as f32, then that plus post_ffw_norm_2(experts) into b.down.
+        k.norm_quant(s, rows, &NormQuantArgs { y_out: p(&b.dense), ..self.nq(step, prompt, p(&b.down), 0, 0, h, p(&e.post_norm_dense), 0.0) })?;
+        mark("norm_quant")?;
+        k.norm_quant(s, rows, &NormQuantArgs { res: p(&b.dense), res_out: p(&b.down), ..self.nq(step, prompt, p(&b.ymoe), p(&e.post_norm_experts), 1, h, 0, 0.0) })?;
+        mark("norm_quant")?;
         Ok(())
     }
 

@@ -118,6 +118,9 @@ struct Buffers {
     xn: CudaSlice<f32>,
     moe_ids: CudaSlice<i32>,
     moe_wts: CudaSlice<f32>,
+    /// A prompt step's pairs listed by expert (`experts × PROMPT_ROWS`) and their counts.
+    moe_list: CudaSlice<i32>,
+    moe_counts: CudaSlice<i32>,
     /// The router's logits, `n_expert + 1` a row.
     moe_logits: CudaSlice<f32>,
     sgate: CudaSlice<f32>,
@@ -356,7 +359,7 @@ impl Reader<'_> {
 
     /// The `n` matrices of `rows × cols` stacked in `name` (`[n, rows, cols]`), still quantized,
     /// in the engine's layout (a matrix of `n · rows` rows).
-    fn experts(&mut self, name: &str, n: usize, rows: usize, cols: usize) -> Result<W> {
+    pub(crate) fn experts(&mut self, name: &str, n: usize, rows: usize, cols: usize) -> Result<W> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Error::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
         if t.shape().dims() != [n, rows, cols] || !cols.is_multiple_of(wt.block_values()) {
@@ -368,7 +371,7 @@ impl Reader<'_> {
 
     /// The converter's fused `[n, 2 · rows, cols]` experts (each expert's gate rows, then its up
     /// rows) as the stacked gates and the stacked ups.
-    fn experts_split(&mut self, name: &str, n: usize, rows: usize, cols: usize) -> Result<(W, W)> {
+    pub(crate) fn experts_split(&mut self, name: &str, n: usize, rows: usize, cols: usize) -> Result<(W, W)> {
         let t = self.tensor(name)?;
         let wt = WeightType::from_ggml(t.dtype()).ok_or_else(|| Error::Unsupported { name: name.to_string(), dtype: t.dtype() })?;
         if t.shape().dims() != [n, 2 * rows, cols] || !cols.is_multiple_of(wt.block_values()) {
@@ -495,6 +498,8 @@ impl Qwen35Gpu {
             xn: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
             moe_ids: alloc(&stream, (m * used).max(1))?,
             moe_wts: alloc(&stream, (m * used).max(1))?,
+            moe_list: alloc(&stream, (cfg.moe.as_ref().map_or(0, |mc| mc.experts) * m).max(1))?,
+            moe_counts: alloc(&stream, cfg.moe.as_ref().map_or(1, |mc| mc.experts))?,
             moe_logits: alloc(&stream, if used > 0 { m * (cfg.moe.as_ref().map_or(0, |mc| mc.experts) + 1) } else { 1 })?,
             sgate: alloc(&stream, m.max(1))?,
             ffx: alloc(&stream, (m * used * fe).max(1))?,
@@ -781,7 +786,8 @@ impl Qwen35Gpu {
 
     /// A block's second half: `x += mix` with `post_attention_norm(x)` as Q8, then the
     /// feed-forward into `b.down`: the SwiGLU GEMV, its rows as Q8, `down` (4 launches); or
-    /// `qwen35moe`'s experts (10 launches): the router's logits over the normed rows and the
+    /// `qwen35moe`'s experts (10 launches; 11 in a prompt step, which lists the pairs by expert and
+    /// runs a GEMM per expert): the router's logits over the normed rows and the
     /// routing from them, the shared expert's
     /// and the routed experts' gate·up, each as Q8 rows in turn and its down projection, and
     /// their weighted sum.
@@ -840,17 +846,32 @@ impl Qwen35Gpu {
                 k.gemv(s, rows, h, &[glu(&e.shared.0, &e.shared.1, &b.ff, fs)], act)?;
                 mark("gemv shared gate·up")?;
                 let bytes = |w: &W, n: usize, k: usize| n * w.1.wide_row_bytes(k);
-                k.gemv_moe(s, pairs, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, self.ptr(&b.moe_ids), bytes(&e.gate_exps, fe, h), used, false)?;
-                mark("gemv_moe gate·up")?;
+                // A prompt step groups the pairs by expert and runs a GEMM per expert (mmq_moe);
+                // decode and verify steps run each pair's GEMV (gemv_moe, batch-invariant). Both
+                // are marked with gemv_moe's names (moe_sort's time goes to gate·up's).
+                let sorted = (self.ptr(&b.moe_list), self.ptr(&b.moe_counts));
+                if prompt.is_some() {
+                    k.moe_sort(s, pairs, mc.experts, rows, self.ptr(&b.moe_ids), sorted.0, sorted.1)?;
+                    k.mmq_moe(s, mc.experts, rows, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, sorted, bytes(&e.gate_exps, fe, h), used)?;
+                    mark("gemv_moe gate·up")?;
+                } else {
+                    k.gemv_moe(s, pairs, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, self.ptr(&b.moe_ids), bytes(&e.gate_exps, fe, h), used, false)?;
+                    mark("gemv_moe gate·up")?;
+                }
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, fs, 0))?;
                 mark("norm_quant")?;
                 k.gemv(s, rows, fs, &[self.seg(&e.shared.2, &b.mix, h)], act)?;
                 mark("gemv shared down")?;
                 k.norm_quant(s, pairs, &self.nq(step, prompt, p(&b.ffx), 0, fe, 0))?;
                 mark("norm_quant")?;
-                k.gemv_moe(s, pairs, fe, self.seg(&e.down_exps, &b.ydn, h), act, self.ptr(&b.moe_ids), bytes(&e.down_exps, h, fe), used, true)?;
-                mark("gemv_moe down")?;
-                let ca = MoeCombineArgs { y: p(&b.ydn), wts: p(&b.moe_wts), shared: p(&b.mix), sgate: p(&b.sgate), out: p(&b.down), k: h as i32, used: used as i32 };
+                if prompt.is_some() {
+                    k.mmq_moe(s, mc.experts, rows, fe, self.seg(&e.down_exps, &b.ydn, h), act, sorted, bytes(&e.down_exps, h, fe), 1)?;
+                    mark("gemv_moe down")?;
+                } else {
+                    k.gemv_moe(s, pairs, fe, self.seg(&e.down_exps, &b.ydn, h), act, self.ptr(&b.moe_ids), bytes(&e.down_exps, h, fe), used, true)?;
+                    mark("gemv_moe down")?;
+                }
+                let ca = MoeCombineArgs { y: p(&b.ydn), wts: p(&b.moe_wts), shared: p(&b.mix), sgate: p(&b.sgate), out: p(&b.down), k: h as i32, used: used as i32, ids: 0, escale: 0 };
                 k.moe_combine(s, rows, &ca)?;
                 mark("moe_combine")?;
             }

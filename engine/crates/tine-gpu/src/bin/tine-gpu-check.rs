@@ -865,9 +865,10 @@ fn check_turbo(dev: &Dev, rng: &mut Rng, bits: u32, d: usize, rows: usize) -> Re
 }
 
 /// `moe_router` against float64: `rows` rows of `k` values routed over `experts` experts,
-/// `used` of them a row, with the shared expert's gate. Ids must match (unless the reference's
-/// probabilities tie within 1e-6 at the cut), weights within 1e-5, the gate within 1e-6.
-fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: usize, used: usize) -> Res<Case> {
+/// `used` of them a row, with the shared expert's gate (qwen35moe's) when `shared` (Gemma 4 has
+/// none). Ids must match (unless the reference's probabilities tie within 1e-6 at the cut),
+/// weights within 1e-5, the gate within 1e-6.
+fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: usize, used: usize, shared: bool) -> Res<Case> {
     let x = rng.vec(rows * k, 1.0);
     let router = rng.vec(experts * k, 0.3);
     let sg = rng.vec(k, 0.3);
@@ -877,7 +878,7 @@ fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: us
     let args = MoeRouterArgs {
         x: dev.ptr(&xd),
         router: dev.ptr(&rd),
-        shared_gate: dev.ptr(&sd),
+        shared_gate: if shared { dev.ptr(&sd) } else { 0 },
         ids: dev.ptr(&ids),
         wts: dev.ptr(&wts),
         sgate: dev.ptr(&sgate),
@@ -929,34 +930,32 @@ fn check_moe_router(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, experts: us
             }
             worst = worst.max((gw[m * used + j] as f64 - p[e] / sum).abs() / 1e-5);
         }
-        let g = 1.0 / (1.0 + (-xr.iter().zip(&sg).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()).exp());
-        worst = worst.max((gs[m] as f64 - g).abs() / 1e-6);
+        if shared {
+            let g = 1.0 / (1.0 + (-xr.iter().zip(&sg).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()).exp());
+            worst = worst.max((gs[m] as f64 - g).abs() / 1e-6);
+        } else if gs[m] != 0.0 {
+            worst = worst.max(1e3);
+            note = format!("row {m}: a shared gate of {} written without one", gs[m]);
+        }
     }
-    Ok(Case { name: format!("moe_router rows={rows} k={k} {used} of {experts} experts ({us:.1} us)"), worst, bits: Some(alone), note })
+    Ok(Case { name: format!("moe_router rows={rows} k={k} {used} of {experts} experts{} ({us:.1} us)", if shared { " shared gate" } else { "" }), worst, bits: Some(alone), note })
 }
 
 /// `gemv_moe` against float64: `pairs` (row, expert) pairs over `experts` stacked experts of `n`
-/// rows of `k` values (type `t`, the wide layout), gate and up with SiLU when `glu`; `act_pair`:
+/// rows of `k` values (type `t`, the wide layout), gate and up with SiLU (`glu` 2, qwen35moe's)
+/// or GELU (`glu` 1, Gemma 4's) when `glu` is not 0; `act_pair`:
 /// each pair its own activation row (the down projection), else row `q / used`. Also: a pair's
 /// output equals the same expert's one-row `gemv_wide` bit for bit.
 #[allow(clippy::too_many_arguments)]
-fn check_gemv_moe(dev: &Dev, rng: &mut Rng, t: WeightType, experts: usize, n: usize, k: usize, glu: bool, used: usize, act_rows: usize, act_pair: bool) -> Res<Case> {
+fn check_gemv_moe(dev: &Dev, rng: &mut Rng, t: WeightType, experts: usize, n: usize, k: usize, glu_act: i32, used: usize, act_rows: usize, act_pair: bool) -> Res<Case> {
+    let glu = glu_act != 0;
     let pairs = if act_pair { act_rows } else { act_rows * used };
     let f = GemvFixture::with_layout(dev, rng, t, experts * n, k, glu, act_rows, Layout::Wide)?;
     let ids: Vec<i32> = (0..pairs).map(|q| ((q * 7 + 3 + (rng.f().abs() * 1000.0) as usize) % experts) as i32).collect();
     let (idd, out) = (dev.up(&ids)?, dev.zeros::<f32>(pairs * n)?);
-    let seg = GemvSeg {
-        w: dev.ptr(&f.w),
-        w2: if glu { dev.ptr(&f.w2) } else { 0 },
-        out: dev.ptr(&out),
-        n: n as i32,
-        wtype: t.ggml_id(),
-        out_stride: n as i32,
-        glu: if glu { 2 } else { 0 },
-        block_start: 0,
-        wide: 1,
-    };
+    let seg = GemvSeg { w: dev.ptr(&f.w), w2: if glu { dev.ptr(&f.w2) } else { 0 }, out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu_act, block_start: 0, wide: 1 };
     let act = (dev.ptr(&f.act.0), dev.ptr(&f.act.1), dev.ptr(&f.act.2));
+    let act_fn: fn(f64) -> f64 = if glu_act == 1 { reference::gelu_tanh } else { reference::silu };
     // SAFETY: the weights stack `experts` matrices of n rows of k values, the ids are below
     // `experts`, the activations hold act_rows rows, out pairs rows of n.
     unsafe { dev.k.gemv_moe(&dev.stream, pairs, k, seg, act, dev.ptr(&idd), n * t.wide_row_bytes(k), used, act_pair)? };
@@ -966,7 +965,7 @@ fn check_gemv_moe(dev: &Dev, rng: &mut Rng, t: WeightType, experts: usize, n: us
     for q in 0..pairs {
         let (e, row) = (ids[q] as usize, if act_pair { q } else { q / used });
         for r in 0..n {
-            let (want, tol) = f.want_with(row * total + e * n + r, reference::silu);
+            let (want, tol) = f.want_with(row * total + e * n + r, act_fn);
             worst = worst.max((got[q * n + r] as f64 - want).abs() / tol);
         }
     }
@@ -980,21 +979,110 @@ fn check_gemv_moe(dev: &Dev, rng: &mut Rng, t: WeightType, experts: usize, n: us
     let single = dev.down(&one)?;
     let same = single.iter().zip(&got[..n]).all(|(a, b)| a.to_bits() == b.to_bits());
     Ok(Case {
-        name: format!("gemv_moe {t:?} {experts} experts n={n} k={k}{} {pairs} pairs{}", if glu { " glu" } else { "" }, if act_pair { " (own rows)" } else { "" }),
+        name: format!("gemv_moe {t:?} {experts} experts n={n} k={k}{} {pairs} pairs{}", ["", " gelu glu", " silu glu"][glu_act as usize], if act_pair { " (own rows)" } else { "" }),
         worst,
         bits: Some(same),
         note: String::new(),
     })
 }
 
-/// `moe_combine` against float64.
-fn check_moe_combine(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, used: usize, shared: bool) -> Res<Case> {
+/// A prompt step's experts as one GEMM per expert (`moe_sort`, then `mmq_moe`) against float64
+/// and against `gemv_moe` over the same pairs (to the same tolerance: the prompt GEMM sums in
+/// another order): `rows` rows picking `used` distinct experts each of `experts` stacked experts
+/// of `n` rows of `k` values; `act_pair` as for [`check_gemv_moe`] (the down projection: each
+/// pair its own activation row).
+#[allow(clippy::too_many_arguments)]
+fn check_mmq_moe(dev: &Dev, rng: &mut Rng, t: WeightType, experts: usize, n: usize, k: usize, glu_act: i32, used: usize, rows: usize, act_pair: bool) -> Res<Case> {
+    let glu = glu_act != 0;
+    let pairs = rows * used;
+    let act_rows = if act_pair { pairs } else { rows };
+    let f = GemvFixture::with_layout(dev, rng, t, experts * n, k, glu, act_rows, Layout::Wide)?;
+    // Each row's experts: `used` distinct ones, skewed toward the low ids so that some experts
+    // get many pairs (more than one tile of 64) and some none.
+    let mut ids = Vec::with_capacity(pairs);
+    for _ in 0..rows {
+        let mut picked: Vec<i32> = Vec::with_capacity(used);
+        while picked.len() < used {
+            let r = rng.f().abs();
+            let e = ((r * r * experts as f32) as usize).min(experts - 1) as i32;
+            if !picked.contains(&e) {
+                picked.push(e);
+            }
+        }
+        ids.extend(picked);
+    }
+    let (idd, out, ref_out) = (dev.up(&ids)?, dev.zeros::<f32>(pairs * n)?, dev.zeros::<f32>(pairs * n)?);
+    let (list, counts) = (dev.zeros::<i32>(experts * rows)?, dev.zeros::<i32>(experts)?);
+    let seg = GemvSeg { w: dev.ptr(&f.w), w2: if glu { dev.ptr(&f.w2) } else { 0 }, out: dev.ptr(&out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu_act, block_start: 0, wide: 1 };
+    let act = (dev.ptr(&f.act.0), dev.ptr(&f.act.1), dev.ptr(&f.act.2));
+    let eb = n * t.wide_row_bytes(k);
+    // SAFETY: the weights stack `experts` matrices of n rows of k values, the ids are below
+    // `experts` and distinct within a row (at most `rows` pairs an expert), the activations hold
+    // act_rows rows, out and ref_out pairs rows of n, the lists experts x rows.
+    unsafe {
+        dev.k.moe_sort(&dev.stream, pairs, experts, rows, dev.ptr(&idd), dev.ptr(&list), dev.ptr(&counts))?;
+        dev.k.mmq_moe(&dev.stream, experts, rows, k, seg, act, (dev.ptr(&list), dev.ptr(&counts)), eb, if act_pair { 1 } else { used })?;
+        dev.k.gemv_moe(&dev.stream, pairs, k, GemvSeg { out: dev.ptr(&ref_out), ..seg }, act, dev.ptr(&idd), eb, used, act_pair)?;
+    }
+    let (got, per_pair) = (dev.down(&out)?, dev.down(&ref_out)?);
+    let cnt = dev.down(&counts)?;
+    let total = experts * n;
+    let mut worst = 0f64;
+    for q in 0..pairs {
+        let (e, row) = (ids[q] as usize, if act_pair { q } else { q / used });
+        for r in 0..n {
+            let act_fn: fn(f64) -> f64 = if glu_act == 1 { reference::gelu_tanh } else { reference::silu };
+            let (want, tol) = f.want_with(row * total + e * n + r, act_fn);
+            worst = worst.max((got[q * n + r] as f64 - want).abs() / tol);
+            worst = worst.max((got[q * n + r] as f64 - per_pair[q * n + r] as f64).abs() / tol);
+        }
+    }
+    let most = cnt.iter().copied().max().unwrap_or(0);
+    let listed: i32 = cnt.iter().sum();
+    let note = if listed as usize != pairs { format!("the lists hold {listed} pairs of {pairs}") } else { String::new() };
+    if !note.is_empty() {
+        worst = worst.max(1e3);
+    }
+    Ok(Case {
+        name: format!(
+            "mmq_moe {t:?} {experts} experts n={n} k={k}{} {rows} rows x {used} (busiest expert {most} pairs){}",
+            ["", " gelu glu", " silu glu"][glu_act as usize],
+            if act_pair { " (own rows)" } else { "" }
+        ),
+        worst,
+        bits: None,
+        note,
+    })
+}
+
+/// `moe_combine` against float64; `escale`: each pick's weight times its expert's output scale
+/// (Gemma 4's), over 32 experts.
+fn check_moe_combine(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, used: usize, shared: bool, escale: bool) -> Res<Case> {
     let y = rng.vec(rows * used * k, 2.0);
-    let w = rng.vec(rows * used, 1.0);
+    let mut w = rng.vec(rows * used, 1.0);
     let sh = rng.vec(rows * k, 2.0);
     let sg = rng.vec(rows, 1.0);
+    let ids: Vec<i32> = (0..rows * used).map(|q| ((q * 13 + 5) % 32) as i32).collect();
+    let sc = rng.vec(32, 2.0);
     let (yd, wd, shd, sgd, out) = (dev.up(&y)?, dev.up(&w)?, dev.up(&sh)?, dev.up(&sg)?, dev.zeros::<f32>(rows * k)?);
-    let args = MoeCombineArgs { y: dev.ptr(&yd), wts: dev.ptr(&wd), shared: if shared { dev.ptr(&shd) } else { 0 }, sgate: dev.ptr(&sgd), out: dev.ptr(&out), k: k as i32, used: used as i32 };
+    let (idd, scd) = (dev.up(&ids)?, dev.up(&sc)?);
+    let args = MoeCombineArgs {
+        y: dev.ptr(&yd),
+        wts: dev.ptr(&wd),
+        shared: if shared { dev.ptr(&shd) } else { 0 },
+        sgate: dev.ptr(&sgd),
+        out: dev.ptr(&out),
+        k: k as i32,
+        used: used as i32,
+        ids: dev.ptr(&idd),
+        escale: if escale { dev.ptr(&scd) } else { 0 },
+    };
+    if escale {
+        // The reference forms each pick's factor as the kernel (and candle) does: in f32.
+        for (wq, &e) in w.iter_mut().zip(&ids) {
+            *wq *= sc[e as usize];
+        }
+    }
     // SAFETY: the buffers hold what MoeCombineArgs describes for `rows` rows.
     unsafe { dev.k.moe_combine(&dev.stream, rows, &args)? };
     let got = dev.down(&out)?;
@@ -1016,7 +1104,7 @@ fn check_moe_combine(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, used: usiz
             worst = worst.max((got[m * k + i] as f64 - want).abs() / (1e-6 * mag + 1e-7));
         }
     }
-    Ok(Case { name: format!("moe_combine rows={rows} k={k} used={used}{}", if shared { " shared" } else { "" }), worst, bits: None, note: String::new() })
+    Ok(Case { name: format!("moe_combine rows={rows} k={k} used={used}{}{}", if shared { " shared" } else { "" }, if escale { " scaled" } else { "" }), worst, bits: None, note: String::new() })
 }
 
 /// Attention for rows at pos..pos+M over a random cache; with `gated`, the output times
@@ -1518,22 +1606,42 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     for (n, cap) in [(262144 * 3, 30.0), (4096, 30.0), (100, 0.5)] {
         cases.push(check_softcap(dev, &mut rng, n, cap)?);
     }
-    // Mixture of experts (qwen35moe): the router, the routed experts' GEMVs, the combination.
-    for (rows, k, experts, used) in [(1, 256, 8, 2), (3, 640, 64, 8), (1, 2048, 256, 8), (8, 2048, 256, 8), (2, 96, 512, 16)] {
-        cases.push(check_moe_router(dev, &mut rng, rows, k, experts, used)?);
+    // Mixture of experts (qwen35moe, Gemma 4's 26B-A4B): the router, the routed experts' GEMVs, the combination.
+    for (rows, k, experts, used, shared) in
+        [(1, 256, 8, 2, true), (3, 640, 64, 8, true), (1, 2048, 256, 8, true), (8, 2048, 256, 8, true), (2, 96, 512, 16, true), (1, 2816, 128, 8, false), (8, 2816, 128, 8, false)]
+    {
+        cases.push(check_moe_router(dev, &mut rng, rows, k, experts, used, shared)?);
     }
     for (t, experts, n, k, glu, used, act_rows, act_pair) in [
-        (WeightType::Q4K, 8, 64, 256, true, 2, 1, false),
-        (WeightType::Q4K, 16, 512, 2048, true, 8, 3, false),
-        (WeightType::Q6K, 16, 2048, 512, false, 8, 24, true),
-        (WeightType::Q5K, 4, 96, 256, true, 2, 8, false),
-        (WeightType::Q8_0, 6, 256, 128, false, 3, 9, true),
-        (WeightType::Q5_0, 5, 33, 64, true, 4, 2, false),
+        (WeightType::Q4K, 8, 64, 256, 2, 2, 1, false),
+        (WeightType::Q4K, 16, 512, 2048, 2, 8, 3, false),
+        (WeightType::Q6K, 16, 2048, 512, 0, 8, 24, true),
+        (WeightType::Q5K, 4, 96, 256, 2, 2, 8, false),
+        (WeightType::Q8_0, 6, 256, 128, 0, 3, 9, true),
+        (WeightType::Q5_0, 5, 33, 64, 2, 4, 2, false),
+        // Gemma 4 26B-A4B's widths: GELU gate·up of 704 rows over 2816, down over 704 (Q5_0 and
+        // Q8_0: llama-quantize's fallbacks for rows that are not whole 256-value blocks).
+        (WeightType::Q4K, 16, 704, 2816, 1, 8, 2, false),
+        (WeightType::Q5_0, 16, 2816, 704, 0, 8, 16, true),
+        (WeightType::Q8_0, 16, 2816, 704, 0, 8, 8, true),
     ] {
         cases.push(check_gemv_moe(dev, &mut rng, t, experts, n, k, glu, used, act_rows, act_pair)?);
     }
-    for (rows, k, used, shared) in [(1, 2048, 8, true), (5, 640, 2, false), (8, 96, 16, true)] {
-        cases.push(check_moe_combine(dev, &mut rng, rows, k, used, shared)?);
+    for (t, experts, n, k, glu, used, rows, act_pair) in [
+        // (The float64 reference computes every expert's rows for every activation row: the
+        // shapes stay small enough for the host.)
+        (WeightType::Q4K, 16, 512, 2048, 2, 4, 40, false),
+        (WeightType::Q6K, 16, 1024, 512, 0, 4, 24, true),
+        (WeightType::Q4K, 16, 704, 2816, 1, 4, 40, false),
+        (WeightType::Q5_0, 16, 1024, 704, 0, 4, 20, true),
+        (WeightType::Q8_0, 128, 32, 128, 2, 8, 70, false),
+        (WeightType::Q8_0, 8, 96, 128, 0, 2, 9, true),
+        (WeightType::Q5K, 8, 256, 256, 2, 3, 200, false),
+    ] {
+        cases.push(check_mmq_moe(dev, &mut rng, t, experts, n, k, glu, used, rows, act_pair)?);
+    }
+    for (rows, k, used, shared, escale) in [(1, 2048, 8, true, false), (5, 640, 2, false, false), (8, 96, 16, true, false), (1, 2816, 8, false, true), (8, 2816, 8, false, true)] {
+        cases.push(check_moe_combine(dev, &mut rng, rows, k, used, shared, escale)?);
     }
     // The rotated low-bit KV rows (issue 53): the device's bytes against candle-nn's encoder.
     for (bits, d, rows) in [(4, 256, 9), (3, 256, 9), (2, 256, 9), (3, 512, 5), (3, 128, 7), (4, 160, 3), (2, 512, 4)] {
