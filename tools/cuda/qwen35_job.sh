@@ -481,7 +481,7 @@ if [ "$mode" = gemma4-moe ]; then
   grep -E "^(ok|FAIL)|^profile|^decode|^verify|^graph nodes, 1" "$log" | tail -n 14
   base=(generate -m "$M" -p "The history of the printing press begins" -n 24 --temp 0 --ignore-eos --device cuda)
   gpu=$(timeout 60 "$T" "${base[@]}" 2>/dev/null)
-  candle=$(TINE_GPU_ENGINE=0 timeout 200 "$T" "${base[@]}" 2>/dev/null)
+  candle=$(TINE_GPU_ENGINE=0 timeout 120 "$T" "${base[@]}" 2>/dev/null)
   [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a4b-6l engine vs candle cuda" || say "DIFF  a4b-6l engine vs candle cuda (6 random layers: rounding may part them)"
   exit 0
 fi

@@ -139,7 +139,22 @@ struct StepParams {
                           // state goes to plane (plane + 1 + m) % n_planes)
     int rope_shift;       // RoPE turns row m by the angle of position pos + m + rope_shift (its
                           // K/V still go to pos + m): Qwen3.5's NextN entry j sits at position j + 1
+    const struct SeqRow* seq_rows;  // rows from several sequences (a batched step): row m's
+                                    // sequence and position (null: every row is the one sequence's,
+                                    // row m at pos + m)
 };
+
+// Row m of a batched step: its position, its sequence's slot in the layers' pooled caches (a
+// layer's pool is slots of [n_kv][ctx][row], one per sequence), the position of its sequence's
+// first row in the step, and the keys it reads (kv_end as StepParams', per row).
+struct SeqRow {
+    int pos; int slot; int first; int kv_end;
+};
+
+__device__ __forceinline__ SeqRow step_row(const StepParams* st, int m) {
+    if (st->seq_rows) return st->seq_rows[m];
+    return SeqRow{st->pos + m, 0, st->pos, st->kv_end};
+}
 
 // ---------------------------------------------------------------------------------------------
 // Norm + residual + quantize.
@@ -900,8 +915,9 @@ __device__ __forceinline__ float wide_unit(const WideRaw& w, const int4& a0, con
     }
 }
 
+// Rows m0 .. m0 + M - 1 of the activations and the output (m0 = 0 but in gemv_wide_rows).
 template <int T, int M, bool GLU>
-__device__ __forceinline__ void gemv_wide_seg(const GemvArgs& p, const GemvSeg& s, int r) {
+__device__ __forceinline__ void gemv_wide_seg(const GemvArgs& p, const GemvSeg& s, int r, int m0 = 0) {
     const int lane = threadIdx.x % WARP;
     const int L = p.split, sub = lane % L;
     const int k = p.k, U = k / QK;
@@ -929,10 +945,10 @@ __device__ __forceinline__ void gemv_wide_seg(const GemvArgs& p, const GemvSeg& 
             if (u >= U) break;
 #pragma unroll
             for (int m = 0; m < M; ++m) {
-                const int4* a = reinterpret_cast<const int4*>(p.qs + (size_t)m * k + 32 * (size_t)u);
+                const int4* a = reinterpret_cast<const int4*>(p.qs + (size_t)(m0 + m) * k + 32 * (size_t)u);
                 const int4 a0 = __ldg(a), a1 = __ldg(a + 1);
-                const float d = __ldg(p.qd + (size_t)m * U + u);
-                const float sum = (T == W_Q4_K || T == W_Q5_K) ? (float)__ldg(p.qsum + (size_t)m * U + u) : 0.0f;
+                const float d = __ldg(p.qd + (size_t)(m0 + m) * U + u);
+                const float sum = (T == W_Q4_K || T == W_Q5_K) ? (float)__ldg(p.qsum + (size_t)(m0 + m) * U + u) : 0.0f;
                 acc[m] += wide_unit<T>(w[j], a0, a1, d, sum);
                 if (GLU) acc2[m] += wide_unit<T>(w2[j], a0, a1, d, sum);
             }
@@ -947,34 +963,46 @@ __device__ __forceinline__ void gemv_wide_seg(const GemvArgs& p, const GemvSeg& 
         }
     if (sub != 0 || r >= s.n) return;
 #pragma unroll
-    for (int m = 0; m < M; ++m) s.out[(size_t)m * s.out_stride + r] = GLU ? glu_act(s.glu, acc[m]) * acc2[m] : acc[m];
+    for (int m = 0; m < M; ++m) s.out[(size_t)(m0 + m) * s.out_stride + r] = GLU ? glu_act(s.glu, acc[m]) * acc2[m] : acc[m];
 }
 
+// Block `wb` of the segments' rows over activation rows m0 .. m0 + M - 1.
 template <int M>
-__device__ __forceinline__ void gemv_wide(const GemvArgs& p) {
+__device__ __forceinline__ void gemv_wide_block(const GemvArgs& p, int wb, int m0) {
     int si = 0;
 #pragma unroll
-    for (int i = 1; i < 4; ++i) if (i < p.nseg && (int)blockIdx.x >= p.seg[i].block_start) si = i;
+    for (int i = 1; i < 4; ++i) if (i < p.nseg && wb >= p.seg[i].block_start) si = i;
     const GemvSeg& s = p.seg[si];
     const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP, L = p.split;
-    const int r = (((int)blockIdx.x - s.block_start) * WIDE_WARPS + warp) * (WARP / L) + lane / L;
+    const int r = ((wb - s.block_start) * WIDE_WARPS + warp) * (WARP / L) + lane / L;
     pdl_trigger();
     switch (s.type * 2 + (s.glu ? 1 : 0)) {
-        case W_Q8_0 * 2: gemv_wide_seg<W_Q8_0, M, false>(p, s, r); break;
-        case W_Q5_0 * 2: gemv_wide_seg<W_Q5_0, M, false>(p, s, r); break;
-        case W_Q4_K * 2: gemv_wide_seg<W_Q4_K, M, false>(p, s, r); break;
-        case W_Q6_K * 2: gemv_wide_seg<W_Q6_K, M, false>(p, s, r); break;
-        case W_Q5_K * 2: gemv_wide_seg<W_Q5_K, M, false>(p, s, r); break;
-        case W_Q8_0 * 2 + 1: gemv_wide_seg<W_Q8_0, M, true>(p, s, r); break;
-        case W_Q5_0 * 2 + 1: gemv_wide_seg<W_Q5_0, M, true>(p, s, r); break;
-        case W_Q4_K * 2 + 1: gemv_wide_seg<W_Q4_K, M, true>(p, s, r); break;
-        case W_Q6_K * 2 + 1: gemv_wide_seg<W_Q6_K, M, true>(p, s, r); break;
-        case W_Q5_K * 2 + 1: gemv_wide_seg<W_Q5_K, M, true>(p, s, r); break;
+        case W_Q8_0 * 2: gemv_wide_seg<W_Q8_0, M, false>(p, s, r, m0); break;
+        case W_Q5_0 * 2: gemv_wide_seg<W_Q5_0, M, false>(p, s, r, m0); break;
+        case W_Q4_K * 2: gemv_wide_seg<W_Q4_K, M, false>(p, s, r, m0); break;
+        case W_Q6_K * 2: gemv_wide_seg<W_Q6_K, M, false>(p, s, r, m0); break;
+        case W_Q5_K * 2: gemv_wide_seg<W_Q5_K, M, false>(p, s, r, m0); break;
+        case W_Q8_0 * 2 + 1: gemv_wide_seg<W_Q8_0, M, true>(p, s, r, m0); break;
+        case W_Q5_0 * 2 + 1: gemv_wide_seg<W_Q5_0, M, true>(p, s, r, m0); break;
+        case W_Q4_K * 2 + 1: gemv_wide_seg<W_Q4_K, M, true>(p, s, r, m0); break;
+        case W_Q6_K * 2 + 1: gemv_wide_seg<W_Q6_K, M, true>(p, s, r, m0); break;
+        case W_Q5_K * 2 + 1: gemv_wide_seg<W_Q5_K, M, true>(p, s, r, m0); break;
         default: pdl_wait(); break;
     }
 }
-#define GEMV_WIDE_INST(M) extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_wide_m##M(const GemvArgs p) { gemv_wide<M>(p); }
+#define GEMV_WIDE_INST(M) extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_wide_m##M(const GemvArgs p) { gemv_wide_block<M>(p, (int)blockIdx.x, 0); }
 GEMV_WIDE_INST(1) GEMV_WIDE_INST(2) GEMV_WIDE_INST(3) GEMV_WIDE_INST(4) GEMV_WIDE_INST(5) GEMV_WIDE_INST(6) GEMV_WIDE_INST(7) GEMV_WIDE_INST(8)
+
+// gemv_wide_rows: the GEMV of any number of rows (p.rows, a multiple of 8: the caller pads with
+// inert rows) for a batched step, as groups of 8 rows, each group gemv_wide_m8's arithmetic: a
+// row's result is bit for bit the one-row launch's, whatever the step's row count (the batch
+// invariance a batched step keeps). The groups of one block of weight rows are consecutive blocks
+// (block b: weight block b / G, group b % G), so a weight block is read from DRAM once and from L2
+// by the other groups. Grid: (weight blocks x G).
+extern "C" __global__ void __launch_bounds__(WIDE_WARPS * WARP) gemv_wide_rows(const GemvArgs p) {
+    const int G = p.rows / 8;
+    gemv_wide_block<8>(p, (int)blockIdx.x / G, ((int)blockIdx.x % G) * 8);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Mixture of experts (qwen35moe's routed experts and sigmoid-gated shared expert).
@@ -1571,7 +1599,8 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
     pdl_wait();
     const bool is_q = h < p.n_head;
     const int kvh = is_q ? 0 : h - p.n_head;
-    const int pos = p.step->pos + m;
+    const SeqRow sr = step_row(p.step, m);
+    const int pos = sr.pos;
     const float* src = is_q ? p.q + ((size_t)m * p.n_head + h) * p.hd : p.k + ((size_t)m * p.n_kv + kvh) * p.hd;
     const float x0 = src[i], x1 = src[i + half_hd];
     const float ss = block_sum_all(x0 * x0 + x1 * x1, red);
@@ -1596,7 +1625,8 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         dst[i] = o0 * p.q_scale;
         dst[i + half_hd] = o1 * p.q_scale;
     } else {
-        uint8_t* kd = p.k_cache + ((size_t)kvh * p.ctx + pos) * kv_row_bytes(p.k_type, p.hd);
+        const size_t kb = kv_row_bytes(p.k_type, p.hd), vb = kv_row_bytes(p.v_type, p.hd);
+        uint8_t* kd = p.k_cache + (size_t)sr.slot * p.n_kv * p.ctx * kb + ((size_t)kvh * p.ctx + pos) * kb;
         kv_store(kd, p.k_type, i, o0);
         kv_store(kd, p.k_type, i + half_hd, o1);
         const float* vs = p.v_from_k ? src : p.v + ((size_t)m * p.n_kv + kvh) * p.hd;
@@ -1606,7 +1636,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
             v0 *= rv;
             v1 *= rv;
         }
-        uint8_t* vd = p.v_cache + ((size_t)kvh * p.ctx + pos) * kv_row_bytes(p.v_type, p.hd);
+        uint8_t* vd = p.v_cache + (size_t)sr.slot * p.n_kv * p.ctx * vb + ((size_t)kvh * p.ctx + pos) * vb;
         kv_store(vd, p.v_type, i, v0);
         kv_store(vd, p.v_type, i + half_hd, v1);
     }
@@ -1693,8 +1723,9 @@ __device__ void attn_body(const AttnArgs& p) {
     __shared__ int last;
     const int c = blockIdx.x, h = blockIdx.y, m = blockIdx.z;
     const int g = h / (p.n_head / p.n_kv);
-    const int qpos = p.step->pos + m;
-    const int hi = p.step->kv_end > 0 ? min(qpos, p.step->kv_end - 1) : qpos;
+    const SeqRow sr = step_row(p.step, m);
+    const int qpos = sr.pos;
+    const int hi = sr.kv_end > 0 ? min(qpos, sr.kv_end - 1) : qpos;
     const int lo = p.window > 0 ? max(0, qpos - p.window + 1) : 0;
     const int c0 = lo / ATTN_CHUNK, nchunks = hi / ATTN_CHUNK - c0 + 1;
     if (c >= nchunks) return;
@@ -1703,19 +1734,22 @@ __device__ void attn_body(const AttnArgs& p) {
     const int base = (c0 + c) * ATTN_CHUNK + warp * ATTN_SUB;
     const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
     const int kt = TYPED ? p.k_type : KV_F32, vt = TYPED ? p.v_type : KV_F32;
+    // The row's sequence's caches (its slot of the layer's pool).
+    const uint8_t* k_cache = p.k_cache + (size_t)sr.slot * p.n_kv * p.ctx * kv_row_bytes(kt, HD);
+    const uint8_t* v_cache = p.v_cache + (size_t)sr.slot * p.n_kv * p.ctx * kv_row_bytes(vt, HD);
     pdl_trigger();
     // Keys before the step's first position were written by earlier steps: towards L2 before
     // the wait (the step's own rows come from the previous launch).
     {
         const size_t kb = kv_row_bytes(kt, HD), vb = kv_row_bytes(vt, HD);
         const int lines = (int)((max(kb, vb) + 127) / 128);  // 128-byte lines per key row
-        const int pos0 = p.step->pos;
+        const int pos0 = sr.first;
         for (int t = lane; t < ATTN_SUB * lines; t += WARP) {
             const int j = t / lines, key = s0 + j;
             const size_t off = (size_t)(t % lines) * 128;
             if (j < nk && key < pos0) {
-                if (off < kb) prefetch_l2(p.k_cache + ((size_t)g * p.ctx + key) * kb + off);
-                if (off < vb) prefetch_l2(p.v_cache + ((size_t)g * p.ctx + key) * vb + off);
+                if (off < kb) prefetch_l2(k_cache + ((size_t)g * p.ctx + key) * kb + off);
+                if (off < vb) prefetch_l2(v_cache + ((size_t)g * p.ctx + key) * vb + off);
             }
         }
     }
@@ -1733,8 +1767,8 @@ __device__ void attn_body(const AttnArgs& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
             if (j < nk) {
-                kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, s0 + j, lane, kv[j]);
-                kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, s0 + j, lane, vv[j]);
+                kv_row<HD, TYPED>(k_cache, kt, p.ctx, g, s0 + j, lane, kv[j]);
+                kv_row<HD, TYPED>(v_cache, vt, p.ctx, g, s0 + j, lane, vv[j]);
             }
         }
 #pragma unroll
@@ -1767,7 +1801,7 @@ __device__ void attn_body(const AttnArgs& p) {
             for (int j = 0; j < KB; ++j) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
-                if (j0 + j < nk) kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, s0 + j0 + j, lane, kv[j]);
+                if (j0 + j < nk) kv_row<HD, TYPED>(k_cache, kt, p.ctx, g, s0 + j0 + j, lane, kv[j]);
             }
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -1786,7 +1820,7 @@ __device__ void attn_body(const AttnArgs& p) {
             for (int j = 0; j < KB; ++j) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) vv[j][e] = 0.0f;
-                if (j0 + j < nk) kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, s0 + j0 + j, lane, vv[j]);
+                if (j0 + j < nk) kv_row<HD, TYPED>(v_cache, vt, p.ctx, g, s0 + j0 + j, lane, vv[j]);
             }
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -2455,7 +2489,8 @@ extern "C" __global__ void __launch_bounds__(256) gated_norm_quant(const GatedNo
 }
 
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
-static_assert(sizeof(StepParams) == 88, "StepParams");
+static_assert(sizeof(StepParams) == 96, "StepParams");
+static_assert(sizeof(SeqRow) == 16, "SeqRow");
 static_assert(sizeof(NormQuantArgs) == 152, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");

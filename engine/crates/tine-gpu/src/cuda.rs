@@ -120,7 +120,27 @@ pub struct StepParams {
     /// still go to `pos + m`): Qwen3.5's NextN entry `j` reads the token at `j + 1` at position
     /// `j + 1`, in slot `j` of its cache.
     pub rope_shift: i32,
+    /// A batched step's rows from several sequences: a device array of one [`SeqRow`] a row
+    /// (0: every row is the one sequence's, row `m` at `pos + m`). `qk_norm_rope_kv` and the
+    /// decode attention read it.
+    pub seq_rows: DevPtr,
 }
+
+/// Row `m` of a batched step ([`StepParams::seq_rows`]): its position, its sequence's slot in the
+/// layers' pooled caches (a layer's pool is slots of `[n_kv][ctx][row]`, one a sequence: the
+/// kernels' cache pointers are slot 0's), the position of its sequence's first row in the step,
+/// and the keys its attention reads (`kv_end` as [`StepParams::kv_end`], per row).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SeqRow {
+    pub pos: i32,
+    pub slot: i32,
+    pub first: i32,
+    pub kv_end: i32,
+}
+// SAFETY: plain repr(C) integers, the layout of `SeqRow` in decode.cu.
+unsafe impl DeviceRepr for SeqRow {}
+unsafe impl ValidAsZeroBits for SeqRow {}
 // SAFETY: plain repr(C) integers, the layout of `StepParams` in decode.cu; all zeros is a valid value.
 unsafe impl DeviceRepr for StepParams {}
 unsafe impl ValidAsZeroBits for StepParams {}
@@ -509,7 +529,8 @@ pub struct TopKArgs {
 }
 
 // The sizes decode.cu asserts for the same structs.
-const _: () = assert!(std::mem::size_of::<StepParams>() == 88);
+const _: () = assert!(std::mem::size_of::<StepParams>() == 96);
+const _: () = assert!(std::mem::size_of::<SeqRow>() == 16);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 72);
@@ -560,6 +581,7 @@ pub struct Kernels {
     gemv: Vec<CudaFunction>,
     gemv_staged: Vec<CudaFunction>,
     gemv_wide: Vec<CudaFunction>,
+    gemv_wide_rows: CudaFunction,
     mmq: CudaFunction,
     moe_sort: CudaFunction,
     mmq_moe: CudaFunction,
@@ -605,6 +627,7 @@ impl Kernels {
             gemv: (1..=MAX_ROWS).map(|m| f(&format!("gemv_m{m}"))).collect::<Result<_, _>>()?,
             gemv_staged: (1..=MAX_ROWS).map(|m| f(&format!("gemv_staged_m{m}"))).collect::<Result<_, _>>()?,
             gemv_wide: (1..=MAX_ROWS).map(|m| f(&format!("gemv_wide_m{m}"))).collect::<Result<_, _>>()?,
+            gemv_wide_rows: f("gemv_wide_rows")?,
             mmq: f("mmq")?,
             rope: f("qk_norm_rope_kv")?,
             attn: [(64, f("attn_decode_hd64")?), (128, f("attn_decode_hd128")?), (256, f("attn_decode_hd256")?), (512, f("attn_decode_hd512")?)],
@@ -759,6 +782,30 @@ impl Kernels {
         }
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.gemv[rows - 1], cfg, &args, "gemv")
+    }
+
+    /// The GEMV of a batched step's `rows` rows (a multiple of 8: the step pads with inert rows),
+    /// over the wide layout: groups of 8 rows, each with `gemv_wide`'s 8-row arithmetic, so a
+    /// row's result is bit for bit its one-row launch's at any row count (which [`Kernels::gemv`]
+    /// keeps up to [`MAX_ROWS`] and its prompt GEMM does not).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv`]'s, for `rows` rows.
+    pub unsafe fn gemv_rows(&self, stream: &Arc<CudaStream>, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> Result<(), GpuError> {
+        check(rows >= 8 && rows.is_multiple_of(8) && rows / 8 <= 1024, || format!("gemv_rows: {rows} rows (a multiple of 8, at most 8192)"))?;
+        check((1..=4).contains(&segs.len()), || format!("gemv_rows: {} segments (1..=4)", segs.len()))?;
+        check(segs.iter().all(|s| s.wide != 0), || "gemv_rows: the weights in GGUF blocks (it reads the wide layout)".to_string())?;
+        let split = Self::wide_lanes(segs.iter().map(|s| s.n.max(0) as usize).sum(), k);
+        let mut args = GemvArgs { nseg: segs.len() as i32, k: k as i32, split: split as i32, rows: rows as i32, qs: act.0, qd: act.1, qsum: act.2, ..Default::default() };
+        let mut blocks = 0usize;
+        for (slot, s) in args.seg.iter_mut().zip(segs) {
+            let bv = WeightType::from_ggml_id(s.wtype).ok_or_else(|| GpuError::Shape(format!("gemv_rows: weight type {} is not one the kernels read", s.wtype)))?.block_values();
+            check(k.is_multiple_of(bv), || format!("gemv_rows: k = {k} is not a multiple of the weight type's {bv}"))?;
+            *slot = GemvSeg { block_start: blocks as i32, ..*s };
+            blocks += (s.n as usize).div_ceil(GEMV_WARPS * (32 / split));
+        }
+        let cfg = LaunchConfig { grid_dim: ((blocks * rows / 8) as u32, 1, 1), block_dim: ((GEMV_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(stream, &self.gemv_wide_rows, cfg, &args, "gemv_wide_rows")
     }
 
     /// Lanes per row of `gemv_wide` for a launch of `n` rows in all (its segments') of `k` values:

@@ -31,8 +31,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use tine_gpu::blocks::{ActQ8, Layout, WeightType, EMBD_WIDE, QK};
 use tine_gpu::cuda::{
-    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, KvStore, KvTypes, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, PleArgs, RopeArgs, SoftcapArgs,
-    StepParams, TopKArgs, TurboArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX,
+    ArgmaxArgs, AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, Kernels, KvStore, KvTypes, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, PleArgs, RopeArgs, SeqRow,
+    SoftcapArgs, StepParams, TopKArgs, TurboArgs, ARGMAX_BLOCKS, MAX_ROWS, TOPK_MAX,
 };
 use tine_gpu::reference;
 
@@ -223,6 +223,28 @@ fn check_gemv_layout(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize
         }
     }
     Ok(Case { name: format!("gemv {}", f.label()), worst, bits: Some(bits), note: String::new() })
+}
+
+/// A batched step's GEMV (`gemv_rows`, `rows` a multiple of 8) against float64, every row bit
+/// for bit its one-row launch's (the batch invariance a batched step keeps at any row count).
+fn check_gemv_rows(dev: &Dev, rng: &mut Rng, t: WeightType, n: usize, k: usize, glu: bool, rows: usize) -> Res<Case> {
+    let f = GemvFixture::with_layout(dev, rng, t, n, k, glu, rows, Layout::Wide)?;
+    let seg =
+        GemvSeg { w: dev.ptr(&f.w), w2: if glu { dev.ptr(&f.w2) } else { 0 }, out: dev.ptr(&f.out), n: n as i32, wtype: t.ggml_id(), out_stride: n as i32, glu: glu as i32, block_start: 0, wide: 1 };
+    // SAFETY: the fixture's weights (n rows of k, wide), its `rows` activation rows, out rows x n.
+    unsafe { dev.k.gemv_rows(&dev.stream, rows, k, &[seg], (dev.ptr(&f.act.0), dev.ptr(&f.act.1), dev.ptr(&f.act.2)))? };
+    let got = dev.down(&f.out)?;
+    let mut worst = 0f64;
+    let mut bits = true;
+    for m in 0..rows {
+        let single = f.run(dev, 1, m)?;
+        for r in 0..n {
+            let (want, tol) = f.want(m * n + r);
+            worst = worst.max((got[m * n + r] as f64 - want).abs() / tol);
+            bits &= got[m * n + r].to_bits() == single[r].to_bits();
+        }
+    }
+    Ok(Case { name: format!("gemv_rows {} rows={rows}", f.label()), worst, bits: Some(bits), note: String::new() })
 }
 
 /// The GEMM over a prompt's `rows` rows (`mmq`, more than 8) against float64, and the first row
@@ -1107,6 +1129,132 @@ fn check_moe_combine(dev: &Dev, rng: &mut Rng, rows: usize, k: usize, used: usiz
     Ok(Case { name: format!("moe_combine rows={rows} k={k} used={used}{}{}", if shared { " shared" } else { "" }, if escale { " scaled" } else { "" }), worst, bits: None, note: String::new() })
 }
 
+/// A batched step's rows from several sequences (issue 50): `qk_norm_rope_kv` and the decode
+/// attention over a [`SeqRow`] table, the sequences' caches slots of one pool per layer. The rows
+/// (several sequences, one to four rows each, in no order of slot or position) go through one
+/// launch of each kernel; each sequence's rows then through their own launches on its slot's
+/// caches, as the one-sequence step runs them. Bit for bit the same: the queries, the K/V rows
+/// written into the pool, the attention's output.
+#[allow(clippy::too_many_arguments)]
+fn check_seq_rows(dev: &Dev, rng: &mut Rng, n_head: usize, n_kv: usize, hd: usize, ctx: usize, window: usize, types: KvTypes) -> Res<Case> {
+    // (slot, first position, rows) of each sequence in the step, in the step's row order.
+    let seqs = [(2usize, ctx - 9, 1usize), (0, 37, 3), (3, 5, 1), (1, 700.min(ctx - 20), 4), (4, 0, 2), (5, ctx / 2 + 3, 1)];
+    let slots = 6usize;
+    let rows: usize = seqs.iter().map(|s| s.2).sum();
+    let mut table = Vec::with_capacity(rows);
+    for &(slot, first, n) in &seqs {
+        for j in 0..n {
+            table.push(SeqRow { pos: (first + j) as i32, slot: slot as i32, first: first as i32, kv_end: 0 });
+        }
+    }
+    let width = n_head * hd;
+    let q = rng.vec(rows * width, 2.0);
+    let (kx, vx) = (rng.vec(rows * n_kv * hd, 2.0), rng.vec(rows * n_kv * hd, 2.0));
+    let qn: Vec<f32> = rng.vec(hd, 0.5).iter().map(|x| 1.0 + x).collect();
+    let kn: Vec<f32> = rng.vec(hd, 0.5).iter().map(|x| 1.0 + x).collect();
+    let inv = reference::inv_freq(hd, 1e4);
+    let (qnd, knd, invd, kd, vd) = (dev.up(&qn)?, dev.up(&kn)?, dev.up(&inv)?, dev.up(&kx)?, dev.up(&vx)?);
+    // The pools start with the same random keys and values (earlier positions).
+    let (kpool, _) = typed_cache(dev, &rng.vec(slots * n_kv * ctx * hd, 1.0), types.k, hd)?;
+    let (vpool, _) = typed_cache(dev, &rng.vec(slots * n_kv * ctx * hd, 1.0), types.v, hd)?;
+    let (kbytes, vbytes) = (dev.down(&kpool)?, dev.down(&vpool)?);
+    let (kslot, vslot) = ((n_kv * ctx * types.k.row_bytes(hd)) as u64, (n_kv * ctx * types.v.row_bytes(hd)) as u64);
+    let chunks_max = Kernels::attn_chunks_max(ctx, window);
+    let tab = dev.up(&table)?;
+    let mut step = dev.up(&[StepParams::default()])?;
+    // Pass 0: the whole step in one launch of each kernel; 1: each sequence's rows on their own.
+    let mut results = Vec::new();
+    for pass in 0..2 {
+        let (kp, vp) = (dev.up(&kbytes)?, dev.up(&vbytes)?);
+        let qd = dev.up(&q)?;
+        let out = dev.zeros::<f32>(rows * width)?;
+        let partials = dev.zeros::<f32>(rows * n_head * chunks_max * (hd + 2))?;
+        let counters = dev.zeros::<i32>(rows * n_head)?;
+        let (aqs, aqd, aqsum) = (dev.zeros::<i8>(rows * width)?, dev.zeros::<f32>(rows * width / QK)?, dev.zeros::<i32>(rows * width / QK)?);
+        let launch = |step: &mut CudaSlice<StepParams>, row0: usize, n: usize, sp: StepParams, slot: u64| -> Res<()> {
+            dev.set_step(step, sp)?;
+            let r = row0 as u64;
+            let ra = RopeArgs {
+                q: dev.ptr(&qd) + r * (width * 4) as u64,
+                k: dev.ptr(&kd) + r * (n_kv * hd * 4) as u64,
+                v: dev.ptr(&vd) + r * (n_kv * hd * 4) as u64,
+                q_norm: dev.ptr(&qnd),
+                k_norm: dev.ptr(&knd),
+                eps: 1e-6,
+                inv_freq: dev.ptr(&invd),
+                q_scale: 1.0 / (hd as f32).sqrt(),
+                k_cache: dev.ptr(&kp) + slot * kslot,
+                v_cache: dev.ptr(&vp) + slot * vslot,
+                ctx: ctx as i32,
+                step: dev.ptr(step),
+                n_head: n_head as i32,
+                n_kv: n_kv as i32,
+                hd: hd as i32,
+                n_rot: 0,
+                v_norm: 0,
+                v_from_k: 0,
+                k_type: types.k.kernel_id(),
+                v_type: types.v.kernel_id(),
+            };
+            let aa = AttnArgs {
+                q: dev.ptr(&qd) + r * (width * 4) as u64,
+                k_cache: dev.ptr(&kp) + slot * kslot,
+                v_cache: dev.ptr(&vp) + slot * vslot,
+                out: dev.ptr(&out) + r * (width * 4) as u64,
+                partials: dev.ptr(&partials),
+                counters: dev.ptr(&counters),
+                step: dev.ptr(step),
+                qs: dev.ptr(&aqs) + r * width as u64,
+                qd: dev.ptr(&aqd) + r * (width / QK * 4) as u64,
+                qsum: dev.ptr(&aqsum) + r * (width / QK * 4) as u64,
+                ctx: ctx as i32,
+                window: window as i32,
+                n_head: n_head as i32,
+                n_kv: n_kv as i32,
+                chunks_max: chunks_max as i32,
+                gate: 0,
+                k_type: types.k.kernel_id(),
+                v_type: types.v.kernel_id(),
+            };
+            // SAFETY: q/k/v/out and the Q8 planes hold `rows` rows (row0 + n <= rows), the pools
+            // `slots` slots of ctx positions (every row's position below ctx), the partials and
+            // counters `rows` rows.
+            unsafe {
+                dev.k.qk_norm_rope_kv(&dev.stream, n, &ra)?;
+                dev.k.attention(&dev.stream, n, hd, &aa)?;
+            }
+            Ok(())
+        };
+        if pass == 0 {
+            launch(&mut step, 0, rows, StepParams { pos: 0, rows: rows as i32, seq_rows: dev.ptr(&tab), ..Default::default() }, 0)?;
+        } else {
+            let mut row0 = 0;
+            for &(slot, first, n) in &seqs {
+                launch(&mut step, row0, n, StepParams { pos: first as i32, rows: n as i32, ..Default::default() }, slot as u64)?;
+                row0 += n;
+            }
+        }
+        results.push((dev.down(&qd)?, dev.down(&kp)?, dev.down(&vp)?, dev.down(&out)?, dev.down(&counters)?));
+    }
+    let (a, b) = (&results[0], &results[1]);
+    let same_f = |x: &[f32], y: &[f32]| x.len() == y.len() && x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+    let bits = same_f(&a.0, &b.0) && a.1 == b.1 && a.2 == b.2 && same_f(&a.3, &b.3);
+    let mut note = String::new();
+    if a.4.iter().chain(&b.4).any(|&c| c != 0) {
+        note.push_str("counters not left at zero");
+    }
+    // The step wrote each row's K/V (the pool changed where the rows are).
+    if a.1 == kbytes {
+        note.push_str(" no K rows written");
+    }
+    Ok(Case {
+        name: format!("seq rows: rope + attention, {} sequences, {rows} rows, heads={n_head}/{n_kv} hd={hd} ctx={ctx} window={window}{}", seqs.len(), types_label(types)),
+        worst: 0.0,
+        bits: Some(bits),
+        note,
+    })
+}
+
 /// Attention for rows at pos..pos+M over a random cache; with `gated`, the output times
 /// `sigmoid(gate)` (Qwen3.5's gated attention).
 #[allow(clippy::too_many_arguments)]
@@ -1647,6 +1795,15 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     for (bits, d, rows) in [(4, 256, 9), (3, 256, 9), (2, 256, 9), (3, 512, 5), (3, 128, 7), (4, 160, 3), (2, 512, 4)] {
         cases.push(check_turbo(dev, &mut rng, bits, d, rows)?);
     }
+    // Rows from several sequences in one step (a batched step's row table, issue 50).
+    for (h, kv, hd, ctx, window, types) in [
+        (4, 1, 256, 2048, 0, KvTypes::F32),
+        (8, 2, 128, 1024, 64, KvTypes::F32),
+        (16, 8, 256, 1536, 512, KvTypes { k: KvStore::Q8_0, v: KvStore::Q8_0 }),
+        (8, 1, 512, 1024, 0, KvTypes { k: KvStore::F16, v: KvStore::Q4_0 }),
+    ] {
+        cases.push(check_seq_rows(dev, &mut rng, h, kv, hd, ctx, window, types)?);
+    }
     for (h, kv, hd, ctx, window, pos) in [
         (4, 1, 256, 2048, 0, 0),
         (4, 1, 256, 2048, 0, 125),
@@ -1716,6 +1873,16 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     }
     for (n, k, rows, coarse) in [(262144, 40, 1, false), (262144, 64, 3, true), (151936, 40, 2, true), (5000, 1, 1, false), (10, 20, 1, true), (4096, 64, 8, true)] {
         cases.push(check_topk(dev, &mut rng, n, k, rows, coarse)?);
+    }
+    // A batched step's rows in one launch (issue 50), each bit for bit its one-row launch's.
+    for (t, n, k, glu, rows) in [
+        (WeightType::Q4K, 1024, 640, true, 16),
+        (WeightType::Q8_0, 640, 1024, false, 24),
+        (WeightType::Q6K, 4096, 640, false, 64),
+        (WeightType::Q5_0, 96, 256, true, 8),
+        (WeightType::Q5K, 300, 512, false, 40),
+    ] {
+        cases.push(check_gemv_rows(dev, &mut rng, t, n, k, glu, rows)?);
     }
     // A prompt's rows in one launch.
     for (t, n, k, glu, rows) in [
