@@ -470,6 +470,13 @@ if [ "$mode" = gemma4-moe ]; then
     got=$(timeout 30 "$T" "${base[@]}" --device cuda --spec-type ngram 2>"$W/err-spec")
     [ -n "$got" ] && [ "$got" = "$gpu" ] && say "same  small-a4b ngram vs plain, temp $temp" || { say "DIFF  small-a4b ngram vs plain, temp $temp"; tail -n 3 "$W/err-spec" >>"$log"; }
   done
+  # While the big GGUF is written: Gemma 3's batched step (issue 50) on the small and 270M shapes.
+  for shape in small 270m; do
+    [ -s "$W/g3-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma3_random_model.py" --shape "$shape" --out "$W/g3-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/g3-$shape-q.gguf" ] || "$C" --quantize "$W/g3-$shape-f16.gguf" "$W/g3-$shape-q.gguf" >>"$W/models.log" 2>&1
+    run "batch-$shape" 120 "$C" --no-table --batch "$W/g3-$shape-q.gguf" || true
+  done
+  grep -E "batched steps|^decode, " "$log" | tail -n 12
   wait "$EP"; wait "$BP"
   tail -n 1 "$W/llama-build.log" | tee -a "$log"
   M="$W/g4-a4b-6l-q4_k_m.gguf"

@@ -49,7 +49,9 @@ use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DeviceP
 
 use crate::blocks::{WeightType, EMBD_WIDE, QK};
 mod assistant;
+mod batch;
 pub use assistant::AssistantGpu;
+pub use batch::{padded_rows, GpuBatch, BATCH_MAX_ROWS};
 
 use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};

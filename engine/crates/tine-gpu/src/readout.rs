@@ -55,13 +55,20 @@ impl LastStep {
 
 impl Readout {
     pub(crate) fn new(stream: &Arc<CudaStream>, vocab: usize) -> Result<Readout> {
+        Readout::with_rows(stream, vocab, MAX_ROWS)
+    }
+
+    /// A readout whose logits and greedy ids hold `rows` rows (a batched step's); top-k reads
+    /// [`MAX_ROWS`] of them at a time.
+    pub(crate) fn with_rows(stream: &Arc<CudaStream>, vocab: usize, rows: usize) -> Result<Readout> {
+        let rows = rows.max(MAX_ROWS);
         Ok(Readout {
             vocab,
-            logits: alloc(stream, MAX_ROWS * vocab)?,
-            cand_v: alloc(stream, MAX_ROWS * ARGMAX_BLOCKS)?,
-            cand_i: alloc(stream, MAX_ROWS * ARGMAX_BLOCKS)?,
-            argmax_counters: alloc(stream, MAX_ROWS)?,
-            ids: alloc(stream, MAX_ROWS)?,
+            logits: alloc(stream, rows * vocab)?,
+            cand_v: alloc(stream, rows * ARGMAX_BLOCKS)?,
+            cand_i: alloc(stream, rows * ARGMAX_BLOCKS)?,
+            argmax_counters: alloc(stream, rows)?,
+            ids: alloc(stream, rows)?,
             topk_cand: alloc(stream, MAX_ROWS * Kernels::topk_blocks(vocab) * TOPK_MAX)?,
             topk_counters: alloc(stream, MAX_ROWS)?,
             topk_ids: alloc(stream, MAX_ROWS * TOPK_MAX)?,
@@ -117,6 +124,21 @@ impl Readout {
         stream.memcpy_dtoh(&self.topk_vals.slice(..rows * k), &mut vals[..])?;
         stream.synchronize()?;
         Ok(ids.chunks(k).zip(vals.chunks(k)).map(|(i, v)| i.iter().zip(v).filter(|&(&i, _)| i >= 0).map(|(&i, &v)| (i as u32, v)).collect()).collect())
+    }
+
+    /// The greedy ids of the first `rows` rows, whatever step wrote them (a batched step's).
+    pub(crate) fn ids_raw(&self, stream: &Arc<CudaStream>, rows: usize) -> Result<Vec<u32>> {
+        let mut ids = vec![0i32; rows];
+        stream.memcpy_dtoh(&self.ids.slice(..rows), &mut ids[..])?;
+        Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+
+    /// The logits of row `row`, whatever step wrote them (a batched step's).
+    pub(crate) fn row_raw(&self, stream: &Arc<CudaStream>, row: usize) -> Result<Vec<f32>> {
+        let vocab = self.vocab;
+        let mut v = vec![0f32; vocab];
+        stream.memcpy_dtoh(&self.logits.slice(row * vocab..(row + 1) * vocab), &mut v[..])?;
+        Ok(v)
     }
 
     /// The greedy ids of the last step's headed rows.

@@ -16,6 +16,10 @@
 //! with a NextN head runs it too; `--assistant` runs an assistant head's draft steps against a
 //! float64 step computed here from its weights and the trunk's K/V.
 //!
+//! `--batch GGUF` (a gemma3 GGUF) runs several sequences' rows in one engine step (issue 50's
+//! batched step): each row's id and logits against the same sequence stepped alone, bit for
+//! bit, then aggregate decode speed at 1 to 64 sequences a step.
+//!
 //! `--kv q8_0` (or `K/V`, each f32, f16, bf16, q8_0 or q4_0) runs the model checks (`--model`,
 //! `--qwen35`, `--gemma4`) with their sequences' K/V stored in those types.
 //!
@@ -2437,6 +2441,10 @@ fn main() -> ExitCode {
         .and_then(|ok| match value("--gemma4-trace") {
             Some(m) => Ok(gemma4::trace(std::path::Path::new(&m))? && ok),
             None => Ok(ok),
+        })
+        .and_then(|ok| match value("--batch") {
+            Some(m) => Ok(batch::run(std::path::Path::new(&m))? && ok),
+            None => Ok(ok),
         });
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -3552,6 +3560,139 @@ mod gemma4 {
             }
             let dt = t0.elapsed().as_secs_f64() / reps as f64;
             println!("verify {m} rows: {:.3} ms ({:.2}x a one-row step)", dt * 1e3, dt / step);
+        }
+        Ok(ok)
+    }
+}
+
+/// `--batch FILE`: Gemma 3's batched step (`Gemma3Gpu::forward_batch`): 12 sequences of prompts of
+/// 5 to 38 tokens, fed a token a step (one of them its prompt in rows of 3, a verify step's
+/// shape), then 12 greedy tokens each, the sequences finishing at different steps (so the steps
+/// run 1 to 14 rows, padded past 8); every row's greedy id and logits against the same sequence
+/// stepped alone (one-row steps on a cache of its own), bit for bit. Then aggregate decode speed
+/// with 1, 4, 16 and 64 sequences a step against one sequence's one-row steps.
+mod batch {
+    use super::*;
+    use tine_gpu::gemma3::Gemma3Gpu;
+
+    fn hash(v: &[f32]) -> u64 {
+        v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x0100_0000_01b3))
+    }
+
+    pub fn run(path: &std::path::Path) -> Res<bool> {
+        let g = Gemma3Gpu::load(path, 0, 4096)?;
+        let vocab = g.config().vocab;
+        let types = kv_types();
+        let n_seq = 12;
+        let gen = 12;
+        let prompts: Vec<Vec<u32>> = (0..n_seq).map(|s| (0..5 + 3 * s).map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32).collect()).collect();
+        // Alone: each position's (greedy id, logits hash).
+        let mut alone = Vec::new();
+        for p in &prompts {
+            let mut c = g.new_cache_typed(4096, types)?;
+            let mut rows = Vec::new();
+            let mut next = 0;
+            for &t in p {
+                g.forward(&mut c, &[t])?;
+                next = g.argmax(&c)?[0];
+                rows.push((next, hash(&g.logits(&c)?)));
+            }
+            for _ in 0..gen {
+                g.forward(&mut c, &[next])?;
+                next = g.argmax(&c)?[0];
+                rows.push((next, hash(&g.logits(&c)?)));
+            }
+            alone.push(rows);
+        }
+        let mut b = g.new_batch(n_seq, 4096, types, 64)?;
+        let mut fed = vec![0usize; n_seq];
+        let mut next = vec![0u32; n_seq];
+        let (mut steps, mut most, mut mismatches) = (0, 0, 0);
+        let mut first_bad = String::new();
+        loop {
+            let mut inputs: Vec<(usize, Vec<u32>)> = Vec::new();
+            for s in 0..n_seq {
+                let p = &prompts[s];
+                if fed[s] >= p.len() + gen {
+                    continue;
+                }
+                let take = if fed[s] < p.len() { (if s == 1 { 3 } else { 1 }).min(p.len() - fed[s]) } else { 1 };
+                let toks = if fed[s] < p.len() { p[fed[s]..fed[s] + take].to_vec() } else { vec![next[s]] };
+                inputs.push((s, toks));
+            }
+            if inputs.is_empty() {
+                break;
+            }
+            let entries: Vec<(usize, &[u32])> = inputs.iter().map(|(s, t)| (*s, &t[..])).collect();
+            let ids = g.forward_batch(&mut b, &entries, &[])?;
+            let mut row = 0;
+            for ((s, toks), got) in inputs.iter().zip(&ids) {
+                for (j, &id) in got.iter().enumerate() {
+                    let at = fed[*s] + j;
+                    let h = hash(&g.batch_logits_row(&b, row)?);
+                    if (id, h) != alone[*s][at] {
+                        mismatches += 1;
+                        if first_bad.is_empty() {
+                            first_bad = format!("step {steps}: sequence {s} position {at}: id {id} vs {} alone, logits {}", alone[*s][at].0, if h == alone[*s][at].1 { "equal" } else { "differ" });
+                        }
+                    }
+                    row += 1;
+                }
+                fed[*s] += toks.len();
+                next[*s] = *got.last().expect("a row");
+            }
+            most = most.max(row);
+            steps += 1;
+        }
+        let total: usize = alone.iter().map(Vec::len).sum();
+        let ok = mismatches == 0;
+        println!(
+            "{} batched steps vs each sequence alone: {total} rows of {n_seq} sequences in {steps} steps (up to {most} rows a step, {} graphs): {}",
+            if ok { "ok  " } else { "FAIL" },
+            b.graphs(),
+            if ok { "ids and logits bit-identical".to_string() } else { format!("{mismatches} rows differ; first: {first_bad}") }
+        );
+        // Speed: n sequences decoding together, one row each, after a 32-token prompt.
+        let mut c = g.new_cache_typed(512, types)?;
+        let warm: Vec<u32> = (0..32).map(|i| (i * 31 + 7) % vocab as u32).collect();
+        for &t in &warm {
+            g.forward(&mut c, &[t])?;
+        }
+        let mut t1 = g.argmax(&c)?[0];
+        let n = 128;
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            g.forward(&mut c, &[t1])?;
+            t1 = g.argmax(&c)?[0];
+        }
+        let one = n as f64 / t0.elapsed().as_secs_f64();
+        println!("decode, one sequence (one-row steps): {one:.1} tok/s");
+        for seqs in [1usize, 4, 16, 64] {
+            let mut b = g.new_batch(seqs, 512, types, 64)?;
+            let mut cur: Vec<u32> = vec![0; seqs];
+            for s in 0..seqs {
+                let p: Vec<u32> = warm.iter().map(|&t| (t + s as u32) % vocab as u32).collect();
+                for chunk in p.chunks(8) {
+                    cur[s] = *g.forward_batch(&mut b, &[(s, chunk)], &[])?[0].last().expect("a row");
+                }
+            }
+            let step = |b: &mut tine_gpu::gemma3::GpuBatch, cur: &mut Vec<u32>| -> Res<()> {
+                let toks: Vec<[u32; 1]> = cur.iter().map(|&t| [t]).collect();
+                let entries: Vec<(usize, &[u32])> = toks.iter().enumerate().map(|(s, t)| (s, &t[..])).collect();
+                let ids = g.forward_batch(b, &entries, &[])?;
+                for (c, i) in cur.iter_mut().zip(ids) {
+                    *c = i[0];
+                }
+                Ok(())
+            };
+            step(&mut b, &mut cur)?;
+            let t0 = std::time::Instant::now();
+            for _ in 0..n {
+                step(&mut b, &mut cur)?;
+            }
+            let dt = t0.elapsed().as_secs_f64();
+            let agg = (n * seqs) as f64 / dt;
+            println!("decode, {seqs} sequences a step: {agg:.1} tok/s in all ({:.3} ms a step, {:.2}x one sequence)", dt * 1e3 / n as f64, agg / one);
         }
         Ok(ok)
     }
