@@ -43,6 +43,8 @@
 #                                         # ids against the CPU path, the assistant against plain;
 #                                         # `a4b-6l` (26B-A4B's MoE widths, 6 layers, Q4_K_M)
 #                                         # against llama-bench, its check, ids against candle CUDA
+#   bash tools/cuda/qwen35_job.sh quick-moe-batch  # gemma4-moe without llama.cpp and a4b-6l, plus
+#                                         # Gemma 3's batched step (tine-gpu-check --batch)
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -439,11 +441,14 @@ if [ "$mode" = moe-bench ]; then
   [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a3b-4l engine vs candle cuda" || say "DIFF  a3b-4l engine vs candle cuda (4 random layers: rounding may part them)"
   exit 0
 fi
-if [ "$mode" = gemma4-moe ]; then
+if [ "$mode" = gemma4-moe ] || [ "$mode" = quick-moe-batch ]; then
   # Gemma 4's routed experts on the engine. llama.cpp and the 26B-A4B-width GGUF (`a4b-6l`, about
-  # 11 GB of F16) start in the background while the table and the small checks run.
-  build_llama & BP=$!
-  ( [ -s "$W/g4-a4b-6l-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape a4b-6l --out "$W/g4-a4b-6l-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
+  # 11 GB of F16) start in the background while the table and the small checks run
+  # (`quick-moe-batch`: the table, the small checks and Gemma 3's batched step alone).
+  if [ "$mode" = gemma4-moe ]; then
+    build_llama & BP=$!
+    ( [ -s "$W/g4-a4b-6l-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape a4b-6l --out "$W/g4-a4b-6l-f16.gguf" >>"$W/models.log" 2>&1 ) & EP=$!
+  fi
   run kernels 240 "$C" || true
   grep -E "^(FAIL|kernels:)|moe_|gemv_moe" "$log" | tail -n 30
   for f in small-a4b small-a4b-assistant; do
@@ -477,6 +482,7 @@ if [ "$mode" = gemma4-moe ]; then
     run "batch-$shape" 120 "$C" --no-table --batch "$W/g3-$shape-q.gguf" || true
   done
   grep -E "batched steps|^decode, " "$log" | tail -n 12
+  [ "$mode" = quick-moe-batch ] && exit 0
   wait "$EP"; wait "$BP"
   tail -n 1 "$W/llama-build.log" | tee -a "$log"
   M="$W/g4-a4b-6l-q4_k_m.gguf"
