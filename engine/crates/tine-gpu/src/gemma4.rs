@@ -450,6 +450,11 @@ impl Gemma4Gpu {
         &self.cfg
     }
 
+    /// The GPU's free and total memory in bytes (the driver's `cuMemGetInfo`).
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok(self._ctx.mem_get_info()?)
+    }
+
     pub fn max_ctx(&self) -> usize {
         self.max_ctx
     }

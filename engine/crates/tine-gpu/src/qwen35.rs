@@ -246,6 +246,11 @@ impl Qwen35Cache {
         self.kv.iter().map(KvLayer::bytes).sum()
     }
 
+    /// Device bytes it holds: its K/V and its recurrent state planes.
+    pub fn device_bytes(&self) -> usize {
+        self.kv_bytes() + self.conv.iter().chain(&self.ssm).map(|p| p.len() * 4).sum::<usize>()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.ring.pos() == 0
     }
@@ -533,6 +538,11 @@ impl Qwen35Gpu {
 
     pub fn config(&self) -> &Qwen35Config {
         &self.cfg
+    }
+
+    /// The GPU's free and total memory in bytes (the driver's `cuMemGetInfo`).
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok(self._ctx.mem_get_info()?)
     }
 
     pub fn max_ctx(&self) -> usize {

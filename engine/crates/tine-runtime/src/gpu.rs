@@ -301,6 +301,14 @@ mod imp {
                 GpuTrunk::Qwen35(m) => (m.config().n_kv, m.config().head_dim),
             }
         }
+        /// The GPU's free and total memory in bytes.
+        pub fn memory(&self) -> Result<(usize, usize), GpuError> {
+            match self {
+                GpuTrunk::Gemma3(m) => m.memory(),
+                GpuTrunk::Gemma4(m) => m.memory(),
+                GpuTrunk::Qwen35(m) => m.memory(),
+            }
+        }
         /// The most positions a sequence's cache on the engine holds.
         pub fn max_context(&self) -> usize {
             match self {
@@ -357,6 +365,14 @@ mod imp {
                 GpuSeq::Gemma3(c) => c.len(),
                 GpuSeq::Gemma4(c) => c.len(),
                 GpuSeq::Qwen35(c) => c.len(),
+            }
+        }
+        /// Device bytes it holds (its K/V, and a recurrent model's state planes).
+        pub fn device_bytes(&self) -> usize {
+            match self {
+                GpuSeq::Gemma3(c) => c.kv_bytes(),
+                GpuSeq::Gemma4(c) => c.kv_bytes(),
+                GpuSeq::Qwen35(c) => c.device_bytes(),
             }
         }
         /// The types this sequence's K/V are stored in (chosen when it was made).
@@ -479,6 +495,9 @@ mod imp {
         pub fn kv_shape(&self) -> (usize, usize) {
             unreachable!("{NEVER}")
         }
+        pub fn memory(&self) -> Result<(usize, usize), GpuError> {
+            unreachable!("{NEVER}")
+        }
         pub fn max_context(&self) -> usize {
             unreachable!("{NEVER}")
         }
@@ -513,6 +532,9 @@ mod imp {
 
     impl GpuSeq {
         pub fn len(&self) -> usize {
+            unreachable!("{NEVER}")
+        }
+        pub fn device_bytes(&self) -> usize {
             unreachable!("{NEVER}")
         }
         pub fn kv_types(&self) -> tine_gpu::kv::KvTypes {

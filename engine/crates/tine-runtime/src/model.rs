@@ -718,14 +718,20 @@ impl Model {
     }
 
     /// A new, empty sequence able to hold `context` positions (capped at the model's context,
-    /// and on the GPU engine at its caches' size, [`MAX_GPU_CONTEXT`]).
+    /// and on the GPU engine at its caches' size, [`MAX_GPU_CONTEXT`]). Panics where the GPU
+    /// engine cannot allocate its state; [`Model::try_new_sequence`] returns that error.
     pub fn new_sequence(&self, context: usize) -> Sequence {
+        self.try_new_sequence(context).expect("GPU memory for a sequence's KV cache")
+    }
+
+    /// [`Model::new_sequence`], the GPU engine's allocation failure (out of memory) as an error.
+    pub fn try_new_sequence(&self, context: usize) -> Result<Sequence, GpuError> {
         let context = context.min(self.info.context_length).max(1);
-        match &self.gpu {
+        Ok(match &self.gpu {
             Some(gpu) => {
                 let context = context.min(gpu.max_context());
                 let types = crate::gpu::engine_kv_types(self.cache_types.0, self.cache_types.1).expect("cache types checked by set_cache_types");
-                let seq = gpu.new_seq(context, types).expect("GPU memory for a sequence's KV cache");
+                let seq = gpu.new_seq(context, types)?;
                 // candle's cache stays empty: the engine's holds the positions.
                 Sequence {
                     cache: self.new_cache_for(1),
@@ -746,7 +752,12 @@ impl Model {
                 gpu: None,
                 on_cpu: self.device.is_cpu(),
             },
-        }
+        })
+    }
+
+    /// The GPU's free and total memory in bytes, when the model runs on the GPU engine.
+    pub fn gpu_memory(&self) -> Option<Result<(usize, usize), GpuError>> {
+        self.gpu.as_ref().map(|g| g.memory())
     }
 
     /// An empty KV cache for a sequence of `context` positions.
@@ -850,6 +861,14 @@ pub const MAX_GPU_CONTEXT: usize = 32768;
 
 /// Prompt tokens per forward during prefill: bounds the attention scratch memory.
 pub const PREFILL_CHUNK: usize = 512;
+
+impl Sequence {
+    /// GPU memory the engine holds for this sequence (its K/V, and a recurrent model's state
+    /// planes); 0 off the engine.
+    pub fn device_bytes(&self) -> usize {
+        self.gpu.as_ref().map_or(0, GpuSeq::device_bytes)
+    }
+}
 
 impl Sequence {
     pub fn tokens(&self) -> &[u32] {

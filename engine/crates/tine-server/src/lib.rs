@@ -173,6 +173,7 @@ pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) ->
 /// Serves one server (one set of slots) on every address of `addrs` until the process ends.
 /// Every address is bound before anything is served: one that cannot be is the error.
 pub async fn serve_all(model: Arc<Model>, config: ServerConfig, addrs: &[SocketAddr]) -> std::io::Result<()> {
+    check_gpu_slots(&model, &config).map_err(std::io::Error::other)?;
     let mut listeners = Vec::with_capacity(addrs.len());
     for addr in addrs {
         let l = tokio::net::TcpListener::bind(addr).await.map_err(|e| std::io::Error::new(e.kind(), format!("binding {addr}: {e}")))?;
@@ -187,6 +188,44 @@ pub async fn serve_all(model: Arc<Model>, config: ServerConfig, addrs: &[SocketA
         done.map_err(std::io::Error::other)??;
     }
     Ok(())
+}
+
+/// On the GPU engine, whether `--parallel` slots of `-c` positions fit the GPU's memory, checked
+/// before anything is served: one slot's sequence is allocated to measure what a slot takes (its
+/// K/V, a recurrent model's state planes), against the free memory, so a server that cannot hold
+/// its slots is refused at start-up with what would fit instead of failing a request later.
+pub fn check_gpu_slots(model: &Model, config: &ServerConfig) -> Result<(), String> {
+    let Some(memory) = model.gpu_memory() else { return Ok(()) };
+    let slots = config.parallel.max(1);
+    let seq = model.try_new_sequence(config.ctx_size).map_err(|e| format!("--ctx-size {}: the GPU cannot hold even one slot's sequence ({e})", config.ctx_size))?;
+    let (per, context) = (seq.device_bytes(), seq.context());
+    let (free, total) = memory.map_err(|e| format!("reading the GPU's free memory: {e}"))?;
+    // `free` was read with the one sequence allocated.
+    slots_fit(per, slots, context, free + per, total)
+}
+
+/// Whether `slots` sequences of `per` bytes (`context` positions each) fit in `free` bytes of a
+/// GPU of `total`, keeping 5% of it (at least 512 MiB) for graphs and drafters; if not, what
+/// would.
+fn slots_fit(per: usize, slots: usize, context: usize, free: usize, total: usize) -> Result<(), String> {
+    const MIB: usize = 1 << 20;
+    let room = free.saturating_sub((total / 20).max(512 * MIB));
+    if per == 0 || per.saturating_mul(slots) <= room {
+        return Ok(());
+    }
+    let most = room / per;
+    // Positions a slot could hold with `slots` of them (a slot's bytes grow with its positions).
+    let each = (context as u128 * (room / slots) as u128 / per as u128) as usize;
+    Err(format!(
+        "--parallel {slots} slots of {context} positions need {} MiB of GPU memory ({} MiB a slot); {} MiB are free of {} MiB, {} MiB of it kept for graphs and drafters: \
+         at most {most} slot{} of {context} positions fit, or {slots} slots of about {each} positions (--ctx-size {each})",
+        per * slots / MIB,
+        per.div_ceil(MIB),
+        free / MIB,
+        total / MIB,
+        (total / 20).max(512 * MIB) / MIB,
+        if most == 1 { "" } else { "s" },
+    ))
 }
 
 /// Serves `app` on `listener` until the process ends, over HTTP/1.1 with response header names
@@ -328,4 +367,31 @@ fn fresh_id(prefix: &str) -> String {
 
 fn sse_json(v: Value) -> Result<SseEvent, std::convert::Infallible> {
     Ok(SseEvent::default().data(v.to_string()))
+}
+
+#[cfg(test)]
+mod gpu_slots_tests {
+    use super::slots_fit;
+
+    const MIB: usize = 1 << 20;
+    const GIB: usize = 1 << 30;
+
+    #[test]
+    fn slots_that_fit_the_gpu_start() {
+        assert_eq!(slots_fit(100 * MIB, 4, 4096, 10 * GIB, 80 * GIB), Ok(()));
+        // Off the engine a sequence holds no GPU memory.
+        assert_eq!(slots_fit(0, 64, 4096, 0, 0), Ok(()));
+    }
+
+    #[test]
+    fn slots_that_do_not_fit_are_refused_with_what_would() {
+        // 64 slots of 1 GiB in 40 GiB free of 80 (4 GiB kept): 36 fit, or 64 of 18432 positions.
+        let e = slots_fit(GIB, 64, 32768, 40 * GIB, 80 * GIB).expect_err("64 GiB in 36");
+        assert!(e.contains("--parallel 64 slots of 32768 positions need 65536 MiB"), "{e}");
+        assert!(e.contains("at most 36 slots of 32768 positions fit"), "{e}");
+        assert!(e.contains("64 slots of about 18432 positions (--ctx-size 18432)"), "{e}");
+        // The headroom is at least 512 MiB on a small GPU.
+        let e = slots_fit(GIB, 2, 8192, 2 * GIB, 8 * GIB).expect_err("2 GiB in 1.5");
+        assert!(e.contains("at most 1 slot of 8192 positions fit"), "{e}");
+    }
 }
