@@ -45,6 +45,8 @@
 #                                         # against llama-bench, its check, ids against candle CUDA
 #   bash tools/cuda/qwen35_job.sh quick-moe-batch  # gemma4-moe without llama.cpp and a4b-6l, plus
 #                                         # Gemma 3's batched step (tine-gpu-check --batch)
+#   bash tools/cuda/qwen35_job.sh mini    # small-a4b's check and ids, Gemma 3's batched step on
+#                                         # `small`: the new paths in about a minute
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -439,6 +441,24 @@ if [ "$mode" = moe-bench ]; then
   gpu=$(timeout 60 "$T" "${base[@]}" 2>/dev/null)
   candle=$(TINE_GPU_ENGINE=0 timeout 200 "$T" "${base[@]}" 2>/dev/null)
   [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a3b-4l engine vs candle cuda" || say "DIFF  a3b-4l engine vs candle cuda (4 random layers: rounding may part them)"
+  exit 0
+fi
+if [ "$mode" = mini ]; then
+  # The shortest look at the new paths (no table, no llama.cpp): `small-a4b`'s model check and
+  # greedy ids against the CPU path, Gemma 3's batched step on the small shape.
+  for f in small-a4b; do
+    [ -s "$W/g4-$f-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$f" --out "$W/g4-$f-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/g4-$f-q.gguf" ] || "$C" --quantize "$W/g4-$f-f16.gguf" "$W/g4-$f-q.gguf" >>"$W/models.log" 2>&1
+  done
+  run gemma4-small-a4b 60 "$C" --no-table --gemma4 "$W/g4-small-a4b-q.gguf" || true
+  base=(generate -m "$W/g4-small-a4b-q.gguf" -p 'The history of the printing press begins' -n 32 --ignore-eos --temp 0)
+  cpu=$(timeout 30 "$T" "${base[@]}" --device cpu 2>/dev/null)
+  gpu=$(timeout 30 "$T" "${base[@]}" --device cuda 2>/dev/null)
+  [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  small-a4b engine vs cpu" || say "DIFF  small-a4b engine vs cpu"
+  [ -s "$W/g3-small-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma3_random_model.py" --shape small --out "$W/g3-small-f16.gguf" >>"$W/models.log" 2>&1
+  [ -s "$W/g3-small-q.gguf" ] || "$C" --quantize "$W/g3-small-f16.gguf" "$W/g3-small-q.gguf" >>"$W/models.log" 2>&1
+  run batch-small 60 "$C" --no-table --batch "$W/g3-small-q.gguf" || true
+  grep -E "^(ok|FAIL)|batched steps|^decode" "$log" | tail -n 20
   exit 0
 fi
 if [ "$mode" = gemma4-moe ] || [ "$mode" = quick-moe-batch ]; then
