@@ -515,7 +515,14 @@ fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     } else {
         model.tokenizer.encode(&a.prompt, true, true)
     };
-    let mut seq = model.new_sequence(a.model.ctx_size);
+    let mut seq = model.try_new_sequence(a.model.ctx_size).with_context(|| {
+        let per = model.kv_bytes_per_position().map(|b| format!(" ({:.1} KiB of K/V a position)", b as f64 / 1024.0)).unwrap_or_default();
+        let free = match model.gpu_memory() {
+            Some(Ok((free, total))) => format!("; {} MiB of the GPU's {} MiB are free", free >> 20, total >> 20),
+            _ => String::new(),
+        };
+        format!("the GPU cannot hold a sequence of --ctx-size {}{per}{free}: try a smaller -c or lower-bit -ctk/-ctv", a.model.ctx_size)
+    })?;
     let factory = a.spec.load(&model)?;
     let mut spec = match &factory {
         Some(f) => Some(f.speculator(&model, seq.context())?),
