@@ -1082,7 +1082,41 @@ impl Kernels {
         self.launch(stream, &self.mmq_moe, cfg, &args, "mmq_moe")
     }
 
-    /// `moe_combine` over `rows` rows.
+    /// The routed experts' GEMV of a step's `rows` rows, `used` (row, expert) pairs each, the
+    /// experts stacked `expert_bytes` apart: a prompt step (`grouped`) runs one GEMM per expert
+    /// over its pairs ([`Kernels::mmq_moe`]; the gate·up call, `act_pair` false, first lists the
+    /// pairs by expert into `sorted`, which the down call reads again), a decode or verify step a
+    /// GEMV per pair ([`Kernels::gemv_moe`], batch-invariant). `act_pair`: each pair reads its
+    /// own activation row (the down projection), else its row's.
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv_moe`]'s; `sorted` holds `n_expert · rows` and `n_expert` i32.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn moe_gemv(
+        &self,
+        stream: &Arc<CudaStream>,
+        grouped: bool,
+        rows: usize,
+        n_expert: usize,
+        used: usize,
+        k: usize,
+        seg: GemvSeg,
+        act: (DevPtr, DevPtr, DevPtr),
+        ids: DevPtr,
+        sorted: (DevPtr, DevPtr),
+        expert_bytes: usize,
+        act_pair: bool,
+    ) -> Result<(), GpuError> {
+        if !grouped {
+            return self.gemv_moe(stream, rows * used, k, seg, act, ids, expert_bytes, used, act_pair);
+        }
+        if !act_pair {
+            self.moe_sort(stream, rows * used, n_expert, rows, ids, sorted.0, sorted.1)?;
+        }
+        self.mmq_moe(stream, n_expert, rows, k, seg, act, sorted, expert_bytes, if act_pair { 1 } else { used })
+    }
+
+    /// `moe_combine` over `rows` rows.    /// `moe_combine` over `rows` rows.
     ///
     /// # Safety
     /// The buffers hold what [`MoeCombineArgs`] describes for `rows` rows.

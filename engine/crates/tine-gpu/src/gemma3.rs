@@ -685,13 +685,29 @@ impl Gemma3Gpu {
     unsafe fn launch_block(&self, ly: &Layer, local: bool, kv: KvPtrs, ctx_len: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let c = &self.cfg;
         let b = &self.b;
-        let p = |s: &CudaSlice<f32>| self.ptr(s);
         let act = self.act(0, 0);
         let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
         let (s, k) = (&self.stream, &self.kernels);
         k.gemv(s, rows, c.hidden, &[self.seg(&ly.q, &b.q, qd), self.seg(&ly.k, &b.k, kvd), self.seg(&ly.v, &b.v, kvd)], act)?;
         mark("gemv qkv")?;
-        let rope = RopeArgs {
+        k.qk_norm_rope_kv(s, rows, &self.rope_args(ly, local, kv, ctx_len, step))?;
+        mark("qk_norm_rope_kv")?;
+        let at = self.attn_args(kv, ctx_len, local, c.n_head, step);
+        match prompt {
+            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
+            None => k.attention(s, rows, c.head_dim, &at)?,
+        }
+        mark(if local { "attention local" } else { "attention global" })?;
+        let tail = BlockTail { o: &ly.o, post_attn_norm: &ly.post_attn_norm, ffn_norm: &ly.ffn_norm, gate: &ly.gate, up: &ly.up, down: &ly.down };
+        self.launch_block_tail(&tail, c.hidden, qd, c.ff, step, rows, prompt, mark)
+    }
+
+    /// `qk_norm_rope_kv`'s arguments for block `ly` (a local layer's RoPE base when `local`) over
+    /// its cache `kv` of `ctx_len` positions.
+    fn rope_args(&self, ly: &Layer, local: bool, kv: KvPtrs, ctx_len: usize, step: DevPtr) -> RopeArgs {
+        let (c, b) = (&self.cfg, &self.b);
+        let p = |s: &CudaSlice<f32>| self.ptr(s);
+        RopeArgs {
             q: p(&b.q),
             k: p(&b.k),
             v: p(&b.v),
@@ -712,17 +728,12 @@ impl Gemma3Gpu {
             v_from_k: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
-        };
-        k.qk_norm_rope_kv(s, rows, &rope)?;
-        mark("qk_norm_rope_kv")?;
-        let at = self.attn_args(kv, ctx_len, local, c.n_head, step);
-        match prompt {
-            Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
-            None => k.attention(s, rows, c.head_dim, &at)?,
         }
-        mark(if local { "attention local" } else { "attention global" })?;
-        let tail = BlockTail { o: &ly.o, post_attn_norm: &ly.post_attn_norm, ffn_norm: &ly.ffn_norm, gate: &ly.gate, up: &ly.up, down: &ly.down };
-        self.launch_block_tail(&tail, c.hidden, qd, c.ff, step, rows, prompt, mark)
+    }
+
+    /// The gate·up GEMV segment with the GELU(tanh)·up epilogue into `b.ff` (rows of `ff`).
+    fn glu_seg(&self, gate: &(CudaSlice<u8>, WeightType), up: &(CudaSlice<u8>, WeightType), ff: usize) -> GemvSeg {
+        GemvSeg { w: self.ptr(&gate.0), w2: self.ptr(&up.0), out: self.ptr(&self.b.ff), n: ff as i32, wtype: gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0, wide: self.wide as i32 }
     }
 
     /// The decode attention's arguments for `n_head` query heads over a layer's cache `kv` of
@@ -767,9 +778,7 @@ impl Gemma3Gpu {
         mark("gemv o")?;
         k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(w.post_attn_norm), 1, width, p(w.ffn_norm)))?;
         mark("norm_quant")?;
-        let glu =
-            GemvSeg { w: self.ptr(&w.gate.0), w2: self.ptr(&w.up.0), out: p(&b.ff), n: ff as i32, wtype: w.gate.1.ggml_id(), out_stride: ff as i32, glu: 1, block_start: 0, wide: self.wide as i32 };
-        k.gemv(s, rows, width, &[glu], act)?;
+        k.gemv(s, rows, width, &[self.glu_seg(w.gate, w.up, ff)], act)?;
         mark("gemv gate·up")?;
         k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, ff, 0))?;
         mark("norm_quant")?;

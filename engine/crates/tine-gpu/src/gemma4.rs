@@ -771,29 +771,16 @@ impl Gemma4Gpu {
             block_start: 0,
             wide: self.wide as i32,
         };
-        // A prompt step groups the pairs by expert and runs a GEMM per expert (mmq_moe); decode
-        // and verify steps run each pair's GEMV (gemv_moe, batch-invariant). Both are marked
-        // with gemv_moe's names (moe_sort's time goes to gate·up's), so that a trace lines the
-        // two paths' launches up.
-        let sorted = (self.ptr(&b.moe_list), self.ptr(&b.moe_counts));
-        if prompt.is_some() {
-            k.moe_sort(s, pairs, mc.experts, rows, self.ptr(&b.moe_ids), sorted.0, sorted.1)?;
-            k.mmq_moe(s, mc.experts, rows, h, glu, act, sorted, bytes(&e.gate_exps, fe, h), used)?;
-            mark("gemv_moe gate·up")?;
-        } else {
-            k.gemv_moe(s, pairs, h, glu, act, self.ptr(&b.moe_ids), bytes(&e.gate_exps, fe, h), used, false)?;
-            mark("gemv_moe gate·up")?;
-        }
+        // A prompt step runs a GEMM per expert, decode and verify steps a GEMV per pair
+        // (Kernels::moe_gemv); both are marked with gemv_moe's names (a prompt step's moe_sort
+        // time goes to gate·up's), so that a trace lines the two paths' launches up.
+        let (grouped, ids, sorted) = (prompt.is_some(), self.ptr(&b.moe_ids), (self.ptr(&b.moe_list), self.ptr(&b.moe_counts)));
+        k.moe_gemv(s, grouped, rows, mc.experts, used, h, glu, act, ids, sorted, bytes(&e.gate_exps, fe, h), false)?;
+        mark("gemv_moe gate·up")?;
         k.norm_quant(s, pairs, &self.nq(step, prompt, p(&b.ffx), 0, 0, fe, 0, 0.0))?;
         mark("norm_quant")?;
-        let down = self.seg(&e.down_exps, &b.ydn, h);
-        if prompt.is_some() {
-            k.mmq_moe(s, mc.experts, rows, fe, down, act, sorted, bytes(&e.down_exps, h, fe), 1)?;
-            mark("gemv_moe down")?;
-        } else {
-            k.gemv_moe(s, pairs, fe, down, act, self.ptr(&b.moe_ids), bytes(&e.down_exps, h, fe), used, true)?;
-            mark("gemv_moe down")?;
-        }
+        k.moe_gemv(s, grouped, rows, mc.experts, used, fe, self.seg(&e.down_exps, &b.ydn, h), act, ids, sorted, bytes(&e.down_exps, h, fe), true)?;
+        mark("gemv_moe down")?;
         let ca = MoeCombineArgs {
             y: p(&b.ydn),
             wts: p(&b.moe_wts),

@@ -856,31 +856,19 @@ impl Qwen35Gpu {
                 k.gemv(s, rows, h, &[glu(&e.shared.0, &e.shared.1, &b.ff, fs)], act)?;
                 mark("gemv shared gate·up")?;
                 let bytes = |w: &W, n: usize, k: usize| n * w.1.wide_row_bytes(k);
-                // A prompt step groups the pairs by expert and runs a GEMM per expert (mmq_moe);
-                // decode and verify steps run each pair's GEMV (gemv_moe, batch-invariant). Both
-                // are marked with gemv_moe's names (moe_sort's time goes to gate·up's).
-                let sorted = (self.ptr(&b.moe_list), self.ptr(&b.moe_counts));
-                if prompt.is_some() {
-                    k.moe_sort(s, pairs, mc.experts, rows, self.ptr(&b.moe_ids), sorted.0, sorted.1)?;
-                    k.mmq_moe(s, mc.experts, rows, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, sorted, bytes(&e.gate_exps, fe, h), used)?;
-                    mark("gemv_moe gate·up")?;
-                } else {
-                    k.gemv_moe(s, pairs, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, self.ptr(&b.moe_ids), bytes(&e.gate_exps, fe, h), used, false)?;
-                    mark("gemv_moe gate·up")?;
-                }
+                // A prompt step runs a GEMM per expert, decode and verify steps a GEMV per pair
+                // (Kernels::moe_gemv); both are marked with gemv_moe's names.
+                let (grouped, ids, sorted) = (prompt.is_some(), self.ptr(&b.moe_ids), (self.ptr(&b.moe_list), self.ptr(&b.moe_counts)));
+                k.moe_gemv(s, grouped, rows, mc.experts, used, h, glu(&e.gate_exps, &e.up_exps, &b.ffx, fe), act, ids, sorted, bytes(&e.gate_exps, fe, h), false)?;
+                mark("gemv_moe gate·up")?;
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, fs, 0))?;
                 mark("norm_quant")?;
                 k.gemv(s, rows, fs, &[self.seg(&e.shared.2, &b.mix, h)], act)?;
                 mark("gemv shared down")?;
                 k.norm_quant(s, pairs, &self.nq(step, prompt, p(&b.ffx), 0, fe, 0))?;
                 mark("norm_quant")?;
-                if prompt.is_some() {
-                    k.mmq_moe(s, mc.experts, rows, fe, self.seg(&e.down_exps, &b.ydn, h), act, sorted, bytes(&e.down_exps, h, fe), 1)?;
-                    mark("gemv_moe down")?;
-                } else {
-                    k.gemv_moe(s, pairs, fe, self.seg(&e.down_exps, &b.ydn, h), act, self.ptr(&b.moe_ids), bytes(&e.down_exps, h, fe), used, true)?;
-                    mark("gemv_moe down")?;
-                }
+                k.moe_gemv(s, grouped, rows, mc.experts, used, fe, self.seg(&e.down_exps, &b.ydn, h), act, ids, sorted, bytes(&e.down_exps, h, fe), true)?;
+                mark("gemv_moe down")?;
                 let ca = MoeCombineArgs { y: p(&b.ydn), wts: p(&b.moe_wts), shared: p(&b.mix), sgate: p(&b.sgate), out: p(&b.down), k: h as i32, used: used as i32, ids: 0, escale: 0 };
                 k.moe_combine(s, rows, &ca)?;
                 mark("moe_combine")?;

@@ -152,45 +152,12 @@ impl Gemma3Gpu {
             self.gemv_batch(rows, c.hidden, &[self.seg(&ly.q, &b.q, qd), self.seg(&ly.k, &b.k, kvd), self.seg(&ly.v, &b.v, kvd)])?;
             let kv = batch.kv[l].ptrs(s);
             let local = c.is_local(l);
-            let rope = RopeArgs {
-                q: p(&b.q),
-                k: p(&b.k),
-                v: p(&b.v),
-                q_norm: p(&ly.q_norm),
-                k_norm: p(&ly.k_norm),
-                eps: c.eps,
-                inv_freq: if local { p(&self.inv_local) } else { p(&self.inv_global) },
-                q_scale: 1.0 / (c.head_dim as f32).sqrt(),
-                k_cache: kv.k,
-                v_cache: kv.v,
-                ctx: batch.ctx_len as i32,
-                step,
-                n_head: c.n_head as i32,
-                n_kv: c.n_kv as i32,
-                hd: c.head_dim as i32,
-                n_rot: 0,
-                v_norm: 0,
-                v_from_k: 0,
-                k_type: kv.types.k.kernel_id(),
-                v_type: kv.types.v.kernel_id(),
-            };
-            k.qk_norm_rope_kv(s, rows, &rope)?;
+            k.qk_norm_rope_kv(s, rows, &self.rope_args(ly, local, kv, batch.ctx_len, step))?;
             let at = AttnArgs { partials: self.ptr(&batch.partials), counters: self.ptr(&batch.counters), ..self.attn_args(kv, batch.ctx_len, local, c.n_head, step) };
             k.attention(s, rows, c.head_dim, &at)?;
             self.gemv_batch(rows, qd, &[self.seg(&ly.o, &b.o, c.hidden)])?;
             k.norm_quant(s, rows, &self.nq(step, tokens, p(&b.o), p(&ly.post_attn_norm), 1, c.hidden, p(&ly.ffn_norm)))?;
-            let glu = GemvSeg {
-                w: self.ptr(&ly.gate.0),
-                w2: self.ptr(&ly.up.0),
-                out: p(&b.ff),
-                n: c.ff as i32,
-                wtype: ly.gate.1.ggml_id(),
-                out_stride: c.ff as i32,
-                glu: 1,
-                block_start: 0,
-                wide: self.wide as i32,
-            };
-            self.gemv_batch(rows, c.hidden, &[glu])?;
+            self.gemv_batch(rows, c.hidden, &[self.glu_seg(&ly.gate, &ly.up, c.ff)])?;
             k.norm_quant(s, rows, &self.nq(step, tokens, p(&b.ff), 0, 0, c.ff, 0))?;
             self.gemv_batch(rows, c.ff, &[self.seg(&ly.down, &b.down, c.hidden)])?;
         }
