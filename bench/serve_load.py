@@ -8,7 +8,8 @@ load:  N concurrent connections against --parallel P (--max-queue Q): answers by
        wall time, and the server's peak RSS (VmHWM) before and after.
 clients: aggregate generated tokens per second of C concurrent clients (each a /completion of
        --n-predict greedy tokens with ignore_eos, its own prompt) against --parallel P, for each
-       C given, with the slots' rows (decode rows, verify batches) batched and (TINE_CPU_BATCH=0)
+       C given, with the slots' rows (decode rows, verify batches) batched and (TINE_CPU_BATCH=0,
+       TINE_GPU_BATCH=0)
        stepped one slot at a time (--tine-args for both, e.g. a spec type), and llama-server with
        --llama-server, interleaved over --rounds rounds; the requests stream: each request's
        wall time (p50, p90, max), first-token time and inter-token gaps (p50, p99), and the draft
@@ -42,7 +43,10 @@ class Server:
     def __init__(self, tine, model, args, env=None, cmd=None):
         self.port = free_port()
         cmd = (cmd or [tine, "serve"]) + ["-m", model, "--host", "127.0.0.1", "--port", str(self.port)] + args
-        self.proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env)
+        # SERVE_LOAD_LOGS=DIR keeps each server's stderr (DIR/server-PORT.log: its start-up lines).
+        logs = os.environ.get("SERVE_LOAD_LOGS")
+        err = open(os.path.join(logs, f"server-{self.port}.log"), "w") if logs else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, stderr=err, stdout=subprocess.DEVNULL, env=env)
         t0 = time.time()
         while True:
             try:
@@ -212,7 +216,7 @@ def clients(a):
     counts = [int(c) for c in a.clients.split(",")]
     args = ["--parallel", str(a.parallel), "-c", str(a.parallel * 512)]
     targs = args + a.tine_args.split()
-    servers = {"tine batched": Server(a.tine, a.model, targs), "tine one slot a step": Server(a.tine, a.model, targs, env=dict(os.environ, TINE_CPU_BATCH="0"))}
+    servers = {"tine batched": Server(a.tine, a.model, targs), "tine one slot a step": Server(a.tine, a.model, targs, env=dict(os.environ, TINE_CPU_BATCH="0", TINE_GPU_BATCH="0"))}
     if a.llama_server:
         servers["llama-server"] = Server(None, a.llama_model or a.model, args + ["-t", str(a.threads)] + a.llama_args.split(), cmd=[a.llama_server])
     try:

@@ -47,6 +47,12 @@
 #                                         # Gemma 3's batched step (tine-gpu-check --batch)
 #   bash tools/cuda/qwen35_job.sh mini    # small-a4b's check and ids, Gemma 3's batched step on
 #                                         # `small`: the new paths in about a minute
+#   bash tools/cuda/qwen35_job.sh serve-batch  # issue 50: the kernel table, Gemma 3's batched
+#                                         # step (tine-gpu-check --batch on `small` and `270m`),
+#                                         # then `tine serve --device cuda --parallel 64` batched and
+#                                         # one slot a step (TINE_GPU_BATCH=0) against llama-server
+#                                         # -np 64 -ngl 99 on the same random 270M-shape Q4_K_M
+#                                         # (bench/serve_load.py clients 1,4,16,64 x 256 tokens)
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -82,12 +88,12 @@ LB="$W/llama.cpp/build/bin"
 
 # llama.cpp CUDA, built in the background while the checks run.
 build_llama() {
-  [ -x "$LB/llama-quantize" ] && [ -x "$LB/llama-bench" ] && return 0
+  [ -x "$LB/llama-quantize" ] && [ -x "$LB/llama-bench" ] && { [ -z "${LLAMA_EXTRA_TARGETS:-}" ] || [ -x "$LB/llama-server" ]; } && return 0
   local t0
   t0=$(date +%s)
   cmake -S "$W/llama.cpp" -B "$W/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
     -DLLAMA_CURL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=ON >"$W/llama-build.log" 2>&1 &&
-    cmake --build "$W/llama.cpp/build" -j"$(nproc)" --target llama-bench llama-quantize >>"$W/llama-build.log" 2>&1
+    cmake --build "$W/llama.cpp/build" -j"$(nproc)" --target llama-bench llama-quantize ${LLAMA_EXTRA_TARGETS:-} >>"$W/llama-build.log" 2>&1
   echo "llama.cpp CUDA build: rc=$? in $(($(date +%s) - t0)) s" >>"$W/llama-build.log"
 }
 # A random-weight GGUF at `shape`, F16, then Q4_K_M (once llama-quantize exists).
@@ -441,6 +447,31 @@ if [ "$mode" = moe-bench ]; then
   gpu=$(timeout 60 "$T" "${base[@]}" 2>/dev/null)
   candle=$(TINE_GPU_ENGINE=0 timeout 200 "$T" "${base[@]}" 2>/dev/null)
   [ -n "$gpu" ] && [ "$gpu" = "$candle" ] && say "same  a3b-4l engine vs candle cuda" || say "DIFF  a3b-4l engine vs candle cuda (4 random layers: rounding may part them)"
+  exit 0
+fi
+if [ "$mode" = serve-batch ]; then
+  LLAMA_EXTRA_TARGETS=llama-server build_llama & BP=$!
+  ( [ -s "$W/g3-270m-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma3_random_model.py" --shape 270m --out "$W/g3-270m-f16.gguf" >>"$W/models.log" 2>&1 ) & GP=$!
+  [ -n "${SKIP_TABLE:-}" ] || run kernels 200 "$C" || true
+  grep -E "^(FAIL|kernels:)|seq rows|per-row bans|argmax n=" "$log" | tail -n 12
+  [ -s "$W/g3-small-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma3_random_model.py" --shape small --out "$W/g3-small-f16.gguf" >>"$W/models.log" 2>&1
+  [ -s "$W/g3-small-q.gguf" ] || "$C" --quantize "$W/g3-small-f16.gguf" "$W/g3-small-q.gguf" >>"$W/models.log" 2>&1
+  run batch-small 60 "$C" --no-table --batch "$W/g3-small-q.gguf" || true
+  wait "$GP"
+  [ -s "$W/g3-270m-q.gguf" ] || "$C" --quantize "$W/g3-270m-f16.gguf" "$W/g3-270m-q.gguf" >>"$W/models.log" 2>&1
+  run batch-270m 90 "$C" --no-table --batch "$W/g3-270m-q.gguf" || true
+  grep -E "batched steps|^decode, " "$log" | tail -n 12
+  wait "$BP"
+  tail -n 1 "$W/llama-build.log" | tee -a "$log"
+  M="$W/g3-270m-q4_k_m.gguf"
+  [ -s "$M" ] || "$LB/llama-quantize" "$W/g3-270m-f16.gguf" "$M" Q4_K_M >>"$W/models.log" 2>&1
+  say "serve: $(ls -la "$M" 2>&1)"
+  mkdir -p "$W/serve-logs"
+  SERVE_LOAD_LOGS="$W/serve-logs" timeout "${SERVE_SECS:-300}" python3 "$root/bench/serve_load.py" --tine "$T" --model "$M" clients --clients "${SERVE_CLIENTS:-1,4,16,64}" --parallel 64 --n-predict 256 --rounds "${SERVE_ROUNDS:-1}" \
+    --tine-args "--device cuda" --llama-server "$LB/llama-server" --llama-args "-ngl 99" 2>>"$W/serve-err.log" | tee -a "$log"
+  say "serve: rc=$?"
+  tail -n 5 "$W/serve-err.log" >>"$log"
+  grep -h "tine serve" "$W"/serve-logs/*.log | head -n 6 >>"$log"
   exit 0
 fi
 if [ "$mode" = mini ]; then

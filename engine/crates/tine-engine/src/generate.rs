@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use std::collections::VecDeque;
 
-use tine_runtime::{Hidden, Logits, Model, Rows, Sequence, StepError, PREFILL_CHUNK};
+use tine_runtime::{DecodeOut, DecodeWant, Hidden, Logits, Model, Rows, Sequence, StepError, PREFILL_CHUNK};
 use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
 use tine_spec::{SpecError, SpecStats, Speculator};
 
@@ -247,6 +247,16 @@ pub struct Generation {
     forwarded: bool,
 }
 
+/// Which forwards a step leaves to its caller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Defer {
+    No,
+    /// Decodes, verify batches and (where the model batches) prompt pieces.
+    All,
+    /// Plain decodes alone.
+    Decode,
+}
+
 /// What a deferred step left for the caller's forward.
 #[derive(Debug)]
 enum Pending {
@@ -453,7 +463,50 @@ impl Generation {
     /// decoding feeds one token, a round drafts, verifies and decides several; they are then
     /// handed out one per step.
     pub fn step_with(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
-        self.step_inner(model, seq, spec, false)
+        self.step_inner(model, seq, spec, Defer::No)
+    }
+
+    /// [`Generation::step_with`] that leaves a plain decode of the emitted token (no speculator
+    /// round, no decided tokens left, not a prompt chunk) to the caller: the GPU engine's batched
+    /// step. [`Generation::pending_decode`] names the token and what the draw reads of its row;
+    /// the caller runs it (`Model::decode_many_gpu`, with other sequences' rows) and hands the
+    /// result to [`Generation::feed_decode`]. The tokens drawn are the same as with `step_with`.
+    pub fn step_deferring_decode(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
+        self.step_inner(model, seq, spec, Defer::Decode)
+    }
+
+    /// The decode [`Generation::step_deferring_decode`] left pending: its token, whether the
+    /// end-of-generation ids are passed over (`ignore_eos`) and what the draw reads of the row:
+    /// what `step_with` would have asked of `Sequence::decode_argmax_banning`,
+    /// `Sequence::decode_top_k` or `Sequence::decode`.
+    pub fn pending_decode(&self, model: &Model) -> Option<(u32, bool, DecodeWant)> {
+        let Some(Pending::Decode([token])) = self.pending else { return None };
+        let ban = self.req.ignore_eos;
+        let want = if self.argmax_only() { model.gpu_decode_want(true, None, ban) } else { model.gpu_decode_want(false, self.top_k_only(), ban) };
+        Some((token, ban, want))
+    }
+
+    /// What the batched step gave for the decode [`Generation::pending_decode`] named, and the
+    /// milliseconds it took (counted as generation time).
+    pub fn feed_decode(&mut self, model: &Model, out: DecodeOut, ms: f64) -> Result<(), GenerateError> {
+        if !matches!(self.pending, Some(Pending::Decode(_))) {
+            return Err(GenerateError::Internal("a decode fed with none pending".into()));
+        }
+        self.pending = None;
+        self.timings.predicted_ms += ms;
+        match out {
+            DecodeOut::Id(id) => self.next = Some(id),
+            DecodeOut::TopK(top) => self.top = Some(top),
+            // The draw reads the row (through the filter, as after `Sequence::decode`); greedy
+            // with ignore_eos over more end ids than the engine's argmax passes over included.
+            DecodeOut::Row(row) => {
+                if model.info.vocab_size != row.len() {
+                    return Err(GenerateError::Internal(format!("a logits row of {} for a vocabulary of {}", row.len(), model.info.vocab_size)));
+                }
+                self.logits = row
+            }
+        }
+        Ok(())
     }
 
     /// [`Generation::step_with`] that leaves the forward the step ends with to the caller, where
@@ -463,7 +516,7 @@ impl Generation {
     /// sequences' rows) and hands their logits to [`Generation::feed_rows`]. The tokens drawn are
     /// the same as with `step_with`.
     pub fn step_deferring(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
-        self.step_inner(model, seq, spec, true)
+        self.step_inner(model, seq, spec, Defer::All)
     }
 
     /// The rows the last [`Generation::step_deferring`] left for the caller to feed, and how
@@ -549,7 +602,7 @@ impl Generation {
         self.forwarded
     }
 
-    fn step_inner(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>, defer: bool) -> Result<StepEvent, GenerateError> {
+    fn step_inner(&mut self, model: &Model, seq: &mut Sequence, mut spec: Option<&mut Speculator>, defer: Defer) -> Result<StepEvent, GenerateError> {
         self.forwarded = false;
         if self.pending.is_some() {
             return Err(GenerateError::Internal("a step before the pending rows' logits were fed".into()));
@@ -558,7 +611,7 @@ impl Generation {
             return Ok(StepEvent { stop: Some(stop), ..StepEvent::default() });
         }
         if let Some(at) = self.prefill_at {
-            if defer && model.batches() {
+            if defer == Defer::All && model.batches() {
                 // The caller feeds the chunk's next piece (the whole chunk, unless it is longer
                 // than a prefill's forward or the model is recurrent) with other sequences' rows;
                 // `feed_rows` takes it in.
@@ -648,7 +701,7 @@ impl Generation {
                     if let Some(g) = filter.grammar.as_deref_mut() {
                         g.mark();
                     }
-                    if defer {
+                    if defer == Defer::All {
                         // The caller runs the verify batch; `feed_rows` decides the round (and
                         // rewinds the grammar to the mark).
                         let plan = spec.plan(model, seq, token, max_new, &mut filter);
@@ -668,7 +721,7 @@ impl Generation {
                         self.timings.draft.add(&round.stats());
                         self.decided.extend(round.tokens.into_iter().zip(round.rows));
                     }
-                } else if defer {
+                } else if defer != Defer::No {
                     // The caller feeds the token; the full row comes back (the draw reads it as
                     // the argmax and top-k paths would: the same token).
                     self.pending = Some(Pending::Decode([token]));

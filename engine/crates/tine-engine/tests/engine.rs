@@ -663,3 +663,73 @@ fn reasoning_is_split_from_the_answer_whole_and_streamed() {
     assert_eq!(early.iter().map(|d| if let ReasoningDelta::Reasoning(t) = d { t.as_str() } else { "" }).collect::<String>(), "thinking hard");
     assert!(forced_open("<|im_start|>assistant\n<think>\n") && !forced_open("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
 }
+
+/// Issue 50: a decode left to the GPU engine's batched step (`step_deferring_decode`) draws what
+/// the slot's own step draws, whatever the step reads back for it: the greedy id (with and
+/// without `ignore_eos`), a sampled draw's top-k, or the row (logprobs, a draw without top-k).
+/// The batched step is played here on the host from each row (`Sequence::decode`), as the engine
+/// computes it on the device: the argmax passing over the end ids where the row asks, the top-k
+/// in the sampler's order.
+#[test]
+fn a_decode_left_to_a_batched_step_draws_what_the_slot_s_own_step_draws() {
+    use tine_runtime::{banned_argmax, DecodeOut, DecodeWant};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("tiny.gguf");
+    TinyGemma3 { seed: 13, ..TinyGemma3::default() }.write(&path);
+    let model = Model::load(&path).expect("fixture loads");
+    let prompt = model.tokenizer.encode("hello world the", true, true);
+    let alone = |req: GenerateRequest| {
+        let mut seq = model.new_sequence(256);
+        let mut g = Generation::start(&model, &mut seq, req).expect("start");
+        let mut text = String::new();
+        while !g.is_finished() {
+            text.push_str(&g.step(&model, &mut seq).expect("step").text);
+        }
+        (g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec())
+    };
+    // `top_k`: the step reads the k best back (what the engine does for a sampled draw; a build
+    // without CUDA asks for the row, as its GPU engine would not read a top-k).
+    let batched = |req: GenerateRequest, top_k: Option<usize>| {
+        let mut seq = model.new_sequence(256);
+        let mut g = Generation::start(&model, &mut seq, req).expect("start");
+        let (mut text, mut wants) = (String::new(), Vec::new());
+        while !g.is_finished() {
+            text.push_str(&g.step_deferring_decode(&model, &mut seq, None).expect("step").text);
+            let Some((token, ban, want)) = g.pending_decode(&model) else { continue };
+            let row = seq.decode(&model, token).expect("decode");
+            let banned: &[u32] = if ban { model.end_of_generation_tokens() } else { &[] };
+            let out = match top_k.map(DecodeWant::TopK).unwrap_or(want) {
+                DecodeWant::Argmax => DecodeOut::Id(banned_argmax(&row, banned)),
+                DecodeWant::TopK(k) => {
+                    let mut c: Vec<(u32, f32)> = row.iter().enumerate().filter(|(i, _)| !banned.contains(&(*i as u32))).map(|(i, &v)| (i as u32, v)).collect();
+                    c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                    c.truncate(k);
+                    DecodeOut::TopK(c)
+                }
+                DecodeWant::Row => DecodeOut::Row(row),
+            };
+            wants.push(want);
+            g.feed_decode(&model, out, 0.0).expect("fed");
+        }
+        ((g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec()), wants)
+    };
+    let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..SamplingParams::default() };
+    let cases = [
+        ("greedy", GenerateRequest { sampling: SamplingParams::greedy(), ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Argmax),
+        ("greedy, ignore_eos", GenerateRequest { sampling: SamplingParams::greedy(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Argmax),
+        ("seeded top-k", GenerateRequest { sampling: seeded.clone(), ..GenerateRequest::new(prompt.clone()) }, model.gpu_decode_want(false, Some(40), false)),
+        ("seeded top-k, ignore_eos", GenerateRequest { sampling: seeded.clone(), ignore_eos: true, ..GenerateRequest::new(prompt.clone()) }, model.gpu_decode_want(false, Some(40), true)),
+        ("seeded without top-k", GenerateRequest { sampling: SamplingParams { top_k: 0, ..seeded.clone() }, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Row),
+        ("greedy with logprobs", GenerateRequest { sampling: SamplingParams::greedy(), n_probs: 2, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Row),
+    ];
+    for (name, req, want) in cases {
+        let req = GenerateRequest { n_predict: 24, ..req };
+        let (got, wants) = batched(req.clone(), None);
+        let want_alone = alone(req.clone());
+        assert_eq!(got, want_alone, "{name}");
+        if name.starts_with("seeded top-k") {
+            assert_eq!(batched(req, Some(40)).0, want_alone, "{name}, the top 40 read back");
+        }
+        assert!(!wants.is_empty() && wants.iter().all(|w| *w == want), "{name}: the step read {wants:?}, not {want:?}");
+    }
+}

@@ -144,16 +144,33 @@ struct StepParams {
                                     // row m at pos + m)
 };
 
-// Row m of a batched step: its position, its sequence's slot in the layers' pooled caches (a
-// layer's pool is slots of [n_kv][ctx][row], one per sequence), the position of its sequence's
-// first row in the step, and the keys it reads (kv_end as StepParams', per row).
+// Row m of a batched step: its position, its sequence's slot (in the layers' pooled caches, a
+// layer's pool being slots of [n_kv][ctx][row], one per sequence; or, where the launch names a
+// kv_slots table, its entry there), the position of its sequence's first row in the step, the
+// keys it reads (kv_end as StepParams', per row), and no_ban: 1 where the step's banned ids do
+// not apply to the row (a request without ignore_eos beside one with it).
 struct SeqRow {
     int pos; int slot; int first; int kv_end;
+    int no_ban; int pad0; int pad1; int pad2;
 };
 
 __device__ __forceinline__ SeqRow step_row(const StepParams* st, int m) {
     if (st->seq_rows) return st->seq_rows[m];
-    return SeqRow{st->pos + m, 0, st->pos, st->kv_end};
+    return SeqRow{st->pos + m, 0, st->pos, st->kv_end, 0, 0, 0, 0};
+}
+
+// The banned ids that apply to row m of a step (0 where the step bans none or the row opts out).
+__device__ __forceinline__ int row_banned(const StepParams* st, int m) {
+    if (!st) return 0;
+    if (st->seq_rows && st->seq_rows[m].no_ban) return 0;
+    return min(st->n_banned, MAX_BANNED);
+}
+
+// The K (which 0) or V (which 1) cache of a row's sequence: its kv_slots entry where the launch
+// has a table (sequences whose caches are separate allocations of one layout), else its slot of
+// the pool at `base` (slots of `slot_bytes`).
+__device__ __forceinline__ uint8_t* row_cache(uint8_t* base, uint8_t* const* kv_slots, int slot, int which, size_t slot_bytes) {
+    return kv_slots ? kv_slots[2 * slot + which] : base + (size_t)slot * slot_bytes;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1589,6 +1606,7 @@ struct RopeArgs {
     int v_norm;    // V's RMSNorm without a weight (Gemma 4) before it is cached
     int v_from_k;  // V is K's projection before its norm (Gemma 4's k_eq_v layers; v unread)
     int k_type; int v_type;  // the caches' KvT
+    uint8_t* const* kv_slots;  // or null: per slot, its K and V cache (row_cache)
 };
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
@@ -1626,7 +1644,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         dst[i + half_hd] = o1 * p.q_scale;
     } else {
         const size_t kb = kv_row_bytes(p.k_type, p.hd), vb = kv_row_bytes(p.v_type, p.hd);
-        uint8_t* kd = p.k_cache + (size_t)sr.slot * p.n_kv * p.ctx * kb + ((size_t)kvh * p.ctx + pos) * kb;
+        uint8_t* kd = row_cache(p.k_cache, p.kv_slots, sr.slot, 0, (size_t)p.n_kv * p.ctx * kb) + ((size_t)kvh * p.ctx + pos) * kb;
         kv_store(kd, p.k_type, i, o0);
         kv_store(kd, p.k_type, i + half_hd, o1);
         const float* vs = p.v_from_k ? src : p.v + ((size_t)m * p.n_kv + kvh) * p.hd;
@@ -1636,7 +1654,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
             v0 *= rv;
             v1 *= rv;
         }
-        uint8_t* vd = p.v_cache + (size_t)sr.slot * p.n_kv * p.ctx * vb + ((size_t)kvh * p.ctx + pos) * vb;
+        uint8_t* vd = row_cache(p.v_cache, p.kv_slots, sr.slot, 1, (size_t)p.n_kv * p.ctx * vb) + ((size_t)kvh * p.ctx + pos) * vb;
         kv_store(vd, p.v_type, i, v0);
         kv_store(vd, p.v_type, i + half_hd, v1);
     }
@@ -1679,6 +1697,7 @@ struct AttnArgs {
     int ctx; int window; int n_head; int n_kv; int chunks_max;
     const float* gate;  // [M, n_head * hd] or null: the output times sigmoid(gate) (Qwen3.5's gated attention)
     int k_type; int v_type;  // the caches' KvT (the f32 kernels read f32 caches alone)
+    uint8_t* const* kv_slots;  // or null: per slot, its K and V cache (row_cache)
 };
 
 // Key `key`'s K (or V) values of lane `lane` from a layer's cache for KV head g: f32 rows through
@@ -1734,9 +1753,9 @@ __device__ void attn_body(const AttnArgs& p) {
     const int base = (c0 + c) * ATTN_CHUNK + warp * ATTN_SUB;
     const int s0 = max(lo, base), nk = min(hi, base + ATTN_SUB - 1) - s0 + 1;
     const int kt = TYPED ? p.k_type : KV_F32, vt = TYPED ? p.v_type : KV_F32;
-    // The row's sequence's caches (its slot of the layer's pool).
-    const uint8_t* k_cache = p.k_cache + (size_t)sr.slot * p.n_kv * p.ctx * kv_row_bytes(kt, HD);
-    const uint8_t* v_cache = p.v_cache + (size_t)sr.slot * p.n_kv * p.ctx * kv_row_bytes(vt, HD);
+    // The row's sequence's caches (its slot of the layer's pool, or its kv_slots entry).
+    const uint8_t* k_cache = row_cache(const_cast<uint8_t*>(p.k_cache), p.kv_slots, sr.slot, 0, (size_t)p.n_kv * p.ctx * kv_row_bytes(kt, HD));
+    const uint8_t* v_cache = row_cache(const_cast<uint8_t*>(p.v_cache), p.kv_slots, sr.slot, 1, (size_t)p.n_kv * p.ctx * kv_row_bytes(vt, HD));
     pdl_trigger();
     // Keys before the step's first position were written by earlier steps: towards L2 before
     // the wait (the step's own rows come from the previous launch).
@@ -2092,7 +2111,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows(const A
     pdl_wait();
     const int per = (p.n + nb - 1) / nb;
     const int i0 = b * per, i1 = min(p.n, i0 + per);
-    const int nb_ban = p.step ? min(p.step->n_banned, MAX_BANNED) : 0;
+    const int nb_ban = row_banned(p.step, m);
     float v = -INFINITY; int id = 0x7fffffff;
     for (int i = i0 + (int)threadIdx.x; i < i1; i += blockDim.x) {
         bool banned = false;
@@ -2140,6 +2159,8 @@ struct TopKArgs {
     int* counters;             // [MAX_ROWS], zero at the start and left at zero
     int* ids; float* vals;     // [M][k]; an id of -1 where the row has fewer than k values
     const StepParams* step;    // the banned ids (or null: none)
+    int row0;                  // the step's row of row 0 here (its seq_rows entry says no_ban)
+    int pad;
 };
 
 __device__ __forceinline__ unsigned long long topk_key(float v, int id) {
@@ -2178,7 +2199,7 @@ extern "C" __global__ void __launch_bounds__(TOPK_THREADS) topk_rows(const TopKA
     const int b = blockIdx.x, m = blockIdx.y, nb = gridDim.x;
     pdl_trigger();
     pdl_wait();
-    const int nb_ban = p.step ? min(p.step->n_banned, MAX_BANNED) : 0;
+    const int nb_ban = row_banned(p.step, p.row0 + m);
     for (int t = threadIdx.x; t < TOPK_SLICE; t += blockDim.x) {
         const int i = b * TOPK_SLICE + t;
         unsigned long long key = 0;
@@ -2490,7 +2511,7 @@ extern "C" __global__ void __launch_bounds__(256) gated_norm_quant(const GatedNo
 
 // The argument blocks' sizes, asserted on the Rust side too (src/cuda.rs).
 static_assert(sizeof(StepParams) == 96, "StepParams");
-static_assert(sizeof(SeqRow) == 16, "SeqRow");
+static_assert(sizeof(SeqRow) == 32, "SeqRow");
 static_assert(sizeof(NormQuantArgs) == 152, "NormQuantArgs");
 static_assert(sizeof(GemvSeg) == 48, "GemvSeg");
 static_assert(sizeof(GemvArgs) == 232, "GemvArgs");
@@ -2499,14 +2520,14 @@ static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
 static_assert(sizeof(MoeSortArgs) == 32, "MoeSortArgs");
 static_assert(sizeof(MoeMmqArgs) == 264, "MoeMmqArgs");
 static_assert(sizeof(MoeCombineArgs) == 64, "MoeCombineArgs");
-static_assert(sizeof(RopeArgs) == 128, "RopeArgs");
-static_assert(sizeof(AttnArgs) == 120, "AttnArgs");
+static_assert(sizeof(RopeArgs) == 136, "RopeArgs");
+static_assert(sizeof(AttnArgs) == 128, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
 static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");
 static_assert(sizeof(ConvGdnArgs) == 152, "ConvGdnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
-static_assert(sizeof(TopKArgs) == 56, "TopKArgs");
+static_assert(sizeof(TopKArgs) == 64, "TopKArgs");
 static_assert(sizeof(PleArgs) == 72, "PleArgs");
 static_assert(sizeof(SoftcapArgs) == 24, "SoftcapArgs");
 

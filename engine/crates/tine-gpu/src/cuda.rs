@@ -137,6 +137,10 @@ pub struct SeqRow {
     pub slot: i32,
     pub first: i32,
     pub kv_end: i32,
+    /// 1: the step's banned ids do not apply to this row (its request does not ignore the end
+    /// of generation while another in the step does).
+    pub no_ban: i32,
+    pub pad: [i32; 3],
 }
 // SAFETY: plain repr(C) integers, the layout of `SeqRow` in decode.cu.
 unsafe impl DeviceRepr for SeqRow {}
@@ -249,6 +253,10 @@ pub struct RopeArgs {
     /// The caches' stored types ([`KvStore::kernel_id`]).
     pub k_type: i32,
     pub v_type: i32,
+    /// 0, or a device array of K and V cache pointers per slot (`[slot][2]`): each row's K/V go
+    /// to its [`SeqRow::slot`]'s entry (sequences whose caches are separate allocations of one
+    /// layout) instead of its slot of the pool at `k_cache`/`v_cache`.
+    pub kv_slots: DevPtr,
 }
 
 /// `ple_inputs`'s arguments: Gemma 4's per-layer inputs of a step's rows (see decode.cu).
@@ -422,6 +430,8 @@ pub struct AttnArgs {
     /// The caches' stored types ([`KvStore::kernel_id`]); both f32 runs the untyped kernels.
     pub k_type: i32,
     pub v_type: i32,
+    /// 0, or each slot's K and V caches ([`RopeArgs::kv_slots`]).
+    pub kv_slots: DevPtr,
 }
 
 /// `conv_silu`'s arguments: the gated delta-net's causal conv with SiLU over a step's rows.
@@ -526,11 +536,15 @@ pub struct TopKArgs {
     pub vals: DevPtr,
     /// The step block whose banned ids are left out (0: none).
     pub step: DevPtr,
+    /// The step's row of this launch's row 0 (where the step has a row table, its rows'
+    /// [`SeqRow::no_ban`] say whose banned ids apply).
+    pub row0: i32,
+    pub pad: i32,
 }
 
 // The sizes decode.cu asserts for the same structs.
 const _: () = assert!(std::mem::size_of::<StepParams>() == 96);
-const _: () = assert!(std::mem::size_of::<SeqRow>() == 16);
+const _: () = assert!(std::mem::size_of::<SeqRow>() == 32);
 const _: () = assert!(std::mem::size_of::<NormQuantArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<GemvSeg>() == 48);
 const _: () = assert!(std::mem::size_of::<MoeRouterArgs>() == 72);
@@ -539,14 +553,14 @@ const _: () = assert!(std::mem::size_of::<MoeSortArgs>() == 32);
 const _: () = assert!(std::mem::size_of::<MoeMmqArgs>() == 264);
 const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
-const _: () = assert!(std::mem::size_of::<RopeArgs>() == 128);
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 120);
+const _: () = assert!(std::mem::size_of::<RopeArgs>() == 136);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 128);
 const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
 const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<ConvGdnArgs>() == 152);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
-const _: () = assert!(std::mem::size_of::<TopKArgs>() == 56);
+const _: () = assert!(std::mem::size_of::<TopKArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<PleArgs>() == 72);
 const _: () = assert!(std::mem::size_of::<SoftcapArgs>() == 24);
 const _: () = assert!(std::mem::size_of::<TurboArgs>() == 64);

@@ -51,7 +51,7 @@ use crate::blocks::{WeightType, EMBD_WIDE, QK};
 mod assistant;
 mod batch;
 pub use assistant::AssistantGpu;
-pub use batch::{padded_rows, GpuBatch, BATCH_MAX_ROWS};
+pub use batch::{padded_rows, BatchEntry, GpuBatch, BATCH_MAX_ROWS};
 
 use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};
@@ -728,6 +728,7 @@ impl Gemma3Gpu {
             v_from_k: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
+            kv_slots: 0,
         }
     }
 
@@ -760,6 +761,7 @@ impl Gemma3Gpu {
             gate: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
+            kv_slots: 0,
         }
     }
 

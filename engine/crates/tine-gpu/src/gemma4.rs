@@ -526,6 +526,7 @@ impl Gemma4Gpu {
             gate: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
+            kv_slots: 0,
         }
     }
 
@@ -649,6 +650,7 @@ impl Gemma4Gpu {
                     v_from_k: ly.kv.as_ref().is_some_and(|o| o.v.is_none()) as i32,
                     k_type: kv.types.k.kernel_id(),
                     v_type: kv.types.v.kernel_id(),
+                    kv_slots: 0,
                 };
                 k.qk_norm_rope_kv(s, rows, &rope)?;
                 mark("qk_norm_rope_kv")?;

@@ -761,6 +761,7 @@ impl Qwen35Gpu {
             v_from_k: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
+            kv_slots: 0,
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
@@ -783,6 +784,7 @@ impl Qwen35Gpu {
             gate: p(&b.x2),
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
+            kv_slots: 0,
         };
         match prompt {
             Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,

@@ -14,6 +14,8 @@ type Result<T> = std::result::Result<T, Error>;
 /// The logits of up to [`MAX_ROWS`] rows and what the argmax and top-k kernels need to read them.
 pub(crate) struct Readout {
     vocab: usize,
+    /// Rows its logits and ids hold.
+    rows: usize,
     pub(crate) logits: CudaSlice<f32>,
     cand_v: CudaSlice<f32>,
     cand_i: CudaSlice<i32>,
@@ -64,6 +66,7 @@ impl Readout {
         let rows = rows.max(MAX_ROWS);
         Ok(Readout {
             vocab,
+            rows,
             logits: alloc(stream, rows * vocab)?,
             cand_v: alloc(stream, rows * ARGMAX_BLOCKS)?,
             cand_i: alloc(stream, rows * ARGMAX_BLOCKS)?,
@@ -100,10 +103,11 @@ impl Readout {
         Ok(())
     }
 
-    /// The `k` best of the logits rows `first..first + rows` (at most [`MAX_ROWS`]), one list per
-    /// row, best first (the sampler's order; the step block `step`'s banned ids left out).
+    /// The `k` best of the logits rows `first..first + rows` (at most [`MAX_ROWS`] at a time),
+    /// one list per row, best first (the sampler's order; the step block `step`'s banned ids left
+    /// out, on the rows its row table does not exempt).
     pub(crate) fn top_k(&self, kernels: &Kernels, stream: &Arc<CudaStream>, step: DevPtr, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>> {
-        debug_assert!(first + rows <= MAX_ROWS && rows > 0);
+        assert!(first + rows <= self.rows && (1..=MAX_ROWS).contains(&rows), "top-k of rows {first}..{} of a readout of {}", first + rows, self.rows);
         let vocab = self.vocab;
         let args = TopKArgs {
             logits: self.logits.device_ptr(stream).0 + (first * vocab * 4) as u64,
@@ -114,8 +118,10 @@ impl Readout {
             ids: self.topk_ids.device_ptr(stream).0,
             vals: self.topk_vals.device_ptr(stream).0,
             step,
+            row0: first as i32,
+            pad: 0,
         };
-        // SAFETY: the logits rows lie in the logits buffer (first + rows <= MAX_ROWS), the scratch
+        // SAFETY: the logits rows lie in the logits buffer (first + rows <= its rows), the scratch
         // holds MAX_ROWS * topk_blocks(vocab) * TOPK_MAX keys, the outputs MAX_ROWS * TOPK_MAX
         // values, the counters MAX_ROWS zeroed ints; the caller holds the step block `step`.
         unsafe { kernels.top_k(stream, rows, &args)? };
@@ -124,6 +130,13 @@ impl Readout {
         stream.memcpy_dtoh(&self.topk_vals.slice(..rows * k), &mut vals[..])?;
         stream.synchronize()?;
         Ok(ids.chunks(k).zip(vals.chunks(k)).map(|(i, v)| i.iter().zip(v).filter(|&(&i, _)| i >= 0).map(|(&i, &v)| (i as u32, v)).collect()).collect())
+    }
+
+    /// Device bytes it holds.
+    pub(crate) fn device_bytes(&self) -> usize {
+        (self.logits.len() + self.cand_v.len() + self.topk_vals.len()) * 4
+            + (self.cand_i.len() + self.argmax_counters.len() + self.ids.len() + self.topk_counters.len() + self.topk_ids.len()) * 4
+            + self.topk_cand.len() * 8
     }
 
     /// The greedy ids of the first `rows` rows, whatever step wrote them (a batched step's).

@@ -51,11 +51,30 @@ pub fn engine_kv_types(k: candle_nn::attention::kv_type::KvType, v: candle_nn::a
 /// Each row's `k` best `(id, logit)`, best first.
 pub type RowsTopK = Vec<Vec<(u32, f32)>>;
 
+/// What a decode row of a batched step reads back ([`GpuTrunk::decode_batch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeWant {
+    /// The greedy id (the step's banned ids passed over where the row asks).
+    Argmax,
+    /// The `k` best `(id, logit)` (at most [`TOP_K_MAX`]), for a draw with top-k.
+    TopK(usize),
+    /// The vocabulary-wide logits row (a draw that reads it all: bias, grammar, logprobs).
+    Row,
+}
+
+/// A decode row's result, as its [`DecodeWant`] asked.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DecodeOut {
+    Id(u32),
+    TopK(Vec<(u32, f32)>),
+    Row(Vec<f32>),
+}
+
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
-    use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
+    use tine_gpu::gemma3::{AssistantGpu, BatchEntry, Gemma3Gpu, GpuBatch, GpuCache, NextNCache, BATCH_MAX_ROWS};
     use tine_gpu::gemma4::{Gemma4AssistantGpu, Gemma4Cache, Gemma4Gpu};
     use tine_gpu::kv::KvTypes;
     use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu, Qwen35NextNCache};
@@ -100,6 +119,21 @@ mod imp {
         Gemma4(Box<Gemma4AssistantGpu>),
     }
 
+    /// The buffers and graphs of the engine's batched steps, made at the first batched step (and
+    /// made again for caches of another context or types, or for more rows).
+    #[derive(Default)]
+    pub struct GpuBatchState(Option<GpuBatch>);
+
+    impl GpuBatchState {
+        /// Device bytes it holds.
+        pub fn device_bytes(&self) -> usize {
+            self.0.as_ref().map_or(0, GpuBatch::device_bytes)
+        }
+    }
+
+    /// The most decode rows of one batched step.
+    pub const BATCH_ROWS: usize = BATCH_MAX_ROWS;
+
     /// The most tokens one engine step takes (verify batches up to this; longer inputs go in
     /// steps of it).
     pub const STEP_ROWS: usize = tine_gpu::cuda::MAX_ROWS;
@@ -135,6 +169,68 @@ mod imp {
                 GpuTrunk::Gemma4(m) => GpuSeq::Gemma4(Box::new(m.new_cache_typed(context, types)?)),
                 GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache_typed(context, types)?)),
             })
+        }
+        /// Whether [`GpuTrunk::decode_batch`] runs here (Gemma 3, its matrices in the wide layout).
+        pub fn batches(&self) -> bool {
+            matches!(self, GpuTrunk::Gemma3(m) if m.batches())
+        }
+        /// One engine step for several sequences' next tokens, `(sequence, token, ban, want)`
+        /// each (every sequence's cache of one context and K/V types, at most [`BATCH_ROWS`]):
+        /// each row gives what `want` asks, passing over `banned` where `ban` is set, bit for bit
+        /// what [`GpuTrunk::forward_argmax`], [`GpuTrunk::forward_top_k`] or
+        /// [`GpuTrunk::forward_logits`] give for the same sequence alone. On an error no
+        /// sequence has moved.
+        pub fn decode_batch(&self, state: &mut GpuBatchState, rows: &mut [(&mut GpuSeq, u32, bool, DecodeWant)], banned: &[u32]) -> Result<Vec<DecodeOut>, GpuError> {
+            let m = self.gemma3("a batched step")?;
+            let n = rows.len();
+            let Some((GpuSeq::Gemma3(c0), ..)) = rows.first().map(|r| (&*r.0, ())) else {
+                return Err(GpuError::Step { rows: n, pos: 0, what: "a batched step of no rows, or of another family's caches".into() });
+            };
+            let (ctx, types) = (c0.capacity(), c0.types());
+            let fits = state.0.as_ref().is_some_and(|b| b.capacity() == ctx && b.types() == types && b.max_rows() >= n);
+            if !fits {
+                state.0 = None; // its memory back before the new one's
+                state.0 = Some(m.new_batch(ctx, types, n.max(8).next_power_of_two().min(BATCH_MAX_ROWS))?);
+            }
+            let batch = state.0.as_mut().expect("made above");
+            let tokens: Vec<[u32; 1]> = rows.iter().map(|r| [r.1]).collect();
+            let wants: Vec<DecodeWant> = rows.iter().map(|r| r.3).collect();
+            let mut entries = Vec::with_capacity(n);
+            for ((seq, _, ban, _), t) in rows.iter_mut().zip(&tokens) {
+                let GpuSeq::Gemma3(cache) = &mut **seq else {
+                    return Err(GpuError::Step { rows: n, pos: 0, what: "a batched step of another family's caches".into() });
+                };
+                entries.push(BatchEntry { cache, tokens: &t[..], ban: *ban });
+            }
+            let ids = m.forward_batch(batch, &mut entries, banned)?;
+            let k = wants.iter().filter_map(|w| if let DecodeWant::TopK(k) = w { Some(*k) } else { None }).max();
+            let tops = match k {
+                Some(k) => Some(m.batch_top_k(batch, 0, n, k)?),
+                None => None,
+            };
+            wants
+                .iter()
+                .enumerate()
+                .map(|(r, w)| {
+                    Ok(match *w {
+                        DecodeWant::Argmax => DecodeOut::Id(ids[r][0]),
+                        DecodeWant::TopK(k) => DecodeOut::TopK(tops.as_ref().expect("read above")[r].iter().take(k).copied().collect()),
+                        DecodeWant::Row => DecodeOut::Row(m.batch_logits_row(batch, r)?),
+                    })
+                })
+                .collect()
+        }
+        /// Makes the batched-step buffers for steps of up to `rows` rows over sequences like
+        /// `scratch` (left empty) and captures every graph they would run: returns the graphs.
+        pub fn warm_batch(&self, state: &mut GpuBatchState, scratch: &mut GpuSeq, rows: usize) -> Result<usize, GpuError> {
+            let m = self.gemma3("a batched step")?;
+            let GpuSeq::Gemma3(cache) = scratch else { unreachable!("a sequence's state is made by its model's engine") };
+            let rows = rows.clamp(1, BATCH_MAX_ROWS);
+            state.0 = None;
+            let mut batch = m.new_batch(cache.capacity(), cache.types(), rows)?;
+            let graphs = m.warm_batch(&mut batch, cache, rows)?;
+            state.0 = Some(batch);
+            Ok(graphs)
         }
         /// The Gemma 3 engine, for what only it does, or the error naming `what`.
         fn gemma3(&self, what: &str) -> Result<&Gemma3Gpu, GpuError> {
@@ -437,6 +533,15 @@ mod imp {
     pub struct GpuNextN(());
     /// No engine in a build without CUDA (never made).
     pub struct GpuAssistant(());
+    /// No engine in a build without CUDA: no batched steps.
+    #[derive(Default)]
+    pub struct GpuBatchState(());
+    impl GpuBatchState {
+        pub fn device_bytes(&self) -> usize {
+            0
+        }
+    }
+    pub const BATCH_ROWS: usize = 256;
     /// No engine in a build without CUDA (never made).
     #[derive(Debug, thiserror::Error)]
     #[error("this build has no GPU engine")]
@@ -457,6 +562,15 @@ mod imp {
             Ok(None)
         }
         pub fn new_seq(&self, _context: usize, _types: tine_gpu::kv::KvTypes) -> Result<GpuSeq, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn batches(&self) -> bool {
+            unreachable!("{NEVER}")
+        }
+        pub fn warm_batch(&self, _state: &mut GpuBatchState, _scratch: &mut GpuSeq, _rows: usize) -> Result<usize, GpuError> {
+            unreachable!("{NEVER}")
+        }
+        pub fn decode_batch(&self, _state: &mut GpuBatchState, _rows: &mut [(&mut GpuSeq, u32, bool, DecodeWant)], _banned: &[u32]) -> Result<Vec<DecodeOut>, GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_logits(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<Vec<f32>, GpuError> {
@@ -549,4 +663,4 @@ mod imp {
     }
 }
 
-pub use imp::{is_unsupported_model, GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
+pub use imp::{is_unsupported_model, GpuAssistant, GpuBatchState, GpuError, GpuNextN, GpuSeq, GpuTrunk, BATCH_ROWS, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};

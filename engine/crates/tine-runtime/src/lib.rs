@@ -11,14 +11,16 @@ mod graft;
 mod model;
 mod tokenizer;
 
+pub use gpu::BATCH_ROWS;
+
 pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 
 pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::prompt_pieces;
 pub use model::slot_file::{fingerprint, SlotFileError, SlotImage, TypedLayer};
 pub use model::{
-    banned_argmax, Assistant, CacheTypeError, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, PromptPiece, Rows, Sequence, SharedPrefix, StepError, MAX_GPU_CONTEXT,
-    PREFILL_CHUNK,
+    banned_argmax, Assistant, CacheTypeError, DecodeOut, DecodeWant, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, PromptPiece, Rows, Sequence, SharedPrefix,
+    StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK,
 };
 
 /// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to

@@ -12,7 +12,8 @@ use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelW
 use candle_transformers::models::quantized_gemma4 as gemma4;
 use candle_transformers::models::quantized_qwen35 as qwen35;
 
-use crate::gpu::{GpuAssistant, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
+pub use crate::gpu::{DecodeOut, DecodeWant};
+use crate::gpu::{GpuAssistant, GpuBatchState, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, BATCH_ROWS, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
 use crate::tokenizer::Tokenizer;
 
 /// Slot files: a sequence's state out to bytes and back (a child module: it reads the model's
@@ -271,6 +272,8 @@ pub struct Model {
     pub(crate) gpu: Option<GpuTrunk>,
     /// Why a CUDA model runs on candle's path instead of the engine.
     engine_note: Option<String>,
+    /// The engine's batched-step buffers ([`Model::decode_many_gpu`]), made at the first one.
+    gpu_batch: std::sync::Mutex<GpuBatchState>,
     /// The types new sequences' KV caches store keys and values in ([`Model::set_cache_types`]).
     cache_types: (KvType, KvType),
 }
@@ -406,7 +409,7 @@ impl Model {
             Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(crate::error_chain(&e))),
             Err(source) => return Err(LoadError::Gpu { path: p(), source: Box::new(source) }),
         };
-        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note, cache_types: (KvType::F32, KvType::F32) };
+        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note, gpu_batch: Default::default(), cache_types: (KvType::F32, KvType::F32) };
         if model.device.is_cpu() {
             // One forward now builds the CPU matmul's interleaved weight tiles (patch 0022: about
             // 0.2 s for the default model), so the first request does not pay for them.
@@ -575,6 +578,115 @@ impl Model {
     /// The forwards a prefill of `n` tokens runs as on this model ([`prompt_pieces`]).
     pub fn prompt_pieces(&self, n: usize) -> Vec<PromptPiece> {
         prompt_pieces(n, self.is_recurrent())
+    }
+
+    /// Whether [`Model::decode_many_gpu`] runs several sequences' decode rows as one step of
+    /// the GPU engine (Gemma 3 on the engine; `TINE_GPU_BATCH=0` turns it off, to compare).
+    pub fn gpu_batches(&self) -> bool {
+        self.gpu.as_ref().is_some_and(GpuTrunk::batches) && std::env::var("TINE_GPU_BATCH").map_or(true, |v| v != "0")
+    }
+
+    /// What a decode row of [`Model::decode_many_gpu`] reads back for a draw that takes the greedy
+    /// id (`argmax`) or reads the `top_k` best logits alone, passing over the end-of-generation
+    /// ids where `ban`: what the one-sequence steps read (`Sequence::decode_argmax_banning`,
+    /// `Sequence::decode_top_k`), the row where those would read it.
+    pub fn gpu_decode_want(&self, argmax: bool, top_k: Option<usize>, ban: bool) -> DecodeWant {
+        let bans_fit = !ban || self.eog.len() <= MAX_BANNED;
+        // (As `Sequence::decode_top_k` refuses a top-k.)
+        let top_k_refused = |k: usize| k == 0 || k > TOP_K_MAX || self.info.vocab_size > TOP_K_MAX_VOCAB;
+        match (argmax, top_k) {
+            (true, _) if bans_fit => DecodeWant::Argmax,
+            (false, Some(k)) if bans_fit && !top_k_refused(k) => DecodeWant::TopK(k),
+            _ => DecodeWant::Row,
+        }
+    }
+
+    /// Readies [`Model::decode_many_gpu`] for up to `rows` rows a step over sequences of
+    /// `context` positions (a server's `--parallel` and `-c`): its buffers and the CUDA graph of
+    /// every row count it would run, captured now over a scratch sequence rather than at a
+    /// request's first step. Returns the graphs and the device bytes the buffers hold.
+    pub fn warm_gpu_batch(&self, rows: usize, context: usize) -> Result<(usize, usize), StepError> {
+        let Some(gpu) = self.gpu.as_ref().filter(|g| g.batches()) else { return Ok((0, 0)) };
+        let mut scratch = self.try_new_sequence(context)?;
+        let mut state = self.gpu_batch.lock().unwrap_or_else(|e| e.into_inner());
+        let g = scratch.gpu.as_mut().expect("a sequence of a model on the engine is on it");
+        let graphs = gpu.warm_batch(&mut state, g, rows.min(BATCH_ROWS))?;
+        Ok((graphs, state.device_bytes()))
+    }
+
+    /// Device bytes the engine's batched-step buffers hold (0 before the first batched step).
+    pub fn gpu_batch_bytes(&self) -> usize {
+        self.gpu_batch.lock().map_or(0, |b| b.device_bytes())
+    }
+
+    /// Appends token `steps[i].1` to sequence `steps[i].0` for every `i` in steps of the GPU
+    /// engine that run every sequence's row at once ([`Model::gpu_batches`]; up to 256 rows a
+    /// step), and returns what each row's [`DecodeWant`] asks: its greedy id (passing over the
+    /// end-of-generation ids where `steps[i].2`, `ignore_eos`), its top-k or its logits row, bit
+    /// for bit what [`Sequence::decode_argmax_banning`], [`Sequence::decode_top_k`] or
+    /// [`Sequence::decode`] give for that sequence alone. Atomic as a whole: on an error every
+    /// sequence is as it was.
+    pub fn decode_many_gpu(&self, steps: &mut [(&mut Sequence, u32, bool, DecodeWant)]) -> Result<Vec<DecodeOut>, StepError> {
+        let Some(gpu) = self.gpu.as_ref().filter(|g| g.batches()) else {
+            return Err(StepError::Candle(candle_core::Error::Msg("batched GPU steps need a Gemma 3 model on the GPU engine".into())));
+        };
+        for (seq, token, _, want) in steps.iter() {
+            seq.check(self, &[*token])?;
+            if seq.gpu.is_none() {
+                return Err(StepError::Candle(candle_core::Error::Msg("a sequence of a batched GPU step is not on the engine".into())));
+            }
+            if let DecodeWant::TopK(k) = want {
+                if *k == 0 || *k > TOP_K_MAX || self.info.vocab_size > TOP_K_MAX_VOCAB {
+                    return Err(StepError::Candle(candle_core::Error::Msg(format!("a top-{k} draw in a batched GPU step (1..={TOP_K_MAX})"))));
+                }
+            }
+        }
+        // The engine's argmax and top-k pass over up to MAX_BANNED ids; past them a banning row
+        // reads its logits row ([`Model::gpu_decode_want`] asks for it).
+        let eog: &[u32] = if self.eog.len() <= MAX_BANNED { &self.eog } else { &[] };
+        if steps.iter().any(|(_, _, ban, want)| *ban && self.eog.len() > MAX_BANNED && *want != DecodeWant::Row) {
+            return Err(StepError::Candle(candle_core::Error::Msg(format!("{} end-of-generation ids to pass over on the GPU (at most {MAX_BANNED}): read the row", self.eog.len()))));
+        }
+        let starts: Vec<usize> = steps.iter().map(|(seq, ..)| seq.tokens.len()).collect();
+        let mut out = Vec::with_capacity(steps.len());
+        let mut state = self.gpu_batch.lock().unwrap_or_else(|e| e.into_inner());
+        let mut failed = None;
+        for chunk in steps.chunks_mut(BATCH_ROWS) {
+            let mut rows: Vec<(&mut GpuSeq, u32, bool, DecodeWant)> = chunk.iter_mut().map(|(seq, token, ban, want)| (seq.gpu.as_mut().expect("checked above"), *token, *ban, *want)).collect();
+            match gpu.decode_batch(&mut state, &mut rows, eog) {
+                Ok(o) => {
+                    drop(rows);
+                    for (seq, token, ..) in chunk.iter_mut() {
+                        seq.tokens.push(*token);
+                        if let Err(e) = seq.injected() {
+                            failed.get_or_insert(e);
+                        }
+                    }
+                    out.extend(o);
+                }
+                Err(e) => {
+                    failed = Some(e.into());
+                    break;
+                }
+            }
+            if failed.is_some() {
+                break;
+            }
+        }
+        if let Some(e) = failed {
+            // Every sequence back to where it was (a step only appends).
+            for ((seq, ..), &start) in steps.iter_mut().zip(&starts) {
+                seq.tokens.truncate(start);
+                if let Some(g) = seq.gpu.as_mut() {
+                    if !g.truncate(start) {
+                        g.truncate(0);
+                        seq.tokens.clear();
+                    }
+                }
+            }
+            return Err(e);
+        }
+        Ok(out)
     }
 
     /// Whether [`Model::forward_many`] runs its sequences as one forward (every family on the

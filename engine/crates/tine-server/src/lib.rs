@@ -173,6 +173,7 @@ pub async fn serve(model: Arc<Model>, config: ServerConfig, addr: SocketAddr) ->
 /// Serves one server (one set of slots) on every address of `addrs` until the process ends.
 /// Every address is bound before anything is served: one that cannot be is the error.
 pub async fn serve_all(model: Arc<Model>, config: ServerConfig, addrs: &[SocketAddr]) -> std::io::Result<()> {
+    warm_gpu_batch(&model, &config).map_err(std::io::Error::other)?;
     check_gpu_slots(&model, &config).map_err(std::io::Error::other)?;
     let mut listeners = Vec::with_capacity(addrs.len());
     for addr in addrs {
@@ -187,6 +188,24 @@ pub async fn serve_all(model: Arc<Model>, config: ServerConfig, addrs: &[SocketA
     while let Some(done) = served.join_next().await {
         done.map_err(std::io::Error::other)??;
     }
+    Ok(())
+}
+
+/// On the GPU engine where it batches (Gemma 3), with more than one slot: the batched steps'
+/// buffers and every graph they run, made before anything is served (and before the slots'
+/// memory is checked, so that check sees what they take).
+fn warm_gpu_batch(model: &Model, config: &ServerConfig) -> Result<(), String> {
+    if !model.gpu_batches() || config.parallel < 2 {
+        return Ok(());
+    }
+    let t0 = std::time::Instant::now();
+    let (graphs, bytes) = model.warm_gpu_batch(config.parallel, config.ctx_size).map_err(|e| format!("readying the GPU's batched steps for --parallel {}: {e}", config.parallel))?;
+    eprintln!(
+        "tine serve: the GPU steps every decoding slot at once: {graphs} graphs (up to {} rows) captured in {:.0} ms, {:.1} MiB of step buffers",
+        config.parallel.min(tine_runtime::BATCH_ROWS),
+        t0.elapsed().as_secs_f64() * 1e3,
+        bytes as f64 / (1 << 20) as f64
+    );
     Ok(())
 }
 

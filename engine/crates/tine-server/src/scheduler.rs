@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, Generation, StopType, Timings, TokenProb, ValidRequest};
-use tine_runtime::{Model, Rows, Sequence, SlotFileError, SlotImage, StepError};
+use tine_runtime::{DecodeWant, Model, Rows, Sequence, SlotFileError, SlotImage, StepError};
 use tine_spec::{SpecChoice, SpecConfig, SpecFactory, SpecType, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -646,6 +646,10 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
     // On the CPU the active slots' decode rows and verify batches run as one forward each step,
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
+    // On the GPU engine (Gemma 3) the decoding slots' next rows run as one engine step
+    // (`Model::decode_many_gpu`); prompt chunks and speculative rounds run slot by slot
+    // (`TINE_GPU_BATCH=0` steps every slot alone).
+    let gpu_batching = model.gpu_batches() && config.slots > 1;
     let mut step_cost = StepCost::default();
     // The slot whose prompt chunk goes first in the next step (`prompt_turns`).
     let mut prompt_next = 0usize;
@@ -815,6 +819,8 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
             // steps as without batching (its decode reads only the argmax, not the row).
             let stepped = if batching && stepping > 1 {
                 guarded(|| a.gen.step_deferring(&model, &mut slot.seq, slot.spec.as_mut()))
+            } else if gpu_batching && stepping > 1 {
+                guarded(|| a.gen.step_deferring_decode(&model, &mut slot.seq, slot.spec.as_mut()))
             } else {
                 guarded(|| a.gen.step_with(&model, &mut slot.seq, slot.spec.as_mut()))
             };
@@ -879,6 +885,9 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
         }
         if batching {
             feed_pending(&model, &drafting, &mut slots, &views, &batch_sizes, &mut step_cost);
+        }
+        if gpu_batching {
+            feed_pending_gpu(&model, &drafting, &mut slots, &views, &batch_sizes);
         }
     }
 }
@@ -945,6 +954,64 @@ fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &
                 let prefilling = a.gen.is_prefilling();
                 let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
                 settle(model, drafting, slots, views, i, prefilling, fed);
+            }
+        }
+    }
+}
+
+/// Runs the decodes the slots' steps left pending ([`Generation::step_deferring_decode`]) as
+/// GPU engine steps of every slot's row ([`Model::decode_many_gpu`]) and hands each slot its
+/// result: each row's bits are those of its own one-sequence step, so a request's tokens do not
+/// depend on what shares its steps. If the batch fails, each slot runs its decode alone, so that
+/// an error stays with the slot it belongs to.
+fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
+    let pending: Vec<(usize, (u32, bool, DecodeWant))> = (0..slots.len()).filter_map(|i| Some((i, slots[i].active.as_ref()?.gen.pending_decode(model)?))).collect();
+    if pending.is_empty() {
+        return;
+    }
+    let t0 = std::time::Instant::now();
+    let outs = {
+        let mut steps: Vec<(&mut Sequence, u32, bool, DecodeWant)> = Vec::with_capacity(pending.len());
+        let mut rest = &mut slots[..];
+        let mut base = 0;
+        for &(i, (token, ban, want)) in &pending {
+            let (_, tail) = rest.split_at_mut(i - base);
+            let (slot, after) = tail.split_first_mut().expect("a pending slot");
+            steps.push((&mut slot.seq, token, ban, want));
+            rest = after;
+            base = i + 1;
+        }
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.decode_many_gpu(&mut steps)))
+    };
+    batch_sizes.record(pending.len(), pending.len());
+    batch_sizes.forward(pending.len());
+    let ms = t0.elapsed().as_secs_f64() * 1e3;
+    match outs {
+        Err(_) => {
+            for &(i, _) in &pending {
+                let slot = &mut slots[i];
+                if let Some(a) = slot.active.as_ref() {
+                    let _ = a.events.send(Event::Error(GenerateError::Internal("a batched step panicked".into())));
+                }
+                reset_slot(model, drafting, slot);
+                publish(views, i, slot, None);
+            }
+        }
+        Ok(Ok(outs)) => {
+            for (&(i, _), out) in pending.iter().zip(outs) {
+                let slot = &mut slots[i];
+                let Some(a) = slot.active.as_mut() else { continue };
+                let fed = guarded(|| a.gen.feed_decode(model, out, ms));
+                settle(model, drafting, slots, views, i, false, fed);
+            }
+        }
+        Ok(Err(_)) => {
+            for &(i, _) in &pending {
+                let slot = &mut slots[i];
+                let Some(a) = slot.active.as_mut() else { continue };
+                batch_sizes.forward(1);
+                let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
+                settle(model, drafting, slots, views, i, false, fed);
             }
         }
     }
