@@ -247,6 +247,24 @@ pub struct Generation {
     forwarded: bool,
 }
 
+/// What a batched GPU step reads back for a verify batch read as `read` says: `(ban, want)`,
+/// or `None` where the engine's step cannot (a banned list other than the end-of-generation
+/// ids, more of them than its argmax passes over, a top-k it does not read).
+fn gpu_read(model: &Model, read: &tine_spec::QuickRead) -> Option<(bool, DecodeWant)> {
+    let (banned, argmax, top_k) = match read {
+        tine_spec::QuickRead::Ids { banned } => (banned, true, None),
+        tine_spec::QuickRead::TopK { banned, k } => (banned, false, Some(*k)),
+    };
+    let ban = !banned.is_empty();
+    if ban && banned[..] != *model.end_of_generation_tokens() {
+        return None;
+    }
+    match model.gpu_decode_want(argmax, top_k, ban) {
+        DecodeWant::Row => None,
+        want => Some((ban, want)),
+    }
+}
+
 /// Which forwards a step leaves to its caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Defer {
@@ -264,6 +282,9 @@ enum Pending {
     Decode([u32; 1]),
     /// A speculative round's verify batch (drafted, not yet fed).
     Verify(tine_spec::Planned),
+    /// A speculative round's verify batch left to the GPU engine's batched step, read back as
+    /// `want` says for every row (`ban`: passing over the end-of-generation ids).
+    VerifyGpu { plan: tine_spec::Planned, ban: bool, want: DecodeWant },
     /// The piece `at..end` of the prompt chunk `chunk`, to be fed at position `start` (with
     /// hidden states for the drafter where `hidden`; a recurrent state checkpointed after it
     /// where `checkpoint`).
@@ -466,47 +487,85 @@ impl Generation {
         self.step_inner(model, seq, spec, Defer::No)
     }
 
-    /// [`Generation::step_with`] that leaves a plain decode of the emitted token (no speculator
-    /// round, no decided tokens left, not a prompt chunk) to the caller: the GPU engine's batched
-    /// step. [`Generation::pending_decode`] names the token and what the draw reads of its row;
-    /// the caller runs it (`Model::decode_many_gpu`, with other sequences' rows) and hands the
-    /// result to [`Generation::feed_decode`]. The tokens drawn are the same as with `step_with`.
+    /// [`Generation::step_with`] that leaves the GPU engine's batched step what it runs: a plain
+    /// decode of the emitted token (no decided tokens left, not a prompt chunk), or a speculative
+    /// round's verify batch whose rows are read as ids or top-k alone (the drafter reads no
+    /// hidden states). [`Generation::pending_gpu`] names the rows and what each draw reads of
+    /// them; the caller runs them (`Model::step_many_gpu`, with other sequences' rows) and hands
+    /// the results to [`Generation::feed_gpu`]. The tokens drawn are the same as with `step_with`.
     pub fn step_deferring_decode(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>) -> Result<StepEvent, GenerateError> {
         self.step_inner(model, seq, spec, Defer::Decode)
     }
 
-    /// The decode [`Generation::step_deferring_decode`] left pending: its token, whether the
-    /// end-of-generation ids are passed over (`ignore_eos`) and what the draw reads of the row:
-    /// what `step_with` would have asked of `Sequence::decode_argmax_banning`,
-    /// `Sequence::decode_top_k` or `Sequence::decode`.
-    pub fn pending_decode(&self, model: &Model) -> Option<(u32, bool, DecodeWant)> {
-        let Some(Pending::Decode([token])) = self.pending else { return None };
-        let ban = self.req.ignore_eos;
-        let want = if self.argmax_only() { model.gpu_decode_want(true, None, ban) } else { model.gpu_decode_want(false, self.top_k_only(), ban) };
-        Some((token, ban, want))
+    /// The rows [`Generation::step_deferring_decode`] left pending: the tokens (a decode's one,
+    /// or a speculative round's verify batch), whether the end-of-generation ids are passed over
+    /// (`ignore_eos`) and what each row's draw reads of it: what `step_with` would have asked of
+    /// `Sequence::decode_argmax_banning`, `Sequence::decode_top_k` or `Sequence::decode` (for a
+    /// verify batch, of `Sequence::forward_all_argmax` or `Sequence::forward_all_top_k`).
+    pub fn pending_gpu(&self, model: &Model) -> Option<(&[u32], bool, DecodeWant)> {
+        match self.pending.as_ref()? {
+            Pending::Decode(token) => {
+                let ban = self.req.ignore_eos;
+                let want = if self.argmax_only() { model.gpu_decode_want(true, None, ban) } else { model.gpu_decode_want(false, self.top_k_only(), ban) };
+                Some((&token[..], ban, want))
+            }
+            Pending::VerifyGpu { plan, ban, want } => Some((plan.tokens(), *ban, *want)),
+            Pending::Verify(_) | Pending::Prefill { .. } => None,
+        }
     }
 
-    /// What the batched step gave for the decode [`Generation::pending_decode`] named, and the
-    /// milliseconds it took (counted as generation time).
-    pub fn feed_decode(&mut self, model: &Model, out: DecodeOut, ms: f64) -> Result<(), GenerateError> {
-        if !matches!(self.pending, Some(Pending::Decode(_))) {
-            return Err(GenerateError::Internal("a decode fed with none pending".into()));
-        }
-        self.pending = None;
-        self.timings.predicted_ms += ms;
-        match out {
-            DecodeOut::Id(id) => self.next = Some(id),
-            DecodeOut::TopK(top) => self.top = Some(top),
-            // The draw reads the row (through the filter, as after `Sequence::decode`); greedy
-            // with ignore_eos over more end ids than the engine's argmax passes over included.
-            DecodeOut::Row(row) => {
-                if model.info.vocab_size != row.len() {
-                    return Err(GenerateError::Internal(format!("a logits row of {} for a vocabulary of {}", row.len(), model.info.vocab_size)));
+    /// What the batched step gave for the rows [`Generation::pending_gpu`] named (one
+    /// [`DecodeOut`] a row, as it asked), which the caller appended to `seq`, and the
+    /// milliseconds the step took (counted as generation time). A verify batch's round is
+    /// decided here.
+    pub fn feed_gpu(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, outs: Vec<DecodeOut>, ms: f64) -> Result<(), GenerateError> {
+        let bad = |what: String| Err(GenerateError::Internal(what));
+        match self.pending.take() {
+            Some(Pending::Decode(_)) => {
+                let Ok([out]) = <[DecodeOut; 1]>::try_from(outs) else { return bad("a decode fed other than one row".into()) };
+                self.timings.predicted_ms += ms;
+                match out {
+                    DecodeOut::Id(id) => self.next = Some(id),
+                    DecodeOut::TopK(top) => self.top = Some(top),
+                    // The draw reads the row (through the filter, as after `Sequence::decode`);
+                    // greedy with ignore_eos over more end ids than the engine's argmax passes
+                    // over included.
+                    DecodeOut::Row(row) => {
+                        if model.info.vocab_size != row.len() {
+                            return bad(format!("a logits row of {} for a vocabulary of {}", row.len(), model.info.vocab_size));
+                        }
+                        self.logits = row
+                    }
                 }
-                self.logits = row
+                Ok(())
+            }
+            Some(Pending::VerifyGpu { plan, .. }) => {
+                self.timings.predicted_ms += ms;
+                let Some(spec) = spec else { return bad("a verify batch fed without its speculator".into()) };
+                let read = if outs.iter().all(|o| matches!(o, DecodeOut::Id(_))) {
+                    tine_spec::ReadRows::Ids(outs.into_iter().filter_map(|o| if let DecodeOut::Id(i) = o { Some(i) } else { None }).collect())
+                } else if outs.iter().all(|o| matches!(o, DecodeOut::TopK(_))) {
+                    tine_spec::ReadRows::TopK(outs.into_iter().filter_map(|o| if let DecodeOut::TopK(t) = o { Some(t) } else { None }).collect())
+                } else {
+                    return bad("a verify batch read back as rows".into());
+                };
+                let t0 = Instant::now();
+                let round = spec.decide_read(plan, seq, &mut self.sampler, read, ms);
+                // The grammar was marked when the round was planned.
+                if let Some(g) = self.req.grammar.as_mut() {
+                    g.rewind()?;
+                }
+                let round = round?;
+                self.timings.draft.add(&round.stats());
+                self.decided.extend(round.tokens.into_iter().zip(round.rows));
+                self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
+                Ok(())
+            }
+            other => {
+                self.pending = other;
+                bad("rows fed to a batched GPU step with none of its kind pending".into())
             }
         }
-        Ok(())
     }
 
     /// [`Generation::step_with`] that leaves the forward the step ends with to the caller, where
@@ -524,7 +583,7 @@ impl Generation {
     pub fn pending_rows(&self) -> Option<(&[u32], Rows)> {
         match self.pending.as_ref()? {
             Pending::Decode(token) => Some((&token[..], Rows::Decode)),
-            Pending::Verify(plan) => Some((plan.tokens(), plan.rows())),
+            Pending::Verify(plan) | Pending::VerifyGpu { plan, .. } => Some((plan.tokens(), plan.rows())),
             Pending::Prefill { at, end, hidden, checkpoint, .. } => Some((&self.req.prompt[*at..*end], Rows::Prefill { hidden: *hidden, checkpoint: *checkpoint })),
         }
     }
@@ -561,7 +620,7 @@ impl Generation {
                 }
                 Ok(())
             }
-            Pending::Verify(plan) => {
+            Pending::Verify(plan) | Pending::VerifyGpu { plan, .. } => {
                 self.timings.predicted_ms += ms;
                 let Some(spec) = spec else {
                     return Err(GenerateError::Internal("a verify batch fed without its speculator".into()));
@@ -701,7 +760,32 @@ impl Generation {
                     if let Some(g) = filter.grammar.as_deref_mut() {
                         g.mark();
                     }
-                    if defer == Defer::All {
+                    if defer == Defer::Decode {
+                        // A round whose rows nobody reads goes to the caller's batched step (its
+                        // rows read as ids or top-k); another runs here.
+                        let plan = match spec.plan(model, seq, token, max_new, &mut filter) {
+                            Ok(p) => p,
+                            Err(e) => {
+                                if let Some(g) = filter.grammar.as_deref_mut() {
+                                    g.rewind()?;
+                                }
+                                return Err(e.into());
+                            }
+                        };
+                        match Speculator::quick_read(&plan, &self.sampler, &filter).and_then(|r| gpu_read(model, &r)) {
+                            Some((ban, want)) => self.pending = Some(Pending::VerifyGpu { plan, ban, want }),
+                            None => {
+                                self.forwarded = true;
+                                let round = spec.finish_round(model, seq, plan, &mut self.sampler, &mut filter);
+                                if let Some(g) = filter.grammar.as_deref_mut() {
+                                    g.rewind()?;
+                                }
+                                let round = round?;
+                                self.timings.draft.add(&round.stats());
+                                self.decided.extend(round.tokens.into_iter().zip(round.rows));
+                            }
+                        }
+                    } else if defer == Defer::All {
                         // The caller runs the verify batch; `feed_rows` decides the round (and
                         // rewinds the grammar to the mark).
                         let plan = spec.plan(model, seq, token, max_new, &mut filter);

@@ -664,54 +664,65 @@ fn reasoning_is_split_from_the_answer_whole_and_streamed() {
     assert!(forced_open("<|im_start|>assistant\n<think>\n") && !forced_open("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
 }
 
-/// Issue 50: a decode left to the GPU engine's batched step (`step_deferring_decode`) draws what
-/// the slot's own step draws, whatever the step reads back for it: the greedy id (with and
-/// without `ignore_eos`), a sampled draw's top-k, or the row (logprobs, a draw without top-k).
-/// The batched step is played here on the host from each row (`Sequence::decode`), as the engine
-/// computes it on the device: the argmax passing over the end ids where the row asks, the top-k
-/// in the sampler's order.
+/// Issue 50: the rows left to the GPU engine's batched step (`step_deferring_decode`: a plain
+/// decode, or a speculative round's verify batch whose rows nobody reads) give what the slot's
+/// own steps give, whatever the step reads back for them: the greedy id (with and without
+/// `ignore_eos`), a sampled draw's top-k, or the row (logprobs, a draw without top-k; a round
+/// then runs in the slot's own step). The batched step is played here on the host from each row
+/// (`Sequence::forward_all`), as the engine computes it on the device: the argmax passing over
+/// the end ids where the row asks, the top-k in the sampler's order.
 #[test]
-fn a_decode_left_to_a_batched_step_draws_what_the_slot_s_own_step_draws() {
+fn rows_left_to_a_batched_step_draw_what_the_slot_s_own_steps_draw() {
     use tine_runtime::{banned_argmax, DecodeOut, DecodeWant};
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
     TinyGemma3 { seed: 13, ..TinyGemma3::default() }.write(&path);
     let model = Model::load(&path).expect("fixture loads");
-    let prompt = model.tokenizer.encode("hello world the", true, true);
-    let alone = |req: GenerateRequest| {
+    let prompt = model.tokenizer.encode("hello world the hello world the hello", true, true);
+    let ngram = SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(SpecType::Ngram) }, &model).expect("n-gram");
+    let alone = |req: GenerateRequest, factory: Option<&SpecFactory>| {
         let mut seq = model.new_sequence(256);
-        let mut g = Generation::start(&model, &mut seq, req).expect("start");
+        let mut spec = factory.map(|f| f.speculator(&model, 256).expect("speculator"));
+        let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut()).expect("start");
         let mut text = String::new();
         while !g.is_finished() {
-            text.push_str(&g.step(&model, &mut seq).expect("step").text);
+            text.push_str(&g.step_with(&model, &mut seq, spec.as_mut()).expect("step").text);
         }
         (g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec())
     };
     // `top_k`: the step reads the k best back (what the engine does for a sampled draw; a build
     // without CUDA asks for the row, as its GPU engine would not read a top-k).
-    let batched = |req: GenerateRequest, top_k: Option<usize>| {
+    let batched = |req: GenerateRequest, factory: Option<&SpecFactory>, top_k: Option<usize>| {
         let mut seq = model.new_sequence(256);
-        let mut g = Generation::start(&model, &mut seq, req).expect("start");
-        let (mut text, mut wants) = (String::new(), Vec::new());
+        let mut spec = factory.map(|f| f.speculator(&model, 256).expect("speculator"));
+        let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut()).expect("start");
+        let (mut text, mut wants, mut verifies) = (String::new(), Vec::new(), 0);
         while !g.is_finished() {
-            text.push_str(&g.step_deferring_decode(&model, &mut seq, None).expect("step").text);
-            let Some((token, ban, want)) = g.pending_decode(&model) else { continue };
-            let row = seq.decode(&model, token).expect("decode");
+            text.push_str(&g.step_deferring_decode(&model, &mut seq, spec.as_mut()).expect("step").text);
+            let Some((tokens, ban, want)) = g.pending_gpu(&model) else { continue };
+            let tokens = tokens.to_vec();
+            verifies += (tokens.len() > 1) as usize;
+            let logits = seq.forward_all(&model, &tokens).expect("forward");
             let banned: &[u32] = if ban { model.end_of_generation_tokens() } else { &[] };
-            let out = match top_k.map(DecodeWant::TopK).unwrap_or(want) {
-                DecodeWant::Argmax => DecodeOut::Id(banned_argmax(&row, banned)),
-                DecodeWant::TopK(k) => {
-                    let mut c: Vec<(u32, f32)> = row.iter().enumerate().filter(|(i, _)| !banned.contains(&(*i as u32))).map(|(i, &v)| (i as u32, v)).collect();
-                    c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                    c.truncate(k);
-                    DecodeOut::TopK(c)
-                }
-                DecodeWant::Row => DecodeOut::Row(row),
-            };
+            let outs = (0..tokens.len())
+                .map(|i| {
+                    let row = logits.row(i).to_vec();
+                    match top_k.map(DecodeWant::TopK).unwrap_or(want) {
+                        DecodeWant::Argmax => DecodeOut::Id(banned_argmax(&row, banned)),
+                        DecodeWant::TopK(k) => {
+                            let mut c: Vec<(u32, f32)> = row.iter().enumerate().filter(|(i, _)| !banned.contains(&(*i as u32))).map(|(i, &v)| (i as u32, v)).collect();
+                            c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                            c.truncate(k);
+                            DecodeOut::TopK(c)
+                        }
+                        DecodeWant::Row => DecodeOut::Row(row),
+                    }
+                })
+                .collect();
             wants.push(want);
-            g.feed_decode(&model, out, 0.0).expect("fed");
+            g.feed_gpu(&model, &mut seq, spec.as_mut(), outs, 0.0).expect("fed");
         }
-        ((g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec()), wants)
+        ((g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec()), wants, verifies)
     };
     let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..SamplingParams::default() };
     let cases = [
@@ -722,14 +733,28 @@ fn a_decode_left_to_a_batched_step_draws_what_the_slot_s_own_step_draws() {
         ("seeded without top-k", GenerateRequest { sampling: SamplingParams { top_k: 0, ..seeded.clone() }, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Row),
         ("greedy with logprobs", GenerateRequest { sampling: SamplingParams::greedy(), n_probs: 2, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Row),
     ];
-    for (name, req, want) in cases {
-        let req = GenerateRequest { n_predict: 24, ..req };
-        let (got, wants) = batched(req.clone(), None);
-        let want_alone = alone(req.clone());
-        assert_eq!(got, want_alone, "{name}");
-        if name.starts_with("seeded top-k") {
-            assert_eq!(batched(req, Some(40)).0, want_alone, "{name}, the top 40 read back");
+    for factory in [None, Some(&ngram)] {
+        for (name, req, want) in cases.iter().cloned() {
+            let name = format!("{name}{}", if factory.is_some() { ", n-gram" } else { "" });
+            let req = GenerateRequest { n_predict: 40, ..req };
+            let want_alone = alone(req.clone(), factory);
+            let (got, wants, verifies) = batched(req.clone(), factory, None);
+            assert_eq!(got, want_alone, "{name}");
+            // Rows read as ids or top-k reach the step (verify batches too); the others run in
+            // the slot's own steps, and only their decodes are left.
+            assert!(wants.iter().all(|w| *w == want), "{name}: the step read {wants:?}, not {want:?}");
+            // (With a speculator, rows read as a whole run as rounds in the slot's own steps.)
+            assert!(!wants.is_empty() || (factory.is_some() && want == DecodeWant::Row), "{name}: nothing reached the step");
+            if factory.is_some() && want != DecodeWant::Row {
+                assert!(verifies > 0, "{name}: no verify batch reached the step");
+            }
+            if name.starts_with("seeded top-k") {
+                let (top, _, v) = batched(req, factory, Some(40));
+                assert_eq!(top, want_alone, "{name}, the top 40 read back");
+                if factory.is_some() {
+                    assert!(v > 0, "{name}: no verify batch reached the step with top-k");
+                }
+            }
         }
-        assert!(!wants.is_empty() && wants.iter().all(|w| *w == want), "{name}: the step read {wants:?}, not {want:?}");
     }
 }

@@ -50,8 +50,10 @@ use cudarc::driver::{sys, CudaContext, CudaGraph, CudaSlice, CudaStream, DeviceP
 use crate::blocks::{WeightType, EMBD_WIDE, QK};
 mod assistant;
 mod batch;
+pub use crate::batch::{padded_rows, GpuBatch, BATCH_MAX_ROWS};
 pub use assistant::AssistantGpu;
-pub use batch::{padded_rows, BatchEntry, GpuBatch, BATCH_MAX_ROWS};
+/// An entry of Gemma 3's batched step ([`Gemma3Gpu::forward_batch`]).
+pub type BatchEntry<'a> = crate::batch::BatchEntry<'a, GpuCache>;
 
 use crate::cuda::{AttnArgs, DevPtr, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, NormQuantArgs, RopeArgs, StepParams, MAX_BANNED, MAX_ROWS};
 use crate::readout::{time_marks, LastStep, Readout};

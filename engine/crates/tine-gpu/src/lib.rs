@@ -51,6 +51,8 @@ pub mod planes;
 pub mod reference;
 
 #[cfg(feature = "cuda")]
+pub mod batch;
+#[cfg(feature = "cuda")]
 pub mod cuda;
 #[cfg(feature = "cuda")]
 pub mod gemma3;

@@ -51,7 +51,7 @@ pub fn engine_kv_types(k: candle_nn::attention::kv_type::KvType, v: candle_nn::a
 /// Each row's `k` best `(id, logit)`, best first.
 pub type RowsTopK = Vec<Vec<(u32, f32)>>;
 
-/// What a decode row of a batched step reads back ([`GpuTrunk::decode_batch`]).
+/// What a row of a batched step reads back ([`GpuTrunk::step_batch`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeWant {
     /// The greedy id (the step's banned ids passed over where the row asks).
@@ -170,55 +170,58 @@ mod imp {
                 GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache_typed(context, types)?)),
             })
         }
-        /// Whether [`GpuTrunk::decode_batch`] runs here (Gemma 3, its matrices in the wide layout).
+        /// Whether [`GpuTrunk::step_batch`] runs here (Gemma 3, its matrices in the wide layout).
         pub fn batches(&self) -> bool {
             matches!(self, GpuTrunk::Gemma3(m) if m.batches())
         }
-        /// One engine step for several sequences' next tokens, `(sequence, token, ban, want)`
-        /// each (every sequence's cache of one context and K/V types, at most [`BATCH_ROWS`]):
-        /// each row gives what `want` asks, passing over `banned` where `ban` is set, bit for bit
-        /// what [`GpuTrunk::forward_argmax`], [`GpuTrunk::forward_top_k`] or
-        /// [`GpuTrunk::forward_logits`] give for the same sequence alone. On an error no
-        /// sequence has moved.
-        pub fn decode_batch(&self, state: &mut GpuBatchState, rows: &mut [(&mut GpuSeq, u32, bool, DecodeWant)], banned: &[u32]) -> Result<Vec<DecodeOut>, GpuError> {
+        /// One engine step for several sequences' rows, `(sequence, tokens, ban, want)` each (a
+        /// decode's one token or a verify batch; every sequence's cache of one context and K/V
+        /// types, at most [`BATCH_ROWS`] rows in all): each row gives what `want` asks, passing
+        /// over `banned` where `ban` is set, bit for bit what [`GpuTrunk::forward_argmax_all`],
+        /// [`GpuTrunk::forward_top_k_all`] or [`GpuTrunk::forward_logits`] give for the same
+        /// sequence alone. On an error no sequence has moved.
+        pub fn step_batch(&self, state: &mut GpuBatchState, entries: &mut [(&mut GpuSeq, &[u32], bool, DecodeWant)], banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
             let m = self.gemma3("a batched step")?;
-            let n = rows.len();
-            let Some((GpuSeq::Gemma3(c0), ..)) = rows.first().map(|r| (&*r.0, ())) else {
-                return Err(GpuError::Step { rows: n, pos: 0, what: "a batched step of no rows, or of another family's caches".into() });
+            let rows: usize = entries.iter().map(|e| e.1.len()).sum();
+            let Some(GpuSeq::Gemma3(c0)) = entries.first().map(|e| &*e.0) else {
+                return Err(GpuError::Step { rows, pos: 0, what: "a batched step of no rows, or of another family's caches".into() });
             };
             let (ctx, types) = (c0.capacity(), c0.types());
-            let fits = state.0.as_ref().is_some_and(|b| b.capacity() == ctx && b.types() == types && b.max_rows() >= n);
+            let fits = state.0.as_ref().is_some_and(|b| b.capacity() == ctx && b.types() == types && b.max_rows() >= rows);
             if !fits {
                 state.0 = None; // its memory back before the new one's
-                state.0 = Some(m.new_batch(ctx, types, n.max(8).next_power_of_two().min(BATCH_MAX_ROWS))?);
+                state.0 = Some(m.new_batch(ctx, types, rows.max(8).next_power_of_two().min(BATCH_MAX_ROWS))?);
             }
             let batch = state.0.as_mut().expect("made above");
-            let tokens: Vec<[u32; 1]> = rows.iter().map(|r| [r.1]).collect();
-            let wants: Vec<DecodeWant> = rows.iter().map(|r| r.3).collect();
-            let mut entries = Vec::with_capacity(n);
-            for ((seq, _, ban, _), t) in rows.iter_mut().zip(&tokens) {
+            let wants: Vec<(usize, DecodeWant)> = entries.iter().map(|e| (e.1.len(), e.3)).collect();
+            let mut list = Vec::with_capacity(entries.len());
+            for (seq, tokens, ban, _) in entries.iter_mut() {
                 let GpuSeq::Gemma3(cache) = &mut **seq else {
-                    return Err(GpuError::Step { rows: n, pos: 0, what: "a batched step of another family's caches".into() });
+                    return Err(GpuError::Step { rows, pos: 0, what: "a batched step of another family's caches".into() });
                 };
-                entries.push(BatchEntry { cache, tokens: &t[..], ban: *ban });
+                list.push(BatchEntry { cache, tokens, ban: *ban });
             }
-            let ids = m.forward_batch(batch, &mut entries, banned)?;
-            let k = wants.iter().filter_map(|w| if let DecodeWant::TopK(k) = w { Some(*k) } else { None }).max();
+            let ids = m.forward_batch(batch, &mut list, banned)?;
+            let k = wants.iter().filter_map(|w| if let DecodeWant::TopK(k) = w.1 { Some(k) } else { None }).max();
             let tops = match k {
-                Some(k) => Some(m.batch_top_k(batch, 0, n, k)?),
+                Some(k) => Some(m.batch_top_k(batch, 0, rows, k)?),
                 None => None,
             };
-            wants
-                .iter()
-                .enumerate()
-                .map(|(r, w)| {
-                    Ok(match *w {
-                        DecodeWant::Argmax => DecodeOut::Id(ids[r][0]),
-                        DecodeWant::TopK(k) => DecodeOut::TopK(tops.as_ref().expect("read above")[r].iter().take(k).copied().collect()),
-                        DecodeWant::Row => DecodeOut::Row(m.batch_logits_row(batch, r)?),
-                    })
-                })
-                .collect()
+            let mut row = 0;
+            let mut out = Vec::with_capacity(wants.len());
+            for ((n, want), ids) in wants.into_iter().zip(ids) {
+                let mut e = Vec::with_capacity(n);
+                for id in ids {
+                    e.push(match want {
+                        DecodeWant::Argmax => DecodeOut::Id(id),
+                        DecodeWant::TopK(k) => DecodeOut::TopK(tops.as_ref().expect("read above")[row].iter().take(k).copied().collect()),
+                        DecodeWant::Row => DecodeOut::Row(m.batch_logits_row(batch, row)?),
+                    });
+                    row += 1;
+                }
+                out.push(e);
+            }
+            Ok(out)
         }
         /// Makes the batched-step buffers for steps of up to `rows` rows over sequences like
         /// `scratch` (left empty) and captures every graph they would run: returns the graphs.
@@ -549,7 +552,9 @@ mod imp {
     pub const STEP_ROWS: usize = 8;
     pub const MAX_BANNED: usize = 8;
     pub const TOP_K_MAX: usize = 64;
-    pub const TOP_K_MAX_VOCAB: usize = 0;
+    // The engine's limits (tine-gpu's MAX_ROWS, MAX_BANNED, TOPK_MAX, TOPK_MAX_N), the same in a
+    // build without CUDA, so the choices the runtime makes from them are the same everywhere.
+    pub const TOP_K_MAX_VOCAB: usize = 262_144;
 
     pub fn is_unsupported_model(_e: &GpuError) -> bool {
         false
@@ -570,7 +575,7 @@ mod imp {
         pub fn warm_batch(&self, _state: &mut GpuBatchState, _scratch: &mut GpuSeq, _rows: usize) -> Result<usize, GpuError> {
             unreachable!("{NEVER}")
         }
-        pub fn decode_batch(&self, _state: &mut GpuBatchState, _rows: &mut [(&mut GpuSeq, u32, bool, DecodeWant)], _banned: &[u32]) -> Result<Vec<DecodeOut>, GpuError> {
+        pub fn step_batch(&self, _state: &mut GpuBatchState, _entries: &mut [(&mut GpuSeq, &[u32], bool, DecodeWant)], _banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_logits(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<Vec<f32>, GpuError> {

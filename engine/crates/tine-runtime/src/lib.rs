@@ -11,7 +11,7 @@ mod graft;
 mod model;
 mod tokenizer;
 
-pub use gpu::BATCH_ROWS;
+pub use gpu::{BATCH_ROWS, STEP_ROWS};
 
 pub use device::{describe as describe_device, DeviceError, DeviceSpec, CUDA_COMPILED};
 

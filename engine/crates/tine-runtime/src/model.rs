@@ -272,7 +272,7 @@ pub struct Model {
     pub(crate) gpu: Option<GpuTrunk>,
     /// Why a CUDA model runs on candle's path instead of the engine.
     engine_note: Option<String>,
-    /// The engine's batched-step buffers ([`Model::decode_many_gpu`]), made at the first one.
+    /// The engine's batched-step buffers ([`Model::step_many_gpu`]), made at the first one.
     gpu_batch: std::sync::Mutex<GpuBatchState>,
     /// The types new sequences' KV caches store keys and values in ([`Model::set_cache_types`]).
     cache_types: (KvType, KvType),
@@ -580,13 +580,13 @@ impl Model {
         prompt_pieces(n, self.is_recurrent())
     }
 
-    /// Whether [`Model::decode_many_gpu`] runs several sequences' decode rows as one step of
+    /// Whether [`Model::step_many_gpu`] runs several sequences' decode and verify rows as one step of
     /// the GPU engine (Gemma 3 on the engine; `TINE_GPU_BATCH=0` turns it off, to compare).
     pub fn gpu_batches(&self) -> bool {
         self.gpu.as_ref().is_some_and(GpuTrunk::batches) && std::env::var("TINE_GPU_BATCH").map_or(true, |v| v != "0")
     }
 
-    /// What a decode row of [`Model::decode_many_gpu`] reads back for a draw that takes the greedy
+    /// What a row of [`Model::step_many_gpu`] reads back for a draw that takes the greedy
     /// id (`argmax`) or reads the `top_k` best logits alone, passing over the end-of-generation
     /// ids where `ban`: what the one-sequence steps read (`Sequence::decode_argmax_banning`,
     /// `Sequence::decode_top_k`), the row where those would read it.
@@ -601,7 +601,7 @@ impl Model {
         }
     }
 
-    /// Readies [`Model::decode_many_gpu`] for up to `rows` rows a step over sequences of
+    /// Readies [`Model::step_many_gpu`] for up to `rows` rows a step over sequences of
     /// `context` positions (a server's `--parallel` and `-c`): its buffers and the CUDA graph of
     /// every row count it would run, captured now over a scratch sequence rather than at a
     /// request's first step. Returns the graphs and the device bytes the buffers hold.
@@ -619,21 +619,26 @@ impl Model {
         self.gpu_batch.lock().map_or(0, |b| b.device_bytes())
     }
 
-    /// Appends token `steps[i].1` to sequence `steps[i].0` for every `i` in steps of the GPU
-    /// engine that run every sequence's row at once ([`Model::gpu_batches`]; up to 256 rows a
-    /// step), and returns what each row's [`DecodeWant`] asks: its greedy id (passing over the
+    /// Appends tokens `steps[i].1` (a decode's one token, or a speculative verify batch of at
+    /// most [`STEP_ROWS`]) to sequence `steps[i].0` for every `i`, in steps of the GPU engine that
+    /// run every sequence's rows at once ([`Model::gpu_batches`]; up to 256 rows a step), and
+    /// returns what each row's [`DecodeWant`] asks: its greedy id (passing over the
     /// end-of-generation ids where `steps[i].2`, `ignore_eos`), its top-k or its logits row, bit
-    /// for bit what [`Sequence::decode_argmax_banning`], [`Sequence::decode_top_k`] or
-    /// [`Sequence::decode`] give for that sequence alone. Atomic as a whole: on an error every
-    /// sequence is as it was.
-    pub fn decode_many_gpu(&self, steps: &mut [(&mut Sequence, u32, bool, DecodeWant)]) -> Result<Vec<DecodeOut>, StepError> {
+    /// for bit what the sequence's own steps give ([`Sequence::decode_argmax_banning`],
+    /// [`Sequence::decode_top_k`], [`Sequence::decode`]; [`Sequence::forward_all_argmax`],
+    /// [`Sequence::forward_all_top_k`], [`Sequence::forward_all`]). Atomic as a whole: on an error
+    /// every sequence is as it was.
+    pub fn step_many_gpu(&self, steps: &mut [(&mut Sequence, &[u32], bool, DecodeWant)]) -> Result<Vec<Vec<DecodeOut>>, StepError> {
         let Some(gpu) = self.gpu.as_ref().filter(|g| g.batches()) else {
             return Err(StepError::Candle(candle_core::Error::Msg("batched GPU steps need a Gemma 3 model on the GPU engine".into())));
         };
-        for (seq, token, _, want) in steps.iter() {
-            seq.check(self, &[*token])?;
+        for (seq, tokens, _, want) in steps.iter() {
+            seq.check(self, tokens)?;
             if seq.gpu.is_none() {
                 return Err(StepError::Candle(candle_core::Error::Msg("a sequence of a batched GPU step is not on the engine".into())));
+            }
+            if tokens.len() > STEP_ROWS {
+                return Err(StepError::Candle(candle_core::Error::Msg(format!("{} rows of one sequence in a batched GPU step (at most {STEP_ROWS})", tokens.len()))));
             }
             if let DecodeWant::TopK(k) = want {
                 if *k == 0 || *k > TOP_K_MAX || self.info.vocab_size > TOP_K_MAX_VOCAB {
@@ -651,26 +656,30 @@ impl Model {
         let mut out = Vec::with_capacity(steps.len());
         let mut state = self.gpu_batch.lock().unwrap_or_else(|e| e.into_inner());
         let mut failed = None;
-        for chunk in steps.chunks_mut(BATCH_ROWS) {
-            let mut rows: Vec<(&mut GpuSeq, u32, bool, DecodeWant)> = chunk.iter_mut().map(|(seq, token, ban, want)| (seq.gpu.as_mut().expect("checked above"), *token, *ban, *want)).collect();
-            match gpu.decode_batch(&mut state, &mut rows, eog) {
+        let mut rest = &mut steps[..];
+        while !rest.is_empty() && failed.is_none() {
+            // As many entries as fit one step's rows.
+            let mut take = 0;
+            let mut rows = 0;
+            while take < rest.len() && rows + rest[take].1.len() <= BATCH_ROWS {
+                rows += rest[take].1.len();
+                take += 1;
+            }
+            let (chunk, after) = std::mem::take(&mut rest).split_at_mut(take.max(1));
+            rest = after;
+            let mut entries: Vec<(&mut GpuSeq, &[u32], bool, DecodeWant)> = chunk.iter_mut().map(|(seq, tokens, ban, want)| (seq.gpu.as_mut().expect("checked above"), *tokens, *ban, *want)).collect();
+            match gpu.step_batch(&mut state, &mut entries, eog) {
                 Ok(o) => {
-                    drop(rows);
-                    for (seq, token, ..) in chunk.iter_mut() {
-                        seq.tokens.push(*token);
+                    drop(entries);
+                    for (seq, tokens, ..) in chunk.iter_mut() {
+                        seq.tokens.extend_from_slice(tokens);
                         if let Err(e) = seq.injected() {
                             failed.get_or_insert(e);
                         }
                     }
                     out.extend(o);
                 }
-                Err(e) => {
-                    failed = Some(e.into());
-                    break;
-                }
-            }
-            if failed.is_some() {
-                break;
+                Err(e) => failed = Some(e.into()),
             }
         }
         if let Some(e) = failed {

@@ -199,10 +199,13 @@ fn warm_gpu_batch(model: &Model, config: &ServerConfig) -> Result<(), String> {
         return Ok(());
     }
     let t0 = std::time::Instant::now();
-    let (graphs, bytes) = model.warm_gpu_batch(config.parallel, config.ctx_size).map_err(|e| format!("readying the GPU's batched steps for --parallel {}: {e}", config.parallel))?;
+    // A step holds every slot's decode row, or its verify batch (the pending token and at most
+    // `--draft-max` drafts, at most 8 rows).
+    let per_slot = config.spec.as_ref().map_or(1, |f| (f.config.params.n_max + 1).min(tine_runtime::STEP_ROWS));
+    let rows = (config.parallel * per_slot).min(tine_runtime::BATCH_ROWS);
+    let (graphs, bytes) = model.warm_gpu_batch(rows, config.ctx_size).map_err(|e| format!("readying the GPU's batched steps for --parallel {}: {e}", config.parallel))?;
     eprintln!(
-        "tine serve: the GPU steps every decoding slot at once: {graphs} graphs (up to {} rows) captured in {:.0} ms, {:.1} MiB of step buffers",
-        config.parallel.min(tine_runtime::BATCH_ROWS),
+        "tine serve: the GPU steps every slot's rows at once: {graphs} graphs (up to {rows} rows) captured in {:.0} ms, {:.1} MiB of step buffers",
         t0.elapsed().as_secs_f64() * 1e3,
         bytes as f64 / (1 << 20) as f64
     );

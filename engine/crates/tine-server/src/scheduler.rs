@@ -646,9 +646,10 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
     // On the CPU the active slots' decode rows and verify batches run as one forward each step,
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
-    // On the GPU engine (Gemma 3) the decoding slots' next rows run as one engine step
-    // (`Model::decode_many_gpu`); prompt chunks and speculative rounds run slot by slot
-    // (`TINE_GPU_BATCH=0` steps every slot alone).
+    // On the GPU engine (Gemma 3) the decoding slots' next rows and the speculating slots'
+    // verify batches (those read as ids or top-k) run as one engine step (`Model::step_many_gpu`);
+    // prompt chunks and rounds that read whole rows run slot by slot (`TINE_GPU_BATCH=0` steps
+    // every slot alone).
     let gpu_batching = model.gpu_batches() && config.slots > 1;
     let mut step_cost = StepCost::default();
     // The slot whose prompt chunk goes first in the next step (`prompt_turns`).
@@ -959,31 +960,34 @@ fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &
     }
 }
 
-/// Runs the decodes the slots' steps left pending ([`Generation::step_deferring_decode`]) as
-/// GPU engine steps of every slot's row ([`Model::decode_many_gpu`]) and hands each slot its
-/// result: each row's bits are those of its own one-sequence step, so a request's tokens do not
-/// depend on what shares its steps. If the batch fails, each slot runs its decode alone, so that
-/// an error stays with the slot it belongs to.
+/// Runs the rows the slots' steps left pending ([`Generation::step_deferring_decode`]: decode
+/// rows, and verify batches read as ids or top-k) as GPU engine steps of every slot's rows
+/// ([`Model::step_many_gpu`]) and hands each slot its results: each row's bits are those of its
+/// own one-sequence step, so a request's tokens do not depend on what shares its steps. If the
+/// batch fails, each slot runs its rows alone, so that an error stays with the slot it belongs to.
 fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
-    let pending: Vec<(usize, (u32, bool, DecodeWant))> = (0..slots.len()).filter_map(|i| Some((i, slots[i].active.as_ref()?.gen.pending_decode(model)?))).collect();
+    // Per slot with rows pending: its rows, whether they pass over the end ids, what they read.
+    type PendingRows = (usize, (Vec<u32>, bool, DecodeWant));
+    let pending: Vec<PendingRows> = (0..slots.len()).filter_map(|i| slots[i].active.as_ref()?.gen.pending_gpu(model).map(|(t, ban, want)| (i, (t.to_vec(), ban, want)))).collect();
     if pending.is_empty() {
         return;
     }
+    let rows: usize = pending.iter().map(|(_, (t, ..))| t.len()).sum();
     let t0 = std::time::Instant::now();
     let outs = {
-        let mut steps: Vec<(&mut Sequence, u32, bool, DecodeWant)> = Vec::with_capacity(pending.len());
+        let mut steps: Vec<(&mut Sequence, &[u32], bool, DecodeWant)> = Vec::with_capacity(pending.len());
         let mut rest = &mut slots[..];
         let mut base = 0;
-        for &(i, (token, ban, want)) in &pending {
+        for (i, (tokens, ban, want)) in &pending {
             let (_, tail) = rest.split_at_mut(i - base);
             let (slot, after) = tail.split_first_mut().expect("a pending slot");
-            steps.push((&mut slot.seq, token, ban, want));
+            steps.push((&mut slot.seq, &tokens[..], *ban, *want));
             rest = after;
             base = i + 1;
         }
-        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.decode_many_gpu(&mut steps)))
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many_gpu(&mut steps)))
     };
-    batch_sizes.record(pending.len(), pending.len());
+    batch_sizes.record(pending.len(), rows);
     batch_sizes.forward(pending.len());
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     match outs {
@@ -1001,7 +1005,7 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
             for (&(i, _), out) in pending.iter().zip(outs) {
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
-                let fed = guarded(|| a.gen.feed_decode(model, out, ms));
+                let fed = guarded(|| a.gen.feed_gpu(model, &mut slot.seq, slot.spec.as_mut(), out, ms));
                 settle(model, drafting, slots, views, i, false, fed);
             }
         }

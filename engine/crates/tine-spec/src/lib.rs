@@ -581,6 +581,45 @@ impl Speculator {
     /// sequences' rows: continuous batching): [`Speculator::plan`], then [`Speculator::decide`].
     pub fn round(&mut self, model: &Model, seq: &mut Sequence, pending: u32, sampler: &mut Sampler, max_new: usize, filter: &mut dyn RowFilter) -> Result<Round, SpecError> {
         let plan = self.plan(model, seq, pending, max_new, filter)?;
+        self.finish_round(model, seq, plan, sampler, filter)
+    }
+
+    /// How the verify batch of a round is read where nobody reads its rows
+    /// ([`RowFilter::ids_only`]): each row's greedy id for a greedy draw, its `k` best for a
+    /// sampled draw with top-k, passing over `banned`; `None` where the draw reads the rows.
+    /// A round read this way is decided by [`Speculator::decide_read`].
+    pub fn quick_read(plan: &Planned, sampler: &Sampler, filter: &dyn RowFilter) -> Option<QuickRead> {
+        if plan.wants_hidden {
+            return None;
+        }
+        let banned = filter.ids_only()?;
+        if sampler.params().is_plain_argmax() {
+            return Some(QuickRead::Ids { banned });
+        }
+        sampler.params().top_k_only(usize::MAX).map(|k| QuickRead::TopK { banned, k })
+    }
+
+    /// The second half of [`Speculator::round`] where the caller read the verify batch's rows
+    /// as [`Speculator::quick_read`] said (`read`: each row's id, or each row's k best), having
+    /// fed the batch to `seq` (with other sequences' rows: the GPU engine's batched step).
+    pub fn decide_read(&mut self, plan: Planned, seq: &mut Sequence, sampler: &mut Sampler, read: ReadRows, verify_ms: f64) -> Result<Round, SpecError> {
+        let rows = match &read {
+            ReadRows::Ids(ids) => ids.len(),
+            ReadRows::TopK(top) => top.len(),
+        };
+        if seq.len() != plan.n + plan.batch.len() || rows != plan.batch.len() || plan.wants_hidden {
+            return Err(SpecError::Unplanned { planned: plan.batch.len(), at: plan.n, rows, len: seq.len() });
+        }
+        let decisions = match read {
+            ReadRows::Ids(ids) => Decisions::Ids(ids),
+            ReadRows::TopK(top) => Decisions::TopK(top),
+        };
+        self.conclude(plan, seq, sampler, decisions, None, verify_ms)
+    }
+
+    /// [`Speculator::round`] from a plan made by [`Speculator::plan`]: the verify forward on
+    /// `seq` alone, then the decisions.
+    pub fn finish_round(&mut self, model: &Model, seq: &mut Sequence, plan: Planned, sampler: &mut Sampler, filter: &mut dyn RowFilter) -> Result<Round, SpecError> {
         let t_verify = std::time::Instant::now();
         // Decisions over rows nobody reads: greedy ones from the target's ids alone; sampled ones
         // with top-k from each row's k best (on the GPU engine, where the rows stay).
@@ -751,6 +790,23 @@ impl Speculator {
 /// A verify batch's target tokens where nobody reads its rows: each row's greedy id, or each
 /// row's top-k candidates for a sampled draw ([`Sampler::sample_top_k`]).
 enum Decisions {
+    Ids(Vec<u32>),
+    TopK(Vec<Vec<(u32, f32)>>),
+}
+
+/// How a verify batch's rows are read where nobody reads the rows themselves
+/// ([`Speculator::quick_read`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum QuickRead {
+    /// Each row's greedy id, passing over `banned`.
+    Ids { banned: Vec<u32> },
+    /// Each row's `k` best `(id, logit)` in the sampler's order, `banned` left out.
+    TopK { banned: Vec<u32>, k: usize },
+}
+
+/// A verify batch's rows as [`QuickRead`] asked for them, row by row.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReadRows {
     Ids(Vec<u32>),
     TopK(Vec<Vec<(u32, f32)>>),
 }
