@@ -47,8 +47,9 @@
 #                                         # Gemma 3's batched step (tine-gpu-check --batch)
 #   bash tools/cuda/qwen35_job.sh mini    # small-a4b's check and ids, Gemma 3's batched step on
 #                                         # `small`: the new paths in about a minute
-#   bash tools/cuda/qwen35_job.sh serve-batch  # issue 50: the kernel table, Gemma 3's batched
-#                                         # step (tine-gpu-check --batch on `small` and `270m`),
+#   bash tools/cuda/qwen35_job.sh serve-batch  # issue 50: the kernel table, the batched step
+#                                         # (tine-gpu-check --batch on Gemma 3 `small` and `270m`,
+#                                         # Gemma 4 `small-e2b` and `small-a4b`),
 #                                         # then `tine serve --device cuda --parallel 64` batched and
 #                                         # one slot a step (TINE_GPU_BATCH=0) against llama-server
 #                                         # -np 64 -ngl 99 on the same random 270M-shape Q4_K_M
@@ -460,7 +461,13 @@ if [ "$mode" = serve-batch ]; then
   wait "$GP"
   [ -s "$W/g3-270m-q.gguf" ] || "$C" --quantize "$W/g3-270m-f16.gguf" "$W/g3-270m-q.gguf" >>"$W/models.log" 2>&1
   run batch-270m 90 "$C" --no-table --batch "$W/g3-270m-q.gguf" || true
-  grep -E "batched steps|^decode, " "$log" | tail -n 12
+  # Gemma 4's batched step: the E-series (per-layer inputs, shared K/V) and 26B-A4B's experts.
+  for f in small-e2b small-a4b; do
+    [ -s "$W/g4-$f-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$f" --out "$W/g4-$f-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/g4-$f-q.gguf" ] || "$C" --quantize "$W/g4-$f-f16.gguf" "$W/g4-$f-q.gguf" >>"$W/models.log" 2>&1
+    run "batch-g4-$f" 90 "$C" --no-table --batch "$W/g4-$f-q.gguf" || true
+  done
+  grep -E "batched steps|^decode, " "$log" | tail -n 24
   wait "$BP"
   tail -n 1 "$W/llama-build.log" | tee -a "$log"
   M="$W/g3-270m-q4_k_m.gguf"

@@ -57,6 +57,7 @@ use crate::gemma3::{alloc, wide_layout, Gemma3GpuError as Error, Graph, Matrix, 
 use crate::readout::{time_marks, LastStep, Readout};
 
 mod assistant;
+mod batch;
 pub use assistant::Gemma4AssistantGpu;
 
 /// The buffers [`Gemma4Gpu::trace`] reads after each launch (the step's last row of each).
@@ -199,6 +200,14 @@ pub struct Gemma4Gpu {
     partials_row: usize,
     wide: bool,
     _ctx: Arc<CudaContext>,
+}
+
+/// Whose K/V a step's launches read and write: one sequence's caches, or a batched step's
+/// entries' (through the batch's `kv_slots` tables).
+#[derive(Clone, Copy)]
+enum StepKv<'a> {
+    One(&'a Gemma4Cache),
+    Batch(&'a crate::batch::GpuBatch),
 }
 
 /// One sequence's state on the GPU: the K/V of each layer that owns some, and the step graphs
@@ -505,7 +514,7 @@ impl Gemma4Gpu {
 
     /// The decode/prompt attention's arguments: the queries in `b.q`, `n_head` of them over the
     /// `n_kv` heads of `kv` (a layer's cache in `cache`), the output as the activations' Q8 rows.
-    fn attn_args(&self, cache: &Gemma4Cache, kv: KvPtrs, window: usize, n_head: usize, n_kv: usize, step: DevPtr) -> AttnArgs {
+    fn attn_args(&self, ctx_len: usize, kv: KvPtrs, window: usize, n_head: usize, n_kv: usize, step: DevPtr) -> AttnArgs {
         let (b, act) = (&self.b, self.act(0, 0));
         AttnArgs {
             q: self.ptr(&b.q),
@@ -518,11 +527,11 @@ impl Gemma4Gpu {
             qs: act.0,
             qd: act.1,
             qsum: act.2,
-            ctx: cache.ctx_len as i32,
+            ctx: ctx_len as i32,
             window: window as i32,
             n_head: n_head as i32,
             n_kv: n_kv as i32,
-            chunks_max: Kernels::attn_chunks_max(cache.ctx_len, window) as i32,
+            chunks_max: Kernels::attn_chunks_max(ctx_len, window) as i32,
             gate: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
@@ -568,6 +577,14 @@ impl Gemma4Gpu {
     /// step of up to [`PROMPT_ROWS`] rows, the head on its last row.
     /// `mark` is called after each launch with what it does (the profile's events).
     fn launch_step(&self, cache: &Gemma4Cache, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        self.launch_rows(StepKv::One(cache), step, rows, head, prompt, mark)
+    }
+
+    /// [`Gemma4Gpu::launch_step`] over one sequence's caches, or a batched step's rows over
+    /// their entries' caches (`StepKv::Batch`: the tokens from the batch's block, each layer's K/V
+    /// through its `kv_slots` table, the GEMVs of more than 8 rows as groups of 8, the decode
+    /// attention and the head on every row into the batch's readout).
+    fn launch_rows(&self, kv_of: StepKv<'_>, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
@@ -575,6 +592,28 @@ impl Gemma4Gpu {
         let act = self.act(0, 0);
         let h = c.hidden;
         let lp = c.layers.len() * c.per_layer;
+        let batch = match kv_of {
+            StepKv::Batch(bt) => Some(bt),
+            StepKv::One(_) => None,
+        };
+        // The token ids of the rows, where they are not the step block's: a prompt's, a batch's.
+        let tokens = prompt.or(batch.map(|bt| self.ptr(&bt.tokens)));
+        // A batched step's GEMVs: each row as its one-row launch computes it, whatever the count.
+        let gemv = |rows: usize, kk: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)| -> std::result::Result<(), GpuError> {
+            // SAFETY: as the launches below (the buffers hold the step's rows, the batch's padded
+            // rows a multiple of 8 past 8).
+            unsafe {
+                if batch.is_some() && rows > MAX_ROWS {
+                    k.gemv_rows(s, rows, kk, segs, act)
+                } else {
+                    k.gemv(s, rows, kk, segs, act)
+                }
+            }
+        };
+        let ctx_len = match kv_of {
+            StepKv::One(cache) => cache.ctx_len,
+            StepKv::Batch(bt) => bt.capacity(),
+        };
         // SAFETY: every buffer was allocated at load for PROMPT_ROWS rows of its widest layer
         // (the logits and argmax scratch for MAX_ROWS; `step` keeps rows <= MAX_ROWS unless
         // `prompt`, whose head runs on one row), the caches for ctx_len positions; `step` checks
@@ -582,9 +621,9 @@ impl Gemma4Gpu {
         unsafe {
             // The per-layer inputs of the step's rows, before layer 0.
             if let Some(pe) = &self.ple {
-                k.norm_quant(s, rows, &self.nq(step, prompt, 0, 0, 2, h, 0, 0.0))?;
+                k.norm_quant(s, rows, &self.nq(step, tokens, 0, 0, 2, h, 0, 0.0))?;
                 mark("norm_quant")?;
-                k.gemv(s, rows, h, &[self.seg(&pe.model_proj, &b.ple_proj, lp)], act)?;
+                gemv(rows, h, &[self.seg(&pe.model_proj, &b.ple_proj, lp)], act)?;
                 mark("gemv per_layer_model_proj")?;
                 let pa = PleArgs {
                     proj: p(&b.ple_proj),
@@ -592,7 +631,7 @@ impl Gemma4Gpu {
                     w: p(&pe.proj_norm),
                     out: p(&b.ple),
                     step,
-                    tokens: prompt.unwrap_or(0),
+                    tokens: tokens.unwrap_or(0),
                     embd_type: pe.table.embd_type(),
                     n_layer: c.layers.len() as i32,
                     p: c.per_layer as i32,
@@ -608,10 +647,10 @@ impl Gemma4Gpu {
             for (l, ly) in self.layers.iter().enumerate() {
                 let lc = &c.layers[l];
                 let first = match tail {
-                    Some((a, w_a, scale)) => self.nq(step, prompt, a, w_a, 1, h, p(&ly.attn_norm), scale),
+                    Some((a, w_a, scale)) => self.nq(step, tokens, a, w_a, 1, h, p(&ly.attn_norm), scale),
                     // The embedded rows are in `h` already when the per-layer inputs read them.
-                    None if self.ple.is_some() => NormQuantArgs { res_out: 0, ..self.nq(step, prompt, p(&b.h), 0, 0, h, p(&ly.attn_norm), 0.0) },
-                    None => self.nq(step, prompt, 0, 0, 2, h, p(&ly.attn_norm), 0.0),
+                    None if self.ple.is_some() => NormQuantArgs { res_out: 0, ..self.nq(step, tokens, p(&b.h), 0, 0, h, p(&ly.attn_norm), 0.0) },
+                    None => self.nq(step, tokens, 0, 0, 2, h, p(&ly.attn_norm), 0.0),
                 };
                 k.norm_quant(s, rows, &first)?;
                 mark("norm_quant")?;
@@ -619,7 +658,11 @@ impl Gemma4Gpu {
                 let src = lc.kv_layer;
                 let (n_kv, kvd) = (c.layers[src].n_kv, c.layers[src].n_kv * hd);
                 let si = self.slot[src].expect("a KV-shared layer's source owns K/V (checked at load)");
-                let kv = cache.kv[si].ptrs(s);
+                let (kv, kv_slots) = match kv_of {
+                    StepKv::One(cache) => (cache.kv[si].ptrs(s), 0),
+                    // The caches' pointers come from the table; the launch's own are never read.
+                    StepKv::Batch(bt) => (KvPtrs { k: 0, v: 0, types: bt.types() }, bt.kv_slots(s, si, rows)),
+                };
                 let mut segs = vec![self.seg(&ly.q, &b.q, qd)];
                 if let Some(own) = &ly.kv {
                     segs.push(self.seg(&own.k, &b.k, kvd));
@@ -627,7 +670,7 @@ impl Gemma4Gpu {
                         segs.push(self.seg(v, &b.v, kvd));
                     }
                 }
-                k.gemv(s, rows, h, &segs, act)?;
+                gemv(rows, h, &segs, act)?;
                 mark("gemv qkv")?;
                 let rope = RopeArgs {
                     q: p(&b.q),
@@ -640,7 +683,7 @@ impl Gemma4Gpu {
                     q_scale: 1.0,
                     k_cache: kv.k,
                     v_cache: kv.v,
-                    ctx: cache.ctx_len as i32,
+                    ctx: ctx_len as i32,
                     step,
                     n_head: lc.n_head as i32,
                     n_kv: if ly.kv.is_some() { n_kv as i32 } else { 0 },
@@ -650,20 +693,23 @@ impl Gemma4Gpu {
                     v_from_k: ly.kv.as_ref().is_some_and(|o| o.v.is_none()) as i32,
                     k_type: kv.types.k.kernel_id(),
                     v_type: kv.types.v.kernel_id(),
-                    kv_slots: 0,
+                    kv_slots,
                 };
                 k.qk_norm_rope_kv(s, rows, &rope)?;
                 mark("qk_norm_rope_kv")?;
                 let window = if lc.sliding { c.window } else { 0 };
-                let at = self.attn_args(cache, kv, window, lc.n_head, n_kv, step);
+                let mut at = self.attn_args(ctx_len, kv, window, lc.n_head, n_kv, step);
+                if let Some(bt) = batch {
+                    at = AttnArgs { partials: self.ptr(&bt.partials), counters: self.ptr(&bt.counters), kv_slots, ..at };
+                }
                 match prompt {
                     Some(_) => k.attention_prompt(s, rows, hd, &at)?,
                     None => k.attention(s, rows, hd, &at)?,
                 }
                 mark(if lc.sliding { "attention sliding" } else { "attention global" })?;
-                k.gemv(s, rows, qd, &[self.seg(&ly.o, &b.o, h)], act)?;
+                gemv(rows, qd, &[self.seg(&ly.o, &b.o, h)], act)?;
                 mark("gemv o")?;
-                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.o), p(&ly.post_attn_norm), 1, h, p(&ly.ffn_norm), 0.0))?;
+                k.norm_quant(s, rows, &self.nq(step, tokens, p(&b.o), p(&ly.post_attn_norm), 1, h, p(&ly.ffn_norm), 0.0))?;
                 mark("norm_quant")?;
                 let glu = GemvSeg {
                     w: self.ptr(&ly.gate.0),
@@ -676,11 +722,11 @@ impl Gemma4Gpu {
                     block_start: 0,
                     wide: self.wide as i32,
                 };
-                k.gemv(s, rows, h, &[glu], act)?;
+                gemv(rows, h, &[glu], act)?;
                 mark("gemv gate·up")?;
-                k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, 0, lc.ff, 0, 0.0))?;
+                k.norm_quant(s, rows, &self.nq(step, tokens, p(&b.ff), 0, 0, lc.ff, 0, 0.0))?;
                 mark("norm_quant")?;
-                k.gemv(s, rows, lc.ff, &[self.seg(&ly.down, &b.down, h)], act)?;
+                gemv(rows, lc.ff, &[self.seg(&ly.down, &b.down, h)], act)?;
                 mark("gemv down")?;
                 if let Some(e) = &ly.moe {
                     self.launch_experts(e, step, rows, prompt, mark)?;
@@ -688,21 +734,21 @@ impl Gemma4Gpu {
                 tail = Some(match &ly.ple {
                     None => (p(&b.down), p(&ly.post_ffw_norm), ly.out_scale),
                     Some(pl) => {
-                        k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.down), p(&ly.post_ffw_norm), 1, h, 0, 0.0))?;
+                        k.norm_quant(s, rows, &self.nq(step, tokens, p(&b.down), p(&ly.post_ffw_norm), 1, h, 0, 0.0))?;
                         mark("norm_quant")?;
-                        k.gemv(s, rows, h, &[self.seg(&pl.inp_gate, &b.gate, c.per_layer)], act)?;
+                        gemv(rows, h, &[self.seg(&pl.inp_gate, &b.gate, c.per_layer)], act)?;
                         mark("gemv inp_gate")?;
-                        let gate = NormQuantArgs { b_stride: lp as i32, ..self.nq(step, prompt, p(&b.gate), p(&b.ple) + (l * c.per_layer * 4) as u64, 4, c.per_layer, 0, 0.0) };
+                        let gate = NormQuantArgs { b_stride: lp as i32, ..self.nq(step, tokens, p(&b.gate), p(&b.ple) + (l * c.per_layer * 4) as u64, 4, c.per_layer, 0, 0.0) };
                         k.norm_quant(s, rows, &gate)?;
                         mark("norm_quant")?;
-                        k.gemv(s, rows, c.per_layer, &[self.seg(&pl.proj, &b.o, h)], act)?;
+                        gemv(rows, c.per_layer, &[self.seg(&pl.proj, &b.o, h)], act)?;
                         mark("gemv proj")?;
                         (p(&b.o), p(&pl.post_norm), ly.out_scale)
                     }
                 });
             }
             let (a, w_a, scale) = tail.expect("a model has layers");
-            let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, prompt, a, w_a, 1, h, p(&self.output_norm), scale) };
+            let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, tokens, a, w_a, 1, h, p(&self.output_norm), scale) };
             k.norm_quant(s, rows, &last)?;
             mark("norm_quant")?;
             if !head {
@@ -713,15 +759,16 @@ impl Gemma4Gpu {
                 None => (rows, self.act(0, h)),
                 Some(_) => (1, self.act(rows - 1, h)),
             };
+            let readout = batch.map_or(&b.out, |bt| &bt.out);
             let seg =
-                GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: out.wide as i32, ..Default::default() };
-            k.gemv(s, head_rows, h, &[seg], act)?;
+                GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&readout.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: out.wide as i32, ..Default::default() };
+            gemv(head_rows, h, &[seg], act)?;
             mark("lm head")?;
             if let Some(cap) = c.softcap {
-                k.softcap(s, &SoftcapArgs { x: self.ptr(&b.out.logits), n: (head_rows * c.vocab) as i32, cap, inv_cap: (1.0 / cap as f64) as f32, pad_: 0 })?;
+                k.softcap(s, &SoftcapArgs { x: self.ptr(&readout.logits), n: (head_rows * c.vocab) as i32, cap, inv_cap: (1.0 / cap as f64) as f32, pad_: 0 })?;
                 mark("softcap")?;
             }
-            k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
+            k.argmax(s, head_rows, &readout.argmax_args(s, step))?;
             mark("argmax")?;
         }
         Ok(())

@@ -73,8 +73,9 @@ pub enum DecodeOut {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
+    use tine_gpu::batch::{BatchEntry, GpuBatch, BATCH_MAX_ROWS};
     pub use tine_gpu::gemma3::Gemma3GpuError as GpuError;
-    use tine_gpu::gemma3::{AssistantGpu, BatchEntry, Gemma3Gpu, GpuBatch, GpuCache, NextNCache, BATCH_MAX_ROWS};
+    use tine_gpu::gemma3::{AssistantGpu, Gemma3Gpu, GpuCache, NextNCache};
     use tine_gpu::gemma4::{Gemma4AssistantGpu, Gemma4Cache, Gemma4Gpu};
     use tine_gpu::kv::KvTypes;
     use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu, Qwen35NextNCache};
@@ -144,6 +145,99 @@ mod imp {
     /// The largest vocabulary [`GpuTrunk::forward_top_k`] takes.
     pub const TOP_K_MAX_VOCAB: usize = tine_gpu::cuda::TOPK_MAX_N;
 
+    /// A family whose step program runs batched steps (`forward_batch` over its caches).
+    trait Batched {
+        type Cache: BatchedCache;
+        fn new_batch(&self, ctx_len: usize, types: KvTypes, max_rows: usize) -> Result<GpuBatch, GpuError>;
+        fn forward_batch(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, Self::Cache>], banned: &[u32]) -> Result<Vec<Vec<u32>>, GpuError>;
+        fn batch_top_k(&self, batch: &GpuBatch, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>, GpuError>;
+        fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>, GpuError>;
+        fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Self::Cache, rows: usize) -> Result<usize, GpuError>;
+    }
+    trait BatchedCache {
+        fn capacity(&self) -> usize;
+        fn types(&self) -> KvTypes;
+    }
+    macro_rules! batched {
+        ($m:ty, $c:ty) => {
+            impl Batched for $m {
+                type Cache = $c;
+                fn new_batch(&self, ctx_len: usize, types: KvTypes, max_rows: usize) -> Result<GpuBatch, GpuError> {
+                    <$m>::new_batch(self, ctx_len, types, max_rows)
+                }
+                fn forward_batch(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, $c>], banned: &[u32]) -> Result<Vec<Vec<u32>>, GpuError> {
+                    <$m>::forward_batch(self, batch, entries, banned)
+                }
+                fn batch_top_k(&self, batch: &GpuBatch, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>, GpuError> {
+                    <$m>::batch_top_k(self, batch, first, rows, k)
+                }
+                fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>, GpuError> {
+                    <$m>::batch_logits_row(self, batch, row)
+                }
+                fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut $c, rows: usize) -> Result<usize, GpuError> {
+                    <$m>::warm_batch(self, batch, scratch, rows)
+                }
+            }
+            impl BatchedCache for $c {
+                fn capacity(&self) -> usize {
+                    <$c>::capacity(self)
+                }
+                fn types(&self) -> KvTypes {
+                    <$c>::types(self)
+                }
+            }
+        };
+    }
+    batched!(Gemma3Gpu, GpuCache);
+    batched!(Gemma4Gpu, Gemma4Cache);
+
+    /// [`GpuTrunk::step_batch`] on a family's engine: the batch's buffers (made again for
+    /// caches of another context or types, or for more rows), the step, each row's read-back.
+    fn step_batch_on<M: Batched>(m: &M, state: &mut GpuBatchState, entries: Vec<(&mut M::Cache, &[u32], bool, DecodeWant)>, banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
+        let rows: usize = entries.iter().map(|e| e.1.len()).sum();
+        let Some(c0) = entries.first().map(|e| &*e.0) else {
+            return Err(GpuError::Step { rows, pos: 0, what: "a batched step of no rows".into() });
+        };
+        let (ctx, types) = (c0.capacity(), c0.types());
+        let fits = state.0.as_ref().is_some_and(|b| b.capacity() == ctx && b.types() == types && b.max_rows() >= rows);
+        if !fits {
+            state.0 = None; // its memory back before the new one's
+            state.0 = Some(m.new_batch(ctx, types, rows.max(8).next_power_of_two().min(BATCH_MAX_ROWS))?);
+        }
+        let batch = state.0.as_mut().expect("made above");
+        let wants: Vec<(usize, DecodeWant)> = entries.iter().map(|e| (e.1.len(), e.3)).collect();
+        let mut list: Vec<BatchEntry<'_, M::Cache>> = entries.into_iter().map(|(cache, tokens, ban, _)| BatchEntry { cache, tokens, ban }).collect();
+        let ids = m.forward_batch(batch, &mut list, banned)?;
+        let k = wants.iter().filter_map(|w| if let DecodeWant::TopK(k) = w.1 { Some(k) } else { None }).max();
+        let tops = match k {
+            Some(k) => Some(m.batch_top_k(batch, 0, rows, k)?),
+            None => None,
+        };
+        let mut row = 0;
+        let mut out = Vec::with_capacity(wants.len());
+        for ((n, want), ids) in wants.into_iter().zip(ids) {
+            let mut e = Vec::with_capacity(n);
+            for id in ids {
+                e.push(match want {
+                    DecodeWant::Argmax => DecodeOut::Id(id),
+                    DecodeWant::TopK(k) => DecodeOut::TopK(tops.as_ref().expect("read above")[row].iter().take(k).copied().collect()),
+                    DecodeWant::Row => DecodeOut::Row(m.batch_logits_row(batch, row)?),
+                });
+                row += 1;
+            }
+            out.push(e);
+        }
+        Ok(out)
+    }
+
+    /// [`GpuTrunk::warm_batch`] on a family's engine.
+    fn warm_batch_on<M: Batched>(m: &M, state: &mut GpuBatchState, scratch: &mut M::Cache, rows: usize) -> Result<usize, GpuError> {
+        let mut batch = m.new_batch(scratch.capacity(), scratch.types(), rows)?;
+        let graphs = m.warm_batch(&mut batch, scratch, rows)?;
+        state.0 = Some(batch);
+        Ok(graphs)
+    }
+
     impl GpuTrunk {
         /// The engine for a model on `device`, or why not: `Ok(None)` on the CPU or with
         /// `TINE_GPU_ENGINE=0`; `Err(reason)` where the engine cannot run this model (the
@@ -170,9 +264,14 @@ mod imp {
                 GpuTrunk::Qwen35(m) => GpuSeq::Qwen35(Box::new(m.new_cache_typed(context, types)?)),
             })
         }
-        /// Whether [`GpuTrunk::step_batch`] runs here (Gemma 3, its matrices in the wide layout).
+        /// Whether [`GpuTrunk::step_batch`] runs here (Gemma 3 and Gemma 4, their matrices in the
+        /// wide layout).
         pub fn batches(&self) -> bool {
-            matches!(self, GpuTrunk::Gemma3(m) if m.batches())
+            match self {
+                GpuTrunk::Gemma3(m) => m.batches(),
+                GpuTrunk::Gemma4(m) => m.batches(),
+                GpuTrunk::Qwen35(_) => false,
+            }
         }
         /// One engine step for several sequences' rows, `(sequence, tokens, ban, want)` each (a
         /// decode's one token or a verify batch; every sequence's cache of one context and K/V
@@ -181,59 +280,38 @@ mod imp {
         /// [`GpuTrunk::forward_top_k_all`] or [`GpuTrunk::forward_logits`] give for the same
         /// sequence alone. On an error no sequence has moved.
         pub fn step_batch(&self, state: &mut GpuBatchState, entries: &mut [(&mut GpuSeq, &[u32], bool, DecodeWant)], banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
-            let m = self.gemma3("a batched step")?;
             let rows: usize = entries.iter().map(|e| e.1.len()).sum();
-            let Some(GpuSeq::Gemma3(c0)) = entries.first().map(|e| &*e.0) else {
-                return Err(GpuError::Step { rows, pos: 0, what: "a batched step of no rows, or of another family's caches".into() });
-            };
-            let (ctx, types) = (c0.capacity(), c0.types());
-            let fits = state.0.as_ref().is_some_and(|b| b.capacity() == ctx && b.types() == types && b.max_rows() >= rows);
-            if !fits {
-                state.0 = None; // its memory back before the new one's
-                state.0 = Some(m.new_batch(ctx, types, rows.max(8).next_power_of_two().min(BATCH_MAX_ROWS))?);
-            }
-            let batch = state.0.as_mut().expect("made above");
-            let wants: Vec<(usize, DecodeWant)> = entries.iter().map(|e| (e.1.len(), e.3)).collect();
-            let mut list = Vec::with_capacity(entries.len());
-            for (seq, tokens, ban, _) in entries.iter_mut() {
-                let GpuSeq::Gemma3(cache) = &mut **seq else {
-                    return Err(GpuError::Step { rows, pos: 0, what: "a batched step of another family's caches".into() });
-                };
-                list.push(BatchEntry { cache, tokens, ban: *ban });
-            }
-            let ids = m.forward_batch(batch, &mut list, banned)?;
-            let k = wants.iter().filter_map(|w| if let DecodeWant::TopK(k) = w.1 { Some(k) } else { None }).max();
-            let tops = match k {
-                Some(k) => Some(m.batch_top_k(batch, 0, rows, k)?),
-                None => None,
-            };
-            let mut row = 0;
-            let mut out = Vec::with_capacity(wants.len());
-            for ((n, want), ids) in wants.into_iter().zip(ids) {
-                let mut e = Vec::with_capacity(n);
-                for id in ids {
-                    e.push(match want {
-                        DecodeWant::Argmax => DecodeOut::Id(id),
-                        DecodeWant::TopK(k) => DecodeOut::TopK(tops.as_ref().expect("read above")[row].iter().take(k).copied().collect()),
-                        DecodeWant::Row => DecodeOut::Row(m.batch_logits_row(batch, row)?),
-                    });
-                    row += 1;
+            let other = || GpuError::Step { rows, pos: 0, what: "a batched step of no rows, or of another family's caches".into() };
+            match self {
+                GpuTrunk::Gemma3(m) => {
+                    let mut list = Vec::with_capacity(entries.len());
+                    for (seq, tokens, ban, want) in entries.iter_mut() {
+                        let GpuSeq::Gemma3(cache) = &mut **seq else { return Err(other()) };
+                        list.push((cache, *tokens, *ban, *want));
+                    }
+                    step_batch_on(&**m, state, list, banned)
                 }
-                out.push(e);
+                GpuTrunk::Gemma4(m) => {
+                    let mut list = Vec::with_capacity(entries.len());
+                    for (seq, tokens, ban, want) in entries.iter_mut() {
+                        let GpuSeq::Gemma4(cache) = &mut **seq else { return Err(other()) };
+                        list.push((&mut **cache, *tokens, *ban, *want));
+                    }
+                    step_batch_on(&**m, state, list, banned)
+                }
+                GpuTrunk::Qwen35(_) => Err(not_on_engine(self.family(), "a batched step")),
             }
-            Ok(out)
         }
         /// Makes the batched-step buffers for steps of up to `rows` rows over sequences like
         /// `scratch` (left empty) and captures every graph they would run: returns the graphs.
         pub fn warm_batch(&self, state: &mut GpuBatchState, scratch: &mut GpuSeq, rows: usize) -> Result<usize, GpuError> {
-            let m = self.gemma3("a batched step")?;
-            let GpuSeq::Gemma3(cache) = scratch else { unreachable!("a sequence's state is made by its model's engine") };
             let rows = rows.clamp(1, BATCH_MAX_ROWS);
             state.0 = None;
-            let mut batch = m.new_batch(cache.capacity(), cache.types(), rows)?;
-            let graphs = m.warm_batch(&mut batch, cache, rows)?;
-            state.0 = Some(batch);
-            Ok(graphs)
+            match (self, scratch) {
+                (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(cache)) => warm_batch_on(&**m, state, cache, rows),
+                (GpuTrunk::Gemma4(m), GpuSeq::Gemma4(cache)) => warm_batch_on(&**m, state, cache, rows),
+                _ => Err(not_on_engine(self.family(), "a batched step")),
+            }
         }
         /// The Gemma 3 engine, for what only it does, or the error naming `what`.
         fn gemma3(&self, what: &str) -> Result<&Gemma3Gpu, GpuError> {

@@ -581,7 +581,7 @@ impl Model {
     }
 
     /// Whether [`Model::step_many_gpu`] runs several sequences' decode and verify rows as one step of
-    /// the GPU engine (Gemma 3 on the engine; `TINE_GPU_BATCH=0` turns it off, to compare).
+    /// the GPU engine (Gemma 3 and Gemma 4; `TINE_GPU_BATCH=0` turns it off, to compare).
     pub fn gpu_batches(&self) -> bool {
         self.gpu.as_ref().is_some_and(GpuTrunk::batches) && std::env::var("TINE_GPU_BATCH").map_or(true, |v| v != "0")
     }
@@ -630,7 +630,7 @@ impl Model {
     /// every sequence is as it was.
     pub fn step_many_gpu(&self, steps: &mut [(&mut Sequence, &[u32], bool, DecodeWant)]) -> Result<Vec<Vec<DecodeOut>>, StepError> {
         let Some(gpu) = self.gpu.as_ref().filter(|g| g.batches()) else {
-            return Err(StepError::Candle(candle_core::Error::Msg("batched GPU steps need a Gemma 3 model on the GPU engine".into())));
+            return Err(StepError::Candle(candle_core::Error::Msg("batched GPU steps need a Gemma 3 or Gemma 4 model on the GPU engine".into())));
         };
         for (seq, tokens, _, want) in steps.iter() {
             seq.check(self, tokens)?;

@@ -191,7 +191,7 @@ pub async fn serve_all(model: Arc<Model>, config: ServerConfig, addrs: &[SocketA
     Ok(())
 }
 
-/// On the GPU engine where it batches (Gemma 3), with more than one slot: the batched steps'
+/// On the GPU engine where it batches (Gemma 3, Gemma 4), with more than one slot: the batched steps'
 /// buffers and every graph they run, made before anything is served (and before the slots'
 /// memory is checked, so that check sees what they take).
 fn warm_gpu_batch(model: &Model, config: &ServerConfig) -> Result<(), String> {

@@ -3626,7 +3626,7 @@ mod gemma4 {
     }
 }
 
-/// `--batch FILE`: Gemma 3's batched step (`Gemma3Gpu::forward_batch`): 12 sequences of prompts of
+/// `--batch FILE`: the batched step of a Gemma 3 or Gemma 4 file (`forward_batch`): 12 sequences of prompts of
 /// 5 to 38 tokens, fed a token a step (one of them its prompt in rows of 3, a verify step's
 /// shape), then 12 greedy tokens each, the sequences finishing at different steps (so the steps
 /// run 1 to 14 rows, padded past 8), the odd ones banning two ids (`ignore_eos`), the even ones
@@ -3635,7 +3635,9 @@ mod gemma4 {
 /// speed with 1, 4, 16 and 64 sequences a step against one sequence's one-row steps.
 mod batch {
     use super::*;
-    use tine_gpu::gemma3::{BatchEntry, Gemma3Gpu, GpuBatch, GpuCache};
+    use tine_gpu::batch::{BatchEntry, GpuBatch};
+    use tine_gpu::gemma3::{Gemma3Gpu, GpuCache};
+    use tine_gpu::gemma4::{Gemma4Cache, Gemma4Gpu};
 
     fn hash(v: &[f32]) -> u64 {
         v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x0100_0000_01b3))
@@ -3645,146 +3647,163 @@ mod batch {
         v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, (i, x)| (h ^ ((*i as u64) << 32 | x.to_bits() as u64)).wrapping_mul(0x0100_0000_01b3))
     }
 
-    pub fn run(path: &std::path::Path) -> Res<bool> {
-        let g = Gemma3Gpu::load(path, 0, 4096)?;
-        let vocab = g.config().vocab;
-        let types = kv_types();
-        let n_seq = 12;
-        let gen = 12;
-        let k = 40;
-        let banned: Vec<u32> = vec![1, (vocab as u32 - 1).min(106)];
-        let bans = |s: usize| s % 2 == 1;
-        let prompts: Vec<Vec<u32>> = (0..n_seq).map(|s| (0..5 + 3 * s).map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32).collect()).collect();
-        // Alone: each position's (greedy id, logits hash, top-k hash).
-        let mut alone = Vec::new();
-        for (s, p) in prompts.iter().enumerate() {
-            let ban: &[u32] = if bans(s) { &banned } else { &[] };
-            let mut c = g.new_cache_typed(4096, types)?;
-            let mut rows = Vec::new();
-            let mut next = 0;
-            for i in 0..p.len() + gen {
-                let t = if i < p.len() { p[i] } else { next };
-                let top = g.forward_top_k(&mut c, &[t], ban, k)?;
-                next = g.argmax(&c)?[0];
-                rows.push((next, hash(&g.logits(&c)?), hash_top(&top)));
-            }
-            alone.push(rows);
-        }
-        let mut caches: Vec<GpuCache> = (0..n_seq).map(|_| g.new_cache_typed(4096, types)).collect::<std::result::Result<_, _>>()?;
-        let mut b = g.new_batch(4096, types, 64)?;
-        let mut fed = vec![0usize; n_seq];
-        let mut next = vec![0u32; n_seq];
-        let (mut steps, mut most, mut mismatches) = (0, 0, 0);
-        let mut first_bad = String::new();
-        loop {
-            let mut inputs: Vec<(usize, Vec<u32>)> = Vec::new();
-            for s in 0..n_seq {
-                let p = &prompts[s];
-                if fed[s] >= p.len() + gen {
-                    continue;
-                }
-                let take = if fed[s] < p.len() { (if s == 1 { 3 } else { 1 }).min(p.len() - fed[s]) } else { 1 };
-                let toks = if fed[s] < p.len() { p[fed[s]..fed[s] + take].to_vec() } else { vec![next[s]] };
-                inputs.push((s, toks));
-            }
-            if inputs.is_empty() {
-                break;
-            }
-            let ids = {
-                let mut entries: Vec<BatchEntry> = Vec::new();
-                let mut it = inputs.iter().peekable();
-                for (s, cache) in caches.iter_mut().enumerate() {
-                    if let Some((_, toks)) = it.next_if(|(i, _)| *i == s) {
-                        entries.push(BatchEntry { cache, tokens: toks, ban: bans(s) });
+    // The same check for each family with a batched step (their engines' methods share names).
+    macro_rules! family_check {
+        ($name:ident, $gpu:ty, $cache:ty) => {
+            pub fn $name(path: &std::path::Path) -> Res<bool> {
+                let g = <$gpu>::load(path, 0, 4096)?;
+                let vocab = g.config().vocab;
+                let types = kv_types();
+                let n_seq = 12;
+                let gen = 12;
+                let k = 40;
+                let banned: Vec<u32> = vec![1, (vocab as u32 - 1).min(106)];
+                let bans = |s: usize| s % 2 == 1;
+                let prompts: Vec<Vec<u32>> = (0..n_seq).map(|s| (0..5 + 3 * s).map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32).collect()).collect();
+                // Alone: each position's (greedy id, logits hash, top-k hash).
+                let mut alone = Vec::new();
+                for (s, p) in prompts.iter().enumerate() {
+                    let ban: &[u32] = if bans(s) { &banned } else { &[] };
+                    let mut c = g.new_cache_typed(4096, types)?;
+                    let mut rows = Vec::new();
+                    let mut next = 0;
+                    for i in 0..p.len() + gen {
+                        let t = if i < p.len() { p[i] } else { next };
+                        let top = g.forward_top_k(&mut c, &[t], ban, k)?;
+                        next = g.argmax(&c)?[0];
+                        rows.push((next, hash(&g.logits(&c)?), hash_top(&top)));
                     }
+                    alone.push(rows);
                 }
-                g.forward_batch(&mut b, &mut entries, &banned)?
-            };
-            let rows: usize = inputs.iter().map(|(_, t)| t.len()).sum();
-            let tops = g.batch_top_k(&b, 0, rows, k)?;
-            let mut row = 0;
-            for ((s, toks), got) in inputs.iter().zip(&ids) {
-                for (j, &id) in got.iter().enumerate() {
-                    let at = fed[*s] + j;
-                    let h = hash(&g.batch_logits_row(&b, row)?);
-                    let t = hash_top(&tops[row]);
-                    let want = alone[*s][at];
-                    if (id, h, t) != want {
-                        mismatches += 1;
-                        if first_bad.is_empty() {
-                            first_bad = format!(
-                                "step {steps}: sequence {s} position {at}: id {id} vs {} alone, logits {}, top {k} {}",
-                                want.0,
-                                if h == want.1 { "equal" } else { "differ" },
-                                if t == want.2 { "equal" } else { "differ" }
-                            );
+                let mut caches: Vec<$cache> = (0..n_seq).map(|_| g.new_cache_typed(4096, types)).collect::<std::result::Result<_, _>>()?;
+                let mut b = g.new_batch(4096, types, 64)?;
+                let mut fed = vec![0usize; n_seq];
+                let mut next = vec![0u32; n_seq];
+                let (mut steps, mut most, mut mismatches) = (0, 0, 0);
+                let mut first_bad = String::new();
+                loop {
+                    let mut inputs: Vec<(usize, Vec<u32>)> = Vec::new();
+                    for s in 0..n_seq {
+                        let p = &prompts[s];
+                        if fed[s] >= p.len() + gen {
+                            continue;
                         }
+                        let take = if fed[s] < p.len() { (if s == 1 { 3 } else { 1 }).min(p.len() - fed[s]) } else { 1 };
+                        let toks = if fed[s] < p.len() { p[fed[s]..fed[s] + take].to_vec() } else { vec![next[s]] };
+                        inputs.push((s, toks));
                     }
-                    row += 1;
+                    if inputs.is_empty() {
+                        break;
+                    }
+                    let ids = {
+                        let mut entries: Vec<BatchEntry<$cache>> = Vec::new();
+                        let mut it = inputs.iter().peekable();
+                        for (s, cache) in caches.iter_mut().enumerate() {
+                            if let Some((_, toks)) = it.next_if(|(i, _)| *i == s) {
+                                entries.push(BatchEntry { cache, tokens: toks, ban: bans(s) });
+                            }
+                        }
+                        g.forward_batch(&mut b, &mut entries, &banned)?
+                    };
+                    let rows: usize = inputs.iter().map(|(_, t)| t.len()).sum();
+                    let tops = g.batch_top_k(&b, 0, rows, k)?;
+                    let mut row = 0;
+                    for ((s, toks), got) in inputs.iter().zip(&ids) {
+                        for (j, &id) in got.iter().enumerate() {
+                            let at = fed[*s] + j;
+                            let h = hash(&g.batch_logits_row(&b, row)?);
+                            let t = hash_top(&tops[row]);
+                            let want = alone[*s][at];
+                            if (id, h, t) != want {
+                                mismatches += 1;
+                                if first_bad.is_empty() {
+                                    first_bad = format!(
+                                        "step {steps}: sequence {s} position {at}: id {id} vs {} alone, logits {}, top {k} {}",
+                                        want.0,
+                                        if h == want.1 { "equal" } else { "differ" },
+                                        if t == want.2 { "equal" } else { "differ" }
+                                    );
+                                }
+                            }
+                            row += 1;
+                        }
+                        fed[*s] += toks.len();
+                        next[*s] = *got.last().expect("a row");
+                    }
+                    most = most.max(row);
+                    steps += 1;
                 }
-                fed[*s] += toks.len();
-                next[*s] = *got.last().expect("a row");
-            }
-            most = most.max(row);
-            steps += 1;
-        }
-        let total: usize = alone.iter().map(Vec::len).sum();
-        let ok = mismatches == 0;
-        println!(
-            "{} batched steps vs each sequence alone: {total} rows of {n_seq} sequences in {steps} steps (up to {most} rows a step, {} graphs, per-row bans): {}",
-            if ok { "ok  " } else { "FAIL" },
-            b.graphs(),
-            if ok { format!("ids, logits and top {k} bit-identical") } else { format!("{mismatches} rows differ; first: {first_bad}") }
-        );
-        // Speed: n sequences decoding together, one row each, after a 32-token prompt.
-        let mut c = g.new_cache_typed(512, types)?;
-        let warm: Vec<u32> = (0..32).map(|i| (i * 31 + 7) % vocab as u32).collect();
-        for &t in &warm {
-            g.forward(&mut c, &[t])?;
-        }
-        let mut t1 = g.argmax(&c)?[0];
-        let n = 128;
-        let t0 = std::time::Instant::now();
-        for _ in 0..n {
-            g.forward(&mut c, &[t1])?;
-            t1 = g.argmax(&c)?[0];
-        }
-        let one = n as f64 / t0.elapsed().as_secs_f64();
-        println!("decode, one sequence (one-row steps): {one:.1} tok/s");
-        for seqs in [1usize, 4, 16, 64] {
-            let t_alloc = std::time::Instant::now();
-            let mut b = g.new_batch(512, types, 64)?;
-            let mut caches: Vec<GpuCache> = (0..seqs).map(|_| g.new_cache_typed(512, types)).collect::<std::result::Result<_, _>>()?;
-            let mut cur: Vec<u32> = vec![0; seqs];
-            for (s, cache) in caches.iter_mut().enumerate() {
-                let p: Vec<u32> = warm.iter().map(|&t| (t + s as u32) % vocab as u32).collect();
-                g.forward(cache, &p)?;
-                cur[s] = *g.argmax(cache)?.last().expect("a row");
-            }
-            let step = |b: &mut GpuBatch, caches: &mut [GpuCache], cur: &mut Vec<u32>| -> Res<()> {
-                let toks: Vec<[u32; 1]> = cur.iter().map(|&t| [t]).collect();
-                let mut entries: Vec<BatchEntry> = caches.iter_mut().zip(&toks).map(|(cache, t)| BatchEntry { cache, tokens: &t[..], ban: false }).collect();
-                let ids = g.forward_batch(b, &mut entries, &[])?;
-                for (c, i) in cur.iter_mut().zip(ids) {
-                    *c = i[0];
+                let total: usize = alone.iter().map(Vec::len).sum();
+                let ok = mismatches == 0;
+                println!(
+                    "{} {} batched steps vs each sequence alone: {total} rows of {n_seq} sequences in {steps} steps (up to {most} rows a step, {} graphs, per-row bans): {}",
+                    if ok { "ok  " } else { "FAIL" },
+                    stringify!($gpu),
+                    b.graphs(),
+                    if ok { format!("ids, logits and top {k} bit-identical") } else { format!("{mismatches} rows differ; first: {first_bad}") }
+                );
+                // Speed: n sequences decoding together, one row each, after a 32-token prompt.
+                let mut c = g.new_cache_typed(512, types)?;
+                let warm: Vec<u32> = (0..32).map(|i| (i * 31 + 7) % vocab as u32).collect();
+                for &t in &warm {
+                    g.forward(&mut c, &[t])?;
                 }
-                Ok(())
-            };
-            step(&mut b, &mut caches, &mut cur)?;
-            let setup = t_alloc.elapsed().as_secs_f64();
-            let t0 = std::time::Instant::now();
-            for _ in 0..n {
-                step(&mut b, &mut caches, &mut cur)?;
+                let mut t1 = g.argmax(&c)?[0];
+                let n = 128;
+                let t0 = std::time::Instant::now();
+                for _ in 0..n {
+                    g.forward(&mut c, &[t1])?;
+                    t1 = g.argmax(&c)?[0];
+                }
+                let one = n as f64 / t0.elapsed().as_secs_f64();
+                println!("decode, one sequence (one-row steps): {one:.1} tok/s");
+                for seqs in [1usize, 4, 16, 64] {
+                    let t_alloc = std::time::Instant::now();
+                    let mut b = g.new_batch(512, types, 64)?;
+                    let mut caches: Vec<$cache> = (0..seqs).map(|_| g.new_cache_typed(512, types)).collect::<std::result::Result<_, _>>()?;
+                    let mut cur: Vec<u32> = vec![0; seqs];
+                    for (s, cache) in caches.iter_mut().enumerate() {
+                        let p: Vec<u32> = warm.iter().map(|&t| (t + s as u32) % vocab as u32).collect();
+                        g.forward(cache, &p)?;
+                        cur[s] = *g.argmax(cache)?.last().expect("a row");
+                    }
+                    let step = |b: &mut GpuBatch, caches: &mut [$cache], cur: &mut Vec<u32>| -> Res<()> {
+                        let toks: Vec<[u32; 1]> = cur.iter().map(|&t| [t]).collect();
+                        let mut entries: Vec<BatchEntry<$cache>> = caches.iter_mut().zip(&toks).map(|(cache, t)| BatchEntry { cache, tokens: &t[..], ban: false }).collect();
+                        let ids = g.forward_batch(b, &mut entries, &[])?;
+                        for (c, i) in cur.iter_mut().zip(ids) {
+                            *c = i[0];
+                        }
+                        Ok(())
+                    };
+                    step(&mut b, &mut caches, &mut cur)?;
+                    let setup = t_alloc.elapsed().as_secs_f64();
+                    let t0 = std::time::Instant::now();
+                    for _ in 0..n {
+                        step(&mut b, &mut caches, &mut cur)?;
+                    }
+                    let dt = t0.elapsed().as_secs_f64();
+                    let agg = (n * seqs) as f64 / dt;
+                    println!(
+                        "decode, {seqs} sequences a step: {agg:.1} tok/s in all ({:.3} ms a step, {:.2}x one sequence; caches, prompts and the first step's capture {:.0} ms)",
+                        dt * 1e3 / n as f64,
+                        agg / one,
+                        setup * 1e3
+                    );
+                }
+                Ok(ok)
             }
-            let dt = t0.elapsed().as_secs_f64();
-            let agg = (n * seqs) as f64 / dt;
-            println!(
-                "decode, {seqs} sequences a step: {agg:.1} tok/s in all ({:.3} ms a step, {:.2}x one sequence; caches, prompts and the first step's capture {:.0} ms)",
-                dt * 1e3 / n as f64,
-                agg / one,
-                setup * 1e3
-            );
+        };
+    }
+    family_check!(run_gemma3, Gemma3Gpu, GpuCache);
+    family_check!(run_gemma4, Gemma4Gpu, Gemma4Cache);
+
+    /// The check of the file's family (`gemma3` or `gemma4`).
+    pub fn run(path: &std::path::Path) -> Res<bool> {
+        if tine_gpu::gemma3::architecture(path)? == "gemma4" {
+            run_gemma4(path)
+        } else {
+            run_gemma3(path)
         }
-        Ok(ok)
     }
 }

@@ -258,7 +258,7 @@ impl Gemma4Gpu {
                 k.qk_norm_rope_kv(s, 1, &rope)?;
                 let si = self.slot[bl.source].expect("a source layer owns K/V (checked at load)");
                 let window = if bl.sliding { head.window } else { 0 };
-                let at = self.attn_args(cache, cache.kv[si].ptrs(s), window, bl.n_head, c.layers[bl.source].n_kv, step);
+                let at = self.attn_args(cache.ctx_len, cache.kv[si].ptrs(s), window, bl.n_head, c.layers[bl.source].n_kv, step);
                 k.attention(s, 1, bl.head_dim, &at)?;
                 k.gemv(s, 1, qd, &[self.seg(&bl.o, &b.o, n)], act)?;
                 k.norm_quant(s, 1, &self.nq(step, None, p(&b.o), p(&bl.post_attn_norm), 1, n, p(&bl.ffn_norm), 0.0))?;
