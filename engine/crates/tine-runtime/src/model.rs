@@ -274,6 +274,8 @@ pub struct Model {
     engine_note: Option<String>,
     /// The engine's batched-step buffers ([`Model::step_many_gpu`]), made at the first one.
     gpu_batch: std::sync::Mutex<GpuBatchState>,
+    /// [`Model::stand_in_gpu_batches`]: the GPU's batched steps played on the CPU (tests).
+    gpu_stand_in: bool,
     /// The types new sequences' KV caches store keys and values in ([`Model::set_cache_types`]).
     cache_types: (KvType, KvType),
 }
@@ -409,7 +411,19 @@ impl Model {
             Err(e) if crate::gpu::is_unsupported_model(&e) => (None, Some(crate::error_chain(&e))),
             Err(source) => return Err(LoadError::Gpu { path: p(), source: Box::new(source) }),
         };
-        let model = Model { weights, tokenizer, info, eog, device, argmax_rank: std::sync::OnceLock::new(), gpu, engine_note, gpu_batch: Default::default(), cache_types: (KvType::F32, KvType::F32) };
+        let model = Model {
+            weights,
+            tokenizer,
+            info,
+            eog,
+            device,
+            argmax_rank: std::sync::OnceLock::new(),
+            gpu,
+            engine_note,
+            gpu_batch: Default::default(),
+            gpu_stand_in: false,
+            cache_types: (KvType::F32, KvType::F32),
+        };
         if model.device.is_cpu() {
             // One forward now builds the CPU matmul's interleaved weight tiles (patch 0022: about
             // 0.2 s for the default model), so the first request does not pay for them.
@@ -583,7 +597,45 @@ impl Model {
     /// Whether [`Model::step_many_gpu`] runs several sequences' decode and verify rows as one step of
     /// the GPU engine (Gemma 3 and Gemma 4; `TINE_GPU_BATCH=0` turns it off, to compare).
     pub fn gpu_batches(&self) -> bool {
-        self.gpu.as_ref().is_some_and(GpuTrunk::batches) && std::env::var("TINE_GPU_BATCH").map_or(true, |v| v != "0")
+        (self.gpu_stand_in || self.gpu.as_ref().is_some_and(GpuTrunk::batches)) && std::env::var("TINE_GPU_BATCH").map_or(true, |v| v != "0")
+    }
+
+    /// For tests of what drives the GPU's batched steps where no GPU is: a model on the CPU
+    /// then says it batches on the GPU ([`Model::gpu_batches`]), and [`Model::step_many_gpu`]
+    /// runs the rows as one CPU forward ([`Model::step_many`]) and reads each row back on the
+    /// host as the engine's step reads it on the device (the greedy id passing over the end ids
+    /// where asked, the top-k in the sampler's order, or the row).
+    pub fn stand_in_gpu_batches(&mut self) {
+        self.gpu_stand_in = self.gpu.is_none();
+    }
+
+    /// [`Model::step_many_gpu`] played on the CPU ([`Model::stand_in_gpu_batches`]).
+    fn step_many_stand_in(&self, steps: &mut [(&mut Sequence, &[u32], bool, DecodeWant)]) -> Result<Vec<Vec<DecodeOut>>, StepError> {
+        let reads: Vec<(bool, DecodeWant)> = steps.iter().map(|(_, _, ban, want)| (*ban, *want)).collect();
+        let mut rows: Vec<(&mut Sequence, &[u32], Rows)> = steps.iter_mut().map(|(seq, tokens, ..)| (&mut **seq, *tokens, Rows::Verify { hidden: false })).collect();
+        let outs = self.step_many(&mut rows)?;
+        Ok(outs
+            .into_iter()
+            .zip(reads)
+            .map(|((logits, _), (ban, want))| {
+                let banned: &[u32] = if ban { &self.eog } else { &[] };
+                (0..logits.positions())
+                    .map(|i| {
+                        let row = logits.row(i);
+                        match want {
+                            DecodeWant::Argmax => DecodeOut::Id(banned_argmax(row, banned)),
+                            DecodeWant::TopK(k) => {
+                                let mut c: Vec<(u32, f32)> = row.iter().enumerate().filter(|(i, _)| !banned.contains(&(*i as u32))).map(|(i, &v)| (i as u32, v)).collect();
+                                c.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                                c.truncate(k);
+                                DecodeOut::TopK(c)
+                            }
+                            DecodeWant::Row => DecodeOut::Row(row.to_vec()),
+                        }
+                    })
+                    .collect()
+            })
+            .collect())
     }
 
     /// What a row of [`Model::step_many_gpu`] reads back for a draw that takes the greedy
@@ -629,6 +681,9 @@ impl Model {
     /// [`Sequence::forward_all_top_k`], [`Sequence::forward_all`]). Atomic as a whole: on an error
     /// every sequence is as it was.
     pub fn step_many_gpu(&self, steps: &mut [(&mut Sequence, &[u32], bool, DecodeWant)]) -> Result<Vec<Vec<DecodeOut>>, StepError> {
+        if self.gpu_stand_in {
+            return self.step_many_stand_in(steps);
+        }
         let Some(gpu) = self.gpu.as_ref().filter(|g| g.batches()) else {
             return Err(StepError::Candle(candle_core::Error::Msg("batched GPU steps need a Gemma 3 or Gemma 4 model on the GPU engine".into())));
         };

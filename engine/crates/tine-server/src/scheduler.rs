@@ -645,12 +645,12 @@ fn release_prefix(slot: &mut Slot) {
 fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mpsc::Receiver<Msg>, views: Arc<Mutex<Vec<SlotView>>>, pool_stats: Arc<Mutex<PoolStats>>, batch_sizes: Arc<BatchSizes>) {
     // On the CPU the active slots' decode rows and verify batches run as one forward each step,
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
-    let batching = model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
     // On the GPU engine (Gemma 3 and 4) the decoding slots' next rows and the speculating slots'
     // verify batches (those read as ids or top-k) run as one engine step (`Model::step_many_gpu`);
     // prompt chunks and rounds that read whole rows run slot by slot (`TINE_GPU_BATCH=0` steps
     // every slot alone).
     let gpu_batching = model.gpu_batches() && config.slots > 1;
+    let batching = !gpu_batching && model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
     let mut step_cost = StepCost::default();
     // The slot whose prompt chunk goes first in the next step (`prompt_turns`).
     let mut prompt_next = 0usize;

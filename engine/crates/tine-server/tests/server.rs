@@ -48,11 +48,18 @@ fn start_model(cfg: TinyGemma3, spec: Option<tine_spec::SpecType>, edit: impl Fn
 /// A server over the GGUF `write` puts at the path it is given (an assistant head and a draft
 /// model, where the spec type reads them, beside it as `assistant.gguf` and `draft.gguf`).
 fn start_file(write: impl FnOnce(&std::path::Path), spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig)) -> Server {
+    start_file_as(write, spec, edit, |_| {})
+}
+
+/// [`start_file`] with `prepare` called on the model before it is served.
+fn start_file_as(write: impl FnOnce(&std::path::Path), spec: Option<tine_spec::SpecType>, edit: impl FnOnce(&mut ServerConfig), prepare: impl FnOnce(&mut Model)) -> Server {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
     write(&path);
     let (head, draft) = (dir.path().join("assistant.gguf"), dir.path().join("draft.gguf"));
-    let model = Arc::new(Model::load(&path).expect("fixture loads"));
+    let mut model = Model::load(&path).expect("fixture loads");
+    prepare(&mut model);
+    let model = Arc::new(model);
     let spec = spec.map(|kind| {
         let config = tine_spec::SpecConfig { ngram_min: 1, mtp_head: head.exists().then_some(head), draft_model: draft.exists().then_some(draft), ..tine_spec::SpecConfig::new(kind) };
         Arc::new(tine_spec::SpecFactory::load(config, &model).expect("speculative setup"))
@@ -2023,4 +2030,73 @@ fn llama_servers_verbose_input_tokens_aliases_prompt_objects_and_generation_sett
     assert!(bias.iter().any(|b| b["bias"].is_null() && b["token"] == 1), "ignore_eos bans <eos> (1): {gs}");
     let (_, g) = post(srv.addr, "/completion", json!({"prompt": "hello", "n_predict": 2}));
     assert_eq!(g["generation_settings"]["logit_bias"], json!([]), "{g}");
+}
+
+/// Issue 50: the scheduler's GPU path (decode rows and verify batches of every slot in one
+/// batched step, `Model::step_many_gpu`), played on the CPU (`Model::stand_in_gpu_batches`):
+/// concurrent requests of every kind (greedy, greedy with `ignore_eos`, seeded, with logprobs),
+/// plain and with each spec type, get what each gets alone on a one-slot server, and the steps
+/// carried several slots' rows.
+#[test]
+fn gpu_batched_steps_give_every_request_what_it_gets_alone() {
+    let prompts = ["hello world the", "world hello", "the the hello world", "hello"];
+    let body = |i: usize| {
+        let p = prompts[i % prompts.len()];
+        match i % 4 {
+            0 => json!({"prompt": p, "n_predict": 40, "temperature": 0, "return_tokens": true}),
+            1 => json!({"prompt": p, "n_predict": 40, "temperature": 0, "ignore_eos": true, "return_tokens": true}),
+            2 => json!({"prompt": p, "n_predict": 40, "temperature": 0.8, "seed": 11, "ignore_eos": true, "return_tokens": true}),
+            _ => json!({"prompt": p, "n_predict": 24, "temperature": 0, "n_probs": 2, "ignore_eos": true, "return_tokens": true}),
+        }
+    };
+    let model = |spec: Option<tine_spec::SpecType>| TinyGemma3 { nextn: spec.is_some(), context: 8192, ..TinyGemma3::default() };
+    let extras = |path: &std::path::Path, cfg: &TinyGemma3| {
+        let dir = path.parent().expect("in the test's directory");
+        tine_test_support::TinyAssistant::default().write(cfg, &dir.join("assistant.gguf"));
+        TinyGemma3 { seed: 99, n_layer: 2, context: 8192, ..TinyGemma3::default() }.write(&dir.join("draft.gguf"));
+    };
+    let mut kinds = vec![None];
+    kinds.extend(tine_spec::SpecType::ALL.into_iter().map(Some));
+    for kind in kinds {
+        let tag = kind.map_or("plain".to_string(), |k| k.to_string());
+        let cfg = model(kind);
+        let alone = start_file(
+            |p| {
+                cfg.write(p);
+                extras(p, &cfg)
+            },
+            kind,
+            |c| *c = ServerConfig { metrics: true, ..ServerConfig::new(1, 1024) },
+        );
+        let want: Vec<Value> = (0..8).map(|i| post(alone.addr, "/completion", body(i)).1).collect();
+        let srv = start_file_as(
+            |p| {
+                cfg.write(p);
+                extras(p, &cfg)
+            },
+            kind,
+            |c| *c = ServerConfig { metrics: true, ..ServerConfig::new(4, 4 * 1024) },
+            Model::stand_in_gpu_batches,
+        );
+        let addr = srv.addr;
+        let got: Vec<Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..8).map(|i| s.spawn(move || post(addr, "/completion", body(i)).1)).collect();
+            hs.into_iter().map(|h| h.join().expect("client thread")).collect()
+        });
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g["tokens"], w["tokens"], "{tag}: request {i}");
+            assert_eq!(g["content"], w["content"], "{tag}: request {i}");
+            assert_eq!(g["completion_probabilities"], w["completion_probabilities"], "{tag}: request {i}");
+        }
+        let (_, text) = http(srv.addr, "GET", "/metrics", "");
+        let value =
+            |name: &str| -> f64 { text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' '))).unwrap_or_else(|| panic!("{name} missing:\n{text}")).parse().expect("a number") };
+        // NextN and the assistant read each verify row's hidden state: their rounds run in the
+        // slot's own steps (and with a speculator every token comes from a round).
+        if matches!(kind, Some(tine_spec::SpecType::DraftMtp | tine_spec::SpecType::DraftAssistant)) {
+            assert_eq!(value("tine:batched_forwards_total"), 0.0, "{tag}: no round reached a batched step:\n{text}");
+        } else {
+            assert!(value("tine:batched_slots_total") > value("tine:batched_forwards_total"), "{tag}: the batched steps carried several slots:\n{text}");
+        }
+    }
 }
