@@ -849,7 +849,13 @@ fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let auth_note = if config.api_keys.is_empty() { "" } else { ", API key required" };
     let page_note = if config.webui == tine_server::webui::WebUi::Off { "" } else { "; chat page at /" };
     let urls: Vec<String> = addrs.iter().map(|a| format!("http://{a}")).collect();
-    eprintln!("tine serve: {} ({} slot(s), context {ctx} tokens each{spec_note}{auth_note}){page_note}", urls.join(", "), config.parallel);
+    // What a position of K/V takes at the cache types (issue 53: sizing -c and -ctk/-ctv).
+    let (kt, vt) = model.cache_types();
+    let kv_note = match model.kv_bytes_per_position() {
+        Some(b) => format!(", K/V {kt}/{vt} {:.1} KiB a token", b as f64 / 1024.0),
+        None => format!(", K/V {kt}/{vt}"),
+    };
+    eprintln!("tine serve: {} ({} slot(s), context {ctx} tokens each{kv_note}{spec_note}{auth_note}){page_note}", urls.join(", "), config.parallel);
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(tine_server::serve_all(model, config, &addrs)).with_context(|| format!("serving on {}", urls.join(", ")))?;
     Ok(())
