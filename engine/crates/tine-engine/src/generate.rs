@@ -515,10 +515,12 @@ impl Generation {
     }
 
     /// What the batched step gave for the rows [`Generation::pending_gpu`] named (one
-    /// [`DecodeOut`] a row, as it asked), which the caller appended to `seq`, and the
-    /// milliseconds the step took (counted as generation time). A verify batch's round is
-    /// decided here.
-    pub fn feed_gpu(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, outs: Vec<DecodeOut>, ms: f64) -> Result<(), GenerateError> {
+    /// [`DecodeOut`] a row, as it asked), which the caller appended to `seq`, the milliseconds
+    /// the step took (counted as generation time) and what its rows cost (`cost_ms`, the
+    /// adaptive depth's measurement of a verify, as [`Generation::feed_rows`] takes it). A verify
+    /// batch's round is decided here.
+    #[allow(clippy::too_many_arguments)]
+    pub fn feed_gpu(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, outs: Vec<DecodeOut>, ms: f64, cost_ms: f64) -> Result<(), GenerateError> {
         let bad = |what: String| Err(GenerateError::Internal(what));
         match self.pending.take() {
             Some(Pending::Decode(_)) => {
@@ -550,7 +552,7 @@ impl Generation {
                     return bad("a verify batch read back as rows".into());
                 };
                 let t0 = Instant::now();
-                let round = spec.decide_read(plan, seq, &mut self.sampler, read, ms);
+                let round = spec.decide_read(plan, seq, &mut self.sampler, read, cost_ms);
                 // The grammar was marked when the round was planned.
                 if let Some(g) = self.req.grammar.as_mut() {
                     g.rewind()?;

@@ -720,7 +720,7 @@ fn rows_left_to_a_batched_step_draw_what_the_slot_s_own_steps_draw() {
                 })
                 .collect();
             wants.push(want);
-            g.feed_gpu(&model, &mut seq, spec.as_mut(), outs, 0.0).expect("fed");
+            g.feed_gpu(&model, &mut seq, spec.as_mut(), outs, 0.0, 0.0).expect("fed");
         }
         ((g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec()), wants, verifies)
     };

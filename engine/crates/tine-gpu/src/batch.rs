@@ -64,6 +64,15 @@ pub struct BatchEntry<'a, C> {
     pub ban: bool,
 }
 
+/// Ends a stream's capture when dropped (a panic between its begin and its end).
+struct Capturing<'a>(&'a Arc<CudaStream>);
+
+impl Drop for Capturing<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.end_capture(sys::CUgraphInstantiate_flags(0));
+    }
+}
+
 /// What [`GpuBatch::prepare`] reads of an entry's cache.
 pub(crate) struct EntryCache<'a> {
     pub(crate) kv: &'a [KvLayer],
@@ -202,7 +211,11 @@ impl GpuBatch {
     pub(crate) fn run(&mut self, stream: &Arc<CudaStream>, rows: usize, padded: usize, launch: impl FnOnce(&GpuBatch) -> std::result::Result<(), GpuError>) -> Result<Vec<u32>> {
         if !self.has_graph(padded) {
             stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            // A panic inside `launch` ends the capture on its way out, so the stream is usable
+            // again for whoever catches it (the server resets the slots and serves on).
+            let capturing = Capturing(stream);
             let launched = launch(self);
+            std::mem::forget(capturing);
             let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
             launched?;
             let graph = graph?.ok_or_else(|| Error::Step { rows, pos: 0, what: "the capture made no graph".into() })?;

@@ -671,8 +671,8 @@ impl Model {
         self.gpu_batch.lock().map_or(0, |b| b.device_bytes())
     }
 
-    /// Appends tokens `steps[i].1` (a decode's one token, or a speculative verify batch of at
-    /// most [`STEP_ROWS`]) to sequence `steps[i].0` for every `i`, in steps of the GPU engine that
+    /// Appends tokens `steps[i].1` (a decode's one token, or a speculative verify batch) to
+    /// sequence `steps[i].0` for every `i`, in steps of the GPU engine that
     /// run every sequence's rows at once ([`Model::gpu_batches`]; up to 256 rows a step), and
     /// returns what each row's [`DecodeWant`] asks: its greedy id (passing over the
     /// end-of-generation ids where `steps[i].2`, `ignore_eos`), its top-k or its logits row, bit
@@ -692,8 +692,8 @@ impl Model {
             if seq.gpu.is_none() {
                 return Err(StepError::Candle(candle_core::Error::Msg("a sequence of a batched GPU step is not on the engine".into())));
             }
-            if tokens.len() > STEP_ROWS {
-                return Err(StepError::Candle(candle_core::Error::Msg(format!("{} rows of one sequence in a batched GPU step (at most {STEP_ROWS})", tokens.len()))));
+            if tokens.len() > BATCH_ROWS {
+                return Err(StepError::Candle(candle_core::Error::Msg(format!("{} rows of one sequence in a batched GPU step (at most {BATCH_ROWS})", tokens.len()))));
             }
             if let DecodeWant::TopK(k) = want {
                 if *k == 0 || *k > TOP_K_MAX || self.info.vocab_size > TOP_K_MAX_VOCAB {

@@ -200,8 +200,9 @@ fn warm_gpu_batch(model: &Model, config: &ServerConfig) -> Result<(), String> {
     }
     let t0 = std::time::Instant::now();
     // A step holds every slot's decode row, or its verify batch (the pending token and at most
-    // `--draft-max` drafts, at most 8 rows).
-    let per_slot = config.spec.as_ref().map_or(1, |f| (f.config.params.n_max + 1).min(tine_runtime::STEP_ROWS));
+    // `--draft-max` drafts; a request asking for more makes the buffers again, at its first
+    // such step).
+    let per_slot = config.spec.as_ref().map_or(1, |f| f.config.params.n_max + 1);
     let rows = (config.parallel * per_slot).min(tine_runtime::BATCH_ROWS);
     let (graphs, bytes) = model.warm_gpu_batch(rows, config.ctx_size).map_err(|e| format!("readying the GPU's batched steps for --parallel {}: {e}", config.parallel))?;
     eprintln!(

@@ -787,7 +787,7 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
         let chunks: Vec<Option<usize>> = slots.iter().map(|s| s.active.as_ref().and_then(|a| a.gen.next_chunk_len(&model))).collect();
         let (may_prefill, next) = prompt_turns(&chunks, prompt_next, config.ubatch);
         prompt_next = next;
-        let fitted = if batching { step_cost.fit() } else { None };
+        let fitted = if batching || gpu_batching { step_cost.fit() } else { None };
         for slot in slots.iter_mut() {
             if let Some(spec) = slot.spec.as_mut() {
                 spec.policy.set_step_cost(fitted.map(|(a, b)| (a / stepping.max(1) as f64, b)));
@@ -888,7 +888,7 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
             feed_pending(&model, &drafting, &mut slots, &views, &batch_sizes, &mut step_cost);
         }
         if gpu_batching {
-            feed_pending_gpu(&model, &drafting, &mut slots, &views, &batch_sizes);
+            feed_pending_gpu(&model, &drafting, &mut slots, &views, &batch_sizes, &mut step_cost);
         }
     }
 }
@@ -965,7 +965,7 @@ fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &
 /// ([`Model::step_many_gpu`]) and hands each slot its results: each row's bits are those of its
 /// own one-sequence step, so a request's tokens do not depend on what shares its steps. If the
 /// batch fails, each slot runs its rows alone, so that an error stays with the slot it belongs to.
-fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes) {
+fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes, cost: &mut StepCost) {
     // Per slot with rows pending: its rows, whether they pass over the end ids, what they read.
     type PendingRows = (usize, (Vec<u32>, bool, DecodeWant));
     let pending: Vec<PendingRows> = (0..slots.len()).filter_map(|i| slots[i].active.as_ref()?.gen.pending_gpu(model).map(|(t, ban, want)| (i, (t.to_vec(), ban, want)))).collect();
@@ -990,6 +990,7 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
     batch_sizes.record(pending.len(), rows);
     batch_sizes.forward(pending.len());
     let ms = t0.elapsed().as_secs_f64() * 1e3;
+    cost.record(rows, ms);
     match outs {
         Err(_) => {
             for &(i, _) in &pending {
@@ -1002,10 +1003,13 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
             }
         }
         Ok(Ok(outs)) => {
-            for (&(i, _), out) in pending.iter().zip(outs) {
+            for ((i, (tokens, ..)), out) in pending.iter().zip(outs) {
+                let (i, r) = (*i, tokens.len());
                 let slot = &mut slots[i];
                 let Some(a) = slot.active.as_mut() else { continue };
-                let fed = guarded(|| a.gen.feed_gpu(model, &mut slot.seq, slot.spec.as_mut(), out, ms));
+                // A slot's rows are charged their share of the step (`StepCost::of`).
+                let c = cost.of(r, rows, pending.len(), ms);
+                let fed = guarded(|| a.gen.feed_gpu(model, &mut slot.seq, slot.spec.as_mut(), out, ms, c));
                 settle(model, drafting, slots, views, i, false, fed);
             }
         }

@@ -2045,7 +2045,8 @@ fn gpu_batched_steps_give_every_request_what_it_gets_alone() {
         match i % 4 {
             0 => json!({"prompt": p, "n_predict": 40, "temperature": 0, "return_tokens": true}),
             1 => json!({"prompt": p, "n_predict": 40, "temperature": 0, "ignore_eos": true, "return_tokens": true}),
-            2 => json!({"prompt": p, "n_predict": 40, "temperature": 0.8, "seed": 11, "ignore_eos": true, "return_tokens": true}),
+            // (A draft depth past 8: a verify batch longer than a one-sequence step's rows.)
+            2 => json!({"prompt": p, "n_predict": 40, "temperature": 0.8, "seed": 11, "ignore_eos": true, "return_tokens": true, "speculative.n_max": 12, "speculative.n_min": 0}),
             _ => json!({"prompt": p, "n_predict": 24, "temperature": 0, "n_probs": 2, "ignore_eos": true, "return_tokens": true}),
         }
     };

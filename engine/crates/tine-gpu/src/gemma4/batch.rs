@@ -38,6 +38,8 @@ impl Gemma4Gpu {
     pub fn forward_batch(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, Gemma4Cache>], banned: &[u32]) -> Result<Vec<Vec<u32>>> {
         let list: Vec<(EntryCache<'_>, &[u32], bool)> =
             entries.iter().map(|e| (EntryCache { kv: &e.cache.kv, pos: e.cache.pos, ctx_len: e.cache.ctx_len, types: e.cache.types() }, e.tokens, e.ban)).collect();
+        // One step at a time on the stream and the model's buffers, one-sequence steps included.
+        let _block = self.step.lock().expect("a step panicked holding the step block");
         let (rows, padded) = batch.prepare(&self.stream, self.cfg.vocab, &list, banned)?;
         drop(list);
         let step = self.ptr(&batch.params);
