@@ -53,7 +53,9 @@
 #                                         # then `tine serve --device cuda --parallel 64` batched and
 #                                         # one slot a step (TINE_GPU_BATCH=0) against llama-server
 #                                         # -np 64 -ngl 99 on the same random 270M-shape Q4_K_M
-#                                         # (bench/serve_load.py clients 1,4,16,64 x 256 tokens)
+#                                         # (bench/serve_load.py clients 1,4,16,64 x 256 tokens;
+#                                         # SERVE_SPEC=1: again with n-gram speculation;
+#                                         # SKIP_TABLE=1: without the kernel table)
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -477,6 +479,12 @@ if [ "$mode" = serve-batch ]; then
   SERVE_LOAD_LOGS="$W/serve-logs" timeout "${SERVE_SECS:-300}" python3 "$root/bench/serve_load.py" --tine "$T" --model "$M" clients --clients "${SERVE_CLIENTS:-1,4,16,64}" --parallel 64 --n-predict 256 --rounds "${SERVE_ROUNDS:-1}" \
     --tine-args "--device cuda" --llama-server "$LB/llama-server" --llama-args "-ngl 99" 2>>"$W/serve-err.log" | tee -a "$log"
   say "serve: rc=$?"
+  if [ -n "${SERVE_SPEC:-}" ]; then
+    # With speculation (n-gram): verify batches of every slot in one step.
+    SERVE_LOAD_LOGS="$W/serve-logs" timeout "${SERVE_SECS:-300}" python3 "$root/bench/serve_load.py" --tine "$T" --model "$M" clients --clients "${SERVE_SPEC_CLIENTS:-1,16,64}" --parallel 64 --n-predict 256 --rounds 1 \
+      --tine-args "--device cuda --spec-type ngram" --llama-server "$LB/llama-server" --llama-args "-ngl 99 --spec-type ngram-simple" 2>>"$W/serve-err.log" | tee -a "$log"
+    say "serve spec: rc=$?"
+  fi
   tail -n 5 "$W/serve-err.log" >>"$log"
   grep -h "tine serve" "$W"/serve-logs/*.log | head -n 6 >>"$log"
   exit 0

@@ -3628,8 +3628,8 @@ mod gemma4 {
 
 /// `--batch FILE`: the batched step of a Gemma 3 or Gemma 4 file (`forward_batch`): 12 sequences of prompts of
 /// 5 to 38 tokens, fed a token a step (one of them its prompt in rows of 3, a verify step's
-/// shape), then 12 greedy tokens each, the sequences finishing at different steps (so the steps
-/// run 1 to 14 rows, padded past 8), the odd ones banning two ids (`ignore_eos`), the even ones
+/// shape, another in rows of 11, a deep draft's), then 12 greedy tokens each, the sequences
+/// finishing at different steps (so the steps run 1 to 24 rows, padded past 8), the odd ones banning two ids (`ignore_eos`), the even ones
 /// not; every row's greedy id, logits and top 40 against the same sequence stepped alone
 /// (one-row steps on a cache of its own, `forward_top_k`), bit for bit. Then aggregate decode
 /// speed with 1, 4, 16 and 64 sequences a step against one sequence's one-row steps.
@@ -3688,7 +3688,7 @@ mod batch {
                         if fed[s] >= p.len() + gen {
                             continue;
                         }
-                        let take = if fed[s] < p.len() { (if s == 1 { 3 } else { 1 }).min(p.len() - fed[s]) } else { 1 };
+                        let take = if fed[s] < p.len() { (match s { 1 => 3, 7 => 11, _ => 1 }).min(p.len() - fed[s]) } else { 1 };
                         let toks = if fed[s] < p.len() { p[fed[s]..fed[s] + take].to_vec() } else { vec![next[s]] };
                         inputs.push((s, toks));
                     }
