@@ -2396,7 +2396,14 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP) gated_delta_rule(
 // (h < hk, y = 0) writes their windows, each block its own value columns'. No block reads a
 // window plane another writes: rows <= n_planes - 1, so the planes written are not the one read.
 
-struct ConvGdnArgs { ConvArgs conv; GdnArgs gdn; };
+// A batched step (ent_rows set): block z runs entry z, a sequence's rows ent_rows[3z] ..
+// + ent_rows[3z + 1] of the step (0 rows: no entry) from its state plane ent_rows[3z + 2], over
+// its own conv windows and delta-rule states (ent_planes[2z], [2z + 1]): the same operations as
+// that sequence's own launch, so the same bits.
+struct ConvGdnArgs {
+    ConvArgs conv; GdnArgs gdn;
+    const int* ent_rows; const unsigned long long* ent_planes;
+};
 
 #define CGDN_WARPS 16
 
@@ -2405,7 +2412,7 @@ struct ConvGdnArgs { ConvArgs conv; GdnArgs gdn; };
 struct CgdnSmem { float q[MAX_ROWS][256]; float k[MAX_ROWS][256]; float v[MAX_ROWS][CGDN_WARPS]; };
 
 template <int E, int K>
-__device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm) {
+__device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm, int plane) {
     float (&sq)[MAX_ROWS][256] = sm.q;
     float (&sk)[MAX_ROWS][256] = sm.k;
     float (&sv)[MAX_ROWS][CGDN_WARPS] = sm.v;
@@ -2416,12 +2423,12 @@ __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm
     const int lane = threadIdx.x % WARP, warp = threadIdx.x / WARP;
     const int col = blockIdx.y * CGDN_WARPS + warp;
     // The state first: its loads are in flight while the conv runs.
-    const int ps0 = p.step->plane;
+    const int ps0 = plane;
     const size_t splane = (size_t)p.hv * d * d, at = ((size_t)h * d + col) * d + lane;
     float S[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) S[e] = p.planes[(size_t)ps0 * splane + at + 32 * e];
-    const int P = cv.n_planes, p0 = cv.step->plane;
+    const int P = cv.n_planes, p0 = plane;
     const size_t plane_sz = (size_t)(K - 1) * C;
     for (int j = threadIdx.x; j < 2 * d + CGDN_WARPS; j += blockDim.x) {
         const int c = j < d ? kh * d + j : j < 2 * d ? (p.hk + kh) * d + (j - d) : (2 * p.hk + h) * d + blockIdx.y * CGDN_WARPS + (j - 2 * d);
@@ -2459,25 +2466,45 @@ __device__ __forceinline__ void conv_gdn_body(const ConvGdnArgs& a, CgdnSmem& sm
 }
 
 template <int E>
-__device__ __forceinline__ void conv_gdn_k(const ConvGdnArgs& a, CgdnSmem& sm) {
+__device__ __forceinline__ void conv_gdn_k(const ConvGdnArgs& a, CgdnSmem& sm, int plane) {
     switch (a.conv.K) {
-        case 2: conv_gdn_body<E, 2>(a, sm); break;
-        case 3: conv_gdn_body<E, 3>(a, sm); break;
-        case 4: conv_gdn_body<E, 4>(a, sm); break;
-        case 5: conv_gdn_body<E, 5>(a, sm); break;
+        case 2: conv_gdn_body<E, 2>(a, sm, plane); break;
+        case 3: conv_gdn_body<E, 3>(a, sm, plane); break;
+        case 4: conv_gdn_body<E, 4>(a, sm, plane); break;
+        case 5: conv_gdn_body<E, 5>(a, sm, plane); break;
         default: break;
     }
 }
 
-// Grid: (hv, d / CGDN_WARPS); block CGDN_WARPS warps; rows <= MAX_ROWS.
-extern "C" __global__ void __launch_bounds__(CGDN_WARPS * WARP) conv_gated_delta_rule(const ConvGdnArgs a) {
+// Grid: (hv, d / CGDN_WARPS, entries: 1 without ent_rows); block CGDN_WARPS warps; rows (an
+// entry's) <= MAX_ROWS.
+extern "C" __global__ void __launch_bounds__(CGDN_WARPS * WARP) conv_gated_delta_rule(const ConvGdnArgs a0) {
     __shared__ CgdnSmem sm;
     pdl_trigger();
     pdl_wait();
+    ConvGdnArgs a = a0;
+    int plane;
+    if (a.ent_rows) {
+        const int* er = a.ent_rows + 3 * blockIdx.z;
+        const int row0 = er[0], rows = er[1];
+        if (rows <= 0) return;
+        plane = er[2];
+        const int C = a.conv.C, hv = a.gdn.hv, d = a.gdn.d;
+        a.conv.x += (size_t)row0 * C;
+        a.conv.rows = rows;
+        a.conv.planes = reinterpret_cast<float*>(a.ent_planes[2 * blockIdx.z]);
+        a.gdn.alpha += (size_t)row0 * hv;
+        a.gdn.beta += (size_t)row0 * hv;
+        a.gdn.out += (size_t)row0 * hv * d;
+        a.gdn.rows = rows;
+        a.gdn.planes = reinterpret_cast<float*>(a.ent_planes[2 * blockIdx.z + 1]);
+    } else {
+        plane = a.gdn.step->plane;
+    }
     switch (a.gdn.d) {
-        case 64: conv_gdn_k<2>(a, sm); break;
-        case 128: conv_gdn_k<4>(a, sm); break;
-        case 256: conv_gdn_k<8>(a, sm); break;
+        case 64: conv_gdn_k<2>(a, sm, plane); break;
+        case 128: conv_gdn_k<4>(a, sm, plane); break;
+        case 256: conv_gdn_k<8>(a, sm, plane); break;
         default: break;
     }
 }
@@ -2525,7 +2552,7 @@ static_assert(sizeof(AttnArgs) == 128, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
 static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");
-static_assert(sizeof(ConvGdnArgs) == 152, "ConvGdnArgs");
+static_assert(sizeof(ConvGdnArgs) == 168, "ConvGdnArgs");
 static_assert(sizeof(ArgmaxArgs) == 64, "ArgmaxArgs");
 static_assert(sizeof(TopKArgs) == 64, "TopKArgs");
 static_assert(sizeof(PleArgs) == 72, "PleArgs");

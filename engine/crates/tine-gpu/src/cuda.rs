@@ -460,6 +460,12 @@ pub struct ConvArgs {
 pub struct ConvGdnArgs {
     pub conv: ConvArgs,
     pub gdn: GdnArgs,
+    /// 0, or a batched step's entries (`[entry][3]` i32: first row, rows, start plane; 0 rows:
+    /// no entry): block z runs entry z over its own planes (`ent_planes`), `conv.planes`,
+    /// `gdn.planes` and the step's plane unread.
+    pub ent_rows: DevPtr,
+    /// `[entry][2]`: each entry's conv windows and delta-rule states (device pointers).
+    pub ent_planes: DevPtr,
 }
 
 /// `gated_delta_rule`'s arguments (see decode.cu).
@@ -558,7 +564,7 @@ const _: () = assert!(std::mem::size_of::<AttnArgs>() == 128);
 const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
 const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
-const _: () = assert!(std::mem::size_of::<ConvGdnArgs>() == 152);
+const _: () = assert!(std::mem::size_of::<ConvGdnArgs>() == 168);
 const _: () = assert!(std::mem::size_of::<ArgmaxArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<TopKArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<PleArgs>() == 72);
@@ -942,6 +948,17 @@ impl Kernels {
     /// As for [`Kernels::conv_silu`] and [`Kernels::gated_delta_rule`] (the conv's `y` and the
     /// rule's `qkv` are not read).
     pub unsafe fn conv_gated_delta_rule(&self, stream: &Arc<CudaStream>, args: &ConvGdnArgs) -> Result<(), GpuError> {
+        self.conv_gated_delta_rule_entries(stream, args, 1)
+    }
+
+    /// [`Kernels::conv_gated_delta_rule`] over a batched step's `entries` (`args.ent_rows` and
+    /// `args.ent_planes` set, `entries` of them, each of at most [`MAX_ROWS`] rows fewer than
+    /// the planes; `conv.rows`/`gdn.rows` the longest's bound).
+    ///
+    /// # Safety
+    /// As [`Kernels::conv_gated_delta_rule`]'s, for every entry's rows and planes.
+    pub unsafe fn conv_gated_delta_rule_entries(&self, stream: &Arc<CudaStream>, args: &ConvGdnArgs, entries: usize) -> Result<(), GpuError> {
+        check(entries >= 1 && (entries == 1 || args.ent_rows != 0), || format!("conv_gated_delta_rule: {entries} entries without an entry table"))?;
         let (c, g) = (&args.conv, &args.gdn);
         check((2..=CONV_MAX_K as i32).contains(&c.k), || format!("conv_gated_delta_rule: a kernel of {} taps (2..={CONV_MAX_K})", c.k))?;
         check(matches!(g.d, 64 | 128 | 256) && g.hk > 0 && g.hv % g.hk == 0, || format!("conv_gated_delta_rule: {} value heads over {} key heads of {}", g.hv, g.hk, g.d))?;
@@ -949,7 +966,7 @@ impl Kernels {
         check(c.rows == g.rows && c.n_planes == g.n_planes && g.rows >= 1 && g.rows as usize <= MAX_ROWS && g.rows < g.n_planes, || {
             format!("conv_gated_delta_rule: {} and {} rows (1..={MAX_ROWS}), {} and {} planes (more than the rows)", c.rows, g.rows, c.n_planes, g.n_planes)
         })?;
-        let cfg = LaunchConfig { grid_dim: (g.hv as u32, (g.d as usize / CGDN_WARPS) as u32, 1), block_dim: ((CGDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (g.hv as u32, (g.d as usize / CGDN_WARPS) as u32, entries as u32), block_dim: ((CGDN_WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, &self.conv_gdn, cfg, args, "conv_gated_delta_rule")
     }
 

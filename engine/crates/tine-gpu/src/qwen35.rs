@@ -685,7 +685,7 @@ impl Qwen35Gpu {
                         // A decode or verify step: one launch; a prompt step: two (the fused
                         // kernel takes fewer rows than the planes).
                         if prompt.is_none() && self.fused_conv {
-                            k.conv_gated_delta_rule(s, &ConvGdnArgs { conv: ca, gdn: ga })?;
+                            k.conv_gated_delta_rule(s, &ConvGdnArgs { conv: ca, gdn: ga, ent_rows: 0, ent_planes: 0 })?;
                             mark("conv_gated_delta_rule")?;
                         } else {
                             k.conv_silu(s, &ca)?;

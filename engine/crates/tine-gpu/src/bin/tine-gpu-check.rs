@@ -1636,7 +1636,7 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
             // planes, and the step block's plane is below `planes`.
             unsafe {
                 if fused && rows <= MAX_ROWS {
-                    dev.k.conv_gated_delta_rule(&dev.stream, &ConvGdnArgs { conv: ca, gdn: ga })?;
+                    dev.k.conv_gated_delta_rule(&dev.stream, &ConvGdnArgs { conv: ca, gdn: ga, ent_rows: 0, ent_planes: 0 })?;
                 } else {
                     dev.k.conv_silu(&dev.stream, &ca)?;
                     dev.k.gated_delta_rule(&dev.stream, &ga)?;
@@ -1683,6 +1683,90 @@ fn check_gdn(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, steps: &[usize]
         && same(&ssmp[plane * sz..(plane + 1) * sz], &ssmp1[plane1 * sz..(plane1 + 1) * sz]);
     let how = if fused { ", conv fused" } else { "" };
     Ok(Case { name: format!("delta-net hk={hk} hv={hv} d={d} conv={kernel} steps {steps:?}{how}"), worst, bits: Some(bits), note: String::new() })
+}
+
+/// `conv_gated_delta_rule` over a batched step's entries (Qwen3.5's delta-net in a batched step):
+/// several sequences' rows (`rows[i]` each, consecutive in the step), each from its own random
+/// conv windows and states at its own start plane, in one launch through the entry table (with
+/// one empty entry past them), against each sequence's own launch: the outputs and every plane
+/// of every sequence, bit for bit.
+fn check_gdn_entries(dev: &Dev, rng: &mut Rng, dims: reference::GdnDims, rows: &[usize]) -> Res<Case> {
+    let reference::GdnDims { hk, hv, d, kernel } = dims;
+    let c = dims.channels();
+    let planes = MAX_ROWS + 1;
+    let total: usize = rows.iter().sum();
+    let x = rng.vec(total * c, 1.0);
+    let beta = rng.vec(total * hv, 2.0);
+    let alpha = rng.vec(total * hv, 2.0);
+    let conv_w = rng.vec(c * kernel, 0.7);
+    let dt_bias = rng.vec(hv, 1.0);
+    let a: Vec<f32> = rng.vec(hv, 1.0).iter().map(|v| -(v.abs() + 0.1)).collect();
+    let (xd, bd, ad, cwd, dtd, a_d) = (dev.up(&x)?, dev.up(&beta)?, dev.up(&alpha)?, dev.up(&conv_w)?, dev.up(&dt_bias)?, dev.up(&a)?);
+    // Each sequence's planes and start plane.
+    let seqs: Vec<(Vec<f32>, Vec<f32>, usize)> = rows.iter().map(|_| (rng.vec(planes * (kernel - 1) * c, 1.0), rng.vec(planes * hv * d * d, 0.3), (rng.next() as usize) % planes)).collect();
+    let mut step = dev.up(&[StepParams::default()])?;
+    let args = |row0: usize, n: usize, conv_planes: u64, ssm_planes: u64, o: u64, step: u64| {
+        let ca = ConvArgs { x: dev.ptr(&xd) + (row0 * c * 4) as u64, w: dev.ptr(&cwd), planes: conv_planes, y: 0, step, c: c as i32, k: kernel as i32, n_planes: planes as i32, rows: n as i32 };
+        let ga = GdnArgs {
+            qkv: 0,
+            alpha: dev.ptr(&ad) + (row0 * hv * 4) as u64,
+            beta: dev.ptr(&bd) + (row0 * hv * 4) as u64,
+            dt_bias: dev.ptr(&dtd),
+            a: dev.ptr(&a_d),
+            planes: ssm_planes,
+            out: o + (row0 * hv * d * 4) as u64,
+            step,
+            hk: hk as i32,
+            hv: hv as i32,
+            d: d as i32,
+            n_planes: planes as i32,
+            rows: n as i32,
+            eps: 1e-6,
+            q_scale: 1.0 / (d as f32).sqrt(),
+            pad_: 0,
+        };
+        ConvGdnArgs { conv: ca, gdn: ga, ent_rows: 0, ent_planes: 0 }
+    };
+    // Pass 0: one launch over the entry table; 1: each sequence's own launch.
+    let mut results = Vec::new();
+    for pass in 0..2 {
+        let o = dev.zeros::<f32>(total * hv * d)?;
+        let bufs = seqs.iter().map(|(cp, sp, _)| Ok((dev.up(cp)?, dev.up(sp)?))).collect::<Res<Vec<_>>>()?;
+        if pass == 0 {
+            let mut ent = Vec::new();
+            let mut ptrs = Vec::new();
+            let mut row0 = 0;
+            for ((n, (_, _, p0)), (cp, sp)) in rows.iter().zip(&seqs).zip(&bufs) {
+                ent.extend([row0 as i32, *n as i32, *p0 as i32]);
+                ptrs.extend([dev.ptr(cp), dev.ptr(sp)]);
+                row0 += n;
+            }
+            // An empty entry past them (a step's spare blocks).
+            ent.extend([0, 0, 0]);
+            ptrs.extend([0u64, 0]);
+            let (entd, ptrd) = (dev.up(&ent)?, dev.up(&ptrs)?);
+            let longest = *rows.iter().max().expect("rows");
+            let ga = ConvGdnArgs { ent_rows: dev.ptr(&entd), ent_planes: dev.ptr(&ptrd), ..args(0, longest, 0, 0, dev.ptr(&o), 0) };
+            // SAFETY: each entry's rows lie in the step's `total` rows, its planes hold `planes`
+            // planes and its start plane is below them; the empty entry's blocks return at once.
+            unsafe { dev.k.conv_gated_delta_rule_entries(&dev.stream, &ga, rows.len() + 1)? };
+            dev.stream.synchronize()?;
+        } else {
+            let mut row0 = 0;
+            for ((n, (_, _, p0)), (cp, sp)) in rows.iter().zip(&seqs).zip(&bufs) {
+                dev.set_step(&mut step, StepParams { rows: *n as i32, plane: *p0 as i32, ..Default::default() })?;
+                // SAFETY: as above, one sequence at a time through the step block's plane.
+                unsafe { dev.k.conv_gated_delta_rule(&dev.stream, &args(row0, *n, dev.ptr(cp), dev.ptr(sp), dev.ptr(&o), dev.ptr(&step)))? };
+                row0 += n;
+            }
+        }
+        let planes_after = bufs.iter().map(|(cp, sp)| Ok((dev.down(cp)?, dev.down(sp)?))).collect::<Res<Vec<_>>>()?;
+        results.push((dev.down(&o)?, planes_after));
+    }
+    let same = |a: &[f32], b: &[f32]| a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    let (a0, a1) = (&results[0], &results[1]);
+    let bits = same(&a0.0, &a1.0) && a0.1.iter().zip(&a1.1).all(|((c0, s0), (c1, s1))| same(c0, c1) && same(s0, s1));
+    Ok(Case { name: format!("delta-net entries hk={hk} hv={hv} d={d} conv={kernel} rows {rows:?} (one launch vs each sequence's)"), worst: 0.0, bits: Some(bits), note: String::new() })
 }
 
 fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
@@ -1782,6 +1866,15 @@ fn table(dev: &Dev, seed: u64) -> Res<Vec<Case>> {
     }
     // Value heads over fewer key heads (the 9B's 32 over 16): the q/k windows' one writer.
     cases.push(check_gdn(dev, &mut rng, reference::GdnDims { hk: 2, hv: 6, d: 128, kernel: 4 }, &[3, 1, 8, 8, 2], true)?);
+    // A batched step's sequences through the entry table (issue 50: Qwen3.5's rows from several
+    // sequences).
+    for (dims, rows) in [
+        (reference::GdnDims { hk: 2, hv: 4, d: 128, kernel: 4 }, vec![1, 3, 2, 8]),
+        (reference::GdnDims { hk: 2, hv: 6, d: 128, kernel: 4 }, vec![2, 1]),
+        (reference::GdnDims { hk: 1, hv: 2, d: 256, kernel: 3 }, vec![4, 1, 1]),
+    ] {
+        cases.push(check_gdn_entries(dev, &mut rng, dims, &rows)?);
+    }
     for (h, kv, hd, pos, n_rot) in [(4, 1, 256, 0, 0), (4, 1, 256, 1000, 0), (8, 2, 128, 77, 0), (2, 2, 64, 31000, 0), (8, 2, 256, 1234, 64), (4, 2, 64, 9, 16)] {
         cases.push(check_rope(dev, &mut rng, h, kv, hd, pos, n_rot, false, false)?);
     }
@@ -3688,7 +3781,16 @@ mod batch {
                         if fed[s] >= p.len() + gen {
                             continue;
                         }
-                        let take = if fed[s] < p.len() { (match s { 1 => 3, 7 => 11, _ => 1 }).min(p.len() - fed[s]) } else { 1 };
+                        let take = if fed[s] < p.len() {
+                            (match s {
+                                1 => 3,
+                                7 => 11,
+                                _ => 1,
+                            })
+                            .min(p.len() - fed[s])
+                        } else {
+                            1
+                        };
                         let toks = if fed[s] < p.len() { p[fed[s]..fed[s] + take].to_vec() } else { vec![next[s]] };
                         inputs.push((s, toks));
                     }
