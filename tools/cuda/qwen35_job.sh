@@ -49,7 +49,8 @@
 #                                         # `small`: the new paths in about a minute
 #   bash tools/cuda/qwen35_job.sh serve-batch  # issue 50: the kernel table, the batched step
 #                                         # (tine-gpu-check --batch on Gemma 3 `small` and `270m`,
-#                                         # Gemma 4 `small-e2b` and `small-a4b`),
+#                                         # Gemma 4 `small-e2b` and `small-a4b`, Qwen3.5
+#                                         # `small` and `small-moe`),
 #                                         # then `tine serve --device cuda --parallel 64` batched and
 #                                         # one slot a step (TINE_GPU_BATCH=0) against llama-server
 #                                         # -np 64 -ngl 99 on the same random 270M-shape Q4_K_M
@@ -468,6 +469,12 @@ if [ "$mode" = serve-batch ]; then
     [ -s "$W/g4-$f-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/gemma4_random_model.py" --shape "$f" --out "$W/g4-$f-f16.gguf" >>"$W/models.log" 2>&1
     [ -s "$W/g4-$f-q.gguf" ] || "$C" --quantize "$W/g4-$f-f16.gguf" "$W/g4-$f-q.gguf" >>"$W/models.log" 2>&1
     run "batch-g4-$f" 90 "$C" --no-table --batch "$W/g4-$f-q.gguf" || true
+  done
+  # Qwen3.5's batched step (its delta-net over the batch's entry table), dense and MoE.
+  for f in small small-moe; do
+    model "$f"
+    [ -s "$W/q35-$f-q.gguf" ] || "$C" --quantize "$W/q35-$f-f16.gguf" "$W/q35-$f-q.gguf" >>"$W/models.log" 2>&1
+    run "batch-q35-$f" 90 "$C" --no-table --batch "$W/q35-$f-q.gguf" || true
   done
   grep -E "batched steps|^decode, " "$log" | tail -n 24
   wait "$BP"

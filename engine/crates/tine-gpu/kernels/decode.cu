@@ -147,11 +147,12 @@ struct StepParams {
 // Row m of a batched step: its position, its sequence's slot (in the layers' pooled caches, a
 // layer's pool being slots of [n_kv][ctx][row], one per sequence; or, where the launch names a
 // kv_slots table, its entry there), the position of its sequence's first row in the step, the
-// keys it reads (kv_end as StepParams', per row), and no_ban: 1 where the step's banned ids do
-// not apply to the row (a request without ignore_eos beside one with it).
+// keys it reads (kv_end as StepParams', per row), no_ban: 1 where the step's banned ids do
+// not apply to the row (a request without ignore_eos beside one with it), and inert: 1 for a
+// padding row (a copy of another row that writes no K/V; nobody reads its results).
 struct SeqRow {
     int pos; int slot; int first; int kv_end;
-    int no_ban; int pad0; int pad1; int pad2;
+    int no_ban; int inert; int pad1; int pad2;
 };
 
 __device__ __forceinline__ SeqRow step_row(const StepParams* st, int m) {
@@ -1638,6 +1639,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         return j < hr ? ys[j] * cs - ys[j + hr] * sn : ys[j] * cs + ys[j - hr] * sn;
     };
     const float o0 = rot(i), o1 = rot(i + half_hd);
+    if (!is_q && sr.inert) return;  // a padding row writes no K/V
     if (is_q) {
         float* dst = p.q + ((size_t)m * p.n_head + h) * p.hd;
         dst[i] = o0 * p.q_scale;

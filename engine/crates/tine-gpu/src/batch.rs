@@ -7,9 +7,9 @@
 //! list makes. The families' `forward_batch` (Gemma 3's `gemma3/batch.rs`, Gemma 4's
 //! `gemma4/batch.rs`) are these two around their launches.
 //!
-//! A step of more than 8 rows is padded to a multiple of 8 with copies of its last row (the same
-//! token at the same position of the same caches: they write the bytes that row writes, and
-//! their results are never read).
+//! A step of more than 8 rows is padded to a multiple of 8 with copies of its last row, marked
+//! inert (`SeqRow::inert`: they write no K/V and belong to no entry of a recurrent layer's
+//! table); their results are never read.
 
 use std::sync::Arc;
 
@@ -41,6 +41,14 @@ pub struct GpuBatch {
     pub(crate) max_rows: usize,
     /// K/V layers of a sequence's caches (the `kv_slots` tables' count).
     kv_layers: usize,
+    /// Recurrent layers of a sequence's state (the `ent_planes` tables' count; 0 without).
+    state_layers: usize,
+    /// A recurrent layer's entry table: per entry (as many as the step's padded rows) its first
+    /// row, rows and start plane (`[padded][3]`; 0 rows past the step's entries).
+    ent_rows: CudaSlice<i32>,
+    /// Per recurrent layer, per entry, its conv windows and delta-rule states
+    /// (`[layer][padded][2]`).
+    ent_planes: CudaSlice<u64>,
     pub(crate) params: CudaSlice<StepParams>,
     table: CudaSlice<SeqRow>,
     pub(crate) tokens: CudaSlice<i32>,
@@ -79,6 +87,10 @@ pub(crate) struct EntryCache<'a> {
     pub(crate) pos: usize,
     pub(crate) ctx_len: usize,
     pub(crate) types: KvTypes,
+    /// Per recurrent layer, its conv windows' and delta-rule states' planes (empty without).
+    pub(crate) states: Vec<(DevPtr, DevPtr)>,
+    /// The plane the sequence's recurrent state starts from.
+    pub(crate) plane: usize,
 }
 
 impl GpuBatch {
@@ -87,6 +99,23 @@ impl GpuBatch {
     /// attention partials and `heads` counters a row, a readout of `vocab` logits a row.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(stream: &Arc<CudaStream>, ctx_len: usize, types: KvTypes, max_rows: usize, kv_layers: usize, partials_row: usize, heads: usize, vocab: usize) -> Result<GpuBatch> {
+        Self::with_states(stream, ctx_len, types, max_rows, kv_layers, 0, partials_row, heads, vocab)
+    }
+
+    /// [`GpuBatch::new`] for a family with `state_layers` recurrent layers (their planes in the
+    /// entry tables).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn with_states(
+        stream: &Arc<CudaStream>,
+        ctx_len: usize,
+        types: KvTypes,
+        max_rows: usize,
+        kv_layers: usize,
+        state_layers: usize,
+        partials_row: usize,
+        heads: usize,
+        vocab: usize,
+    ) -> Result<GpuBatch> {
         if !(1..=BATCH_MAX_ROWS).contains(&max_rows) {
             return Err(Error::Step { rows: max_rows, pos: 0, what: format!("a batch of {max_rows} rows (1..={BATCH_MAX_ROWS})") });
         }
@@ -96,6 +125,9 @@ impl GpuBatch {
             types,
             max_rows: rows,
             kv_layers,
+            state_layers,
+            ent_rows: alloc(stream, rows * 3)?,
+            ent_planes: alloc(stream, state_layers * rows * 2)?,
             params: alloc(stream, 1)?,
             table: alloc(stream, rows)?,
             tokens: alloc(stream, rows)?,
@@ -135,7 +167,23 @@ impl GpuBatch {
 
     /// Device bytes it holds (its buffers; the graphs' own memory not counted).
     pub fn device_bytes(&self) -> usize {
-        self.out.device_bytes() + self.partials.len() * 4 + self.counters.len() * 4 + self.kv_slots.len() * 8 + self.table.len() * std::mem::size_of::<SeqRow>() + self.tokens.len() * 4
+        self.out.device_bytes()
+            + self.partials.len() * 4
+            + self.counters.len() * 4
+            + (self.kv_slots.len() + self.ent_planes.len()) * 8
+            + self.ent_rows.len() * 4
+            + self.table.len() * std::mem::size_of::<SeqRow>()
+            + self.tokens.len() * 4
+    }
+
+    /// The entry table of a step (recurrent layers).
+    pub(crate) fn ent_rows(&self, stream: &Arc<CudaStream>) -> DevPtr {
+        self.ent_rows.device_ptr(stream).0
+    }
+
+    /// The planes table of recurrent layer `layer` in a step of `padded` rows.
+    pub(crate) fn ent_planes(&self, stream: &Arc<CudaStream>, layer: usize, padded: usize) -> DevPtr {
+        self.ent_planes.device_ptr(stream).0 + (layer * padded * 2 * 8) as u64
     }
 
     /// The `kv_slots` table of K/V layer `layer` in a step of `padded` rows.
@@ -144,11 +192,12 @@ impl GpuBatch {
     }
 
     /// Writes the blocks of a step over `entries` (each: its cache, tokens and `ban`), every
-    /// token below `vocab`; returns the step's rows and padded rows. Changes no cache.
-    pub(crate) fn prepare(&mut self, stream: &Arc<CudaStream>, vocab: usize, entries: &[(EntryCache<'_>, &[u32], bool)], banned: &[u32]) -> Result<(usize, usize)> {
+    /// token below `vocab`, padded to at least `pad_to` rows (a warm-up's graph of that many);
+    /// returns the step's rows and padded rows. Changes no cache.
+    pub(crate) fn prepare(&mut self, stream: &Arc<CudaStream>, vocab: usize, entries: &[(EntryCache<'_>, &[u32], bool)], banned: &[u32], pad_to: usize) -> Result<(usize, usize)> {
         let rows: usize = entries.iter().map(|e| e.1.len()).sum();
         let fail = |what: String| Error::Step { rows, pos: 0, what };
-        let padded = padded_rows(rows);
+        let padded = padded_rows(rows.max(pad_to));
         if rows == 0 || padded > self.max_rows {
             return Err(fail(format!("a batched step takes 1 to {} rows", self.max_rows)));
         }
@@ -158,7 +207,17 @@ impl GpuBatch {
         let mut table = Vec::with_capacity(padded);
         let mut ids = Vec::with_capacity(padded);
         let mut slots = vec![0u64; self.kv_layers * padded * 2];
+        let mut ent = vec![0i32; padded * 3];
+        let mut ent_planes = vec![0u64; self.state_layers * padded * 2];
         for (e, (cache, tokens, ban)) in entries.iter().enumerate() {
+            if cache.states.len() != self.state_layers {
+                return Err(fail(format!("entry {e}: {} recurrent layers in a batch of {}", cache.states.len(), self.state_layers)));
+            }
+            ent[e * 3..e * 3 + 3].copy_from_slice(&[table.len() as i32, tokens.len() as i32, cache.plane as i32]);
+            for (l, &(conv, ssm)) in cache.states.iter().enumerate() {
+                ent_planes[(l * padded + e) * 2] = conv;
+                ent_planes[(l * padded + e) * 2 + 1] = ssm;
+            }
             if cache.ctx_len != self.ctx_len || cache.types != self.types || cache.kv.len() != self.kv_layers {
                 return Err(fail(format!(
                     "entry {e}: a cache of {} positions of {}/{} ({} K/V layers) in a batch of {} of {}/{} ({})",
@@ -189,9 +248,9 @@ impl GpuBatch {
                 slots[(l * padded + e) * 2 + 1] = ptrs.v;
             }
         }
-        // Padding: copies of the last row (they write what it writes).
+        // Padding: copies of the last row that write no K/V (inert) and belong to no entry.
         let (last_row, last_id) = (*table.last().expect("rows > 0"), *ids.last().expect("rows > 0"));
-        table.resize(padded, last_row);
+        table.resize(padded, SeqRow { inert: 1, ..last_row });
         ids.resize(padded, last_id);
         let mut params = StepParams { pos: 0, rows: padded as i32, n_banned: banned.len() as i32, seq_rows: self.table.device_ptr(stream).0, ..Default::default() };
         for (slot, &t) in params.banned.iter_mut().zip(banned) {
@@ -202,6 +261,10 @@ impl GpuBatch {
         stream.memcpy_htod(&table[..], &mut self.table.slice_mut(..padded))?;
         stream.memcpy_htod(&ids[..], &mut self.tokens.slice_mut(..padded))?;
         stream.memcpy_htod(&slots[..], &mut self.kv_slots.slice_mut(..self.kv_layers * padded * 2))?;
+        if self.state_layers > 0 {
+            stream.memcpy_htod(&ent[..], &mut self.ent_rows.slice_mut(..padded * 3))?;
+            stream.memcpy_htod(&ent_planes[..], &mut self.ent_planes.slice_mut(..self.state_layers * padded * 2))?;
+        }
         self.last_rows = 0;
         Ok((rows, padded))
     }

@@ -140,7 +140,10 @@ pub struct SeqRow {
     /// 1: the step's banned ids do not apply to this row (its request does not ignore the end
     /// of generation while another in the step does).
     pub no_ban: i32,
-    pub pad: [i32; 3],
+    /// 1: a padding row (a copy of another row): `qk_norm_rope_kv` writes no K/V for it, and
+    /// nobody reads its results.
+    pub inert: i32,
+    pub pad: [i32; 2],
 }
 // SAFETY: plain repr(C) integers, the layout of `SeqRow` in decode.cu.
 unsafe impl DeviceRepr for SeqRow {}

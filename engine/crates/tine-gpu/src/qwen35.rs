@@ -44,6 +44,9 @@ use crate::cuda::{
     AttnArgs, ConvArgs, ConvGdnArgs, DevPtr, GatedNormArgs, GdnArgs, GemvSeg, GpuError, Kernels, KvLayer, KvPtrs, KvTypes, MoeCombineArgs, MoeRouterArgs, NormQuantArgs, RopeArgs, StepParams,
     MAX_BANNED, MAX_ROWS,
 };
+mod batch;
+
+use crate::batch::GpuBatch;
 use crate::gemma3::{alloc, inv_freq, nextn_params, wide_layout, Gemma3GpuError as Error, Graph, Matrix, Reader, PROMPT_ROWS};
 
 type Result<T> = std::result::Result<T, Error>;
@@ -213,6 +216,23 @@ pub struct Qwen35Gpu {
     _ctx: Arc<CudaContext>,
 }
 
+/// Whose state a step's launches read and write: one sequence's, or a batched step's entries'
+/// (through the batch's `kv_slots` and entry tables).
+#[derive(Clone, Copy)]
+enum StepKv<'a> {
+    One(&'a Qwen35Cache),
+    Batch(&'a GpuBatch),
+}
+
+impl<'a> StepKv<'a> {
+    fn one(self) -> Option<&'a Qwen35Cache> {
+        match self {
+            StepKv::One(c) => Some(c),
+            StepKv::Batch(_) => None,
+        }
+    }
+}
+
 /// One sequence's state on the GPU: the attention layers' K/V, the delta-net layers' state
 /// planes, and the step graphs captured over them.
 pub struct Qwen35Cache {
@@ -239,6 +259,11 @@ impl Qwen35Cache {
     /// The types its attention layers' keys and values are stored in.
     pub fn types(&self) -> KvTypes {
         self.kv.first().map_or(KvTypes::F32, |l| l.types)
+    }
+
+    /// Positions it can hold.
+    pub fn capacity(&self) -> usize {
+        self.ctx_len
     }
 
     /// Device bytes its K and V take (the state planes apart).
@@ -632,31 +657,61 @@ impl Qwen35Gpu {
     /// step of up to [`PROMPT_ROWS`] rows, the head on its last row.
     /// `mark` is called after each launch with what it does (the profile's events).
     fn launch_step(&self, cache: &Qwen35Cache, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+        self.launch_rows(StepKv::One(cache), step, rows, head, prompt, mark)
+    }
+
+    /// A GEMV of `rows` rows: with `batched` (a batched step's) past 8 rows as groups of 8, each
+    /// row as its one-row launch computes it; otherwise [`Kernels::gemv`] (the prompt GEMM past
+    /// 8 rows).
+    ///
+    /// # Safety
+    /// As [`Kernels::gemv`]'s.
+    unsafe fn gemv_any(&self, batched: bool, rows: usize, k: usize, segs: &[GemvSeg], act: (DevPtr, DevPtr, DevPtr)) -> std::result::Result<(), GpuError> {
+        if batched && rows > MAX_ROWS {
+            self.kernels.gemv_rows(&self.stream, rows, k, segs, act)
+        } else {
+            self.kernels.gemv(&self.stream, rows, k, segs, act)
+        }
+    }
+
+    /// [`Qwen35Gpu::launch_step`] over one sequence's state, or a batched step's rows over their
+    /// entries' (`StepKv::Batch`: the tokens from the batch's block, each attention layer's K/V
+    /// through its `kv_slots` table, each delta-net layer's state through the entry table, one
+    /// block row per entry, the GEMVs of more than 8 rows as groups of 8, the head on every row
+    /// into the batch's readout).
+    fn launch_rows(&self, kv_of: StepKv<'_>, step: DevPtr, rows: usize, head: bool, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let c = &self.cfg;
         let b = &self.b;
         let p = |s: &CudaSlice<f32>| self.ptr(s);
         let (s, k) = (&self.stream, &self.kernels);
         let act = self.act(0, 0);
         let (vd, conv_dim) = (c.n_v_heads * c.d_state, c.conv_dim());
+        let batch = match kv_of {
+            StepKv::Batch(bt) => Some(bt),
+            StepKv::One(_) => None,
+        };
+        let batched = batch.is_some();
+        // The token ids of the rows, where they are not the step block's: a prompt's, a batch's.
+        let tokens = prompt.or(batch.map(|bt| self.ptr(&bt.tokens)));
         // SAFETY: every buffer was allocated at load for PROMPT_ROWS rows of its width (the logits
         // and argmax scratch for MAX_ROWS; `step` keeps rows <= MAX_ROWS unless `prompt`, whose
         // head runs on one row), the caches for ctx_len positions and PLANES planes; `step`
         // checks that the step's positions are below ctx_len and its plane below PLANES.
         unsafe {
             for (l, ly) in self.layers.iter().enumerate() {
-                let first = if l == 0 { self.nq(step, prompt, 0, 2, c.hidden, p(&ly.attn_norm)) } else { self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&ly.attn_norm)) };
+                let first = if l == 0 { self.nq(step, tokens, 0, 2, c.hidden, p(&ly.attn_norm)) } else { self.nq(step, tokens, p(&b.down), 3, c.hidden, p(&ly.attn_norm)) };
                 k.norm_quant(s, rows, &first)?;
                 mark("norm_quant")?;
                 let i = self.slot[l];
                 match &ly.mixer {
                     Mixer::DeltaNet { qkv, z, beta, alpha, conv, dt_bias, a, norm, out } => {
                         let segs = [self.seg(qkv, &b.x1, conv_dim), self.seg(z, &b.x2, vd), self.seg(beta, &b.beta, c.n_v_heads), self.seg(alpha, &b.alpha, c.n_v_heads)];
-                        k.gemv(s, rows, c.hidden, &segs, act)?;
+                        self.gemv_any(batched, rows, c.hidden, &segs, act)?;
                         mark("gemv qkv·z·beta·alpha")?;
                         let ca = ConvArgs {
                             x: p(&b.x1),
                             w: p(conv),
-                            planes: p(&cache.conv[i]),
+                            planes: kv_of.one().map_or(0, |cache| p(&cache.conv[i])),
                             y: p(&b.conv),
                             step,
                             c: conv_dim as i32,
@@ -670,7 +725,7 @@ impl Qwen35Gpu {
                             beta: p(&b.beta),
                             dt_bias: p(dt_bias),
                             a: p(a),
-                            planes: p(&cache.ssm[i]),
+                            planes: kv_of.one().map_or(0, |cache| p(&cache.ssm[i])),
                             out: p(&b.o),
                             step,
                             hk: c.n_k_heads as i32,
@@ -684,7 +739,18 @@ impl Qwen35Gpu {
                         };
                         // A decode or verify step: one launch; a prompt step: two (the fused
                         // kernel takes fewer rows than the planes).
-                        if prompt.is_none() && self.fused_conv {
+                        if let Some(bt) = batch {
+                            // Each entry's rows over its own state (block z: entry z; the
+                            // step's padded row count bounds the entries, rows 1 the check's).
+                            let one = |mut x: ConvGdnArgs| {
+                                x.conv.rows = 1;
+                                x.gdn.rows = 1;
+                                x
+                            };
+                            let args = one(ConvGdnArgs { conv: ca, gdn: ga, ent_rows: bt.ent_rows(s), ent_planes: bt.ent_planes(s, i, rows) });
+                            k.conv_gated_delta_rule_entries(s, &args, rows)?;
+                            mark("conv_gated_delta_rule")?;
+                        } else if prompt.is_none() && self.fused_conv {
                             k.conv_gated_delta_rule(s, &ConvGdnArgs { conv: ca, gdn: ga, ent_rows: 0, ent_planes: 0 })?;
                             mark("conv_gated_delta_rule")?;
                         } else {
@@ -696,14 +762,21 @@ impl Qwen35Gpu {
                         let na = GatedNormArgs { o: p(&b.o), z: p(&b.x2), w: p(norm), qs: act.0, qd: act.1, qsum: act.2, hv: c.n_v_heads as i32, d: c.d_state as i32, eps: c.eps, pad_: 0 };
                         k.gated_norm_quant(s, rows, &na)?;
                         mark("gated_norm_quant")?;
-                        k.gemv(s, rows, vd, &[self.seg(out, &b.mix, c.hidden)], act)?;
+                        self.gemv_any(batched, rows, vd, &[self.seg(out, &b.mix, c.hidden)], act)?;
                         mark("gemv ssm_out")?;
                     }
-                    Mixer::Attention { .. } => self.launch_attention(&ly.mixer, cache.kv[i].ptrs(&self.stream), cache.ctx_len, step, rows, prompt, mark)?,
+                    Mixer::Attention { .. } => match kv_of {
+                        StepKv::One(cache) => self.launch_attention(&ly.mixer, cache.kv[i].ptrs(&self.stream), cache.ctx_len, step, rows, prompt, None, mark)?,
+                        // The caches' pointers come from the table; the launch's own are never read.
+                        StepKv::Batch(bt) => {
+                            let kv = KvPtrs { k: 0, v: 0, types: bt.types() };
+                            self.launch_attention(&ly.mixer, kv, bt.capacity(), step, rows, None, Some((bt, bt.kv_slots(s, i, rows))), mark)?
+                        }
+                    },
                 }
-                self.launch_mlp(ly, step, rows, prompt, mark)?;
+                self.launch_mlp(ly, step, rows, prompt, batched, mark)?;
             }
-            let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, prompt, p(&b.down), 3, c.hidden, p(&self.output_norm)) };
+            let last = NormQuantArgs { y_out: p(&b.hid), ..self.nq(step, tokens, p(&b.down), 3, c.hidden, p(&self.output_norm)) };
             k.norm_quant(s, rows, &last)?;
             mark("norm_quant")?;
             if !head {
@@ -714,11 +787,12 @@ impl Qwen35Gpu {
                 None => (rows, self.act(0, c.hidden)),
                 Some(_) => (1, self.act(rows - 1, c.hidden)),
             };
+            let readout = batch.map_or(&b.out, |bt| &bt.out);
             let seg =
-                GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&b.out.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: out.wide as i32, ..Default::default() };
-            k.gemv(s, head_rows, c.hidden, &[seg], act)?;
+                GemvSeg { w: self.ptr(&out.buf), out: self.ptr(&readout.logits), n: c.vocab as i32, wtype: out.wt.ggml_id(), out_stride: c.vocab as i32, wide: out.wide as i32, ..Default::default() };
+            self.gemv_any(batched, head_rows, c.hidden, &[seg], act)?;
             mark("lm head")?;
-            k.argmax(s, head_rows, &b.out.argmax_args(s, step))?;
+            k.argmax(s, head_rows, &readout.argmax_args(s, step))?;
             mark("argmax")?;
         }
         Ok(())
@@ -731,14 +805,26 @@ impl Qwen35Gpu {
     /// # Safety
     /// As [`Qwen35Gpu::launch_step`]'s: the buffers hold the step's rows, the cache its positions.
     #[allow(clippy::too_many_arguments)]
-    unsafe fn launch_attention(&self, mixer: &Mixer, kv: KvPtrs, ctx_len: usize, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+    unsafe fn launch_attention(
+        &self,
+        mixer: &Mixer,
+        kv: KvPtrs,
+        ctx_len: usize,
+        step: DevPtr,
+        rows: usize,
+        prompt: Option<DevPtr>,
+        batch: Option<(&GpuBatch, DevPtr)>,
+        mark: &mut Mark,
+    ) -> std::result::Result<(), GpuError> {
+        let batched = batch.is_some();
+        let kv_slots = batch.map_or(0, |b| b.1);
         let Mixer::Attention { q, gate, k: wk, v: wv, o, q_norm, k_norm } = mixer else { unreachable!("called on attention blocks only") };
         let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
         let p = |s: &CudaSlice<f32>| self.ptr(s);
         let act = self.act(0, 0);
         let (qd, kvd) = (c.n_head * c.head_dim, c.n_kv * c.head_dim);
         let segs = [self.seg(q, &b.x1, qd), self.seg(gate, &b.x2, qd), self.seg(wk, &b.k, kvd), self.seg(wv, &b.v, kvd)];
-        k.gemv(s, rows, c.hidden, &segs, act)?;
+        self.gemv_any(batched, rows, c.hidden, &segs, act)?;
         mark("gemv q·gate·k·v")?;
         let rope = RopeArgs {
             q: p(&b.x1),
@@ -761,7 +847,7 @@ impl Qwen35Gpu {
             v_from_k: 0,
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
-            kv_slots: 0,
+            kv_slots,
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
@@ -770,8 +856,8 @@ impl Qwen35Gpu {
             k_cache: kv.k,
             v_cache: kv.v,
             out: 0,
-            partials: p(&b.partials),
-            counters: self.ptr(&b.attn_counters),
+            partials: batch.map_or(p(&b.partials), |b| self.ptr(&b.0.partials)),
+            counters: batch.map_or(self.ptr(&b.attn_counters), |b| self.ptr(&b.0.counters)),
             step,
             qs: act.0,
             qd: act.1,
@@ -784,14 +870,14 @@ impl Qwen35Gpu {
             gate: p(&b.x2),
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
-            kv_slots: 0,
+            kv_slots,
         };
         match prompt {
             Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,
             None => k.attention(s, rows, c.head_dim, &at)?,
         }
         mark("attention")?;
-        k.gemv(s, rows, qd, &[self.seg(o, &b.mix, c.hidden)], act)?;
+        self.gemv_any(batched, rows, qd, &[self.seg(o, &b.mix, c.hidden)], act)?;
         mark("gemv attn_output")?;
         Ok(())
     }
@@ -806,7 +892,8 @@ impl Qwen35Gpu {
     ///
     /// # Safety
     /// As [`Qwen35Gpu::launch_step`]'s.
-    unsafe fn launch_mlp(&self, ly: &Layer, step: DevPtr, rows: usize, prompt: Option<DevPtr>, mark: &mut Mark) -> std::result::Result<(), GpuError> {
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn launch_mlp(&self, ly: &Layer, step: DevPtr, rows: usize, prompt: Option<DevPtr>, batched: bool, mark: &mut Mark) -> std::result::Result<(), GpuError> {
         let (c, b, s, k) = (&self.cfg, &self.b, &self.stream, &self.kernels);
         let p = |s: &CudaSlice<f32>| self.ptr(s);
         let act = self.act(0, 0);
@@ -825,11 +912,11 @@ impl Qwen35Gpu {
             Ffn::Dense { gate, up, down } => {
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.mix), 3, c.hidden, p(&ly.post_norm)))?;
                 mark("norm_quant")?;
-                k.gemv(s, rows, c.hidden, &[glu(gate, up, &b.ff, c.ff)], act)?;
+                self.gemv_any(batched, rows, c.hidden, &[glu(gate, up, &b.ff, c.ff)], act)?;
                 mark("gemv gate·up")?;
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, c.ff, 0))?;
                 mark("norm_quant")?;
-                k.gemv(s, rows, c.ff, &[self.seg(down, &b.down, c.hidden)], act)?;
+                self.gemv_any(batched, rows, c.ff, &[self.seg(down, &b.down, c.hidden)], act)?;
                 mark("gemv down")?;
             }
             Ffn::Moe(e) => {
@@ -855,7 +942,7 @@ impl Qwen35Gpu {
                 mark("moe_logits")?;
                 k.moe_router(s, rows, &ra)?;
                 mark("moe_router")?;
-                k.gemv(s, rows, h, &[glu(&e.shared.0, &e.shared.1, &b.ff, fs)], act)?;
+                self.gemv_any(batched, rows, h, &[glu(&e.shared.0, &e.shared.1, &b.ff, fs)], act)?;
                 mark("gemv shared gate·up")?;
                 let bytes = |w: &W, n: usize, k: usize| n * w.1.wide_row_bytes(k);
                 // A prompt step runs a GEMM per expert, decode and verify steps a GEMV per pair
@@ -865,7 +952,7 @@ impl Qwen35Gpu {
                 mark("gemv_moe gate·up")?;
                 k.norm_quant(s, rows, &self.nq(step, prompt, p(&b.ff), 0, fs, 0))?;
                 mark("norm_quant")?;
-                k.gemv(s, rows, fs, &[self.seg(&e.shared.2, &b.mix, h)], act)?;
+                self.gemv_any(batched, rows, fs, &[self.seg(&e.shared.2, &b.mix, h)], act)?;
                 mark("gemv shared down")?;
                 k.norm_quant(s, pairs, &self.nq(step, prompt, p(&b.ffx), 0, fe, 0))?;
                 mark("norm_quant")?;
@@ -907,8 +994,8 @@ impl Qwen35Gpu {
             let x = NormQuantArgs { res_out: p(&b.h), ..self.nq(step, prompt, p(&b.mix), 0, h, p(&head.block.attn_norm)) };
             k.norm_quant(s, rows, &x)?;
             mark("norm_quant")?;
-            self.launch_attention(&head.block.mixer, cache.kv.ptrs(&self.stream), cache.ctx_len, step, rows, prompt, mark)?;
-            self.launch_mlp(&head.block, step, rows, prompt, mark)?;
+            self.launch_attention(&head.block.mixer, cache.kv.ptrs(&self.stream), cache.ctx_len, step, rows, prompt, None, mark)?;
+            self.launch_mlp(&head.block, step, rows, prompt, false, mark)?;
             let last = NormQuantArgs { y_out: p(&head.out), ..self.nq(step, prompt, p(&b.down), 3, h, p(&head.shared_head_norm)) };
             k.norm_quant(s, rows, &last)?;
             mark("norm_quant shared_head_norm")?;

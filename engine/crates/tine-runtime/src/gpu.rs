@@ -190,6 +190,7 @@ mod imp {
     }
     batched!(Gemma3Gpu, GpuCache);
     batched!(Gemma4Gpu, Gemma4Cache);
+    batched!(Qwen35Gpu, Qwen35Cache);
 
     /// [`GpuTrunk::step_batch`] on a family's engine: the batch's buffers (made again for
     /// caches of another context or types, or for more rows), the step, each row's read-back.
@@ -270,7 +271,8 @@ mod imp {
             match self {
                 GpuTrunk::Gemma3(m) => m.batches(),
                 GpuTrunk::Gemma4(m) => m.batches(),
-                GpuTrunk::Qwen35(_) => false,
+                // Until a device has run its checks (docs/evaluations/gpu-batching.md, step 5).
+                GpuTrunk::Qwen35(m) => m.batches() && std::env::var("TINE_GPU_BATCH_QWEN35").is_ok_and(|v| v == "1"),
             }
         }
         /// One engine step for several sequences' rows, `(sequence, tokens, ban, want)` each (a
@@ -299,7 +301,14 @@ mod imp {
                     }
                     step_batch_on(&**m, state, list, banned)
                 }
-                GpuTrunk::Qwen35(_) => Err(not_on_engine(self.family(), "a batched step")),
+                GpuTrunk::Qwen35(m) => {
+                    let mut list = Vec::with_capacity(entries.len());
+                    for (seq, tokens, ban, want) in entries.iter_mut() {
+                        let GpuSeq::Qwen35(cache) = &mut **seq else { return Err(other()) };
+                        list.push((&mut **cache, *tokens, *ban, *want));
+                    }
+                    step_batch_on(&**m, state, list, banned)
+                }
             }
         }
         /// Makes the batched-step buffers for steps of up to `rows` rows over sequences like
@@ -310,6 +319,7 @@ mod imp {
             match (self, scratch) {
                 (GpuTrunk::Gemma3(m), GpuSeq::Gemma3(cache)) => warm_batch_on(&**m, state, cache, rows),
                 (GpuTrunk::Gemma4(m), GpuSeq::Gemma4(cache)) => warm_batch_on(&**m, state, cache, rows),
+                (GpuTrunk::Qwen35(m), GpuSeq::Qwen35(cache)) => warm_batch_on(&**m, state, cache, rows),
                 _ => Err(not_on_engine(self.family(), "a batched step")),
             }
         }

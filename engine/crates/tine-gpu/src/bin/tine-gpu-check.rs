@@ -3731,6 +3731,7 @@ mod batch {
     use tine_gpu::batch::{BatchEntry, GpuBatch};
     use tine_gpu::gemma3::{Gemma3Gpu, GpuCache};
     use tine_gpu::gemma4::{Gemma4Cache, Gemma4Gpu};
+    use tine_gpu::qwen35::{Qwen35Cache, Qwen35Gpu};
 
     fn hash(v: &[f32]) -> u64 {
         v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, x| (h ^ x.to_bits() as u64).wrapping_mul(0x0100_0000_01b3))
@@ -3742,7 +3743,9 @@ mod batch {
 
     // The same check for each family with a batched step (their engines' methods share names).
     macro_rules! family_check {
-        ($name:ident, $gpu:ty, $cache:ty) => {
+        // `$deep`: the rows one sequence feeds a step (a deep draft's verify), at most what the
+        // family's batched step takes of one sequence.
+        ($name:ident, $gpu:ty, $cache:ty, $deep:expr) => {
             pub fn $name(path: &std::path::Path) -> Res<bool> {
                 let g = <$gpu>::load(path, 0, 4096)?;
                 let vocab = g.config().vocab;
@@ -3784,7 +3787,7 @@ mod batch {
                         let take = if fed[s] < p.len() {
                             (match s {
                                 1 => 3,
-                                7 => 11,
+                                7 => $deep,
                                 _ => 1,
                             })
                             .min(p.len() - fed[s])
@@ -3897,13 +3900,18 @@ mod batch {
             }
         };
     }
-    family_check!(run_gemma3, Gemma3Gpu, GpuCache);
-    family_check!(run_gemma4, Gemma4Gpu, Gemma4Cache);
+    family_check!(run_gemma3, Gemma3Gpu, GpuCache, 11);
+    family_check!(run_gemma4, Gemma4Gpu, Gemma4Cache, 11);
+    // A sequence's rows in a Qwen3.5 step stay below its state planes (8).
+    family_check!(run_qwen35, Qwen35Gpu, Qwen35Cache, 8);
 
-    /// The check of the file's family (`gemma3` or `gemma4`).
+    /// The check of the file's family (`gemma3`, `gemma4`, `qwen35`/`qwen35moe`).
     pub fn run(path: &std::path::Path) -> Res<bool> {
-        if tine_gpu::gemma3::architecture(path)? == "gemma4" {
+        let arch = tine_gpu::gemma3::architecture(path)?;
+        if arch == "gemma4" {
             run_gemma4(path)
+        } else if arch.starts_with("qwen35") {
+            run_qwen35(path)
         } else {
             run_gemma3(path)
         }

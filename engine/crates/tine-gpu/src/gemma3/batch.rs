@@ -10,9 +10,8 @@
 //! decode attention reads its cache's keys up to it. Every kernel computes a row as a one-row
 //! step does: the GEMVs of more than 8 rows run as groups of 8 (`gemv_wide_rows`), so a row's
 //! logits are bit for bit those of the same row stepped alone on its cache, whatever shares the
-//! step. A step of more than 8 rows is padded to a multiple of 8 with copies of its last row
-//! (the same token at the same position of the same cache: they write the bytes that row writes,
-//! and their results are never read). The caches can go on with one-sequence steps between
+//! step. A step of more than 8 rows is padded to a multiple of 8 with inert copies of its last
+//! row (they write no K/V, and their results are never read). The caches can go on with one-sequence steps between
 //! batched ones (a prompt through the prompt path, say): a batched step only writes their
 //! positions' K/V and moves their length.
 
@@ -104,11 +103,16 @@ impl Gemma3Gpu {
     /// they are not its positions). The caches' own last-step readouts are cleared: the rows'
     /// logits are the batch's ([`Gemma3Gpu::batch_logits_row`], [`Gemma3Gpu::batch_top_k`]).
     pub fn forward_batch(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, GpuCache>], banned: &[u32]) -> Result<Vec<Vec<u32>>> {
+        self.forward_batch_padded(batch, entries, banned, 0)
+    }
+
+    /// [`Self::forward_batch`] padded to at least `pad_to` rows (the warm-up's steps).
+    fn forward_batch_padded(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, GpuCache>], banned: &[u32], pad_to: usize) -> Result<Vec<Vec<u32>>> {
         let list: Vec<(EntryCache<'_>, &[u32], bool)> =
-            entries.iter().map(|e| (EntryCache { kv: &e.cache.kv, pos: e.cache.pos, ctx_len: e.cache.ctx_len, types: e.cache.types() }, e.tokens, e.ban)).collect();
+            entries.iter().map(|e| (EntryCache { kv: &e.cache.kv, pos: e.cache.pos, ctx_len: e.cache.ctx_len, types: e.cache.types(), states: Vec::new(), plane: 0 }, e.tokens, e.ban)).collect();
         // One step at a time on the stream and the model's buffers, one-sequence steps included.
         let _block = self.step.lock().expect("a step panicked holding the step block");
-        let (rows, padded) = batch.prepare(&self.stream, self.cfg.vocab, &list, banned)?;
+        let (rows, padded) = batch.prepare(&self.stream, self.cfg.vocab, &list, banned, pad_to)?;
         drop(list);
         // SAFETY: `prepare` wrote the blocks for `padded` rows, within the batch's rows (and the
         // model's buffers': BATCH_MAX_ROWS <= PROMPT_ROWS); every row's table entry names an entry
@@ -127,14 +131,14 @@ impl Gemma3Gpu {
     /// capture. Returns the graphs the batch holds.
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut GpuCache, rows: usize) -> Result<usize> {
         let rows = padded_rows(rows.clamp(1, batch.max_rows())).min(batch.max_rows());
-        let counts: Vec<usize> = (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)).collect();
-        for r in counts {
-            if batch.has_graph(r) || r > scratch.ctx_len {
+        // Each graph from one token of the scratch cache, padded to the graph's rows (the
+        // padding rows are inert: the graph is the same whatever rows it runs).
+        for r in (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)) {
+            if batch.has_graph(r) {
                 continue;
             }
             scratch.truncate(0);
-            let tokens = vec![0u32; r];
-            self.forward_batch(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &tokens, ban: false }], &[])?;
+            self.forward_batch_padded(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r)?;
         }
         scratch.truncate(0);
         Ok(batch.graphs())

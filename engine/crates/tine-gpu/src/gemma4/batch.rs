@@ -36,11 +36,16 @@ impl Gemma4Gpu {
     /// entry asks); every row's logits are those of the same row stepped alone on its cache, bit
     /// for bit. On an error no cache has moved.
     pub fn forward_batch(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, Gemma4Cache>], banned: &[u32]) -> Result<Vec<Vec<u32>>> {
+        self.forward_batch_padded(batch, entries, banned, 0)
+    }
+
+    /// [`Self::forward_batch`] padded to at least `pad_to` rows (the warm-up's steps).
+    fn forward_batch_padded(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, Gemma4Cache>], banned: &[u32], pad_to: usize) -> Result<Vec<Vec<u32>>> {
         let list: Vec<(EntryCache<'_>, &[u32], bool)> =
-            entries.iter().map(|e| (EntryCache { kv: &e.cache.kv, pos: e.cache.pos, ctx_len: e.cache.ctx_len, types: e.cache.types() }, e.tokens, e.ban)).collect();
+            entries.iter().map(|e| (EntryCache { kv: &e.cache.kv, pos: e.cache.pos, ctx_len: e.cache.ctx_len, types: e.cache.types(), states: Vec::new(), plane: 0 }, e.tokens, e.ban)).collect();
         // One step at a time on the stream and the model's buffers, one-sequence steps included.
         let _block = self.step.lock().expect("a step panicked holding the step block");
-        let (rows, padded) = batch.prepare(&self.stream, self.cfg.vocab, &list, banned)?;
+        let (rows, padded) = batch.prepare(&self.stream, self.cfg.vocab, &list, banned, pad_to)?;
         drop(list);
         let step = self.ptr(&batch.params);
         // The buffers were allocated at load for PROMPT_ROWS rows (the batch's own for its rows:
@@ -58,14 +63,14 @@ impl Gemma4Gpu {
     /// `scratch` (left empty); returns the graphs the batch holds.
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Gemma4Cache, rows: usize) -> Result<usize> {
         let rows = padded_rows(rows.clamp(1, batch.max_rows())).min(batch.max_rows());
-        let counts: Vec<usize> = (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)).collect();
-        for r in counts {
-            if batch.has_graph(r) || r > scratch.ctx_len {
+        // Each graph from one token of the scratch cache, padded to the graph's rows (the
+        // padding rows are inert: the graph is the same whatever rows it runs).
+        for r in (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)) {
+            if batch.has_graph(r) {
                 continue;
             }
             scratch.truncate(0);
-            let tokens = vec![0u32; r];
-            self.forward_batch(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &tokens, ban: false }], &[])?;
+            self.forward_batch_padded(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r)?;
         }
         scratch.truncate(0);
         Ok(batch.graphs())
