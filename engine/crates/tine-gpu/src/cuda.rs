@@ -956,7 +956,8 @@ impl Kernels {
 
     /// [`Kernels::conv_gated_delta_rule`] over a batched step's `entries` (`args.ent_rows` and
     /// `args.ent_planes` set, `entries` of them, each of at most [`MAX_ROWS`] rows fewer than
-    /// the planes; `conv.rows`/`gdn.rows` the longest's bound).
+    /// the planes: the caller checks them, the kernel reads them from the device;
+    /// `conv.rows`/`gdn.rows` any value the one-sequence check takes).
     ///
     /// # Safety
     /// As [`Kernels::conv_gated_delta_rule`]'s, for every entry's rows and planes.

@@ -266,7 +266,7 @@ mod imp {
             })
         }
         /// Whether [`GpuTrunk::step_batch`] runs here (Gemma 3 and Gemma 4, their matrices in the
-        /// wide layout).
+        /// wide layout; Qwen3.5 with `TINE_GPU_BATCH_QWEN35=1` until a device has checked it).
         pub fn batches(&self) -> bool {
             match self {
                 GpuTrunk::Gemma3(m) => m.batches(),

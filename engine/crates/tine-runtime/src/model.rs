@@ -685,7 +685,9 @@ impl Model {
             return self.step_many_stand_in(steps);
         }
         let Some(gpu) = self.gpu.as_ref().filter(|g| g.batches()) else {
-            return Err(StepError::Candle(candle_core::Error::Msg("batched GPU steps need a Gemma 3 or Gemma 4 model on the GPU engine".into())));
+            return Err(StepError::Candle(candle_core::Error::Msg(
+                "batched GPU steps need a model whose family the GPU engine batches (Gemma 3, Gemma 4; Qwen3.5 with TINE_GPU_BATCH_QWEN35=1)".into(),
+            )));
         };
         for (seq, tokens, _, want) in steps.iter() {
             seq.check(self, tokens)?;

@@ -3773,6 +3773,10 @@ mod batch {
                 }
                 let mut caches: Vec<$cache> = (0..n_seq).map(|_| g.new_cache_typed(4096, types)).collect::<std::result::Result<_, _>>()?;
                 let mut b = g.new_batch(4096, types, 64)?;
+                // The steps below replay the graphs the warm-up captured (one real row padded).
+                let mut scratch = g.new_cache_typed(4096, types)?;
+                let warm_graphs = g.warm_batch(&mut b, &mut scratch, 64)?;
+                drop(scratch);
                 let mut fed = vec![0usize; n_seq];
                 let mut next = vec![0u32; n_seq];
                 let (mut steps, mut most, mut mismatches) = (0, 0, 0);
@@ -3841,7 +3845,7 @@ mod batch {
                 let total: usize = alone.iter().map(Vec::len).sum();
                 let ok = mismatches == 0;
                 println!(
-                    "{} {} batched steps vs each sequence alone: {total} rows of {n_seq} sequences in {steps} steps (up to {most} rows a step, {} graphs, per-row bans): {}",
+                    "{} {} batched steps vs each sequence alone: {total} rows of {n_seq} sequences in {steps} steps (up to {most} rows a step, {} graphs, {warm_graphs} of them from the warm-up, per-row bans): {}",
                     if ok { "ok  " } else { "FAIL" },
                     stringify!($gpu),
                     b.graphs(),

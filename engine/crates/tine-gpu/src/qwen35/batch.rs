@@ -48,6 +48,9 @@ impl Qwen35Gpu {
     /// [`Self::forward_batch`] padded to at least `pad_to` rows (the warm-up's steps).
     fn forward_batch_padded(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, Qwen35Cache>], banned: &[u32], pad_to: usize) -> Result<Vec<Vec<u32>>> {
         let rows: usize = entries.iter().map(|e| e.tokens.len()).sum();
+        // One step at a time on the stream and the model's buffers, one-sequence steps included
+        // (the zeroing below goes onto the stream too).
+        let _block = self.step.lock().expect("a step panicked holding the step block");
         for (e, entry) in entries.iter_mut().enumerate() {
             let cache = &mut *entry.cache;
             let fail = |what: String| Error::Step { rows, pos: cache.ring.pos(), what: format!("entry {e}: {what}") };
@@ -74,20 +77,23 @@ impl Qwen35Gpu {
                 (EntryCache { kv: &c.kv, pos: c.ring.pos(), ctx_len: c.ctx_len, types: c.types(), states, plane: c.ring.plane() }, e.tokens, e.ban)
             })
             .collect();
-        // One step at a time on the stream and the model's buffers, one-sequence steps included.
-        let _block = self.step.lock().expect("a step panicked holding the step block");
         let (rows, padded) = batch.prepare(&self.stream, self.cfg.vocab, &list, banned, pad_to)?;
         drop(list);
         let step = self.ptr(&batch.params);
         // The buffers were allocated at load for PROMPT_ROWS rows (the batch's own for its rows),
         // every row's table entry names an entry whose caches are in every layer's tables, its
         // position inside them (`prepare` checked), every entry's rows fewer than its planes.
+        let captured = batch.has_graph(padded);
         let ran = batch.run(&self.stream, rows, padded, |b| self.launch_rows(StepKv::Batch(b), step, padded, true, None, &mut |_| Ok(())));
         let ids = match ran {
             Ok(ids) => ids,
             Err(e) => {
-                for entry in entries.iter_mut() {
-                    entry.cache.ring.failed();
+                // A capture that failed ran nothing; a graph that was launched may have written
+                // planes part way: only position 0 is exact then.
+                if captured || batch.has_graph(padded) {
+                    for entry in entries.iter_mut() {
+                        entry.cache.ring.failed();
+                    }
                 }
                 return Err(e);
             }
