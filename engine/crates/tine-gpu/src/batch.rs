@@ -24,14 +24,8 @@ type Result<T> = std::result::Result<T, Error>;
 /// The most rows of one batched step.
 pub const BATCH_MAX_ROWS: usize = 256;
 
-/// The padded row count of a step of `rows` rows: itself up to 8, else the next multiple of 8.
-pub fn padded_rows(rows: usize) -> usize {
-    if rows <= MAX_ROWS {
-        rows
-    } else {
-        rows.div_ceil(8) * 8
-    }
-}
+pub use crate::rows::padded_rows;
+use crate::rows::{slot_index, step_tables, EntryRows};
 
 /// The buffers and graphs of batched steps over caches of one context and K/V types.
 pub struct GpuBatch {
@@ -204,19 +198,11 @@ impl GpuBatch {
         if banned.len() > MAX_BANNED {
             return Err(fail(format!("{} banned ids (the argmax passes over at most {MAX_BANNED})", banned.len())));
         }
-        let mut table = Vec::with_capacity(padded);
-        let mut ids = Vec::with_capacity(padded);
         let mut slots = vec![0u64; self.kv_layers * padded * 2];
-        let mut ent = vec![0i32; padded * 3];
         let mut ent_planes = vec![0u64; self.state_layers * padded * 2];
-        for (e, (cache, tokens, ban)) in entries.iter().enumerate() {
+        for (e, (cache, tokens, _)) in entries.iter().enumerate() {
             if cache.states.len() != self.state_layers {
                 return Err(fail(format!("entry {e}: {} recurrent layers in a batch of {}", cache.states.len(), self.state_layers)));
-            }
-            ent[e * 3..e * 3 + 3].copy_from_slice(&[table.len() as i32, tokens.len() as i32, cache.plane as i32]);
-            for (l, &(conv, ssm)) in cache.states.iter().enumerate() {
-                ent_planes[(l * padded + e) * 2] = conv;
-                ent_planes[(l * padded + e) * 2 + 1] = ssm;
             }
             if cache.ctx_len != self.ctx_len || cache.types != self.types || cache.kv.len() != self.kv_layers {
                 return Err(fail(format!(
@@ -231,27 +217,26 @@ impl GpuBatch {
                     self.kv_layers
                 )));
             }
-            let first = cache.pos;
-            if tokens.is_empty() || first + tokens.len() > self.ctx_len {
-                return Err(fail(format!("entry {e}: {} tokens at position {first} (a cache holds {} positions)", tokens.len(), self.ctx_len)));
+            if tokens.is_empty() || cache.pos + tokens.len() > self.ctx_len {
+                return Err(fail(format!("entry {e}: {} tokens at position {} (a cache holds {} positions)", tokens.len(), cache.pos, self.ctx_len)));
             }
             if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(fail(format!("token {t} is outside the vocabulary of {vocab}")));
             }
-            for (j, &t) in tokens.iter().enumerate() {
-                table.push(SeqRow { pos: (first + j) as i32, slot: e as i32, first: first as i32, no_ban: (!ban) as i32, ..Default::default() });
-                ids.push(t as i32);
-            }
             for (l, layer) in cache.kv.iter().enumerate() {
                 let ptrs = layer.ptrs(stream);
-                slots[(l * padded + e) * 2] = ptrs.k;
-                slots[(l * padded + e) * 2 + 1] = ptrs.v;
+                slots[slot_index(l, padded, e, 0)] = ptrs.k;
+                slots[slot_index(l, padded, e, 1)] = ptrs.v;
+            }
+            for (l, &(conv, ssm)) in cache.states.iter().enumerate() {
+                ent_planes[slot_index(l, padded, e, 0)] = conv;
+                ent_planes[slot_index(l, padded, e, 1)] = ssm;
             }
         }
-        // Padding: copies of the last row that write no K/V (inert) and belong to no entry.
-        let (last_row, last_id) = (*table.last().expect("rows > 0"), *ids.last().expect("rows > 0"));
-        table.resize(padded, SeqRow { inert: 1, ..last_row });
-        ids.resize(padded, last_id);
+        let rows_of: Vec<EntryRows<'_>> = entries.iter().map(|(cache, tokens, ban)| EntryRows { pos: cache.pos, tokens, ban: *ban, plane: cache.plane }).collect();
+        let t = step_tables(&rows_of, pad_to);
+        debug_assert_eq!((t.rows, t.padded), (rows, padded));
+        let (table, ids, ent) = (t.table, t.ids, t.ent);
         let mut params = StepParams { pos: 0, rows: padded as i32, n_banned: banned.len() as i32, seq_rows: self.table.device_ptr(stream).0, ..Default::default() };
         for (slot, &t) in params.banned.iter_mut().zip(banned) {
             *slot = t as i32;

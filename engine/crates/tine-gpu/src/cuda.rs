@@ -126,25 +126,7 @@ pub struct StepParams {
     pub seq_rows: DevPtr,
 }
 
-/// Row `m` of a batched step ([`StepParams::seq_rows`]): its position, its sequence's slot in the
-/// layers' pooled caches (a layer's pool is slots of `[n_kv][ctx][row]`, one a sequence: the
-/// kernels' cache pointers are slot 0's), the position of its sequence's first row in the step,
-/// and the keys its attention reads (`kv_end` as [`StepParams::kv_end`], per row).
-#[repr(C)]
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SeqRow {
-    pub pos: i32,
-    pub slot: i32,
-    pub first: i32,
-    pub kv_end: i32,
-    /// 1: the step's banned ids do not apply to this row (its request does not ignore the end
-    /// of generation while another in the step does).
-    pub no_ban: i32,
-    /// 1: a padding row (a copy of another row): `qk_norm_rope_kv` writes no K/V for it, and
-    /// nobody reads its results.
-    pub inert: i32,
-    pub pad: [i32; 2],
-}
+pub use crate::rows::SeqRow;
 // SAFETY: plain repr(C) integers, the layout of `SeqRow` in decode.cu.
 unsafe impl DeviceRepr for SeqRow {}
 unsafe impl ValidAsZeroBits for SeqRow {}

@@ -49,6 +49,7 @@ pub const MOE_MAX_USED: usize = 16;
 
 pub mod planes;
 pub mod reference;
+pub mod rows;
 
 #[cfg(feature = "cuda")]
 pub mod batch;
