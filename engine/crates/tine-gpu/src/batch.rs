@@ -154,6 +154,20 @@ impl GpuBatch {
         self.graphs.len()
     }
 
+    /// Captures the graph of every padded row count a step of up to `rows` rows runs (1 to 8,
+    /// then multiples of 8) not captured yet: `step(batch, r)` runs one step padded to `r` rows
+    /// (a family's one-token step of a scratch sequence; the padding rows are inert, so the
+    /// graph is the same whatever rows it runs). Returns the graphs the batch holds.
+    pub(crate) fn warm(&mut self, rows: usize, mut step: impl FnMut(&mut GpuBatch, usize) -> Result<()>) -> Result<usize> {
+        let rows = padded_rows(rows.clamp(1, self.max_rows)).min(self.max_rows);
+        for r in (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)) {
+            if !self.has_graph(r) {
+                step(self, r)?;
+            }
+        }
+        Ok(self.graphs())
+    }
+
     /// Whether the graph of `padded` rows is captured.
     pub(crate) fn has_graph(&self, padded: usize) -> bool {
         self.graphs.iter().any(|(r, _)| *r == padded)

@@ -1176,14 +1176,7 @@ impl Qwen35Gpu {
         if cache.ring.broken() {
             return Err(fail("a step failed part way and the recurrent state is lost: truncate to 0 first".into()));
         }
-        if cache.ring.zero_pending() {
-            for (conv, ssm) in cache.conv.iter_mut().zip(cache.ssm.iter_mut()) {
-                let (cn, sn) = (conv.len() / PLANES, ssm.len() / PLANES);
-                self.stream.memset_zeros(&mut conv.slice_mut(..cn))?;
-                self.stream.memset_zeros(&mut ssm.slice_mut(..sn))?;
-            }
-            cache.ring.zeroed();
-        }
+        self.zero_fresh_state(cache)?;
         let mut params = StepParams { pos: cache.ring.pos() as i32, rows: rows as i32, n_banned: banned.len() as i32, plane: cache.ring.plane() as i32, ..Default::default() };
         for (slot, &t) in params.tokens.iter_mut().zip(tokens) {
             *slot = t as i32;
@@ -1213,6 +1206,20 @@ impl Qwen35Gpu {
         }
         cache.ring.stepped(rows);
         cache.last = LastStep::after(rows, head);
+        Ok(())
+    }
+
+    /// A sequence that starts over (at position 0) starts from a zero state: its first plane
+    /// zeroed before its first step (on the stream, in order with that step).
+    fn zero_fresh_state(&self, cache: &mut Qwen35Cache) -> Result<()> {
+        if cache.ring.zero_pending() {
+            for (conv, ssm) in cache.conv.iter_mut().zip(cache.ssm.iter_mut()) {
+                let (cn, sn) = (conv.len() / PLANES, ssm.len() / PLANES);
+                self.stream.memset_zeros(&mut conv.slice_mut(..cn))?;
+                self.stream.memset_zeros(&mut ssm.slice_mut(..sn))?;
+            }
+            cache.ring.zeroed();
+        }
         Ok(())
     }
 

@@ -16,7 +16,7 @@
 //! positions' K/V and moves their length.
 
 use super::*;
-use crate::batch::{padded_rows, BatchEntry, EntryCache, GpuBatch};
+use crate::batch::{BatchEntry, EntryCache, GpuBatch};
 
 impl Gemma3Gpu {
     /// Whether batched steps run on this model (its matrices in the wide layout).
@@ -130,18 +130,12 @@ impl Gemma3Gpu {
     /// empty) through a step of each: a server does this at start-up, so no request waits for a
     /// capture. Returns the graphs the batch holds.
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut GpuCache, rows: usize) -> Result<usize> {
-        let rows = padded_rows(rows.clamp(1, batch.max_rows())).min(batch.max_rows());
-        // Each graph from one token of the scratch cache, padded to the graph's rows (the
-        // padding rows are inert: the graph is the same whatever rows it runs).
-        for r in (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)) {
-            if batch.has_graph(r) {
-                continue;
-            }
+        let graphs = batch.warm(rows, |b, r| {
             scratch.truncate(0);
-            self.forward_batch_padded(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r)?;
-        }
+            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r).map(drop)
+        });
         scratch.truncate(0);
-        Ok(batch.graphs())
+        graphs
     }
 
     /// The logits of row `row` of `batch`'s last step (rows in its entries' order).

@@ -8,7 +8,7 @@
 //! [`crate::batch`] for the blocks, the padding and the graphs.
 
 use super::*;
-use crate::batch::{padded_rows, BatchEntry, EntryCache, GpuBatch};
+use crate::batch::{BatchEntry, EntryCache, GpuBatch};
 
 impl Gemma4Gpu {
     /// Whether batched steps run on this model (its matrices in the wide layout).
@@ -62,18 +62,12 @@ impl Gemma4Gpu {
     /// Captures the graph of every padded row count a batch of up to `rows` rows runs, stepping
     /// `scratch` (left empty); returns the graphs the batch holds.
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Gemma4Cache, rows: usize) -> Result<usize> {
-        let rows = padded_rows(rows.clamp(1, batch.max_rows())).min(batch.max_rows());
-        // Each graph from one token of the scratch cache, padded to the graph's rows (the
-        // padding rows are inert: the graph is the same whatever rows it runs).
-        for r in (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)) {
-            if batch.has_graph(r) {
-                continue;
-            }
+        let graphs = batch.warm(rows, |b, r| {
             scratch.truncate(0);
-            self.forward_batch_padded(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r)?;
-        }
+            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r).map(drop)
+        });
         scratch.truncate(0);
-        Ok(batch.graphs())
+        graphs
     }
 
     /// The logits of row `row` of `batch`'s last step (rows in its entries' order).

@@ -9,7 +9,7 @@
 //! belong to no entry and write no K/V. See [`crate::batch`].
 
 use super::*;
-use crate::batch::{padded_rows, BatchEntry, EntryCache, GpuBatch};
+use crate::batch::{BatchEntry, EntryCache, GpuBatch};
 
 impl Qwen35Gpu {
     /// Whether batched steps run on this model (its matrices in the wide layout, the conv and
@@ -60,14 +60,7 @@ impl Qwen35Gpu {
             if cache.ring.broken() {
                 return Err(fail("a step failed part way and the recurrent state is lost: truncate to 0 first".into()));
             }
-            if cache.ring.zero_pending() {
-                for (conv, ssm) in cache.conv.iter_mut().zip(cache.ssm.iter_mut()) {
-                    let (cn, sn) = (conv.len() / PLANES, ssm.len() / PLANES);
-                    self.stream.memset_zeros(&mut conv.slice_mut(..cn))?;
-                    self.stream.memset_zeros(&mut ssm.slice_mut(..sn))?;
-                }
-                cache.ring.zeroed();
-            }
+            self.zero_fresh_state(cache)?;
         }
         let list: Vec<(EntryCache<'_>, &[u32], bool)> = entries
             .iter()
@@ -108,18 +101,12 @@ impl Qwen35Gpu {
     /// Captures the graph of every padded row count a batch of up to `rows` rows runs, stepping
     /// `scratch` (left empty); returns the graphs the batch holds.
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Qwen35Cache, rows: usize) -> Result<usize> {
-        let rows = padded_rows(rows.clamp(1, batch.max_rows())).min(batch.max_rows());
-        // Each graph from one token of the scratch cache, padded to the graph's rows (the
-        // padding rows are inert: the graph is the same whatever rows it runs).
-        for r in (1..=rows.min(MAX_ROWS)).chain((2 * MAX_ROWS..=rows).step_by(MAX_ROWS)) {
-            if batch.has_graph(r) {
-                continue;
-            }
+        let graphs = batch.warm(rows, |b, r| {
             scratch.truncate(0);
-            self.forward_batch_padded(batch, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r)?;
-        }
+            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r).map(drop)
+        });
         scratch.truncate(0);
-        Ok(batch.graphs())
+        graphs
     }
 
     /// The logits of row `row` of `batch`'s last step (rows in its entries' order).
