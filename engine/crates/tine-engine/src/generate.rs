@@ -553,15 +553,7 @@ impl Generation {
                 };
                 let t0 = Instant::now();
                 let round = spec.decide_read(plan, seq, &mut self.sampler, read, cost_ms);
-                // The grammar was marked when the round was planned.
-                if let Some(g) = self.req.grammar.as_mut() {
-                    g.rewind()?;
-                }
-                let round = round?;
-                self.timings.draft.add(&round.stats());
-                self.decided.extend(round.tokens.into_iter().zip(round.rows));
-                self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
-                Ok(())
+                self.keep_round(round, t0)
             }
             other => {
                 self.pending = other;
@@ -632,17 +624,22 @@ impl Generation {
                 let ids_only = self.rows_unread();
                 let mut filter = Filter { bias: &self.req.logit_bias, ignore_eos: self.req.ignore_eos, ids_only, eog, grammar: self.req.grammar.as_mut(), fed: 0 };
                 let round = spec.decide(plan, seq, &mut self.sampler, &mut filter, logits, hidden, cost_ms);
-                // The grammar was marked when the round was planned.
-                if let Some(g) = filter.grammar.as_deref_mut() {
-                    g.rewind()?;
-                }
-                let round = round?;
-                self.timings.draft.add(&round.stats());
-                self.decided.extend(round.tokens.into_iter().zip(round.rows));
-                self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
-                Ok(())
+                self.keep_round(round, t0)
             }
         }
+    }
+
+    /// A round decided from rows the caller fed: the grammar back to the mark made when the round
+    /// was planned, the round's counts and its tokens kept, the time since `t0` counted.
+    fn keep_round(&mut self, round: Result<tine_spec::Round, SpecError>, t0: Instant) -> Result<(), GenerateError> {
+        if let Some(g) = self.req.grammar.as_mut() {
+            g.rewind()?;
+        }
+        let round = round?;
+        self.timings.draft.add(&round.stats());
+        self.decided.extend(round.tokens.into_iter().zip(round.rows));
+        self.timings.predicted_ms += t0.elapsed().as_secs_f64() * 1e3;
+        Ok(())
     }
 
     /// Runs the forward [`Generation::step_deferring`] left pending on `seq` alone (the batch it

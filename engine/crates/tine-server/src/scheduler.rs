@@ -905,17 +905,13 @@ fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &
     }
     let t0 = std::time::Instant::now();
     let (rows, share, outs) = {
-        let mut steps: Vec<(&mut Sequence, &[u32], Rows)> = Vec::with_capacity(pending.len());
-        let mut rest = &mut slots[..];
-        let mut base = 0;
-        for &i in &pending {
-            let (_, tail) = rest.split_at_mut(i - base);
-            let (slot, after) = tail.split_first_mut().expect("a pending slot");
-            let (tokens, kind) = slot.active.as_ref().and_then(|a| a.gen.pending_rows()).expect("pending");
-            steps.push((&mut slot.seq, tokens, kind));
-            rest = after;
-            base = i + 1;
-        }
+        let mut steps: Vec<(&mut Sequence, &[u32], Rows)> = slots_at(slots, &pending)
+            .into_iter()
+            .map(|Slot { seq, active, .. }| {
+                let (tokens, kind) = active.as_ref().and_then(|a| a.gen.pending_rows()).expect("pending");
+                (seq, tokens, kind)
+            })
+            .collect();
         let rows: usize = steps.iter().map(|(_, t, _)| t.len()).sum();
         let share: Vec<usize> = steps.iter().map(|(_, t, _)| t.len()).collect();
         (rows, share, std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many(&mut steps))))
@@ -925,17 +921,7 @@ fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     cost.record(rows, ms);
     match outs {
-        // A bug: the caches may hold part of the batch, so every slot in it starts afresh.
-        Err(_) => {
-            for &i in &pending {
-                let slot = &mut slots[i];
-                if let Some(a) = slot.active.as_ref() {
-                    let _ = a.events.send(Event::Error(GenerateError::Internal("a batched step panicked".into())));
-                }
-                reset_slot(model, drafting, slot);
-                publish(views, i, slot, None);
-            }
-        }
+        Err(_) => reset_panicked(model, drafting, slots, views, &pending),
         Ok(Ok(outs)) => {
             for ((&i, (logits, hidden)), r) in pending.iter().zip(outs).zip(share) {
                 let slot = &mut slots[i];
@@ -946,17 +932,39 @@ fn feed_pending(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &
                 settle(model, drafting, slots, views, i, prefilling, fed);
             }
         }
-        // Every sequence is as it was (the batch is atomic): each runs its forward alone.
-        Ok(Err(_)) => {
-            for &i in &pending {
-                let slot = &mut slots[i];
-                let Some(a) = slot.active.as_mut() else { continue };
-                batch_sizes.forward(1);
-                let prefilling = a.gen.is_prefilling();
-                let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
-                settle(model, drafting, slots, views, i, prefilling, fed);
-            }
+        Ok(Err(_)) => feed_each_alone(model, drafting, slots, views, batch_sizes, &pending),
+    }
+}
+
+/// The slots at `at` (ascending indices), each borrowed on its own.
+fn slots_at<'a>(slots: &'a mut [Slot], at: &[usize]) -> Vec<&'a mut Slot> {
+    let mut at = at.iter().peekable();
+    slots.iter_mut().enumerate().filter_map(|(i, s)| at.next_if(|&&j| j == i).map(|_| s)).collect()
+}
+
+/// A batched step panicked (a bug): the caches may hold part of it, so every slot in it starts
+/// afresh and its request gets the error.
+fn reset_panicked(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, pending: &[usize]) {
+    for &i in pending {
+        let slot = &mut slots[i];
+        if let Some(a) = slot.active.as_ref() {
+            let _ = a.events.send(Event::Error(GenerateError::Internal("a batched step panicked".into())));
         }
+        reset_slot(model, drafting, slot);
+        publish(views, i, slot, None);
+    }
+}
+
+/// A batched step failed with every sequence as it was (the step is atomic): each slot runs its
+/// rows alone, so that an error stays with the slot it belongs to.
+fn feed_each_alone(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes, pending: &[usize]) {
+    for &i in pending {
+        let slot = &mut slots[i];
+        let Some(a) = slot.active.as_mut() else { continue };
+        batch_sizes.forward(1);
+        let prefilling = a.gen.is_prefilling();
+        let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
+        settle(model, drafting, slots, views, i, prefilling, fed);
     }
 }
 
@@ -974,17 +982,10 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
     }
     let rows: usize = pending.iter().map(|(_, (t, ..))| t.len()).sum();
     let t0 = std::time::Instant::now();
+    let at: Vec<usize> = pending.iter().map(|p| p.0).collect();
     let outs = {
-        let mut steps: Vec<(&mut Sequence, &[u32], bool, DecodeWant)> = Vec::with_capacity(pending.len());
-        let mut rest = &mut slots[..];
-        let mut base = 0;
-        for (i, (tokens, ban, want)) in &pending {
-            let (_, tail) = rest.split_at_mut(i - base);
-            let (slot, after) = tail.split_first_mut().expect("a pending slot");
-            steps.push((&mut slot.seq, &tokens[..], *ban, *want));
-            rest = after;
-            base = i + 1;
-        }
+        let mut steps: Vec<(&mut Sequence, &[u32], bool, DecodeWant)> =
+            slots_at(slots, &at).into_iter().zip(&pending).map(|(slot, (_, (tokens, ban, want)))| (&mut slot.seq, &tokens[..], *ban, *want)).collect();
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many_gpu(&mut steps)))
     };
     batch_sizes.record(pending.len(), rows);
@@ -992,16 +993,7 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
     let ms = t0.elapsed().as_secs_f64() * 1e3;
     cost.record(rows, ms);
     match outs {
-        Err(_) => {
-            for &(i, _) in &pending {
-                let slot = &mut slots[i];
-                if let Some(a) = slot.active.as_ref() {
-                    let _ = a.events.send(Event::Error(GenerateError::Internal("a batched step panicked".into())));
-                }
-                reset_slot(model, drafting, slot);
-                publish(views, i, slot, None);
-            }
-        }
+        Err(_) => reset_panicked(model, drafting, slots, views, &at),
         Ok(Ok(outs)) => {
             for ((i, (tokens, ..)), out) in pending.iter().zip(outs) {
                 let (i, r) = (*i, tokens.len());
@@ -1013,15 +1005,7 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
                 settle(model, drafting, slots, views, i, false, fed);
             }
         }
-        Ok(Err(_)) => {
-            for &(i, _) in &pending {
-                let slot = &mut slots[i];
-                let Some(a) = slot.active.as_mut() else { continue };
-                batch_sizes.forward(1);
-                let fed = guarded(|| a.gen.feed_alone(model, &mut slot.seq, slot.spec.as_mut()));
-                settle(model, drafting, slots, views, i, false, fed);
-            }
-        }
+        Ok(Err(_)) => feed_each_alone(model, drafting, slots, views, batch_sizes, &at),
     }
 }
 
