@@ -638,17 +638,21 @@ impl Model {
             .collect())
     }
 
+    /// Whether the GPU engine reads a row's `k` best logits for this model (1..=[`TOP_K_MAX`]
+    /// of a vocabulary it takes), what every top-k read on the engine asks first.
+    fn engine_top_k(&self, k: usize) -> bool {
+        (1..=TOP_K_MAX).contains(&k) && self.info.vocab_size <= TOP_K_MAX_VOCAB
+    }
+
     /// What a row of [`Model::step_many_gpu`] reads back for a draw that takes the greedy
     /// id (`argmax`) or reads the `top_k` best logits alone, passing over the end-of-generation
     /// ids where `ban`: what the one-sequence steps read (`Sequence::decode_argmax_banning`,
     /// `Sequence::decode_top_k`), the row where those would read it.
     pub fn gpu_decode_want(&self, argmax: bool, top_k: Option<usize>, ban: bool) -> DecodeWant {
         let bans_fit = !ban || self.eog.len() <= MAX_BANNED;
-        // (As `Sequence::decode_top_k` refuses a top-k.)
-        let top_k_refused = |k: usize| k == 0 || k > TOP_K_MAX || self.info.vocab_size > TOP_K_MAX_VOCAB;
         match (argmax, top_k) {
             (true, _) if bans_fit => DecodeWant::Argmax,
-            (false, Some(k)) if bans_fit && !top_k_refused(k) => DecodeWant::TopK(k),
+            (false, Some(k)) if bans_fit && self.engine_top_k(k) => DecodeWant::TopK(k),
             _ => DecodeWant::Row,
         }
     }
@@ -698,7 +702,7 @@ impl Model {
                 return Err(StepError::Candle(candle_core::Error::Msg(format!("{} rows of one sequence in a batched GPU step (at most {BATCH_ROWS})", tokens.len()))));
             }
             if let DecodeWant::TopK(k) = want {
-                if *k == 0 || *k > TOP_K_MAX || self.info.vocab_size > TOP_K_MAX_VOCAB {
+                if !self.engine_top_k(*k) {
                     return Err(StepError::Candle(candle_core::Error::Msg(format!("a top-{k} draw in a batched GPU step (1..={TOP_K_MAX})"))));
                 }
             }
@@ -1246,7 +1250,7 @@ impl Sequence {
     /// [`TOP_K_MAX`] or more than [`MAX_BANNED`] banned ids, with nothing appended (the caller
     /// decodes the row). Atomic like [`Sequence::decode`].
     pub fn decode_top_k(&mut self, model: &Model, token: u32, k: usize, banned: &[u32]) -> Result<Option<Vec<(u32, f32)>>, StepError> {
-        if !self.on_gpu_engine() || k == 0 || k > TOP_K_MAX || banned.len() > MAX_BANNED || model.info.vocab_size > TOP_K_MAX_VOCAB {
+        if !self.on_gpu_engine() || !model.engine_top_k(k) || banned.len() > MAX_BANNED {
             return Ok(None);
         }
         self.check(model, &[token])?;
@@ -1265,7 +1269,7 @@ impl Sequence {
     /// engine, where the logits stay on the device; `None` where `decode_top_k` gives `None`, with
     /// nothing appended (the caller verifies with the rows). Atomic.
     pub fn forward_all_top_k(&mut self, model: &Model, tokens: &[u32], banned: &[u32], k: usize, hidden: bool) -> Result<Option<(RowsTopK, Option<Hidden>)>, StepError> {
-        if !self.on_gpu_engine() || k == 0 || k > TOP_K_MAX || banned.len() > MAX_BANNED || model.info.vocab_size > TOP_K_MAX_VOCAB {
+        if !self.on_gpu_engine() || !model.engine_top_k(k) || banned.len() > MAX_BANNED {
             return Ok(None);
         }
         self.check(model, tokens)?;
