@@ -14,10 +14,16 @@ clients: aggregate generated tokens per second of C concurrent clients (each a /
        --llama-server, interleaved over --rounds rounds; the requests stream: each request's
        wall time (p50, p90, max), first-token time and inter-token gaps (p50, p99), and the draft
        counts; every answer checked against the same request alone.
+mixed: the issue's identity test: --requests concurrent streamed /completion requests of mixed
+       kinds (greedy, seeded at temperature 0.8, top-k 40 / top-p 0.9, lengths 32..256) and one
+       long prompt arriving mid-way, against --parallel P (--tine-args, e.g. a spec type); each
+       answer's token ids checked against the same request run alone, the longest gap between a
+       request's streamed tokens (no slot starves), and the long prompt's first-token time.
 
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf stall --ubatch 4096,512,128
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf load --connections 1000
     python3 bench/serve_load.py --tine target/release/tine --model M.gguf clients --clients 1,2,4,8
+    python3 bench/serve_load.py --tine target/release/tine --model M.gguf mixed --requests 16
 """
 import argparse
 import http.client
@@ -301,6 +307,50 @@ def clients(a):
             srv.stop()
 
 
+def mixed(a):
+    srv = Server(a.tine, a.model, ["--parallel", str(a.parallel), "-c", str(a.parallel * 4096)] + a.tine_args.split())
+    long_prompt = ("The quick brown fox jumps over the lazy dog while the band plays on. " * 120)
+    try:
+        def body(i):
+            b = {"prompt": PROMPTS[i % len(PROMPTS)] + f" (request {i})", "n_predict": (32, 96, 256, 160)[i % 4],
+                 "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+            kind = i % 3
+            if kind == 0:
+                b.update(temperature=0)
+            elif kind == 1:
+                b.update(temperature=0.8, seed=1000 + i)
+            else:
+                b.update(temperature=0.8, seed=2000 + i, top_k=40, top_p=0.9)
+            return b
+        long_body = {"prompt": long_prompt, "n_predict": 64, "temperature": 0, "ignore_eos": True, "cache_prompt": False, "return_tokens": True}
+        n = a.requests
+        alone = {i: stream_post(srv.port, body(i))[0] for i in range(n)}
+        alone["long"] = stream_post(srv.port, long_body)[0]
+        out, times = {}, {}
+
+        def client(key, b, delay):
+            time.sleep(delay)
+            t, ts, _ = stream_post(srv.port, b)
+            out[key], times[key] = t, ts
+        ts = [threading.Thread(target=client, args=(i, body(i), 0.0)) for i in range(n)]
+        # The long prompt arrives while the others decode.
+        ts.append(threading.Thread(target=client, args=("long", long_body, a.long_after)))
+        t0 = time.time()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        wall = time.time() - t0
+        bad = [k for k in alone if out.get(k) != alone[k]]
+        gaps = [b - x for k in times for x, b in zip(times[k], times[k][1:])]
+        worst = max((max((b - x for x, b in zip(times[k], times[k][1:])), default=0.0), k) for k in times)
+        print(f"mixed: {n} concurrent requests (greedy / seeded 0.8 / seeded top-k 40 top-p 0.9; 32..256 tokens) and a {len(long_prompt) // 4}-odd-token prompt after {a.long_after:.1f} s; tine serve --parallel {a.parallel} {a.tine_args}")
+        print(f"generated {sum(len(v) for v in out.values())} tokens in {wall:.2f} s; inter-token ms p50 {1e3 * pct(gaps, 0.5):.1f} p99 {1e3 * pct(gaps, 0.99):.1f}; longest gap {1e3 * worst[0]:.0f} ms (request {worst[1]}); long prompt's first token {1e3 * times['long'][0]:.0f} ms" if times.get("long") else "no answer to the long prompt")
+        print(f"every answer equal to the request alone: {not bad}" + (f" (differ: {bad})" if bad else ""))
+    finally:
+        srv.stop()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tine", default="target/release/tine")
@@ -325,8 +375,13 @@ def main():
     c.add_argument("--tine-args", default="", help="more flags for both tine servers, e.g. '--spec-type draft-mtp'")
     c.add_argument("--llama-args", default="", help="more flags for llama-server, e.g. '--spec-type ngram-simple'")
     c.add_argument("--llama-model", default="", help="llama-server's GGUF, when not --model")
+    m = sub.add_parser("mixed")
+    m.add_argument("--requests", type=int, default=16)
+    m.add_argument("--parallel", type=int, default=16)
+    m.add_argument("--long-after", type=float, default=0.5, help="seconds before the long prompt arrives")
+    m.add_argument("--tine-args", default="", help="more flags for tine serve, e.g. '--device cuda --spec-type ngram'")
     a = p.parse_args()
-    {"stall": stall, "load": load, "clients": clients}[a.cmd](a)
+    {"stall": stall, "load": load, "clients": clients, "mixed": mixed}[a.cmd](a)
 
 
 if __name__ == "__main__":

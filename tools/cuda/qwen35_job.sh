@@ -56,7 +56,9 @@
 #                                         # -np 64 -ngl 99 on the same random 270M-shape Q4_K_M
 #                                         # (bench/serve_load.py clients 1,4,16,64 x 256 tokens;
 #                                         # SERVE_SPEC=1: again with n-gram speculation;
-#                                         # SKIP_TABLE=1: without the kernel table)
+#                                         # SKIP_TABLE=1: without the kernel table; SERVE_MIXED=1:
+#                                         # serve_load.py mixed, 16 requests of mixed kinds each
+#                                         # against its solo run, plain and n-gram)
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -491,6 +493,15 @@ if [ "$mode" = serve-batch ]; then
     SERVE_LOAD_LOGS="$W/serve-logs" timeout "${SERVE_SECS:-300}" python3 "$root/bench/serve_load.py" --tine "$T" --model "$M" clients --clients "${SERVE_SPEC_CLIENTS:-1,16,64}" --parallel 64 --n-predict 256 --rounds 1 \
       --tine-args "--device cuda --spec-type ngram" --llama-server "$LB/llama-server" --llama-args "-ngl 99 --spec-type ngram-simple" 2>>"$W/serve-err.log" | tee -a "$log"
     say "serve spec: rc=$?"
+  fi
+  if [ -n "${SERVE_MIXED:-}" ]; then
+    # The identity test: 16 concurrent requests of mixed kinds and a long prompt mid-way, each
+    # against its solo run, plain and with n-gram speculation.
+    for spec in "" "--spec-type ngram"; do
+      SERVE_LOAD_LOGS="$W/serve-logs" timeout 200 python3 "$root/bench/serve_load.py" --tine "$T" --model "$M" mixed --requests 16 --parallel 16 \
+        --tine-args "--device cuda $spec" 2>>"$W/serve-err.log" | tee -a "$log"
+      say "serve mixed ${spec:-plain}: rc=$?"
+    done
   fi
   tail -n 5 "$W/serve-err.log" >>"$log"
   grep -h "tine serve" "$W"/serve-logs/*.log | head -n 6 >>"$log"
