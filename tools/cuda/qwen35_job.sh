@@ -59,6 +59,9 @@
 #                                         # SKIP_TABLE=1: without the kernel table; SERVE_MIXED=1:
 #                                         # serve_load.py mixed, 16 requests of mixed kinds each
 #                                         # against its solo run, plain and n-gram)
+#   bash tools/cuda/qwen35_job.sh regress # every family's small shapes, one sequence: the model
+#                                         # checks, ids against the CPU path, n-gram and a
+#                                         # self-draft against plain, then the batched step
 #   bash tools/cuda/qwen35_job.sh router  # the MoE router's two launches: the kernel table and
 #                                         # --qwen35 on `small-moe` (no llama.cpp build)
 #   bash tools/cuda/qwen35_job.sh gemma3  # Gemma 3 on the engine over random-weight GGUFs
@@ -675,6 +678,39 @@ if [ "$mode" = gemma4 ] || [ "$mode" = gemma4-small ] || [ "$mode" = gemma4-e2b 
   gpu=$(timeout 120 "$T" "${base[@]}" --device cuda 2>/dev/null)
   [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  e2b engine vs cpu, 24 greedy tokens" || { say "DIFF  e2b engine vs cpu"; echo "  cpu:    ${cpu: -100}" >>"$log"; echo "  engine: ${gpu: -100}" >>"$log"; }
   python3 -c "import json, sys; print(f\"tine gemma4 e2b, candle's CUDA path (32 tokens): {json.load(open(sys.argv[1]))['predicted_per_second']:.1f} tok/s\")" "$W/g4-tg-candle.json" 2>&1 | tee -a "$log"
+  exit 0
+fi
+if [ "$mode" = regress ]; then
+  # The one-sequence paths under every family's batched step (no llama.cpp, no table): each
+  # family's small random GGUFs (quantized by tine-gpu-check --quantize), its model check (verify
+  # rows against one-row steps), greedy ids of the engine against the CPU path, n-gram and a
+  # self-draft against plain at temperature 0 and seeded at 0.8, then the batched step's check.
+  fam_gguf() { # fam_gguf FAMILY SHAPE -> path of the quantized GGUF
+    local fam=$1 shape=$2 tool
+    case $fam in g3) tool=gemma3_random_model.py ;; g4) tool=gemma4_random_model.py ;; q35) tool=qwen35_random_model.py ;; esac
+    [ -s "$W/$fam-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$tool" --shape "$shape" --out "$W/$fam-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/$fam-$shape-q.gguf" ] || "$C" --quantize "$W/$fam-$shape-f16.gguf" "$W/$fam-$shape-q.gguf" >>"$W/models.log" 2>&1
+    echo "$W/$fam-$shape-q.gguf"
+  }
+  for fs in "g3 small --model" "g4 small-e2b --gemma4" "g4 small-a4b --gemma4" "q35 small --qwen35" "q35 small-moe --qwen35"; do
+    set -- $fs
+    M=$(fam_gguf "$1" "$2")
+    run "$1-$2" 120 "$C" --no-table "$3" "$M" || true
+    for temp in 0 0.8; do
+      base=(generate -m "$M" -p 'The history of the printing press begins' -n 40 --ignore-eos --temp "$temp" --seed 11)
+      gpu=$(timeout 60 "$T" "${base[@]}" --device cuda 2>"$W/err-gpu")
+      if [ "$temp" = 0 ]; then
+        cpu=$(timeout 60 "$T" "${base[@]}" --device cpu 2>/dev/null)
+        [ -n "$cpu" ] && [ "$cpu" = "$gpu" ] && say "same  $1-$2 engine vs cpu" || { say "DIFF  $1-$2 engine vs cpu"; echo "  cpu:    ${cpu: -80}" >>"$log"; echo "  engine: ${gpu: -80}" >>"$log"; tail -n 3 "$W/err-gpu" >>"$log"; }
+      fi
+      for spec in "--spec-type ngram" "--spec-type draft -md $M --draft-max 6"; do
+        got=$(timeout 60 "$T" "${base[@]}" --device cuda $spec 2>"$W/err-spec")
+        [ -n "$got" ] && [ "$got" = "$gpu" ] && say "same  $1-$2 ${spec:12:5} vs plain, temp $temp" || { say "DIFF  $1-$2 ${spec:12:5} vs plain, temp $temp"; tail -n 3 "$W/err-spec" >>"$log"; }
+      done
+    done
+    run "batch-$1-$2" 90 "$C" --no-table --batch "$M" || true
+  done
+  grep -E "^(ok|FAIL)|^== (same|DIFF)|batched steps|rc=[1-9]" "$log" | tail -n 60
   exit 0
 fi
 if [ "$mode" = gemma3 ]; then
