@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use std::collections::VecDeque;
 
-use tine_runtime::{DecodeOut, DecodeWant, Hidden, Logits, Model, Rows, Sequence, StepError, PREFILL_CHUNK};
+use tine_runtime::{DecodeOut, DecodeWant, Hidden, Logits, Model, Rows, RowsRead, Sequence, StepError, StepRows, PREFILL_CHUNK};
 use tine_sampling::{top_logprobs, ParamsError, Sampler, SamplingParams};
 use tine_spec::{SpecError, SpecStats, Speculator};
 
@@ -498,30 +498,35 @@ impl Generation {
     }
 
     /// The rows [`Generation::step_deferring_decode`] left pending: the tokens (a decode's one,
-    /// or a speculative round's verify batch), whether the end-of-generation ids are passed over
-    /// (`ignore_eos`) and what each row's draw reads of it: what `step_with` would have asked of
-    /// `Sequence::decode_argmax_banning`, `Sequence::decode_top_k` or `Sequence::decode` (for a
-    /// verify batch, of `Sequence::forward_all_argmax` or `Sequence::forward_all_top_k`).
-    pub fn pending_gpu(&self, model: &Model) -> Option<(&[u32], bool, DecodeWant)> {
+    /// or a speculative round's verify batch) and what to read back ([`RowsRead`]): whether the
+    /// end-of-generation ids are passed over (`ignore_eos`), what each row's draw reads of it
+    /// (what `step_with` would have asked of `Sequence::decode_argmax_banning`,
+    /// `Sequence::decode_top_k` or `Sequence::decode`; for a verify batch, of
+    /// `Sequence::forward_all_argmax` or `Sequence::forward_all_top_k`) and whether the drafter
+    /// reads the rows' hidden states.
+    pub fn pending_gpu(&self, model: &Model) -> Option<(&[u32], RowsRead)> {
         match self.pending.as_ref()? {
             Pending::Decode(token) => {
                 let ban = self.req.ignore_eos;
                 let want = if self.argmax_only() { model.gpu_decode_want(true, None, ban) } else { model.gpu_decode_want(false, self.top_k_only(), ban) };
-                Some((&token[..], ban, want))
+                Some((&token[..], RowsRead { ban, want, hidden: false }))
             }
-            Pending::VerifyGpu { plan, ban, want } => Some((plan.tokens(), *ban, *want)),
+            // A NextN head's or an assistant's round reads its rows' hidden states back too.
+            Pending::VerifyGpu { plan, ban, want } => Some((plan.tokens(), RowsRead { ban: *ban, want: *want, hidden: plan.wants_hidden() })),
             Pending::Verify(_) | Pending::Prefill { .. } => None,
         }
     }
 
     /// What the batched step gave for the rows [`Generation::pending_gpu`] named (one
-    /// [`DecodeOut`] a row, as it asked), which the caller appended to `seq`, the milliseconds
+    /// [`DecodeOut`] a row, and their hidden states, as it asked), which the caller appended to
+    /// `seq`, the milliseconds
     /// the step took (counted as generation time) and what its rows cost (`cost_ms`, the
     /// adaptive depth's measurement of a verify, as [`Generation::feed_rows`] takes it). A verify
     /// batch's round is decided here.
     #[allow(clippy::too_many_arguments)]
-    pub fn feed_gpu(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, outs: Vec<DecodeOut>, ms: f64, cost_ms: f64) -> Result<(), GenerateError> {
+    pub fn feed_gpu(&mut self, model: &Model, seq: &mut Sequence, spec: Option<&mut Speculator>, rows: StepRows, ms: f64, cost_ms: f64) -> Result<(), GenerateError> {
         let bad = |what: String| Err(GenerateError::Internal(what));
+        let StepRows { outs, hidden } = rows;
         match self.pending.take() {
             Some(Pending::Decode(_)) => {
                 let Ok([out]) = <[DecodeOut; 1]>::try_from(outs) else { return bad("a decode fed other than one row".into()) };
@@ -552,7 +557,7 @@ impl Generation {
                     return bad("a verify batch read back as rows".into());
                 };
                 let t0 = Instant::now();
-                let round = spec.decide_read(plan, seq, &mut self.sampler, read, cost_ms);
+                let round = spec.decide_read(plan, seq, &mut self.sampler, read, hidden, cost_ms);
                 self.keep_round(round, t0)
             }
             other => {
@@ -771,7 +776,7 @@ impl Generation {
                                 return Err(e.into());
                             }
                         };
-                        match Speculator::quick_read(&plan, &self.sampler, &filter).and_then(|r| gpu_read(model, &r)) {
+                        match Speculator::quick_read(&self.sampler, &filter).and_then(|r| gpu_read(model, &r)) {
                             Some((ban, want)) => self.pending = Some(Pending::VerifyGpu { plan, ban, want }),
                             None => {
                                 self.forwarded = true;

@@ -668,41 +668,54 @@ fn reasoning_is_split_from_the_answer_whole_and_streamed() {
 /// decode, or a speculative round's verify batch whose rows nobody reads) give what the slot's
 /// own steps give, whatever the step reads back for them: the greedy id (with and without
 /// `ignore_eos`), a sampled draw's top-k, or the row (logprobs, a draw without top-k; a round
-/// then runs in the slot's own step). The batched step is played here on the host from each row
-/// (`Sequence::forward_all`), as the engine computes it on the device: the argmax passing over
-/// the end ids where the row asks, the top-k in the sampler's order.
+/// then runs in the slot's own step), with the rows' hidden states where the drafter reads them
+/// (a NextN head's rounds). The batched step is played here on the host from each row
+/// (`Sequence::forward_all`, `forward_all_hidden`), as the engine computes it on the device: the
+/// argmax passing over the end ids where the row asks, the top-k in the sampler's order.
 #[test]
 fn rows_left_to_a_batched_step_draw_what_the_slot_s_own_steps_draw() {
-    use tine_runtime::{banned_argmax, DecodeOut, DecodeWant};
+    use tine_runtime::{banned_argmax, DecodeOut, DecodeWant, StepRows};
     let dir = tempfile::tempdir().expect("tempdir");
     let path = dir.path().join("tiny.gguf");
     TinyGemma3 { seed: 13, ..TinyGemma3::default() }.write(&path);
     let model = Model::load(&path).expect("fixture loads");
+    // A NextN head's rounds read their verify rows' hidden states back from the step.
+    let mtp_path = dir.path().join("tiny-nextn.gguf");
+    TinyGemma3 { seed: 13, nextn: true, ..TinyGemma3::default() }.write(&mtp_path);
+    let mtp_model = Model::load(&mtp_path).expect("fixture loads");
     let prompt = model.tokenizer.encode("hello world the hello world the hello", true, true);
     let ngram = SpecFactory::load(SpecConfig { ngram_min: 1, ..SpecConfig::new(SpecType::Ngram) }, &model).expect("n-gram");
-    let alone = |req: GenerateRequest, factory: Option<&SpecFactory>| {
+    let mtp = SpecFactory::load(SpecConfig::new(SpecType::DraftMtp), &mtp_model).expect("NextN");
+    let alone = |model: &Model, req: GenerateRequest, factory: Option<&SpecFactory>| {
         let mut seq = model.new_sequence(256);
-        let mut spec = factory.map(|f| f.speculator(&model, 256).expect("speculator"));
-        let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut()).expect("start");
+        let mut spec = factory.map(|f| f.speculator(model, 256).expect("speculator"));
+        let mut g = Generation::start_with(model, &mut seq, req, spec.as_mut()).expect("start");
         let mut text = String::new();
         while !g.is_finished() {
-            text.push_str(&g.step_with(&model, &mut seq, spec.as_mut()).expect("step").text);
+            text.push_str(&g.step_with(model, &mut seq, spec.as_mut()).expect("step").text);
         }
         (g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec())
     };
     // `top_k`: the step reads the k best back (what the engine does for a sampled draw; a build
     // without CUDA asks for the row, as its GPU engine would not read a top-k).
-    let batched = |req: GenerateRequest, factory: Option<&SpecFactory>, top_k: Option<usize>| {
+    let batched = |model: &Model, req: GenerateRequest, factory: Option<&SpecFactory>, top_k: Option<usize>| {
         let mut seq = model.new_sequence(256);
-        let mut spec = factory.map(|f| f.speculator(&model, 256).expect("speculator"));
-        let mut g = Generation::start_with(&model, &mut seq, req, spec.as_mut()).expect("start");
-        let (mut text, mut wants, mut verifies) = (String::new(), Vec::new(), 0);
+        let mut spec = factory.map(|f| f.speculator(model, 256).expect("speculator"));
+        let mut g = Generation::start_with(model, &mut seq, req, spec.as_mut()).expect("start");
+        let (mut text, mut wants, mut verifies, mut hiddens) = (String::new(), Vec::new(), 0, 0);
         while !g.is_finished() {
-            text.push_str(&g.step_deferring_decode(&model, &mut seq, spec.as_mut()).expect("step").text);
-            let Some((tokens, ban, want)) = g.pending_gpu(&model) else { continue };
+            text.push_str(&g.step_deferring_decode(model, &mut seq, spec.as_mut()).expect("step").text);
+            let Some((tokens, read)) = g.pending_gpu(model) else { continue };
+            let (ban, want) = (read.ban, read.want);
             let tokens = tokens.to_vec();
             verifies += (tokens.len() > 1) as usize;
-            let logits = seq.forward_all(&model, &tokens).expect("forward");
+            hiddens += read.hidden as usize;
+            let (logits, hidden) = if read.hidden {
+                let (l, h) = seq.forward_all_hidden(model, &tokens).expect("forward");
+                (l, Some(h))
+            } else {
+                (seq.forward_all(model, &tokens).expect("forward"), None)
+            };
             let banned: &[u32] = if ban { model.end_of_generation_tokens() } else { &[] };
             let outs = (0..tokens.len())
                 .map(|i| {
@@ -720,9 +733,9 @@ fn rows_left_to_a_batched_step_draw_what_the_slot_s_own_steps_draw() {
                 })
                 .collect();
             wants.push(want);
-            g.feed_gpu(&model, &mut seq, spec.as_mut(), outs, 0.0, 0.0).expect("fed");
+            g.feed_gpu(model, &mut seq, spec.as_mut(), StepRows { outs, hidden }, 0.0, 0.0).expect("fed");
         }
-        ((g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec()), wants, verifies)
+        ((g.tokens().to_vec(), text, g.stop_type(), seq.tokens().to_vec()), wants, (verifies, hiddens))
     };
     let seeded = SamplingParams { temperature: 0.8, seed: Some(5), ..SamplingParams::default() };
     let cases = [
@@ -733,12 +746,12 @@ fn rows_left_to_a_batched_step_draw_what_the_slot_s_own_steps_draw() {
         ("seeded without top-k", GenerateRequest { sampling: SamplingParams { top_k: 0, ..seeded.clone() }, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Row),
         ("greedy with logprobs", GenerateRequest { sampling: SamplingParams::greedy(), n_probs: 2, ..GenerateRequest::new(prompt.clone()) }, DecodeWant::Row),
     ];
-    for factory in [None, Some(&ngram)] {
+    for (model, factory, tag) in [(&model, None, ""), (&model, Some(&ngram), ", n-gram"), (&mtp_model, Some(&mtp), ", NextN")] {
         for (name, req, want) in cases.iter().cloned() {
-            let name = format!("{name}{}", if factory.is_some() { ", n-gram" } else { "" });
+            let name = format!("{name}{tag}");
             let req = GenerateRequest { n_predict: 40, ..req };
-            let want_alone = alone(req.clone(), factory);
-            let (got, wants, verifies) = batched(req.clone(), factory, None);
+            let want_alone = alone(model, req.clone(), factory);
+            let (got, wants, (verifies, hiddens)) = batched(model, req.clone(), factory, None);
             assert_eq!(got, want_alone, "{name}");
             // Rows read as ids or top-k reach the step (verify batches too); the others run in
             // the slot's own steps, and only their decodes are left.
@@ -748,8 +761,10 @@ fn rows_left_to_a_batched_step_draw_what_the_slot_s_own_steps_draw() {
             if factory.is_some() && want != DecodeWant::Row {
                 assert!(verifies > 0, "{name}: no verify batch reached the step");
             }
+            // NextN's rounds (and only theirs) read their rows' hidden states back.
+            assert_eq!(hiddens > 0, std::ptr::eq(model, &mtp_model) && want != DecodeWant::Row, "{name}: {hiddens} steps read hidden states");
             if name.starts_with("seeded top-k") {
-                let (top, _, v) = batched(req, factory, Some(40));
+                let (top, _, (v, _)) = batched(model, req, factory, Some(40));
                 assert_eq!(top, want_alone, "{name}, the top 40 read back");
                 if factory.is_some() {
                     assert!(v > 0, "{name}: no verify batch reached the step with top-k");

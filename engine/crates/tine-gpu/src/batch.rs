@@ -56,14 +56,20 @@ pub struct GpuBatch {
     graphs: Vec<(usize, Graph)>,
     /// Rows of the last step (its readout rows).
     pub(crate) last_rows: usize,
+    /// The last step's hidden states (`last_rows × width`, the family's `hidden()` rows), read
+    /// back when one of its entries asked ([`BatchEntry::hidden`]); empty otherwise.
+    hidden: Vec<f32>,
 }
 
 /// One entry of a batched step: its tokens go to `cache`'s next positions; `ban`: its greedy id
-/// (and top-k) pass over the step's banned ids (a request with `ignore_eos`).
+/// (and top-k) pass over the step's banned ids (a request with `ignore_eos`); `hidden`: its
+/// rows' hidden states are read back ([`GpuBatch::hidden_rows`]: a NextN head or an assistant
+/// drafts from them).
 pub struct BatchEntry<'a, C> {
     pub cache: &'a mut C,
     pub tokens: &'a [u32],
     pub ban: bool,
+    pub hidden: bool,
 }
 
 /// Ends a stream's capture when dropped (a panic between its begin and its end).
@@ -131,6 +137,7 @@ impl GpuBatch {
             out: Readout::with_rows(stream, vocab, rows)?,
             graphs: Vec::new(),
             last_rows: 0,
+            hidden: Vec::new(),
         })
     }
 
@@ -288,6 +295,28 @@ impl GpuBatch {
         let ids = self.out.ids_raw(stream, rows)?;
         self.last_rows = rows;
         Ok(ids)
+    }
+
+    /// After [`GpuBatch::run`], with the step lock still held: the step's `rows × width` hidden
+    /// states from the family's buffer `hid` when `wanted` (an entry asked), else none.
+    pub(crate) fn keep_hidden(&mut self, stream: &Arc<CudaStream>, hid: &CudaSlice<f32>, width: usize, wanted: bool) -> Result<()> {
+        self.hidden.clear();
+        if wanted {
+            let n = self.last_rows * width;
+            self.hidden.resize(n, 0.0);
+            stream.memcpy_dtoh(&hid.slice(..n), &mut self.hidden[..])?;
+        }
+        Ok(())
+    }
+
+    /// The hidden states of rows `first..first + rows` of the last step (`width` values a row),
+    /// where one of its entries asked for them ([`BatchEntry::hidden`]).
+    pub fn hidden_rows(&self, first: usize, rows: usize, width: usize) -> Result<&[f32]> {
+        self.hidden.get(first * width..(first + rows) * width).ok_or_else(|| Error::Step {
+            rows: self.last_rows,
+            pos: 0,
+            what: format!("no hidden states for rows {first}..{} (read back only where an entry asks)", first + rows),
+        })
     }
 
     /// Splits `ids` (a step's rows in its entries' order) into each entry's.

@@ -62,6 +62,25 @@ pub enum DecodeWant {
     Row,
 }
 
+/// What a batched step reads back of one sequence's rows ([`GpuTrunk::step_batch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowsRead {
+    /// Its greedy ids and top-k pass over the end-of-generation ids (`ignore_eos`).
+    pub ban: bool,
+    /// What each row's draw reads.
+    pub want: DecodeWant,
+    /// Its rows' hidden states too (a NextN head or an assistant drafts from them).
+    pub hidden: bool,
+}
+
+/// One sequence's rows of a batched step, as its [`RowsRead`] asked: a [`DecodeOut`] a row, and
+/// `rows × hidden` hidden states where it asked for them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RowsOut {
+    pub outs: Vec<DecodeOut>,
+    pub hidden: Option<Vec<f32>>,
+}
+
 /// A decode row's result, as its [`DecodeWant`] asked.
 #[derive(Debug, Clone, PartialEq)]
 pub enum DecodeOut {
@@ -152,6 +171,7 @@ mod imp {
         fn forward_batch(&self, batch: &mut GpuBatch, entries: &mut [BatchEntry<'_, Self::Cache>], banned: &[u32]) -> Result<Vec<Vec<u32>>, GpuError>;
         fn batch_top_k(&self, batch: &GpuBatch, first: usize, rows: usize, k: usize) -> Result<Vec<Vec<(u32, f32)>>, GpuError>;
         fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>, GpuError>;
+        fn batch_hidden(&self, batch: &GpuBatch, first: usize, rows: usize) -> Result<Vec<f32>, GpuError>;
         fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Self::Cache, rows: usize) -> Result<usize, GpuError>;
     }
     trait BatchedCache {
@@ -174,6 +194,9 @@ mod imp {
                 fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>, GpuError> {
                     <$m>::batch_logits_row(self, batch, row)
                 }
+                fn batch_hidden(&self, batch: &GpuBatch, first: usize, rows: usize) -> Result<Vec<f32>, GpuError> {
+                    <$m>::batch_hidden(self, batch, first, rows)
+                }
                 fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut $c, rows: usize) -> Result<usize, GpuError> {
                     <$m>::warm_batch(self, batch, scratch, rows)
                 }
@@ -194,7 +217,7 @@ mod imp {
 
     /// [`GpuTrunk::step_batch`] on a family's engine: the batch's buffers (made again for
     /// caches of another context or types, or for more rows), the step, each row's read-back.
-    fn step_batch_on<M: Batched>(m: &M, state: &mut GpuBatchState, entries: Vec<(&mut M::Cache, &[u32], bool, DecodeWant)>, banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
+    fn step_batch_on<M: Batched>(m: &M, state: &mut GpuBatchState, entries: Vec<(&mut M::Cache, &[u32], RowsRead)>, banned: &[u32]) -> Result<Vec<RowsOut>, GpuError> {
         let rows: usize = entries.iter().map(|e| e.1.len()).sum();
         let Some(c0) = entries.first().map(|e| &*e.0) else {
             return Err(GpuError::Step { rows, pos: 0, what: "a batched step of no rows".into() });
@@ -206,27 +229,28 @@ mod imp {
             state.0 = Some(m.new_batch(ctx, types, rows.max(8).next_power_of_two().min(BATCH_MAX_ROWS))?);
         }
         let batch = state.0.as_mut().expect("made above");
-        let wants: Vec<(usize, DecodeWant)> = entries.iter().map(|e| (e.1.len(), e.3)).collect();
-        let mut list: Vec<BatchEntry<'_, M::Cache>> = entries.into_iter().map(|(cache, tokens, ban, _)| BatchEntry { cache, tokens, ban }).collect();
+        let reads: Vec<(usize, RowsRead)> = entries.iter().map(|e| (e.1.len(), e.2)).collect();
+        let mut list: Vec<BatchEntry<'_, M::Cache>> = entries.into_iter().map(|(cache, tokens, r)| BatchEntry { cache, tokens, ban: r.ban, hidden: r.hidden }).collect();
         let ids = m.forward_batch(batch, &mut list, banned)?;
-        let k = wants.iter().filter_map(|w| if let DecodeWant::TopK(k) = w.1 { Some(k) } else { None }).max();
+        let k = reads.iter().filter_map(|r| if let DecodeWant::TopK(k) = r.1.want { Some(k) } else { None }).max();
         let tops = match k {
             Some(k) => Some(m.batch_top_k(batch, 0, rows, k)?),
             None => None,
         };
         let mut row = 0;
-        let mut out = Vec::with_capacity(wants.len());
-        for ((n, want), ids) in wants.into_iter().zip(ids) {
+        let mut out = Vec::with_capacity(reads.len());
+        for ((n, read), ids) in reads.into_iter().zip(ids) {
+            let hidden = if read.hidden { Some(m.batch_hidden(batch, row, n)?) } else { None };
             let mut e = Vec::with_capacity(n);
             for id in ids {
-                e.push(match want {
+                e.push(match read.want {
                     DecodeWant::Argmax => DecodeOut::Id(id),
                     DecodeWant::TopK(k) => DecodeOut::TopK(tops.as_ref().expect("read above")[row].iter().take(k).copied().collect()),
                     DecodeWant::Row => DecodeOut::Row(m.batch_logits_row(batch, row)?),
                 });
                 row += 1;
             }
-            out.push(e);
+            out.push(RowsOut { outs: e, hidden });
         }
         Ok(out)
     }
@@ -281,31 +305,31 @@ mod imp {
         /// over `banned` where `ban` is set, bit for bit what [`GpuTrunk::forward_argmax_all`],
         /// [`GpuTrunk::forward_top_k_all`] or [`GpuTrunk::forward_logits`] give for the same
         /// sequence alone. On an error no sequence has moved.
-        pub fn step_batch(&self, state: &mut GpuBatchState, entries: &mut [(&mut GpuSeq, &[u32], bool, DecodeWant)], banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
+        pub fn step_batch(&self, state: &mut GpuBatchState, entries: &mut [(&mut GpuSeq, &[u32], RowsRead)], banned: &[u32]) -> Result<Vec<RowsOut>, GpuError> {
             let rows: usize = entries.iter().map(|e| e.1.len()).sum();
             let other = || GpuError::Step { rows, pos: 0, what: "a batched step of no rows, or of another family's caches".into() };
             match self {
                 GpuTrunk::Gemma3(m) => {
                     let mut list = Vec::with_capacity(entries.len());
-                    for (seq, tokens, ban, want) in entries.iter_mut() {
+                    for (seq, tokens, read) in entries.iter_mut() {
                         let GpuSeq::Gemma3(cache) = &mut **seq else { return Err(other()) };
-                        list.push((cache, *tokens, *ban, *want));
+                        list.push((cache, *tokens, *read));
                     }
                     step_batch_on(&**m, state, list, banned)
                 }
                 GpuTrunk::Gemma4(m) => {
                     let mut list = Vec::with_capacity(entries.len());
-                    for (seq, tokens, ban, want) in entries.iter_mut() {
+                    for (seq, tokens, read) in entries.iter_mut() {
                         let GpuSeq::Gemma4(cache) = &mut **seq else { return Err(other()) };
-                        list.push((&mut **cache, *tokens, *ban, *want));
+                        list.push((&mut **cache, *tokens, *read));
                     }
                     step_batch_on(&**m, state, list, banned)
                 }
                 GpuTrunk::Qwen35(m) => {
                     let mut list = Vec::with_capacity(entries.len());
-                    for (seq, tokens, ban, want) in entries.iter_mut() {
+                    for (seq, tokens, read) in entries.iter_mut() {
                         let GpuSeq::Qwen35(cache) = &mut **seq else { return Err(other()) };
-                        list.push((&mut **cache, *tokens, *ban, *want));
+                        list.push((&mut **cache, *tokens, *read));
                     }
                     step_batch_on(&**m, state, list, banned)
                 }
@@ -663,7 +687,7 @@ mod imp {
         pub fn warm_batch(&self, _state: &mut GpuBatchState, _scratch: &mut GpuSeq, _rows: usize) -> Result<usize, GpuError> {
             unreachable!("{NEVER}")
         }
-        pub fn step_batch(&self, _state: &mut GpuBatchState, _entries: &mut [(&mut GpuSeq, &[u32], bool, DecodeWant)], _banned: &[u32]) -> Result<Vec<Vec<DecodeOut>>, GpuError> {
+        pub fn step_batch(&self, _state: &mut GpuBatchState, _entries: &mut [(&mut GpuSeq, &[u32], RowsRead)], _banned: &[u32]) -> Result<Vec<RowsOut>, GpuError> {
             unreachable!("{NEVER}")
         }
         pub fn forward_logits(&self, _seq: &mut GpuSeq, _tokens: &[u32]) -> Result<Vec<f32>, GpuError> {

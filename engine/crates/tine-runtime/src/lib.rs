@@ -19,8 +19,8 @@ pub use graft::{graft_nextn, GraftError, Grafted};
 pub use model::prompt_pieces;
 pub use model::slot_file::{fingerprint, SlotFileError, SlotImage, TypedLayer};
 pub use model::{
-    banned_argmax, Assistant, CacheTypeError, DecodeOut, DecodeWant, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, PromptPiece, Rows, Sequence, SharedPrefix,
-    StepError, MAX_GPU_CONTEXT, PREFILL_CHUNK,
+    banned_argmax, Assistant, CacheTypeError, DecodeOut, DecodeWant, Hidden, KvType, LoadError, Logits, Model, ModelInfo, NextNPrefix, NextNState, PromptPiece, Rows, RowsRead, Sequence, SharedPrefix,
+    StepError, StepRows, MAX_GPU_CONTEXT, PREFILL_CHUNK,
 };
 
 /// `e` and its sources, joined the way anyhow's `{:#}` does: what a client or a log needs to

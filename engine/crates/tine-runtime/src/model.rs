@@ -12,7 +12,7 @@ use candle_transformers::models::quantized_gemma3::{AssistantHead, Cache, ModelW
 use candle_transformers::models::quantized_gemma4 as gemma4;
 use candle_transformers::models::quantized_qwen35 as qwen35;
 
-pub use crate::gpu::{DecodeOut, DecodeWant};
+pub use crate::gpu::{DecodeOut, DecodeWant, RowsRead};
 use crate::gpu::{GpuAssistant, GpuBatchState, GpuError, GpuNextN, GpuSeq, GpuTrunk, RowsTopK, BATCH_ROWS, MAX_BANNED, STEP_ROWS, TOP_K_MAX, TOP_K_MAX_VOCAB};
 use crate::tokenizer::Tokenizer;
 
@@ -610,19 +610,19 @@ impl Model {
     }
 
     /// [`Model::step_many_gpu`] played on the CPU ([`Model::stand_in_gpu_batches`]).
-    fn step_many_stand_in(&self, steps: &mut [(&mut Sequence, &[u32], bool, DecodeWant)]) -> Result<Vec<Vec<DecodeOut>>, StepError> {
-        let reads: Vec<(bool, DecodeWant)> = steps.iter().map(|(_, _, ban, want)| (*ban, *want)).collect();
-        let mut rows: Vec<(&mut Sequence, &[u32], Rows)> = steps.iter_mut().map(|(seq, tokens, ..)| (&mut **seq, *tokens, Rows::Verify { hidden: false })).collect();
+    fn step_many_stand_in(&self, steps: &mut [(&mut Sequence, &[u32], RowsRead)]) -> Result<Vec<StepRows>, StepError> {
+        let reads: Vec<RowsRead> = steps.iter().map(|(_, _, read)| *read).collect();
+        let mut rows: Vec<(&mut Sequence, &[u32], Rows)> = steps.iter_mut().map(|(seq, tokens, read)| (&mut **seq, *tokens, Rows::Verify { hidden: read.hidden })).collect();
         let outs = self.step_many(&mut rows)?;
         Ok(outs
             .into_iter()
             .zip(reads)
-            .map(|((logits, _), (ban, want))| {
-                let banned: &[u32] = if ban { &self.eog } else { &[] };
-                (0..logits.positions())
+            .map(|((logits, hidden), read)| {
+                let banned: &[u32] = if read.ban { &self.eog } else { &[] };
+                let outs = (0..logits.positions())
                     .map(|i| {
                         let row = logits.row(i);
-                        match want {
+                        match read.want {
                             DecodeWant::Argmax => DecodeOut::Id(banned_argmax(row, banned)),
                             DecodeWant::TopK(k) => {
                                 let mut c: Vec<(u32, f32)> = row.iter().enumerate().filter(|(i, _)| !banned.contains(&(*i as u32))).map(|(i, &v)| (i as u32, v)).collect();
@@ -633,7 +633,8 @@ impl Model {
                             DecodeWant::Row => DecodeOut::Row(row.to_vec()),
                         }
                     })
-                    .collect()
+                    .collect();
+                StepRows { outs, hidden: if read.hidden { hidden } else { None } }
             })
             .collect())
     }
@@ -678,13 +679,14 @@ impl Model {
     /// Appends tokens `steps[i].1` (a decode's one token, or a speculative verify batch) to
     /// sequence `steps[i].0` for every `i`, in steps of the GPU engine that
     /// run every sequence's rows at once ([`Model::gpu_batches`]; up to 256 rows a step), and
-    /// returns what each row's [`DecodeWant`] asks: its greedy id (passing over the
-    /// end-of-generation ids where `steps[i].2`, `ignore_eos`), its top-k or its logits row, bit
-    /// for bit what the sequence's own steps give ([`Sequence::decode_argmax_banning`],
-    /// [`Sequence::decode_top_k`], [`Sequence::decode`]; [`Sequence::forward_all_argmax`],
-    /// [`Sequence::forward_all_top_k`], [`Sequence::forward_all`]). Atomic as a whole: on an error
-    /// every sequence is as it was.
-    pub fn step_many_gpu(&self, steps: &mut [(&mut Sequence, &[u32], bool, DecodeWant)]) -> Result<Vec<Vec<DecodeOut>>, StepError> {
+    /// returns what each sequence's [`RowsRead`] asks: each row's greedy id (passing over the
+    /// end-of-generation ids where `ban`, `ignore_eos`), top-k or logits row, and the rows'
+    /// hidden states where `hidden`, bit for bit what the sequence's own steps give
+    /// ([`Sequence::decode_argmax_banning`], [`Sequence::decode_top_k`], [`Sequence::decode`];
+    /// [`Sequence::forward_all_argmax`], [`Sequence::forward_all_top_k`],
+    /// [`Sequence::forward_all`]; with hidden states, [`Sequence::forward_all_argmax_hidden`] and
+    /// the like). Atomic as a whole: on an error every sequence is as it was.
+    pub fn step_many_gpu(&self, steps: &mut [(&mut Sequence, &[u32], RowsRead)]) -> Result<Vec<StepRows>, StepError> {
         if self.gpu_stand_in {
             return self.step_many_stand_in(steps);
         }
@@ -693,7 +695,7 @@ impl Model {
                 "batched GPU steps need a model whose family the GPU engine batches (Gemma 3, Gemma 4; Qwen3.5 with TINE_GPU_BATCH_QWEN35=1)".into(),
             )));
         };
-        for (seq, tokens, _, want) in steps.iter() {
+        for (seq, tokens, RowsRead { want, .. }) in steps.iter() {
             seq.check(self, tokens)?;
             if seq.gpu.is_none() {
                 return Err(StepError::Candle(candle_core::Error::Msg("a sequence of a batched GPU step is not on the engine".into())));
@@ -710,7 +712,7 @@ impl Model {
         // The engine's argmax and top-k pass over up to MAX_BANNED ids; past them a banning row
         // reads its logits row ([`Model::gpu_decode_want`] asks for it).
         let eog: &[u32] = if self.eog.len() <= MAX_BANNED { &self.eog } else { &[] };
-        if steps.iter().any(|(_, _, ban, want)| *ban && self.eog.len() > MAX_BANNED && *want != DecodeWant::Row) {
+        if steps.iter().any(|(_, _, r)| r.ban && self.eog.len() > MAX_BANNED && r.want != DecodeWant::Row) {
             return Err(StepError::Candle(candle_core::Error::Msg(format!("{} end-of-generation ids to pass over on the GPU (at most {MAX_BANNED}): read the row", self.eog.len()))));
         }
         let starts: Vec<usize> = steps.iter().map(|(seq, ..)| seq.tokens.len()).collect();
@@ -728,7 +730,7 @@ impl Model {
             }
             let (chunk, after) = std::mem::take(&mut rest).split_at_mut(take.max(1));
             rest = after;
-            let mut entries: Vec<(&mut GpuSeq, &[u32], bool, DecodeWant)> = chunk.iter_mut().map(|(seq, tokens, ban, want)| (seq.gpu.as_mut().expect("checked above"), *tokens, *ban, *want)).collect();
+            let mut entries: Vec<(&mut GpuSeq, &[u32], RowsRead)> = chunk.iter_mut().map(|(seq, tokens, read)| (seq.gpu.as_mut().expect("checked above"), *tokens, *read)).collect();
             match gpu.step_batch(&mut state, &mut entries, eog) {
                 Ok(o) => {
                     drop(entries);
@@ -738,7 +740,23 @@ impl Model {
                             failed.get_or_insert(e);
                         }
                     }
-                    out.extend(o);
+                    let width = self.info.embedding_length;
+                    for r in o {
+                        let hidden = match r.hidden {
+                            Some(h) => {
+                                let n = h.len() / width;
+                                match Tensor::from_vec(h, (n, width), &Device::Cpu) {
+                                    Ok(t) => Some(Hidden(t)),
+                                    Err(e) => {
+                                        failed.get_or_insert(e.into());
+                                        None
+                                    }
+                                }
+                            }
+                            None => None,
+                        };
+                        out.push(StepRows { outs: r.outs, hidden });
+                    }
                 }
                 Err(e) => failed = Some(e.into()),
             }
@@ -1630,6 +1648,14 @@ pub enum Rows {
 /// the GPU engine made them (its NextN head uploads the rows it reads).
 #[derive(Debug, Clone)]
 pub struct Hidden(Tensor);
+
+/// One sequence's rows of [`Model::step_many_gpu`], as its [`RowsRead`] asked: a [`DecodeOut`]
+/// a row, and the rows' hidden states where it asked for them.
+#[derive(Debug)]
+pub struct StepRows {
+    pub outs: Vec<DecodeOut>,
+    pub hidden: Option<Hidden>,
+}
 
 impl Hidden {
     pub fn positions(&self) -> usize {

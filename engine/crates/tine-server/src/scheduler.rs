@@ -18,7 +18,7 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 
 use tine_engine::{GenerateError, Generation, StopType, Timings, TokenProb, ValidRequest};
-use tine_runtime::{DecodeWant, Model, Rows, Sequence, SlotFileError, SlotImage, StepError};
+use tine_runtime::{Model, Rows, RowsRead, Sequence, SlotFileError, SlotImage, StepError};
 use tine_spec::{SpecChoice, SpecConfig, SpecFactory, SpecType, Speculator};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -646,9 +646,10 @@ fn run(model: Arc<Model>, config: EngineConfig, drafting: Arc<Drafting>, rx: mps
     // On the CPU the active slots' decode rows and verify batches run as one forward each step,
     // every family (`TINE_CPU_BATCH=0` steps them one at a time, to time one against the other).
     // On the GPU engine (Gemma 3 and 4) the decoding slots' next rows and the speculating slots'
-    // verify batches (those read as ids or top-k) run as one engine step (`Model::step_many_gpu`);
-    // prompt chunks and rounds that read whole rows run slot by slot (`TINE_GPU_BATCH=0` steps
-    // every slot alone).
+    // verify batches (those read as ids or top-k, with their hidden states for NextN and
+    // assistant rounds) run as one engine step (`Model::step_many_gpu`); prompt chunks, drafts
+    // and rounds that read whole rows run slot by slot (`TINE_GPU_BATCH=0` steps every slot
+    // alone).
     let gpu_batching = model.gpu_batches() && config.slots > 1;
     let batching = !gpu_batching && model.batches() && config.slots > 1 && std::env::var("TINE_CPU_BATCH").map_or(true, |v| v != "0");
     let mut step_cost = StepCost::default();
@@ -974,9 +975,9 @@ fn feed_each_alone(model: &Model, drafting: &Drafting, slots: &mut [Slot], views
 /// own one-sequence step, so a request's tokens do not depend on what shares its steps. If the
 /// batch fails, each slot runs its rows alone, so that an error stays with the slot it belongs to.
 fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], views: &Mutex<Vec<SlotView>>, batch_sizes: &BatchSizes, cost: &mut StepCost) {
-    // Per slot with rows pending: its rows, whether they pass over the end ids, what they read.
-    type PendingRows = (usize, (Vec<u32>, bool, DecodeWant));
-    let pending: Vec<PendingRows> = (0..slots.len()).filter_map(|i| slots[i].active.as_ref()?.gen.pending_gpu(model).map(|(t, ban, want)| (i, (t.to_vec(), ban, want)))).collect();
+    // Per slot with rows pending: its rows and what they read back (ids or top-k passing over
+    // the end ids or not, hidden states for a NextN head or an assistant).
+    let pending: Vec<(usize, (Vec<u32>, RowsRead))> = (0..slots.len()).filter_map(|i| slots[i].active.as_ref()?.gen.pending_gpu(model).map(|(t, read)| (i, (t.to_vec(), read)))).collect();
     if pending.is_empty() {
         return;
     }
@@ -984,8 +985,7 @@ fn feed_pending_gpu(model: &Model, drafting: &Drafting, slots: &mut [Slot], view
     let t0 = std::time::Instant::now();
     let at: Vec<usize> = pending.iter().map(|p| p.0).collect();
     let outs = {
-        let mut steps: Vec<(&mut Sequence, &[u32], bool, DecodeWant)> =
-            slots_at(slots, &at).into_iter().zip(&pending).map(|(slot, (_, (tokens, ban, want)))| (&mut slot.seq, &tokens[..], *ban, *want)).collect();
+        let mut steps: Vec<(&mut Sequence, &[u32], RowsRead)> = slots_at(slots, &at).into_iter().zip(&pending).map(|(slot, (_, (tokens, read)))| (&mut slot.seq, &tokens[..], *read)).collect();
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| model.step_many_gpu(&mut steps)))
     };
     batch_sizes.record(pending.len(), rows);

@@ -462,6 +462,10 @@ impl Planned {
     pub fn tokens(&self) -> &[u32] {
         &self.batch
     }
+    /// Whether the drafter reads the verify rows' hidden states (a NextN head, an assistant).
+    pub fn wants_hidden(&self) -> bool {
+        self.wants_hidden
+    }
     /// How to feed it (the drafter reads the hidden states of a verify, or not).
     pub fn rows(&self) -> tine_runtime::Rows {
         tine_runtime::Rows::Verify { hidden: self.wants_hidden }
@@ -587,11 +591,9 @@ impl Speculator {
     /// How the verify batch of a round is read where nobody reads its rows
     /// ([`RowFilter::ids_only`]): each row's greedy id for a greedy draw, its `k` best for a
     /// sampled draw with top-k, passing over `banned`; `None` where the draw reads the rows.
-    /// A round read this way is decided by [`Speculator::decide_read`].
-    pub fn quick_read(plan: &Planned, sampler: &Sampler, filter: &dyn RowFilter) -> Option<QuickRead> {
-        if plan.wants_hidden {
-            return None;
-        }
+    /// A round read this way is decided by [`Speculator::decide_read`], with the batch's hidden
+    /// states where the drafter reads them ([`Planned::wants_hidden`]).
+    pub fn quick_read(sampler: &Sampler, filter: &dyn RowFilter) -> Option<QuickRead> {
         let banned = filter.ids_only()?;
         if sampler.params().is_plain_argmax() {
             return Some(QuickRead::Ids { banned });
@@ -600,21 +602,25 @@ impl Speculator {
     }
 
     /// The second half of [`Speculator::round`] where the caller read the verify batch's rows
-    /// as [`Speculator::quick_read`] said (`read`: each row's id, or each row's k best), having
-    /// fed the batch to `seq` (with other sequences' rows: the GPU engine's batched step).
-    pub fn decide_read(&mut self, plan: Planned, seq: &mut Sequence, sampler: &mut Sampler, read: ReadRows, verify_ms: f64) -> Result<Round, SpecError> {
+    /// as [`Speculator::quick_read`] said (`read`: each row's id, or each row's k best) and with
+    /// their hidden states where the plan wants them ([`Planned::wants_hidden`]: a NextN head's
+    /// or an assistant's round), having fed the batch to `seq` (with other sequences' rows: the
+    /// GPU engine's batched step).
+    pub fn decide_read(&mut self, plan: Planned, seq: &mut Sequence, sampler: &mut Sampler, read: ReadRows, hidden: Option<Hidden>, verify_ms: f64) -> Result<Round, SpecError> {
         let rows = match &read {
             ReadRows::Ids(ids) => ids.len(),
             ReadRows::TopK(top) => top.len(),
         };
-        if seq.len() != plan.n + plan.batch.len() || rows != plan.batch.len() || plan.wants_hidden {
+        let hidden_rows = hidden.as_ref().map(Hidden::positions);
+        let hidden_fits = if plan.wants_hidden { hidden_rows == Some(plan.batch.len()) } else { hidden_rows.is_none() };
+        if seq.len() != plan.n + plan.batch.len() || rows != plan.batch.len() || !hidden_fits {
             return Err(SpecError::Unplanned { planned: plan.batch.len(), at: plan.n, rows, len: seq.len() });
         }
         let decisions = match read {
             ReadRows::Ids(ids) => Decisions::Ids(ids),
             ReadRows::TopK(top) => Decisions::TopK(top),
         };
-        self.conclude(plan, seq, sampler, decisions, None, verify_ms)
+        self.conclude(plan, seq, sampler, decisions, hidden, verify_ms)
     }
 
     /// [`Speculator::round`] from a plan made by [`Speculator::plan`]: the verify forward on

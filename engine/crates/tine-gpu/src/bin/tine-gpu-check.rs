@@ -3755,6 +3755,9 @@ mod batch {
                 let k = 40;
                 let banned: Vec<u32> = vec![1, (vocab as u32 - 1).min(106)];
                 let bans = |s: usize| s % 2 == 1;
+                // Sequences whose rows' hidden states are read back (a NextN head's or an
+                // assistant's rounds), the others not.
+                let hiddens = |s: usize| s % 3 != 1;
                 let prompts: Vec<Vec<u32>> = (0..n_seq).map(|s| (0..5 + 3 * s).map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32).collect()).collect();
                 // Alone: each position's (greedy id, logits hash, top-k hash).
                 let mut alone = Vec::new();
@@ -3767,7 +3770,7 @@ mod batch {
                         let t = if i < p.len() { p[i] } else { next };
                         let top = g.forward_top_k(&mut c, &[t], ban, k)?;
                         next = g.argmax(&c)?[0];
-                        rows.push((next, hash(&g.logits(&c)?), hash_top(&top)));
+                        rows.push((next, hash(&g.logits(&c)?), hash_top(&top), hash(&g.hidden(&c)?)));
                     }
                     alone.push(rows);
                 }
@@ -3809,7 +3812,7 @@ mod batch {
                         let mut it = inputs.iter().peekable();
                         for (s, cache) in caches.iter_mut().enumerate() {
                             if let Some((_, toks)) = it.next_if(|(i, _)| *i == s) {
-                                entries.push(BatchEntry { cache, tokens: toks, ban: bans(s) });
+                                entries.push(BatchEntry { cache, tokens: toks, ban: bans(s), hidden: hiddens(s) });
                             }
                         }
                         g.forward_batch(&mut b, &mut entries, &banned)?
@@ -3823,14 +3826,17 @@ mod batch {
                             let h = hash(&g.batch_logits_row(&b, row)?);
                             let t = hash_top(&tops[row]);
                             let want = alone[*s][at];
-                            if (id, h, t) != want {
+                            // A row whose entry did not ask has no hidden state to compare.
+                            let hid = if hiddens(*s) { hash(&g.batch_hidden(&b, row, 1)?) } else { want.3 };
+                            if (id, h, t, hid) != want {
                                 mismatches += 1;
                                 if first_bad.is_empty() {
                                     first_bad = format!(
-                                        "step {steps}: sequence {s} position {at}: id {id} vs {} alone, logits {}, top {k} {}",
+                                        "step {steps}: sequence {s} position {at}: id {id} vs {} alone, logits {}, top {k} {}, hidden state {}",
                                         want.0,
                                         if h == want.1 { "equal" } else { "differ" },
-                                        if t == want.2 { "equal" } else { "differ" }
+                                        if t == want.2 { "equal" } else { "differ" },
+                                        if hid == want.3 { "equal" } else { "differ" }
                                     );
                                 }
                             }
@@ -3849,7 +3855,7 @@ mod batch {
                     if ok { "ok  " } else { "FAIL" },
                     stringify!($gpu),
                     b.graphs(),
-                    if ok { format!("ids, logits and top {k} bit-identical") } else { format!("{mismatches} rows differ; first: {first_bad}") }
+                    if ok { format!("ids, logits, top {k} and hidden states bit-identical") } else { format!("{mismatches} rows differ; first: {first_bad}") }
                 );
                 // Speed: n sequences decoding together, one row each, after a 32-token prompt.
                 let mut c = g.new_cache_typed(512, types)?;
@@ -3878,7 +3884,7 @@ mod batch {
                     }
                     let step = |b: &mut GpuBatch, caches: &mut [$cache], cur: &mut Vec<u32>| -> Res<()> {
                         let toks: Vec<[u32; 1]> = cur.iter().map(|&t| [t]).collect();
-                        let mut entries: Vec<BatchEntry<$cache>> = caches.iter_mut().zip(&toks).map(|(cache, t)| BatchEntry { cache, tokens: &t[..], ban: false }).collect();
+                        let mut entries: Vec<BatchEntry<$cache>> = caches.iter_mut().zip(&toks).map(|(cache, t)| BatchEntry { cache, tokens: &t[..], ban: false, hidden: false }).collect();
                         let ids = g.forward_batch(b, &mut entries, &[])?;
                         for (c, i) in cur.iter_mut().zip(ids) {
                             *c = i[0];

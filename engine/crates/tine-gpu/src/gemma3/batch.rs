@@ -118,6 +118,7 @@ impl Gemma3Gpu {
         // model's buffers': BATCH_MAX_ROWS <= PROMPT_ROWS); every row's table entry names an entry
         // whose caches are in every layer's kv_slots, its position inside them.
         let ids = batch.run(&self.stream, rows, padded, |b| unsafe { self.launch_batch(b, padded) })?;
+        batch.keep_hidden(&self.stream, &self.b.h, self.cfg.hidden, entries.iter().any(|e| e.hidden))?;
         for entry in entries.iter_mut() {
             entry.cache.pos += entry.tokens.len();
             entry.cache.last = LastStep::default();
@@ -132,7 +133,7 @@ impl Gemma3Gpu {
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut GpuCache, rows: usize) -> Result<usize> {
         let graphs = batch.warm(rows, |b, r| {
             scratch.truncate(0);
-            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r).map(drop)
+            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false, hidden: false }], &[], r).map(drop)
         });
         scratch.truncate(0);
         graphs
@@ -141,6 +142,12 @@ impl Gemma3Gpu {
     /// The logits of row `row` of `batch`'s last step (rows in its entries' order).
     pub fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>> {
         batch.logits_row(&self.stream, row)
+    }
+
+    /// The hidden states of rows `first..first + rows` of `batch`'s last step (the residual stream before the output norm, as [`Gemma3Gpu::hidden`] reads it),
+    /// `rows × hidden`: read back only where an entry of that step asked ([`BatchEntry::hidden`]).
+    pub fn batch_hidden(&self, batch: &GpuBatch, first: usize, rows: usize) -> Result<Vec<f32>> {
+        Ok(batch.hidden_rows(first, rows, self.cfg.hidden)?.to_vec())
     }
 
     /// The `k` best `(id, logit)` of each row `first..first + rows` of `batch`'s last step (the

@@ -52,6 +52,7 @@ impl Gemma4Gpu {
         // attention scratch and readout), every row's table entry names an entry whose caches
         // are in every K/V layer's kv_slots, its position inside them (`prepare` checked).
         let ids = batch.run(&self.stream, rows, padded, |b| self.launch_rows(StepKv::Batch(b), step, padded, true, None, &mut |_| Ok(())))?;
+        batch.keep_hidden(&self.stream, &self.b.hid, self.cfg.hidden, entries.iter().any(|e| e.hidden))?;
         for entry in entries.iter_mut() {
             entry.cache.pos += entry.tokens.len();
             entry.cache.last = LastStep::default();
@@ -64,7 +65,7 @@ impl Gemma4Gpu {
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Gemma4Cache, rows: usize) -> Result<usize> {
         let graphs = batch.warm(rows, |b, r| {
             scratch.truncate(0);
-            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r).map(drop)
+            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false, hidden: false }], &[], r).map(drop)
         });
         scratch.truncate(0);
         graphs
@@ -73,6 +74,12 @@ impl Gemma4Gpu {
     /// The logits of row `row` of `batch`'s last step (rows in its entries' order).
     pub fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>> {
         batch.logits_row(&self.stream, row)
+    }
+
+    /// The hidden states of rows `first..first + rows` of `batch`'s last step (after the output norm, as [`Gemma4Gpu::hidden`] reads it),
+    /// `rows × hidden`: read back only where an entry of that step asked ([`BatchEntry::hidden`]).
+    pub fn batch_hidden(&self, batch: &GpuBatch, first: usize, rows: usize) -> Result<Vec<f32>> {
+        Ok(batch.hidden_rows(first, rows, self.cfg.hidden)?.to_vec())
     }
 
     /// The `k` best `(id, logit)` of each row `first..first + rows` of `batch`'s last step.

@@ -91,6 +91,7 @@ impl Qwen35Gpu {
                 return Err(e);
             }
         };
+        batch.keep_hidden(&self.stream, &self.b.hid, self.cfg.hidden, entries.iter().any(|e| e.hidden))?;
         for entry in entries.iter_mut() {
             entry.cache.ring.stepped(entry.tokens.len());
             entry.cache.last = LastStep::default();
@@ -103,7 +104,7 @@ impl Qwen35Gpu {
     pub fn warm_batch(&self, batch: &mut GpuBatch, scratch: &mut Qwen35Cache, rows: usize) -> Result<usize> {
         let graphs = batch.warm(rows, |b, r| {
             scratch.truncate(0);
-            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false }], &[], r).map(drop)
+            self.forward_batch_padded(b, &mut [BatchEntry { cache: &mut *scratch, tokens: &[0], ban: false, hidden: false }], &[], r).map(drop)
         });
         scratch.truncate(0);
         graphs
@@ -112,6 +113,12 @@ impl Qwen35Gpu {
     /// The logits of row `row` of `batch`'s last step (rows in its entries' order).
     pub fn batch_logits_row(&self, batch: &GpuBatch, row: usize) -> Result<Vec<f32>> {
         batch.logits_row(&self.stream, row)
+    }
+
+    /// The hidden states of rows `first..first + rows` of `batch`'s last step (after the output norm, as [`Qwen35Gpu::hidden`] reads it),
+    /// `rows × hidden`: read back only where an entry of that step asked ([`BatchEntry::hidden`]).
+    pub fn batch_hidden(&self, batch: &GpuBatch, first: usize, rows: usize) -> Result<Vec<f32>> {
+        Ok(batch.hidden_rows(first, rows, self.cfg.hidden)?.to_vec())
     }
 
     /// The `k` best `(id, logit)` of each row `first..first + rows` of `batch`'s last step.
