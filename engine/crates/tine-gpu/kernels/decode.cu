@@ -1469,15 +1469,77 @@ template <> struct VecF<4> { static __device__ __forceinline__ void load(const f
 template <> struct VecF<8> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<4>::load(p, v); VecF<4>::load(p + 4, v + 4); } };
 template <> struct VecF<16> { static __device__ __forceinline__ void load(const float* p, float* v) { VecF<8>::load(p, v); VecF<8>::load(p + 8, v + 8); } };
 
-enum KvT : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3, KV_Q4_0 = 4 };
+// The turbo types (candle-nn's attention::kv_turbo): a row of hd values (128 to 512) rotated by
+// groups of 32, `bits` a value on average: the row's f16 scale, a byte per group (width << 5 |
+// exponent), then the groups' level indices as one little-endian bit stream.
+enum KvT : int { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_Q8_0 = 3, KV_Q4_0 = 4, KV_TURBO4 = 5, KV_TURBO3 = 6, KV_TURBO2 = 7 };
+
+__host__ __device__ __forceinline__ int kv_turbo_bits(int type) {
+    return type == KV_TURBO4 ? 4 : type == KV_TURBO3 ? 3 : type == KV_TURBO2 ? 2 : 0;
+}
 
 __host__ __device__ __forceinline__ size_t kv_row_bytes(int type, int hd) {
     switch (type) {
         case KV_F16: case KV_BF16: return (size_t)hd * 2;
         case KV_Q8_0: return (size_t)hd / 32 * 34;
         case KV_Q4_0: return (size_t)hd / 32 * 18;
+        case KV_TURBO4: case KV_TURBO3: case KV_TURBO2: return 2 + (size_t)hd / 32 + (size_t)kv_turbo_bits(type) * hd / 8;
         default: return (size_t)hd * 4;
     }
+}
+
+// The turbo types' tables (tine_gpu::kv::turbo_tab, from kv_turbo's): floats at these offsets.
+#define TURBO_TAB_STEPS 0        // 32: 2^(-k/8)
+#define TURBO_TAB_BOUNDS 32      // 32: 2^(-(k - 1/2)/8)
+#define TURBO_TAB_LEVELS 64      // 8 widths x 128: width w's 2^w levels from w * 128
+#define TURBO_TAB_SIGNS 1088     // 32: -1 or 1, the rotation's signs
+#define TURBO_TAB_INV_SQRT 1120  // 1 / sqrt(32) as the CPU computes it
+#define TURBO_TAB_SEARCH 1121    // kv_turbo::SCALE_SEARCH
+#define TURBO_TAB_LEN 1122
+
+// A group's rotation R = H·D / sqrt(32) applied to a row held E dims a lane (lane l: dims l*E ..
+// l*E + E - 1; a group of 32 spans 32/E lanes): the signs, the butterflies (within the lane's
+// registers below span E, across lanes from it), 1/sqrt(32). A query so rotated scores against
+// the stored (rotated) keys as the plain query against the plain keys. Every lane of the warp
+// calls it.
+template <int E>
+__device__ __forceinline__ void turbo_rotate_lanes(float* v, int lane, const float* tab) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = __fmul_rn(v[e], tab[TURBO_TAB_SIGNS + (lane * E + e) % 32]);
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        if (h < E) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                if (!(e & h)) {
+                    const float a = v[e], b = v[e + h];
+                    v[e] = __fadd_rn(a, b);
+                    v[e + h] = __fsub_rn(a, b);
+                }
+            }
+        } else {
+            const int ls = h / E;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float o = __shfl_xor_sync(0xFFFFFFFFu, v[e], ls);
+                v[e] = (lane & ls) ? __fsub_rn(o, v[e]) : __fadd_rn(v[e], o);
+            }
+        }
+    }
+    const float f = tab[TURBO_TAB_INV_SQRT];
+#pragma unroll
+    for (int e = 0; e < E; ++e) v[e] = __fmul_rn(v[e], f);
+}
+
+// R^T of a group held one dim a lane (lane t: dim t of the group): the butterflies, 1/sqrt(32),
+// the signs (kv_turbo::unrotate). Every lane of the warp calls it.
+__device__ __forceinline__ float turbo_unrotate_warp(float v, int lane, const float* tab) {
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        const float o = __shfl_xor_sync(0xFFFFFFFFu, v, h);
+        v = (lane & h) ? __fsub_rn(o, v) : __fadd_rn(v, o);
+    }
+    return __fmul_rn(__fmul_rn(v, tab[TURBO_TAB_INV_SQRT]), tab[TURBO_TAB_SIGNS + lane]);
 }
 
 __device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -1540,8 +1602,34 @@ __device__ __forceinline__ void kv_store(uint8_t* row, int type, int d, float x)
 // Lane `lane`'s E dims (lane * E ..) of a stored row of `type`, as f32: what the CPU's
 // KvType::decode gives (q · d with d the f16 scale in f32; q4_0's codes less 8).
 template <int E>
-__device__ __forceinline__ void kv_load(const uint8_t* row, int type, int lane, float* v) {
+__device__ __forceinline__ void kv_load(const uint8_t* row, int type, int lane, float* v, const float* tab) {
     const int d0 = lane * E;
+    if (kv_turbo_bits(type)) {
+        // The rotated values of the lane's dims (kv_turbo::dequantize_row): E dims of group
+        // d0 / 32, whose indices follow the earlier groups' 4w bytes each; a row has E groups.
+        const int g = d0 / 32, j0 = d0 % 32;
+        const int gb = row[2 + g], w = gb >> 5;
+        if (w == 0) {
+#pragma unroll
+            for (int e = 0; e < E; ++e) v[e] = 0.0f;
+            return;
+        }
+        int off = 2 + E;
+        for (int i = 0; i < g; ++i) off += 4 * (row[2 + i] >> 5);
+        const float s = __half2float(__ushort_as_half((unsigned short)(row[0] | (row[1] << 8))));
+        const float sigma = __fmul_rn(s, tab[TURBO_TAB_STEPS + (gb & 31)]);
+        const float* lv = tab + TURBO_TAB_LEVELS + w * 128;
+        const uint8_t* b = row + off;
+        const int mask = (1 << w) - 1;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            const int bit = (j0 + e) * w, by = bit >> 3, sh = bit & 7;
+            int x = b[by];
+            if (sh + w > 8) x |= (int)b[by + 1] << 8;
+            v[e] = __fmul_rn(sigma, lv[(x >> sh) & mask]);
+        }
+        return;
+    }
     switch (type) {
         case KV_F32: VecF<E>::load(reinterpret_cast<const float*>(row) + d0, v); return;
         case KV_F16: {
@@ -1608,6 +1696,7 @@ struct RopeArgs {
     int v_from_k;  // V is K's projection before its norm (Gemma 4's k_eq_v layers; v unread)
     int k_type; int v_type;  // the caches' KvT
     uint8_t* const* kv_slots;  // or null: per slot, its K and V cache (row_cache)
+    float* stage;  // [M][n_kv][2][hd]: K and V as f32 for turbo_store, where a cache is of a turbo type
 };
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
@@ -1646,9 +1735,15 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         dst[i + half_hd] = o1 * p.q_scale;
     } else {
         const size_t kb = kv_row_bytes(p.k_type, p.hd), vb = kv_row_bytes(p.v_type, p.hd);
-        uint8_t* kd = row_cache(p.k_cache, p.kv_slots, sr.slot, 0, (size_t)p.n_kv * p.ctx * kb) + ((size_t)kvh * p.ctx + pos) * kb;
-        kv_store(kd, p.k_type, i, o0);
-        kv_store(kd, p.k_type, i + half_hd, o1);
+        float* stage = p.stage + ((size_t)m * p.n_kv + kvh) * 2 * p.hd;
+        if (kv_turbo_bits(p.k_type)) {
+            stage[i] = o0;
+            stage[i + half_hd] = o1;
+        } else {
+            uint8_t* kd = row_cache(p.k_cache, p.kv_slots, sr.slot, 0, (size_t)p.n_kv * p.ctx * kb) + ((size_t)kvh * p.ctx + pos) * kb;
+            kv_store(kd, p.k_type, i, o0);
+            kv_store(kd, p.k_type, i + half_hd, o1);
+        }
         const float* vs = p.v_from_k ? src : p.v + ((size_t)m * p.n_kv + kvh) * p.hd;
         float v0 = vs[i], v1 = vs[i + half_hd];
         if (p.v_norm) {
@@ -1656,9 +1751,14 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
             v0 *= rv;
             v1 *= rv;
         }
-        uint8_t* vd = row_cache(p.v_cache, p.kv_slots, sr.slot, 1, (size_t)p.n_kv * p.ctx * vb) + ((size_t)kvh * p.ctx + pos) * vb;
-        kv_store(vd, p.v_type, i, v0);
-        kv_store(vd, p.v_type, i + half_hd, v1);
+        if (kv_turbo_bits(p.v_type)) {
+            stage[p.hd + i] = v0;
+            stage[p.hd + i + half_hd] = v1;
+        } else {
+            uint8_t* vd = row_cache(p.v_cache, p.kv_slots, sr.slot, 1, (size_t)p.n_kv * p.ctx * vb) + ((size_t)kvh * p.ctx + pos) * vb;
+            kv_store(vd, p.v_type, i, v0);
+            kv_store(vd, p.v_type, i + half_hd, v1);
+        }
     }
 }
 
@@ -1700,17 +1800,18 @@ struct AttnArgs {
     const float* gate;  // [M, n_head * hd] or null: the output times sigmoid(gate) (Qwen3.5's gated attention)
     int k_type; int v_type;  // the caches' KvT (the f32 kernels read f32 caches alone)
     uint8_t* const* kv_slots;  // or null: per slot, its K and V cache (row_cache)
+    const float* turbo;  // the turbo types' tables (TURBO_TAB_*), where a cache is of one
 };
 
 // Key `key`'s K (or V) values of lane `lane` from a layer's cache for KV head g: f32 rows through
 // the vector loads (the untyped kernels), any KvT through kv_load (the typed ones).
 template <int HD, bool TYPED>
-__device__ __forceinline__ void kv_row(const uint8_t* cache, int type, int ctx, int g, int key, int lane, float* v) {
+__device__ __forceinline__ void kv_row(const uint8_t* cache, int type, int ctx, int g, int key, int lane, float* v, const float* tab) {
     constexpr int E = HD / WARP;
     if constexpr (!TYPED) {
         VecF<E>::load(reinterpret_cast<const float*>(cache) + ((size_t)g * ctx + key) * HD + lane * E, v);
     } else {
-        kv_load<E>(cache + ((size_t)g * ctx + key) * kv_row_bytes(type, HD), type, lane, v);
+        kv_load<E>(cache + ((size_t)g * ctx + key) * kv_row_bytes(type, HD), type, lane, v, tab);
     }
 }
 
@@ -1777,6 +1878,10 @@ __device__ void attn_body(const AttnArgs& p) {
     pdl_wait();
     float qr[E];
     VecF<E>::load(p.q + ((size_t)m * p.n_head + h) * HD + lane * E, qr);
+    // Keys stored rotated are scored in their basis: the query rotated the same way.
+    if (TYPED && kv_turbo_bits(kt)) turbo_rotate_lanes<E>(qr, lane, p.turbo);
+    // Values stored rotated are summed in their basis and rotated back as they are written.
+    const bool v_rot = TYPED && kv_turbo_bits(vt);
     float sc[ATTN_SUB], mx = -INFINITY, acc[E], sum = 0.0f;
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.0f;
@@ -1788,8 +1893,8 @@ __device__ void attn_body(const AttnArgs& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
             if (j < nk) {
-                kv_row<HD, TYPED>(k_cache, kt, p.ctx, g, s0 + j, lane, kv[j]);
-                kv_row<HD, TYPED>(v_cache, vt, p.ctx, g, s0 + j, lane, vv[j]);
+                kv_row<HD, TYPED>(k_cache, kt, p.ctx, g, s0 + j, lane, kv[j], p.turbo);
+                kv_row<HD, TYPED>(v_cache, vt, p.ctx, g, s0 + j, lane, vv[j], p.turbo);
             }
         }
 #pragma unroll
@@ -1822,7 +1927,7 @@ __device__ void attn_body(const AttnArgs& p) {
             for (int j = 0; j < KB; ++j) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) kv[j][e] = 0.0f;
-                if (j0 + j < nk) kv_row<HD, TYPED>(k_cache, kt, p.ctx, g, s0 + j0 + j, lane, kv[j]);
+                if (j0 + j < nk) kv_row<HD, TYPED>(k_cache, kt, p.ctx, g, s0 + j0 + j, lane, kv[j], p.turbo);
             }
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -1841,7 +1946,7 @@ __device__ void attn_body(const AttnArgs& p) {
             for (int j = 0; j < KB; ++j) {
 #pragma unroll
                 for (int e = 0; e < E; ++e) vv[j][e] = 0.0f;
-                if (j0 + j < nk) kv_row<HD, TYPED>(v_cache, vt, p.ctx, g, s0 + j0 + j, lane, vv[j]);
+                if (j0 + j < nk) kv_row<HD, TYPED>(v_cache, vt, p.ctx, g, s0 + j0 + j, lane, vv[j], p.turbo);
             }
 #pragma unroll
             for (int j = 0; j < KB; ++j) {
@@ -1882,8 +1987,14 @@ __device__ void attn_body(const AttnArgs& p) {
         }
     }
     if (nchunks == 1) {
+        // (A warp's 32 threads hold one group's 32 dims: HD is a multiple of 32.)
 #pragma unroll
-        for (int r = 0; r < DPT; ++r) if (tid + r * ATTN_THREADS < HD) attn_emit<HD>(p, m, h, tid + r * ATTN_THREADS, o[r] / den);
+        for (int r = 0; r < DPT; ++r) {
+            if (tid + r * ATTN_THREADS < HD) {
+                const float y = o[r] / den;
+                attn_emit<HD>(p, m, h, tid + r * ATTN_THREADS, v_rot ? turbo_unrotate_warp(y, lane, p.turbo) : y);
+            }
+        }
         return;
     }
     float* ph = p.partials + ((size_t)m * p.n_head + h) * p.chunks_max * (HD + 2);
@@ -1921,7 +2032,8 @@ __device__ void attn_body(const AttnArgs& p) {
             const float* pc = ph + (size_t)cc * (HD + 2);
             o2 += __ldcg(pc + 2 + d) * expf(__ldcg(pc) - M2);
         }
-        attn_emit<HD>(p, m, h, d, o2 / stat[1]);
+        const float y = o2 / stat[1];
+        attn_emit<HD>(p, m, h, d, v_rot ? turbo_unrotate_warp(y, lane, p.turbo) : y);
     }
     if (tid == 0) p.counters[m * p.n_head + h] = 0;
 }
@@ -1968,6 +2080,19 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
     __syncthreads();
     const int lo_first = p.window > 0 ? max(0, pos0 + m0 - p.window + 1) : 0, hi_last = pos0 + m0 + nr - 1;
     const int kt = TYPED ? p.k_type : KV_F32, vt = TYPED ? p.v_type : KV_F32;
+    // Keys stored rotated: the queries rotated the same way (a warp a row, E dims a lane).
+    if (TYPED && kv_turbo_bits(kt)) {
+        for (int r = warp; r < nr; r += ATTN_WARPS) {
+            float v[E];
+#pragma unroll
+            for (int e = 0; e < E; ++e) v[e] = qsm[r][lane * E + e];
+            turbo_rotate_lanes<E>(v, lane, p.turbo);
+#pragma unroll
+            for (int e = 0; e < E; ++e) qsm[r][lane * E + e] = v[e];
+        }
+        __syncthreads();
+    }
+    const bool v_rot = TYPED && kv_turbo_bits(vt);
     float rmax[PR], rsum[PR], acc[PR][E];
 #pragma unroll
     for (int r = 0; r < PR; ++r) {
@@ -1984,8 +2109,8 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
 #pragma unroll
             for (int e = 0; e < E; ++e) kv[j][e] = vv[j][e] = 0.0f;
             if (j < nk) {
-                kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, base + j, lane, kv[j]);
-                kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, base + j, lane, vv[j]);
+                kv_row<HD, TYPED>(p.k_cache, kt, p.ctx, g, base + j, lane, kv[j], p.turbo);
+                kv_row<HD, TYPED>(p.v_cache, vt, p.ctx, g, base + j, lane, vv[j], p.turbo);
             }
         }
 #pragma unroll
@@ -2044,7 +2169,8 @@ __device__ void attn_prompt_body(const AttnArgs& p) {
                 den += st[w][1] * f;
                 o += st[w][2 + d] * f;
             }
-            attn_emit<HD>(p, m0 + r, h, d, o / den);
+            // (HD a multiple of 32: a warp's threads hold one group's dims.)
+            attn_emit<HD>(p, m0 + r, h, d, v_rot ? turbo_unrotate_warp(o / den, lane, p.turbo) : o / den);
         }
         __syncthreads();
     }
@@ -2549,8 +2675,8 @@ static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
 static_assert(sizeof(MoeSortArgs) == 32, "MoeSortArgs");
 static_assert(sizeof(MoeMmqArgs) == 264, "MoeMmqArgs");
 static_assert(sizeof(MoeCombineArgs) == 64, "MoeCombineArgs");
-static_assert(sizeof(RopeArgs) == 136, "RopeArgs");
-static_assert(sizeof(AttnArgs) == 128, "AttnArgs");
+static_assert(sizeof(RopeArgs) == 144, "RopeArgs");
+static_assert(sizeof(AttnArgs) == 136, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
 static_assert(sizeof(GatedNormArgs) == 64, "GatedNormArgs");
@@ -2605,7 +2731,9 @@ __device__ float turbo_group_error(const float* ys, int w, float sigma, const fl
     return acc;
 }
 
-extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode(TurboArgs a) {
+// One row of a.d values at `x` to its stored bytes at `out` (a block of a.d threads; a.x, a.out
+// unread): turbo_encode's and turbo_store's body.
+__device__ void turbo_encode_row(const TurboArgs& a, const float* x, uint8_t* out) {
     __shared__ float ys[TURBO_MAX_GROUPS][32];
     __shared__ float rms[TURBO_MAX_GROUPS];
     __shared__ float err[TURBO_MAX_GROUPS][8];
@@ -2613,10 +2741,7 @@ extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode
     __shared__ int wd[TURBO_MAX_GROUPS], e0[TURBO_MAX_GROUPS], ee[TURBO_MAX_GROUPS];
     __shared__ float s32;
     const int lane = threadIdx.x % 32, g = threadIdx.x / 32, ng = a.d / 32;
-    const size_t row = blockIdx.x;
-    pdl_trigger();
-    pdl_wait();
-    float v = a.x[row * a.d + g * 32 + lane];
+    float v = x[g * 32 + lane];
     if ((a.sign_mask >> lane) & 1u) v = -v;
     for (int h = 1; h < 32; h <<= 1) {
         const float o = __shfl_xor_sync(0xffffffffu, v, h);
@@ -2676,7 +2801,6 @@ extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode
         for (int i = 0; i < ng; ++i) ee[i] = live ? ex[i][wd[i]] : e0[i];
     }
     __syncthreads();
-    uint8_t* out = a.out + row * a.row_bytes;
     if (!live)
         for (int b = threadIdx.x; b < a.bits * a.d / 8; b += blockDim.x) out[2 + ng + b] = 0;
     const int w = wd[g], e = ee[g];
@@ -2709,4 +2833,54 @@ extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode
         out[0] = (uint8_t)__byte_perm((unsigned)hs, 0u, 0x4440);
         out[1] = (uint8_t)(hs >> 8);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_encode(TurboArgs a) {
+    const size_t row = blockIdx.x;
+    pdl_trigger();
+    pdl_wait();
+    turbo_encode_row(a, a.x + row * a.d, a.out + row * a.row_bytes);
+}
+
+// A step's K and V rows into caches of the turbo types: qk_norm_rope_kv left each (row, KV head)'s
+// K (normed, rotated by RoPE) and V (normed where the layer norms it) as f32 in `stage`
+// ([rows][n_kv][2][hd]); block (g, m, z) encodes row m's head g of K (z 0) or V (z 1) where that
+// cache's type is a turbo one, into the row's sequence's cache at its position (its slot of the
+// pool or its kv_slots entry), as qk_norm_rope_kv stores the other types. Inert rows write
+// nothing. Block: hd threads.
+struct TurboStoreArgs {
+    const float* stage;
+    uint8_t* k_cache; uint8_t* v_cache;
+    const StepParams* step;
+    uint8_t* const* kv_slots;
+    const float* tab;  // turbo_tab's layout (below)
+    int ctx; int n_kv; int hd; int k_type; int v_type; int pad;
+};
+static_assert(sizeof(TurboStoreArgs) == 72, "TurboStoreArgs");
+
+extern "C" __global__ void __launch_bounds__(32 * TURBO_MAX_GROUPS) turbo_store(TurboStoreArgs p) {
+    const int g = blockIdx.x, m = blockIdx.y, z = blockIdx.z;
+    pdl_trigger();
+    pdl_wait();
+    const int type = z == 0 ? p.k_type : p.v_type;
+    const int bits = kv_turbo_bits(type);
+    const SeqRow sr = step_row(p.step, m);
+    if (bits == 0 || sr.inert) return;
+    const size_t rb = kv_row_bytes(type, p.hd);
+    uint8_t* dst = row_cache(z == 0 ? p.k_cache : p.v_cache, p.kv_slots, sr.slot, z, (size_t)p.n_kv * p.ctx * rb) + ((size_t)g * p.ctx + sr.pos) * rb;
+    TurboArgs a;
+    a.x = nullptr;
+    a.out = nullptr;
+    a.steps = p.tab + TURBO_TAB_STEPS;
+    a.bounds = p.tab + TURBO_TAB_BOUNDS;
+    a.levels = p.tab + TURBO_TAB_LEVELS;
+    a.d = p.hd;
+    a.bits = bits;
+    a.row_bytes = (int)rb;
+    unsigned mask = 0;
+    for (int i = 0; i < 32; ++i) mask |= (p.tab[TURBO_TAB_SIGNS + i] < 0.0f ? 1u : 0u) << i;
+    a.sign_mask = mask;
+    a.inv_sqrt = p.tab[TURBO_TAB_INV_SQRT];
+    a.search = (int)p.tab[TURBO_TAB_SEARCH];
+    turbo_encode_row(a, p.stage + (((size_t)m * p.n_kv + g) * 2 + z) * p.hd, dst);
 }

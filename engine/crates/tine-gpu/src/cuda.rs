@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaStream, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig, ValidAsZeroBits};
 
 use crate::blocks::WeightType;
 pub use crate::kv::{KvStore, KvTypes};
@@ -242,6 +242,31 @@ pub struct RopeArgs {
     /// to its [`SeqRow::slot`]'s entry (sequences whose caches are separate allocations of one
     /// layout) instead of its slot of the pool at `k_cache`/`v_cache`.
     pub kv_slots: DevPtr,
+    /// Where a cache is of a turbo type: `[rows][n_kv][2][hd]` floats the launch leaves K and V
+    /// in for `turbo_store` (which [`Kernels::qk_norm_rope_kv`] launches next), 0 otherwise.
+    pub stage: DevPtr,
+    /// Where a cache is of a turbo type: [`Kernels::turbo_tab`], 0 otherwise (the kernel does
+    /// not read it; `turbo_store` does).
+    pub turbo: DevPtr,
+}
+
+/// `turbo_store`'s arguments: a step's K and V rows, left as f32 by `qk_norm_rope_kv` in
+/// `stage`, encoded into caches of the turbo types at each row's position.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TurboStoreArgs {
+    pub stage: DevPtr,
+    pub k_cache: DevPtr,
+    pub v_cache: DevPtr,
+    pub step: DevPtr,
+    pub kv_slots: DevPtr,
+    pub tab: DevPtr,
+    pub ctx: i32,
+    pub n_kv: i32,
+    pub hd: i32,
+    pub k_type: i32,
+    pub v_type: i32,
+    pub pad: i32,
 }
 
 /// `ple_inputs`'s arguments: Gemma 4's per-layer inputs of a step's rows (see decode.cu).
@@ -417,6 +442,9 @@ pub struct AttnArgs {
     pub v_type: i32,
     /// 0, or each slot's K and V caches ([`RopeArgs::kv_slots`]).
     pub kv_slots: DevPtr,
+    /// Where a cache is of a turbo type: [`Kernels::turbo_tab`] (the query is rotated as the
+    /// keys were, the weighted values rotated back), 0 otherwise.
+    pub turbo: DevPtr,
 }
 
 /// `conv_silu`'s arguments: the gated delta-net's causal conv with SiLU over a step's rows.
@@ -544,8 +572,9 @@ const _: () = assert!(std::mem::size_of::<MoeSortArgs>() == 32);
 const _: () = assert!(std::mem::size_of::<MoeMmqArgs>() == 264);
 const _: () = assert!(std::mem::size_of::<MoeCombineArgs>() == 64);
 const _: () = assert!(std::mem::size_of::<GemvArgs>() == 232);
-const _: () = assert!(std::mem::size_of::<RopeArgs>() == 136);
-const _: () = assert!(std::mem::size_of::<AttnArgs>() == 128);
+const _: () = assert!(std::mem::size_of::<RopeArgs>() == 152);
+const _: () = assert!(std::mem::size_of::<AttnArgs>() == 136);
+const _: () = assert!(std::mem::size_of::<TurboStoreArgs>() == 72);
 const _: () = assert!(std::mem::size_of::<ConvArgs>() == 56);
 const _: () = assert!(std::mem::size_of::<GdnArgs>() == 96);
 const _: () = assert!(std::mem::size_of::<GatedNormArgs>() == 64);
@@ -571,6 +600,7 @@ unsafe impl DeviceRepr for ConvGdnArgs {}
 unsafe impl DeviceRepr for PleArgs {}
 unsafe impl DeviceRepr for SoftcapArgs {}
 unsafe impl DeviceRepr for TurboArgs {}
+unsafe impl DeviceRepr for TurboStoreArgs {}
 unsafe impl DeviceRepr for MoeRouterArgs {}
 unsafe impl DeviceRepr for MoeGemvArgs {}
 unsafe impl DeviceRepr for MoeCombineArgs {}
@@ -598,6 +628,9 @@ pub struct Kernels {
     ple: CudaFunction,
     softcap: CudaFunction,
     turbo: CudaFunction,
+    turbo_store: CudaFunction,
+    /// The turbo types' tables ([`crate::kv::turbo_tab`]).
+    turbo_tab: CudaSlice<f32>,
     moe_logits: CudaFunction,
     moe_router: CudaFunction,
     gemv_moe: CudaFunction,
@@ -642,6 +675,14 @@ impl Kernels {
             ple: f("ple_inputs")?,
             softcap: f("softcap")?,
             turbo: f("turbo_encode")?,
+            turbo_store: f("turbo_store")?,
+            turbo_tab: {
+                let stream = ctx.default_stream();
+                let what = "uploading the turbo KV types' tables";
+                let tab = stream.clone_htod(&crate::kv::turbo_tab()).map_err(|source| GpuError::Driver { what, source })?;
+                stream.synchronize().map_err(|source| GpuError::Driver { what, source })?;
+                tab
+            },
             moe_logits: f("moe_logits")?,
             moe_router: f("moe_router")?,
             gemv_moe: f("gemv_moe")?,
@@ -835,8 +876,40 @@ impl Kernels {
         check(args.n_rot >= 0 && args.n_rot % 2 == 0 && args.n_rot <= args.hd, || format!("qk_norm_rope_kv: {} rotated dims of a head of {}", args.n_rot, args.hd))?;
         check(args.n_head > 0 && args.n_kv >= 0, || format!("qk_norm_rope_kv: {} query heads and {} KV heads", args.n_head, args.n_kv))?;
         check_kv_types(args.k_type, args.v_type)?;
+        let turbo = [args.k_type, args.v_type].iter().any(|&t| is_turbo(t)) && args.n_kv > 0;
+        if turbo {
+            let (k, v) = (kv_store_of(args.k_type), kv_store_of(args.v_type));
+            check(k.supports(args.hd as usize) && v.supports(args.hd as usize), || format!("qk_norm_rope_kv: heads of {} in caches of {k} and {v}", args.hd))?;
+            check(args.stage != 0 && args.turbo != 0, || "qk_norm_rope_kv: a turbo cache without its staging rows or tables".into())?;
+        }
         let cfg = LaunchConfig { grid_dim: ((args.n_head + args.n_kv) as u32, rows as u32, 1), block_dim: ((args.hd / 2) as u32, 1, 1), shared_mem_bytes: 0 };
-        self.launch(stream, &self.rope, cfg, args, "qk_norm_rope_kv")
+        self.launch(stream, &self.rope, cfg, args, "qk_norm_rope_kv")?;
+        if turbo {
+            // The turbo rows: a block per (KV head, row, K or V), the encoder's thread a value.
+            let store = TurboStoreArgs {
+                stage: args.stage,
+                k_cache: args.k_cache,
+                v_cache: args.v_cache,
+                step: args.step,
+                kv_slots: args.kv_slots,
+                tab: args.turbo,
+                ctx: args.ctx,
+                n_kv: args.n_kv,
+                hd: args.hd,
+                k_type: args.k_type,
+                v_type: args.v_type,
+                pad: 0,
+            };
+            let cfg = LaunchConfig { grid_dim: (args.n_kv as u32, rows as u32, 2), block_dim: (args.hd as u32, 1, 1), shared_mem_bytes: 0 };
+            self.launch(stream, &self.turbo_store, cfg, &store, "turbo_store")?;
+        }
+        Ok(())
+    }
+
+    /// The turbo types' tables on the device ([`crate::kv::turbo_tab`]), for
+    /// [`RopeArgs::turbo`] and [`AttnArgs::turbo`].
+    pub fn turbo_tab(&self, stream: &Arc<CudaStream>) -> DevPtr {
+        self.turbo_tab.device_ptr(stream).0
     }
 
     /// Bytes of the K and the V cache of one layer: `n_kv` heads of `ctx` rows of `hd` values.
@@ -860,6 +933,7 @@ impl Kernels {
         let table = if (args.k_type, args.v_type) == (0, 0) { &self.attn } else { &self.attn_typed };
         let f = table.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
         check_kv_types(args.k_type, args.v_type)?;
+        check_turbo_attention(args, hd)?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let cfg = LaunchConfig { grid_dim: (args.chunks_max as u32, args.n_head as u32, rows as u32), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         self.launch(stream, f, cfg, args, "attention")
@@ -875,6 +949,7 @@ impl Kernels {
         let table = if (args.k_type, args.v_type) == (0, 0) { &self.attn_prompt } else { &self.attn_prompt_typed };
         let f = table.iter().find(|(d, _)| *d == hd).map(|(_, f)| f).ok_or_else(|| GpuError::Shape(format!("attention: head dim {hd} (64, 128, 256 or 512)")))?;
         check_kv_types(args.k_type, args.v_type)?;
+        check_turbo_attention(args, hd)?;
         check(args.n_kv > 0 && args.n_head % args.n_kv == 0, || format!("attention: {} heads over {} KV heads", args.n_head, args.n_kv))?;
         let per_block = if hd == 512 { ATTN_PROMPT_ROWS_512 } else { ATTN_PROMPT_ROWS };
         let cfg = LaunchConfig { grid_dim: (rows.div_ceil(per_block) as u32, args.n_head as u32, 1), block_dim: (ATTN_THREADS as u32, 1, 1), shared_mem_bytes: 0 };
@@ -1236,6 +1311,25 @@ impl KvLayer {
 fn check_kv_types(k: i32, v: i32) -> Result<(), GpuError> {
     let known = |t: i32| KvStore::ALL.iter().any(|s| s.kernel_id() == t);
     check(known(k) && known(v), || format!("KV cache types {k} and {v} (kernel ids of KvStore)"))
+}
+
+/// The type of kernel id `t` (a known one: [`check_kv_types`] first).
+fn kv_store_of(t: i32) -> KvStore {
+    KvStore::ALL.into_iter().find(|s| s.kernel_id() == t).unwrap_or_default()
+}
+
+fn is_turbo(t: i32) -> bool {
+    kv_store_of(t).turbo_bits().is_some()
+}
+
+/// The attention's checks of a turbo cache: heads it stores, and the tables passed.
+fn check_turbo_attention(args: &AttnArgs, hd: usize) -> Result<(), GpuError> {
+    let (k, v) = (kv_store_of(args.k_type), kv_store_of(args.v_type));
+    if k.turbo_bits().is_none() && v.turbo_bits().is_none() {
+        return Ok(());
+    }
+    check(k.supports(hd) && v.supports(hd), || format!("attention: heads of {hd} in caches of {k} and {v}"))?;
+    check(args.turbo != 0, || "attention: a turbo cache without its tables".into())
 }
 
 fn check(ok: bool, msg: impl FnOnce() -> String) -> Result<(), GpuError> {

@@ -731,6 +731,8 @@ impl Gemma3Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots: 0,
+            stage: 0,
+            turbo: 0,
         }
     }
 
@@ -764,6 +766,7 @@ impl Gemma3Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots: 0,
+            turbo: 0,
         }
     }
 

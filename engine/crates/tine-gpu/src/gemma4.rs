@@ -536,6 +536,7 @@ impl Gemma4Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots: 0,
+            turbo: 0,
         }
     }
 
@@ -694,6 +695,8 @@ impl Gemma4Gpu {
                     k_type: kv.types.k.kernel_id(),
                     v_type: kv.types.v.kernel_id(),
                     kv_slots,
+                    stage: 0,
+                    turbo: 0,
                 };
                 k.qk_norm_rope_kv(s, rows, &rope)?;
                 mark("qk_norm_rope_kv")?;

@@ -8,8 +8,14 @@
 //! GPU quantized equals the CPU's quantization of the same values bit for bit, and a slot file
 //! moves between the devices. [`KvStore::encode_row`] is candle's quantizer itself; the kernel
 //! table checks the GPU's rows against it.
+//!
+//! The turbo types (`turbo4`, `turbo3`, `turbo2`: candle-nn's `attention::kv_turbo`) store a row
+//! rotated by groups of 32 at 4, 3 or 2 bits a value; the attention reads them in their rotated
+//! basis (the query rotated the same way, the weighted values rotated back), so a decoded row
+//! ([`KvStore::decode_row`]: back in the plain basis) is what it attends to, to float rounding.
 
 use candle_core::quantized::k_quants::{BlockQ4_0, BlockQ8_0, GgmlType};
+use candle_nn::attention::kv_turbo;
 use half::{bf16, f16};
 
 /// A stored type of a KV cache row.
@@ -21,13 +27,40 @@ pub enum KvStore {
     Bf16,
     Q8_0,
     Q4_0,
+    Turbo4,
+    Turbo3,
+    Turbo2,
 }
 
 /// Values per block of the quantized types.
 pub const KV_BLOCK: usize = 32;
 
+/// The longest row of a turbo type the engine stores (decode.cu's `TURBO_MAX_GROUPS` groups).
+pub const TURBO_MAX_ROW: usize = 512;
+
+/// The turbo types' tables as the kernels read them (decode.cu's `TURBO_TAB_*` offsets): the
+/// group scales' steps and bounds, each width's levels (from `w * 128`), the rotation's signs
+/// (-1 or 1), `1 / sqrt(32)` as the CPU computes it, and the scale search's reach.
+pub fn turbo_tab() -> Vec<f32> {
+    let mut t = Vec::with_capacity(TURBO_TAB_LEN);
+    t.extend_from_slice(&kv_turbo::scale_steps()[..]);
+    t.extend_from_slice(&kv_turbo::scale_bounds()[..]);
+    for w in 0..8u32 {
+        let lv = kv_turbo::levels(w);
+        t.extend((0..128).map(|i| lv.get(i).copied().unwrap_or(0.0)));
+    }
+    t.extend((0..kv_turbo::GROUP).map(|i| if kv_turbo::sign_negative(i) { -1.0 } else { 1.0 }));
+    t.push(1.0 / (kv_turbo::GROUP as f32).sqrt());
+    t.push(kv_turbo::SCALE_SEARCH as f32);
+    debug_assert_eq!(t.len(), TURBO_TAB_LEN);
+    t
+}
+
+/// Floats of [`turbo_tab`].
+pub const TURBO_TAB_LEN: usize = 32 + 32 + 8 * 128 + 32 + 2;
+
 impl KvStore {
-    pub const ALL: [KvStore; 5] = [KvStore::F32, KvStore::F16, KvStore::Bf16, KvStore::Q8_0, KvStore::Q4_0];
+    pub const ALL: [KvStore; 8] = [KvStore::F32, KvStore::F16, KvStore::Bf16, KvStore::Q8_0, KvStore::Q4_0, KvStore::Turbo4, KvStore::Turbo3, KvStore::Turbo2];
 
     /// llama.cpp's name for the type.
     pub fn name(self) -> &'static str {
@@ -37,6 +70,9 @@ impl KvStore {
             KvStore::Bf16 => "bf16",
             KvStore::Q8_0 => "q8_0",
             KvStore::Q4_0 => "q4_0",
+            KvStore::Turbo4 => "turbo4",
+            KvStore::Turbo3 => "turbo3",
+            KvStore::Turbo2 => "turbo2",
         }
     }
 
@@ -53,12 +89,29 @@ impl KvStore {
             KvStore::Bf16 => 2,
             KvStore::Q8_0 => 3,
             KvStore::Q4_0 => 4,
+            KvStore::Turbo4 => 5,
+            KvStore::Turbo3 => 6,
+            KvStore::Turbo2 => 7,
         }
     }
 
-    /// Whether rows of `hd` values can be stored (the engine's heads are multiples of 64).
+    /// Bits a value of a turbo type (`None` for the others).
+    pub fn turbo_bits(self) -> Option<u32> {
+        match self {
+            KvStore::Turbo4 => Some(4),
+            KvStore::Turbo3 => Some(3),
+            KvStore::Turbo2 => Some(2),
+            _ => None,
+        }
+    }
+
+    /// Whether rows of `hd` values can be stored (the engine's heads are multiples of 64; a
+    /// turbo row has 128 to 512 values, the encoder's block of a thread a value).
     pub fn supports(self, hd: usize) -> bool {
-        hd > 0 && hd.is_multiple_of(KV_BLOCK)
+        match self.turbo_bits() {
+            Some(_) => kv_turbo::supports(hd) && hd <= TURBO_MAX_ROW,
+            None => hd > 0 && hd.is_multiple_of(KV_BLOCK),
+        }
     }
 
     /// Bytes of a row of `hd` values (decode.cu's `kv_row_bytes`).
@@ -68,6 +121,7 @@ impl KvStore {
             KvStore::F16 | KvStore::Bf16 => hd * 2,
             KvStore::Q8_0 => hd / KV_BLOCK * (2 + KV_BLOCK),
             KvStore::Q4_0 => hd / KV_BLOCK * (2 + KV_BLOCK / 2),
+            KvStore::Turbo4 | KvStore::Turbo3 | KvStore::Turbo2 => kv_turbo::row_bytes(self.turbo_bits().expect("a turbo type"), hd),
         }
     }
 
@@ -86,6 +140,12 @@ impl KvStore {
                 let mut blocks = vec![BlockQ4_0::zeros(); x.len() / KV_BLOCK];
                 BlockQ4_0::from_float(&x[..blocks.len() * KV_BLOCK], &mut blocks);
                 block_bytes(&blocks)
+            }
+            KvStore::Turbo4 | KvStore::Turbo3 | KvStore::Turbo2 => {
+                let bits = self.turbo_bits().expect("a turbo type");
+                let mut out = vec![0u8; kv_turbo::row_bytes(bits, x.len())];
+                kv_turbo::encode_row(bits, x, &mut out);
+                out
             }
         }
     }
@@ -114,6 +174,7 @@ impl KvStore {
                     }
                 }
             }
+            KvStore::Turbo4 | KvStore::Turbo3 | KvStore::Turbo2 => kv_turbo::decode_row(row, out),
         }
     }
 }

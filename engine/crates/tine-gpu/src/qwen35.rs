@@ -848,6 +848,8 @@ impl Qwen35Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots,
+            stage: 0,
+            turbo: 0,
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
@@ -871,6 +873,7 @@ impl Qwen35Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots,
+            turbo: 0,
         };
         match prompt {
             Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,

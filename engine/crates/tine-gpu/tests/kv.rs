@@ -13,6 +13,9 @@ fn candle_type(t: KvStore) -> KvType {
         KvStore::Bf16 => KvType::BF16,
         KvStore::Q8_0 => KvType::Q8_0,
         KvStore::Q4_0 => KvType::Q4_0,
+        KvStore::Turbo4 => KvType::Turbo4,
+        KvStore::Turbo3 => KvType::Turbo3,
+        KvStore::Turbo2 => KvType::Turbo2,
     }
 }
 
@@ -49,6 +52,11 @@ fn stored_rows_are_candles_cpu_cache_rows_bit_for_bit_for_every_type_and_head_si
     for t in KvStore::ALL {
         let c = candle_type(t);
         for hd in [64, 128, 256, 512] {
+            // (The turbo types store rows of 128 values and more.)
+            if !t.supports(hd) {
+                assert!(t.turbo_bits().is_some() && hd < 128, "{t} hd={hd}");
+                continue;
+            }
             assert_eq!(t.row_bytes(hd), c.row_bytes(hd).expect("a row size"), "{t} hd={hd}");
             for (i, row) in rows(hd, hd as u64 * 7 + i_seed(t)).into_iter().enumerate() {
                 let x = Tensor::from_vec(row.clone(), (1, 1, 1, hd), &Device::Cpu).expect("a tensor");
@@ -77,7 +85,27 @@ fn type_names_and_kernel_ids_round_trip_and_stay_distinct() {
     }
     let mut ids: Vec<i32> = KvStore::ALL.iter().map(|t| t.kernel_id()).collect();
     ids.dedup();
-    assert_eq!(ids, vec![0, 1, 2, 3, 4], "decode.cu's KvT numbers");
+    assert_eq!(ids, vec![0, 1, 2, 3, 4, 5, 6, 7], "decode.cu's KvT numbers");
     assert!(KvTypes::F32.is_f32() && !KvTypes { k: KvStore::F32, v: KvStore::Q8_0 }.is_f32());
     assert_eq!(KvTypes { k: KvStore::Q8_0, v: KvStore::Q4_0 }.bytes_per_head(256), 272 + 144);
+}
+
+/// The turbo tables the kernels read (decode.cu's `TURBO_TAB_*` offsets) hold kv_turbo's own
+/// values where the kernels look for them.
+#[test]
+fn turbo_tables_sit_at_the_kernels_offsets() {
+    use candle_nn::attention::kv_turbo;
+    let t = tine_gpu::kv::turbo_tab();
+    assert_eq!(t.len(), tine_gpu::kv::TURBO_TAB_LEN);
+    assert_eq!(&t[0..32], &kv_turbo::scale_steps()[..]);
+    assert_eq!(&t[32..64], &kv_turbo::scale_bounds()[..]);
+    for w in 0..8u32 {
+        let lv = kv_turbo::levels(w);
+        assert_eq!(&t[64 + w as usize * 128..][..lv.len()], &lv[..], "width {w}");
+    }
+    for i in 0..32 {
+        assert_eq!(t[1088 + i] < 0.0, kv_turbo::sign_negative(i), "sign {i}");
+    }
+    assert_eq!(t[1120], 1.0 / 32f32.sqrt());
+    assert_eq!(t[1121] as usize, kv_turbo::SCALE_SEARCH);
 }

@@ -28,12 +28,16 @@ pub fn candle_kv_types(t: tine_gpu::kv::KvTypes) -> (candle_nn::attention::kv_ty
         S::Bf16 => C::BF16,
         S::Q8_0 => C::Q8_0,
         S::Q4_0 => C::Q4_0,
+        S::Turbo4 => C::Turbo4,
+        S::Turbo3 => C::Turbo3,
+        S::Turbo2 => C::Turbo2,
     };
     (one(t.k), one(t.v))
 }
 
 /// The engine's stored types for candle's cache types `k` and `v`, where it keeps them (f32,
-/// f16, bf16, q8_0 and q4_0; the rotated types not yet).
+/// f16, bf16, q8_0 and q4_0; the rotated types not yet: the kernels store and read them, the
+/// families' steps do not stage them yet).
 pub fn engine_kv_types(k: candle_nn::attention::kv_type::KvType, v: candle_nn::attention::kv_type::KvType) -> Option<tine_gpu::kv::KvTypes> {
     use candle_nn::attention::kv_type::KvType as C;
     use tine_gpu::kv::KvStore as S;
