@@ -59,6 +59,9 @@
 #                                         # SKIP_TABLE=1: without the kernel table; SERVE_MIXED=1:
 #                                         # serve_load.py mixed, 16 requests of mixed kinds each
 #                                         # against its solo run, plain and n-gram)
+#   bash tools/cuda/qwen35_job.sh turbo   # issue 53: the turbo KV types on the engine
+#                                         # (TINE_GPU_TURBO=1): table, model checks with --kv
+#                                         # turbo*, spec against plain, decode after 8k/30k
 #   bash tools/cuda/qwen35_job.sh regress # every family's small shapes, one sequence: the model
 #                                         # checks, ids against the CPU path, n-gram and a
 #                                         # self-draft against plain, then the batched step
@@ -361,6 +364,59 @@ if [ "$mode" = nextn ]; then
   left || exit 0
   bench_vs_llama "$M" gemma4-e2b
   left && { run gemma4-e2b 100 "$C" --no-table --gemma4 "$M" || true; }
+  exit 0
+fi
+if [ "$mode" = turbo ]; then
+  # Issue 53: the rotated low-bit KV types on the engine (TINE_GPU_TURBO=1 turns them on). The
+  # kernel table (its turbo cases: the store against candle-nn's encoder, the attention over
+  # turbo caches against float64), each family's model checks with --kv turbo4 and turbo3/turbo2,
+  # greedy and seeded spec against plain within a type, then decode after 8k and 30k tokens
+  # against q8_0/q4_0 (no llama.cpp).
+  export TINE_GPU_TURBO=1
+  run kernels 240 "$C" || true
+  grep -E "^(FAIL|kernels:)|turbo" "$log" | tail -n 40
+  q() {
+    local script=$1 pre=$2 shape=$3
+    [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$script" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
+    [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
+    echo "$W/$pre-$shape-q.gguf"
+  }
+  G3=$(q gemma3_random_model.py g3 small); Q35=$(q qwen35_random_model.py q35 small); G4=$(q gemma4_random_model.py g4 small-e2b)
+  for kv in turbo4 turbo3/turbo2; do
+    run "gemma3-small kv=$kv" 120 "$C" --no-table --kv "$kv" --model "$G3" || true
+    run "qwen35-small kv=$kv" 120 "$C" --no-table --kv "$kv" --qwen35 "$Q35" || true
+    run "gemma4-small-e2b kv=$kv" 120 "$C" --no-table --kv "$kv" --gemma4 "$G4" || true
+    run "batch gemma3-small kv=$kv" 90 "$C" --no-table --kv "$kv" --batch "$G3" || true
+  done
+  grep -E "^(FAIL|== .* rc=)" "$log" | tail -n 16
+  fails=0
+  for kv in turbo4 turbo3; do
+    ct=(-ctk "$kv" -ctv "$kv")
+    for M in "$G3" "$Q35" "$G4"; do
+      for temp in 0 0.8; do
+        base=(generate -m "$M" -p "Once upon a time, in a small village by the sea," -n 48 --ignore-eos --device cuda --temp $temp --seed 7 "${ct[@]}")
+        plain=$(timeout 60 "$T" "${base[@]}" 2>"$W/err-plain")
+        grep -m1 -E "^loaded" "$W/err-plain" >>"$log"
+        specs=("--spec-type ngram --spec-ngram-min 1" "-md $M")
+        [ "$M" = "$Q35" ] && specs+=("--spec-type draft-mtp")
+        for spec in "${specs[@]}"; do
+          got=$(timeout 60 "$T" "${base[@]}" $spec 2>"$W/err-spec")
+          [ -n "$got" ] && [ "$got" = "$plain" ] && say "same  kv=$kv spec vs plain: $(basename "$M") temp $temp $spec" || { say "DIFF  kv=$kv spec vs plain: $(basename "$M") temp $temp $spec"; tail -n 3 "$W/err-spec" >>"$log"; fails=$((fails + 1)); }
+        done
+      done
+    done
+  done
+  say "turbo spec failures: $fails"
+  M=$(q gemma3_random_model.py g3 270m)
+  for d in 8192 30000; do
+    python3 -c "import json, random, sys; random.seed(9); json.dump([random.randrange(300, 240000) for _ in range($d)], open(sys.argv[1], 'w'))" "$W/p$d.json"
+  done
+  for kv in q8_0 q4_0 turbo4 turbo3; do
+    for d in 8192 30000; do
+      timeout 120 "$T" generate --device cuda -m "$M" -c 32768 -ctk $kv -ctv $kv --prompt-ids "$W/p$d.json" -n 64 --temp 0 --ignore-eos --json "$W/kv-$kv-$d.json" >>"$log" 2>&1
+      python3 -c "import json, sys; j = json.load(open(sys.argv[1])); print(f'tine kv={sys.argv[2]} depth {sys.argv[3]}: decode {j[\"predicted_per_second\"]:.1f} tok/s, prompt {j[\"prompt_per_second\"]:.1f} tok/s')" "$W/kv-$kv-$d.json" $kv $d 2>&1 | tee -a "$log"
+    done
+  done
   exit 0
 fi
 if [ "$mode" = kv ]; then

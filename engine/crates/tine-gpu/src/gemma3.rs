@@ -154,6 +154,8 @@ struct Buffers {
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
+    /// A step's K and V rows as f32 for `turbo_store` (caches of the turbo types).
+    stage: CudaSlice<f32>,
     /// The LM head's rows and what reads them.
     out: Readout,
 }
@@ -579,6 +581,7 @@ impl Gemma3Gpu {
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
             attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
+            stage: alloc(&stream, m * 2 * kvd)?,
             out: Readout::new(&stream, cfg.vocab)?,
         };
         // A NextN step's rows, or an assistant step's one row.
@@ -731,8 +734,8 @@ impl Gemma3Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots: 0,
-            stage: 0,
-            turbo: 0,
+            stage: p(&b.stage),
+            turbo: self.kernels.turbo_tab(&self.stream),
         }
     }
 
@@ -766,7 +769,7 @@ impl Gemma3Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots: 0,
-            turbo: 0,
+            turbo: self.kernels.turbo_tab(&self.stream),
         }
     }
 

@@ -151,6 +151,8 @@ struct Buffers {
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
+    /// A step's K and V rows as f32 for `turbo_store` (caches of the turbo types).
+    stage: CudaSlice<f32>,
     /// The routed experts (one value each without them): the router's input rows, its logits
     /// (`experts + 1` a row), each row's experts and weights, the experts' GELU rows and their
     /// `down` rows (`used` a row), their weighted sum, and `post_ffw_norm_1` of the dense MLP's.
@@ -435,6 +437,7 @@ impl Gemma4Gpu {
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * partials)?,
             attn_counters: alloc(&stream, MAX_ROWS * heads)?,
+            stage: alloc(&stream, m * 2 * kvd)?,
             xn: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
             moe_logits: alloc(&stream, if used > 0 { m * (experts + 1) } else { 1 })?,
             moe_ids: alloc(&stream, (m * used).max(1))?,
@@ -536,7 +539,7 @@ impl Gemma4Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots: 0,
-            turbo: 0,
+            turbo: self.kernels.turbo_tab(&self.stream),
         }
     }
 
@@ -695,8 +698,8 @@ impl Gemma4Gpu {
                     k_type: kv.types.k.kernel_id(),
                     v_type: kv.types.v.kernel_id(),
                     kv_slots,
-                    stage: 0,
-                    turbo: 0,
+                    stage: p(&b.stage),
+                    turbo: self.kernels.turbo_tab(&self.stream),
                 };
                 k.qk_norm_rope_kv(s, rows, &rope)?;
                 mark("qk_norm_rope_kv")?;

@@ -115,6 +115,8 @@ struct Buffers {
     qsum: CudaSlice<i32>,
     partials: CudaSlice<f32>,
     attn_counters: CudaSlice<i32>,
+    /// A step's K and V rows as f32 for `turbo_store` (caches of the turbo types).
+    stage: CudaSlice<f32>,
     /// `qwen35moe` (one value each without experts): the normed rows the router reads, each
     /// row's experts and weights, the shared expert's gates, the experts' SwiGLU rows and their
     /// down projections (`rows × used` of each).
@@ -525,6 +527,7 @@ impl Qwen35Gpu {
             qsum: alloc(&stream, m * kmax / QK)?,
             partials: alloc(&stream, MAX_ROWS * cfg.n_head * chunks_max * (cfg.head_dim + 2))?,
             attn_counters: alloc(&stream, MAX_ROWS * cfg.n_head)?,
+            stage: alloc(&stream, m * 2 * kvd)?,
             xn: alloc(&stream, if used > 0 { m * cfg.hidden } else { 1 })?,
             moe_ids: alloc(&stream, (m * used).max(1))?,
             moe_wts: alloc(&stream, (m * used).max(1))?,
@@ -848,8 +851,8 @@ impl Qwen35Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots,
-            stage: 0,
-            turbo: 0,
+            stage: p(&b.stage),
+            turbo: self.kernels.turbo_tab(&self.stream),
         };
         k.qk_norm_rope_kv(s, rows, &rope)?;
         mark("qk_norm_rope_kv")?;
@@ -873,7 +876,7 @@ impl Qwen35Gpu {
             k_type: kv.types.k.kernel_id(),
             v_type: kv.types.v.kernel_id(),
             kv_slots,
-            turbo: 0,
+            turbo: self.kernels.turbo_tab(&self.stream),
         };
         match prompt {
             Some(_) => k.attention_prompt(s, rows, c.head_dim, &at)?,

@@ -35,19 +35,23 @@ pub fn candle_kv_types(t: tine_gpu::kv::KvTypes) -> (candle_nn::attention::kv_ty
     (one(t.k), one(t.v))
 }
 
-/// The engine's stored types for candle's cache types `k` and `v`, where it keeps them (f32,
-/// f16, bf16, q8_0 and q4_0; the rotated types not yet: the kernels store and read them, the
-/// families' steps do not stage them yet).
+/// The engine's stored types for candle's cache types `k` and `v`, where it keeps them: f32,
+/// f16, bf16, q8_0 and q4_0; the rotated types (turbo4/3/2) with `TINE_GPU_TURBO=1` alone
+/// until a device has run their checks (the kernels store and read them, every family's step
+/// stages them).
 pub fn engine_kv_types(k: candle_nn::attention::kv_type::KvType, v: candle_nn::attention::kv_type::KvType) -> Option<tine_gpu::kv::KvTypes> {
     use candle_nn::attention::kv_type::KvType as C;
     use tine_gpu::kv::KvStore as S;
+    let turbo = std::env::var("TINE_GPU_TURBO").is_ok_and(|v| v == "1");
     let one = |t: C| match t {
         C::F32 => Some(S::F32),
         C::F16 => Some(S::F16),
         C::BF16 => Some(S::Bf16),
         C::Q8_0 => Some(S::Q8_0),
         C::Q4_0 => Some(S::Q4_0),
-        C::Turbo4 | C::Turbo3 | C::Turbo2 => None,
+        C::Turbo4 => turbo.then_some(S::Turbo4),
+        C::Turbo3 => turbo.then_some(S::Turbo3),
+        C::Turbo2 => turbo.then_some(S::Turbo2),
     };
     Some(tine_gpu::kv::KvTypes { k: one(k)?, v: one(v)? })
 }
