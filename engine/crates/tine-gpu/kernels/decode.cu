@@ -1697,6 +1697,7 @@ struct RopeArgs {
     int k_type; int v_type;  // the caches' KvT
     uint8_t* const* kv_slots;  // or null: per slot, its K and V cache (row_cache)
     float* stage;  // [M][n_kv][2][hd]: K and V as f32 for turbo_store, where a cache is of a turbo type
+    const float* turbo;  // the turbo tables, for turbo_store's launch (not read here)
 };
 
 extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
@@ -2675,7 +2676,7 @@ static_assert(sizeof(MoeGemvArgs) == 256, "MoeGemvArgs");
 static_assert(sizeof(MoeSortArgs) == 32, "MoeSortArgs");
 static_assert(sizeof(MoeMmqArgs) == 264, "MoeMmqArgs");
 static_assert(sizeof(MoeCombineArgs) == 64, "MoeCombineArgs");
-static_assert(sizeof(RopeArgs) == 144, "RopeArgs");
+static_assert(sizeof(RopeArgs) == 152, "RopeArgs");
 static_assert(sizeof(AttnArgs) == 136, "AttnArgs");
 static_assert(sizeof(ConvArgs) == 56, "ConvArgs");
 static_assert(sizeof(GdnArgs) == 96, "GdnArgs");
