@@ -109,3 +109,96 @@ fn turbo_tables_sit_at_the_kernels_offsets() {
     assert_eq!(t[1120], 1.0 / 32f32.sqrt());
     assert_eq!(t[1121] as usize, kv_turbo::SCALE_SEARCH);
 }
+
+/// A host model of the attention's turbo arithmetic in the kernel's lane layout (decode.cu's
+/// `turbo_rotate_lanes`, `kv_load`'s turbo case, `turbo_unrotate_warp`: lane `l` of a warp holds
+/// dims `l*E .. l*E + E - 1` of a head of `32*E`), step for step, against kv_turbo's own
+/// `rotate`, `dequantize_row` and `unrotate`, bit for bit: the pairing of dims across lanes and
+/// the bit stream's offsets, which no CPU test of the kernels' callers would catch.
+#[test]
+fn the_kernels_lane_layout_rotates_and_reads_turbo_rows_as_kv_turbo_does() {
+    use candle_nn::attention::kv_turbo;
+    let tab = tine_gpu::kv::turbo_tab();
+    let (signs, f) = (&tab[1088..1120], tab[1120]);
+    for e_per in [4usize, 8, 16] {
+        let hd = 32 * e_per;
+        for (i, row) in rows(hd, 77 + e_per as u64).into_iter().enumerate() {
+            // turbo_rotate_lanes: signs, butterflies (in a lane's registers below span E, across
+            // lanes l ^ (h / E) from it), 1/sqrt(32).
+            let mut v: Vec<Vec<f32>> = (0..32).map(|l| (0..e_per).map(|e| row[l * e_per + e] * signs[(l * e_per + e) % 32]).collect()).collect();
+            let mut h = 1;
+            while h < 32 {
+                if h < e_per {
+                    for lane in v.iter_mut() {
+                        for e in 0..e_per {
+                            if e & h == 0 {
+                                let (a, b) = (lane[e], lane[e + h]);
+                                lane[e] = a + b;
+                                lane[e + h] = a - b;
+                            }
+                        }
+                    }
+                } else {
+                    let ls = h / e_per;
+                    let old = v.clone();
+                    for (l, lane) in v.iter_mut().enumerate() {
+                        for (e, x) in lane.iter_mut().enumerate() {
+                            let o = old[l ^ ls][e];
+                            *x = if l & ls != 0 { o - *x } else { *x + o };
+                        }
+                    }
+                }
+                h *= 2;
+            }
+            let got: Vec<f32> = v.iter().flat_map(|lane| lane.iter().map(|x| x * f)).collect();
+            let mut want = row.clone();
+            want.chunks_exact_mut(kv_turbo::GROUP).for_each(kv_turbo::rotate);
+            assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "E={e_per} row {i}: the lanes' rotation");
+            // kv_load's turbo case: each lane's E values of the stored row, rotated basis.
+            for bits in [4u32, 3, 2] {
+                let mut stored = vec![0u8; kv_turbo::row_bytes(bits, hd)];
+                kv_turbo::encode_row(bits, &row, &mut stored);
+                let mut want = vec![0f32; hd];
+                kv_turbo::dequantize_row(&stored, &mut want);
+                let s = half::f16::from_le_bytes([stored[0], stored[1]]).to_f32();
+                for l in 0..32 {
+                    let (d0, g) = (l * e_per, l * e_per / 32);
+                    let (gb, j0) = (stored[2 + g] as usize, d0 % 32);
+                    let w = gb >> 5;
+                    let off = 2 + e_per + (0..g).map(|i| 4 * (stored[2 + i] as usize >> 5)).sum::<usize>();
+                    for e in 0..e_per {
+                        let got = if w == 0 {
+                            0.0
+                        } else {
+                            let (bit, mask) = ((j0 + e) * w, (1usize << w) - 1);
+                            let (by, sh) = (bit >> 3, bit & 7);
+                            let mut x = stored[off + by] as usize;
+                            if sh + w > 8 {
+                                x |= (stored[off + by + 1] as usize) << 8;
+                            }
+                            (s * tab[gb & 31]) * tab[64 + w * 128 + ((x >> sh) & mask)]
+                        };
+                        assert_eq!(got.to_bits(), want[d0 + e].to_bits(), "E={e_per} row {i} turbo{bits}: lane {l} dim {e}");
+                    }
+                }
+            }
+            // turbo_unrotate_warp: a warp holds one group, a dim a lane.
+            for grp in want.chunks_exact(32) {
+                let mut v = grp.to_vec();
+                let mut h = 1;
+                while h < 32 {
+                    let old = v.clone();
+                    for (l, x) in v.iter_mut().enumerate() {
+                        let o = old[l ^ h];
+                        *x = if l & h != 0 { o - *x } else { *x + o };
+                    }
+                    h *= 2;
+                }
+                let got: Vec<f32> = v.iter().enumerate().map(|(l, x)| x * f * signs[l]).collect();
+                let mut back = grp.to_vec();
+                kv_turbo::unrotate(&mut back);
+                assert!(got.iter().zip(&back).all(|(a, b)| a.to_bits() == b.to_bits()), "E={e_per} row {i}: the warp's inverse rotation");
+            }
+        }
+    }
+}
