@@ -1607,16 +1607,17 @@ __device__ __forceinline__ void kv_load(const uint8_t* row, int type, int lane, 
     if (kv_turbo_bits(type)) {
         // The rotated values of the lane's dims (kv_turbo::dequantize_row): E dims of group
         // d0 / 32, whose indices follow the earlier groups' 4w bytes each; a row has E groups.
+        // (Through L2 alone, as every cache read: a row's bytes share lines with its neighbours'.)
         const int g = d0 / 32, j0 = d0 % 32;
-        const int gb = row[2 + g], w = gb >> 5;
+        const int gb = __ldcg(row + 2 + g), w = gb >> 5;
         if (w == 0) {
 #pragma unroll
             for (int e = 0; e < E; ++e) v[e] = 0.0f;
             return;
         }
         int off = 2 + E;
-        for (int i = 0; i < g; ++i) off += 4 * (row[2 + i] >> 5);
-        const float s = __half2float(__ushort_as_half((unsigned short)(row[0] | (row[1] << 8))));
+        for (int i = 0; i < g; ++i) off += 4 * (__ldcg(row + 2 + i) >> 5);
+        const float s = __half2float(__ushort_as_half((unsigned short)(__ldcg(row) | (__ldcg(row + 1) << 8))));
         const float sigma = __fmul_rn(s, tab[TURBO_TAB_STEPS + (gb & 31)]);
         const float* lv = tab + TURBO_TAB_LEVELS + w * 128;
         const uint8_t* b = row + off;
@@ -1624,8 +1625,8 @@ __device__ __forceinline__ void kv_load(const uint8_t* row, int type, int lane, 
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             const int bit = (j0 + e) * w, by = bit >> 3, sh = bit & 7;
-            int x = b[by];
-            if (sh + w > 8) x |= (int)b[by + 1] << 8;
+            int x = __ldcg(b + by);
+            if (sh + w > 8) x |= (int)__ldcg(b + by + 1) << 8;
             v[e] = __fmul_rn(sigma, lv[(x >> sh) & mask]);
         }
         return;
@@ -1736,8 +1737,9 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
         dst[i + half_hd] = o1 * p.q_scale;
     } else {
         const size_t kb = kv_row_bytes(p.k_type, p.hd), vb = kv_row_bytes(p.v_type, p.hd);
-        float* stage = p.stage + ((size_t)m * p.n_kv + kvh) * 2 * p.hd;
+        const size_t st = ((size_t)m * p.n_kv + kvh) * 2 * p.hd;  // the row's K then V in the stage
         if (kv_turbo_bits(p.k_type)) {
+            float* stage = p.stage + st;
             stage[i] = o0;
             stage[i + half_hd] = o1;
         } else {
@@ -1753,6 +1755,7 @@ extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_kv(RopeArgs p) {
             v1 *= rv;
         }
         if (kv_turbo_bits(p.v_type)) {
+            float* stage = p.stage + st;
             stage[p.hd + i] = v0;
             stage[p.hd + i + half_hd] = v1;
         } else {

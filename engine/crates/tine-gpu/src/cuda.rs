@@ -867,10 +867,12 @@ impl Kernels {
         want.min(most)
     }
 
-    /// `qk_norm_rope_kv` for `rows` rows.
+    /// `qk_norm_rope_kv` for `rows` rows, then `turbo_store` where a cache is of a turbo type.
     ///
     /// # Safety
-    /// As for [`Kernels::norm_quant`], and the step's positions `pos..pos + rows` are below `ctx`.
+    /// As for [`Kernels::norm_quant`], and the step's positions `pos..pos + rows` are below `ctx`;
+    /// with a turbo cache, `stage` holds `rows * n_kv * 2 * hd` floats and `turbo` is
+    /// [`Kernels::turbo_tab`].
     pub unsafe fn qk_norm_rope_kv(&self, stream: &Arc<CudaStream>, rows: usize, args: &RopeArgs) -> Result<(), GpuError> {
         check(args.hd > 0 && args.hd % 64 == 0 && args.hd <= 512, || format!("qk_norm_rope_kv: head dim {} (a multiple of 64 up to 512)", args.hd))?;
         check(args.n_rot >= 0 && args.n_rot % 2 == 0 && args.n_rot <= args.hd, || format!("qk_norm_rope_kv: {} rotated dims of a head of {}", args.n_rot, args.hd))?;
