@@ -108,6 +108,15 @@ build_llama() {
     cmake --build "$W/llama.cpp/build" -j"$(nproc)" --target llama-bench llama-quantize ${LLAMA_EXTRA_TARGETS:-} >>"$W/llama-build.log" 2>&1
   echo "llama.cpp CUDA build: rc=$? in $(($(date +%s) - t0)) s" >>"$W/llama-build.log"
 }
+# A random-weight GGUF of family PREFIX (g3, g4, q35) at SHAPE, written once and quantized by
+# tine-gpu-check --quantize once (no llama.cpp): rgguf PREFIX SHAPE prints its path.
+rgguf() {
+  local pre=$1 shape=$2 tool
+  case $pre in g3) tool=gemma3_random_model.py ;; g4) tool=gemma4_random_model.py ;; *) tool=qwen35_random_model.py ;; esac
+  [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$tool" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
+  [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
+  echo "$W/$pre-$shape-q.gguf"
+}
 # A random-weight GGUF at `shape`, F16, then Q4_K_M (once llama-quantize exists).
 model() {
   local shape=$1
@@ -375,13 +384,7 @@ if [ "$mode" = turbo ]; then
   export TINE_GPU_TURBO=1
   run kernels 240 "$C" || true
   grep -E "^(FAIL|kernels:)|turbo" "$log" | tail -n 40
-  q() {
-    local script=$1 pre=$2 shape=$3
-    [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$script" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
-    [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
-    echo "$W/$pre-$shape-q.gguf"
-  }
-  G3=$(q gemma3_random_model.py g3 small); Q35=$(q qwen35_random_model.py q35 small); G4=$(q gemma4_random_model.py g4 small-e2b)
+  G3=$(rgguf g3 small); Q35=$(rgguf q35 small); G4=$(rgguf g4 small-e2b)
   for kv in turbo4 turbo3/turbo2; do
     run "gemma3-small kv=$kv" 120 "$C" --no-table --kv "$kv" --model "$G3" || true
     run "qwen35-small kv=$kv" 120 "$C" --no-table --kv "$kv" --qwen35 "$Q35" || true
@@ -407,7 +410,7 @@ if [ "$mode" = turbo ]; then
     done
   done
   say "turbo spec failures: $fails"
-  M=$(q gemma3_random_model.py g3 270m)
+  M=$(rgguf g3 270m)
   for d in 8192 30000; do
     python3 -c "import json, random, sys; random.seed(9); json.dump([random.randrange(300, 240000) for _ in range($d)], open(sys.argv[1], 'w'))" "$W/p$d.json"
   done
@@ -427,13 +430,7 @@ if [ "$mode" = kv ]; then
   run kernels 240 "$C" || true
   grep -E "^(FAIL|kernels:)" "$log" | tail -n 12
   grep -cE "kv=" "$log" | sed 's/^/typed kernel cases: /' | tee -a "$log"
-  q() { # q SCRIPT PREFIX SHAPE: a random GGUF quantized by tine-gpu-check, once
-    local script=$1 pre=$2 shape=$3
-    [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$script" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
-    [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
-    echo "$W/$pre-$shape-q.gguf"
-  }
-  G3=$(q gemma3_random_model.py g3 small); Q35=$(q qwen35_random_model.py q35 small); G4=$(q gemma4_random_model.py g4 small-e2b)
+  G3=$(rgguf g3 small); Q35=$(rgguf q35 small); G4=$(rgguf g4 small-e2b)
   for kv in f32 q8_0 q4_0 f16/bf16; do
     run "gemma3-small kv=$kv" 120 "$C" --no-table --kv "$kv" --model "$G3" || true
     run "qwen35-small kv=$kv" 120 "$C" --no-table --kv "$kv" --qwen35 "$Q35" || true
@@ -741,16 +738,9 @@ if [ "$mode" = regress ]; then
   # family's small random GGUFs (quantized by tine-gpu-check --quantize), its model check (verify
   # rows against one-row steps), greedy ids of the engine against the CPU path, n-gram and a
   # self-draft against plain at temperature 0 and seeded at 0.8, then the batched step's check.
-  fam_gguf() { # fam_gguf FAMILY SHAPE -> path of the quantized GGUF
-    local fam=$1 shape=$2 tool
-    case $fam in g3) tool=gemma3_random_model.py ;; g4) tool=gemma4_random_model.py ;; q35) tool=qwen35_random_model.py ;; esac
-    [ -s "$W/$fam-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/tools/$tool" --shape "$shape" --out "$W/$fam-$shape-f16.gguf" >>"$W/models.log" 2>&1
-    [ -s "$W/$fam-$shape-q.gguf" ] || "$C" --quantize "$W/$fam-$shape-f16.gguf" "$W/$fam-$shape-q.gguf" >>"$W/models.log" 2>&1
-    echo "$W/$fam-$shape-q.gguf"
-  }
   for fs in "g3 small --model" "g4 small-e2b --gemma4" "g4 small-a4b --gemma4" "q35 small --qwen35" "q35 small-moe --qwen35"; do
     set -- $fs
-    M=$(fam_gguf "$1" "$2")
+    M=$(rgguf "$1" "$2")
     run "$1-$2" 120 "$C" --no-table "$3" "$M" || true
     for temp in 0 0.8; do
       base=(generate -m "$M" -p 'The history of the printing press begins' -n 40 --ignore-eos --temp "$temp" --seed 11)
@@ -814,15 +804,8 @@ if [ "$mode" = slim ]; then
   # against the CPU path and spec against plain on the small shapes.
   run kernels 300 "$C" || true
   grep -E "^(FAIL|kernels:)" "$log" | tail -n 20
-  q() { # q FAMILY SHAPE: written and quantized once
-    local fam=$1 shape=$2 script=tools/qwen35_random_model.py pre=q35
-    [ "$fam" = gemma3 ] && { script=tools/gemma3_random_model.py; pre=g3; }
-    [ -s "$W/$pre-$shape-f16.gguf" ] || TINE_PEERS_DIR="$W/peers" PYTHONPATH="$W/llama.cpp/gguf-py" python3 "$root/$script" --shape "$shape" --out "$W/$pre-$shape-f16.gguf" >>"$W/models.log" 2>&1
-    [ -s "$W/$pre-$shape-q.gguf" ] || "$C" --quantize "$W/$pre-$shape-f16.gguf" "$W/$pre-$shape-q.gguf" >>"$W/models.log" 2>&1
-    echo "$W/$pre-$shape-q.gguf"
-  }
   for shape in small 0.8b; do
-    M=$(q qwen35 $shape)
+    M=$(rgguf q35 $shape)
     run "qwen35-$shape" 120 "$C" --no-table --qwen35 "$M" || true
   done
   M="$W/q35-0.8b-q.gguf"
@@ -830,7 +813,7 @@ if [ "$mode" = slim ]; then
     env $v timeout 60 "$C" --no-table --qwen35 "$M" 2>&1 | grep -E "^(decode|verify|profile|graph)" | sed "s/^/$v /" >>"$log"
   done
   for shape in small 270m; do
-    M=$(q gemma3 $shape)
+    M=$(rgguf g3 $shape)
     run "gemma3-$shape" 120 "$C" --no-table --model "$M" || true
   done
   TINE_GPU_WIDE=0 timeout 60 "$C" --no-table --model "$W/g3-270m-q.gguf" 2>&1 | grep -E "model: (greedy|1-row|4-row|8-row)" | sed "s/^/TINE_GPU_WIDE=0 /" >>"$log"
